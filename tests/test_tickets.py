@@ -1,0 +1,316 @@
+import random
+
+import msgpack
+import pytest
+from nacl.signing import SigningKey
+
+from worker_agent.errors import TicketError
+from worker_agent.tickets import MAX_TICKET_BYTES, SIGNING_CONTEXT, Ticket, issue_ticket, verify_ticket
+
+pytestmark = pytest.mark.dataplane
+
+NOW = 1_700_000_000.0
+ISSUER = SigningKey(b"\x01" * 32)
+STRANGER = SigningKey(b"\x02" * 32)
+TRUSTED = [bytes(ISSUER.verify_key)]
+AGENT = {"node": "node-aaaa", "model": "smollm2-135m", "layer_start": 0, "layer_end": 15}
+
+
+def _issue(**overrides) -> bytes:
+    fields = {"job": "job-1", **AGENT, "ttl_s": 600, "now": NOW, **overrides}
+    signing_key = fields.pop("signing_key", ISSUER)
+    return issue_ticket(signing_key, **fields)
+
+
+def _verify(blob, *, trusted=TRUSTED, now=NOW + 1, **agent) -> Ticket:
+    return verify_ticket(blob, trusted, **{**AGENT, **agent}, now=now)
+
+
+def _signed_envelope(body_fields: dict, key: SigningKey = ISSUER) -> bytes:
+    """A correctly signed ticket around an arbitrary body, to reach the checks after the signature."""
+    body = msgpack.packb(body_fields)
+    sig = key.sign(SIGNING_CONTEXT + body).signature
+    return msgpack.packb({"body": body, "sig": sig, "key": bytes(key.verify_key)})
+
+
+def _valid_body(**overrides) -> dict:
+    return {"v": 1, "job": "job-1", **AGENT, "expires_at": NOW + 600, **overrides}
+
+
+def _code(blob, **kwargs) -> str:
+    with pytest.raises(TicketError) as err:
+        _verify(blob, **kwargs)
+    return err.value.code
+
+
+def test_valid_ticket_round_trips():
+    ticket = _verify(_issue())
+
+    assert ticket == Ticket(
+        job="job-1",
+        node="node-aaaa",
+        model="smollm2-135m",
+        layer_start=0,
+        layer_end=15,
+        expires_at=NOW + 600,
+        issuer_key=bytes(ISSUER.verify_key),
+    )
+
+
+def test_issued_ticket_has_the_documented_wire_form():
+    outer = msgpack.unpackb(_issue())
+
+    assert sorted(outer) == ["body", "key", "sig"]
+    assert outer["key"] == bytes(ISSUER.verify_key)
+    assert len(outer["sig"]) == 64
+    assert list(msgpack.unpackb(outer["body"])) == [
+        "expires_at",
+        "job",
+        "layer_end",
+        "layer_start",
+        "model",
+        "node",
+        "v",
+    ]
+    assert msgpack.unpackb(outer["body"])["v"] == 1
+    ISSUER.verify_key.verify(SIGNING_CONTEXT + outer["body"], outer["sig"])
+
+
+def test_ticket_is_accepted_from_any_of_several_trusted_keys():
+    ticket = _verify(_issue(signing_key=STRANGER), trusted={bytes(ISSUER.verify_key), bytes(STRANGER.verify_key)})
+
+    assert ticket.issuer_key == bytes(STRANGER.verify_key)
+
+
+def test_ticket_signed_by_an_untrusted_key_is_refused():
+    with pytest.raises(TicketError) as err:
+        _verify(_issue(signing_key=STRANGER))
+
+    assert err.value.code == "ticket_untrusted"
+    assert str(err.value) == f"ticket is signed by an untrusted key {bytes(STRANGER.verify_key).hex()}"
+
+
+def test_no_trusted_keys_refuses_every_ticket():
+    assert _code(_issue(), trusted=[]) == "ticket_untrusted"
+
+
+def test_ticket_is_refused_at_and_after_its_expiry():
+    blob = _issue(ttl_s=60)
+
+    assert _verify(blob, now=NOW + 59.999).expires_at == NOW + 60
+    with pytest.raises(TicketError) as err:
+        _verify(blob, now=NOW + 60)
+    assert err.value.code == "ticket_expired"
+    assert str(err.value) == f"ticket expired at {NOW + 60:.3f}, now is {NOW + 60:.3f}"
+    assert _code(blob, now=NOW + 3600) == "ticket_expired"
+
+
+def test_ticket_for_another_node_is_refused_naming_both():
+    with pytest.raises(TicketError) as err:
+        _verify(_issue(node="node-bbbb"))
+
+    assert err.value.code == "ticket_mismatch"
+    assert str(err.value) == "ticket is for node 'node-bbbb', this agent is 'node-aaaa'"
+
+
+def test_ticket_for_another_model_is_refused_naming_both():
+    with pytest.raises(TicketError) as err:
+        _verify(_issue(model="llama-3-8b"))
+
+    assert err.value.code == "ticket_mismatch"
+    assert str(err.value) == "ticket is for model 'llama-3-8b', this agent is 'smollm2-135m'"
+
+
+@pytest.mark.parametrize("span", [(0, 14), (1, 15), (15, 30)])
+def test_ticket_for_another_span_is_refused_naming_both(span):
+    with pytest.raises(TicketError) as err:
+        _verify(_issue(layer_start=span[0], layer_end=span[1]))
+
+    assert err.value.code == "ticket_mismatch"
+    assert str(err.value) == f"ticket is for layers [{span[0]}, {span[1]}), this agent serves [0, 15)"
+
+
+def test_ticket_with_a_flipped_signature_bit_is_invalid():
+    outer = msgpack.unpackb(_issue())
+    outer["sig"] = bytes([outer["sig"][0] ^ 1]) + outer["sig"][1:]
+
+    with pytest.raises(TicketError) as err:
+        _verify(msgpack.packb(outer))
+
+    assert err.value.code == "ticket_invalid"
+    assert str(err.value) == "ticket signature does not verify"
+
+
+def test_ticket_with_an_edited_body_and_the_old_signature_is_invalid():
+    outer = msgpack.unpackb(_issue(node="node-bbbb"))
+    outer["body"] = msgpack.packb(_valid_body())
+
+    assert _code(msgpack.packb(outer)) == "ticket_invalid"
+
+
+def test_receipt_style_signature_over_the_body_is_not_a_ticket_signature():
+    body = msgpack.packb(_valid_body())
+    sig = ISSUER.sign(body).signature  # no ticket context prefix
+    blob = msgpack.packb({"body": body, "sig": sig, "key": bytes(ISSUER.verify_key)})
+
+    assert _code(blob) == "ticket_invalid"
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", True, None])
+def test_ticket_with_an_unsupported_version_is_invalid(version):
+    with pytest.raises(TicketError) as err:
+        _verify(_signed_envelope(_valid_body(v=version)))
+
+    assert err.value.code == "ticket_invalid"
+    assert str(err.value) == f"ticket version {version!r} is not supported (expected 1)"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"job": 1},
+        {"node": b"node-aaaa"},
+        {"model": None},
+        {"layer_start": "0"},
+        {"layer_end": 15.0},
+        {"layer_start": False},
+        {"expires_at": "later"},
+        {"expires_at": float("inf")},
+        {"expires_at": float("nan")},
+        {"extra": 1},
+    ],
+    ids=repr,
+)
+def test_signed_ticket_with_a_malformed_body_is_invalid(overrides):
+    assert _code(_signed_envelope(_valid_body(**overrides))) == "ticket_invalid"
+
+
+def test_signed_ticket_missing_a_body_field_is_invalid():
+    body = _valid_body()
+    del body["expires_at"]
+
+    assert _code(_signed_envelope(body)) == "ticket_invalid"
+
+
+def test_signed_ticket_whose_body_is_not_msgpack_is_invalid():
+    body = b"\xc1 not msgpack"
+    blob = msgpack.packb(
+        {"body": body, "sig": ISSUER.sign(SIGNING_CONTEXT + body).signature, "key": bytes(ISSUER.verify_key)}
+    )
+
+    with pytest.raises(TicketError) as err:
+        _verify(blob)
+
+    assert err.value.code == "ticket_invalid"
+    assert str(err.value).startswith("ticket body is not valid msgpack: ")
+
+
+@pytest.mark.parametrize(
+    "outer",
+    [
+        [],
+        {"body": b"", "sig": bytes(64)},
+        {"body": b"", "sig": bytes(64), "key": bytes(32), "extra": 0},
+        {"body": "text", "sig": bytes(64), "key": bytes(32)},
+        {"body": b"", "sig": bytes(63), "key": bytes(32)},
+        {"body": b"", "sig": bytes(64), "key": bytes(31)},
+        {"body": b"", "sig": bytes(64), "key": "00" * 32},
+        {b"body": b"", b"sig": bytes(64), b"key": bytes(32)},
+    ],
+    ids=repr,
+)
+def test_ticket_with_a_malformed_envelope_is_invalid(outer):
+    assert _code(msgpack.packb(outer)) == "ticket_invalid"
+
+
+@pytest.mark.parametrize("blob", [None, "a string", 12, [b"x"], {"body": b""}], ids=repr)
+def test_non_bytes_ticket_is_invalid(blob):
+    with pytest.raises(TicketError) as err:
+        _verify(blob)
+
+    assert err.value.code == "ticket_invalid"
+    assert str(err.value) == f"ticket must be bytes, got {type(blob).__name__}"
+
+
+def test_ticket_as_bytearray_or_memoryview_is_accepted():
+    blob = _issue()
+
+    assert _verify(bytearray(blob)) == _verify(blob)
+    assert _verify(memoryview(blob)) == _verify(blob)
+
+
+def test_ticket_larger_than_four_kib_is_invalid_before_parsing():
+    blob = _issue(job="j" * 5000)
+
+    with pytest.raises(TicketError) as err:
+        _verify(blob)
+
+    assert err.value.code == "ticket_invalid"
+    assert str(err.value) == f"ticket is {len(blob)} bytes, more than the {MAX_TICKET_BYTES} allowed"
+
+
+def test_huge_garbage_is_invalid():
+    assert _code(b"\xff" * 10_000_000) == "ticket_invalid"
+
+
+def test_empty_and_non_msgpack_bytes_are_invalid():
+    assert _code(b"") == "ticket_invalid"
+    assert _code(b"\xc1") == "ticket_invalid"
+    assert _code(b"\x93\x01\x02") == "ticket_invalid"  # truncated array
+    assert _code(msgpack.packb({"a": 1}) + b"\x00") == "ticket_invalid"  # trailing bytes
+
+
+def test_deeply_nested_msgpack_is_invalid():
+    assert _code(b"\x91" * 4000 + b"\xc0") == "ticket_invalid"
+
+
+def test_every_truncation_of_a_valid_ticket_is_invalid():
+    blob = _issue()
+
+    codes = {_code(blob[:cut]) for cut in range(len(blob))}
+
+    assert codes == {"ticket_invalid"}
+
+
+def test_every_single_byte_flip_of_a_valid_ticket_is_refused():
+    blob = _issue()
+
+    for i in range(len(blob)):
+        flipped = blob[:i] + bytes([blob[i] ^ 0x40]) + blob[i + 1 :]
+        with pytest.raises(TicketError):
+            _verify(flipped)
+
+
+def test_random_bytes_only_ever_raise_ticket_error():
+    rng = random.Random(20240501)
+
+    codes = set()
+    for _ in range(3000):
+        blob = rng.randbytes(rng.randrange(0, 300))
+        with pytest.raises(TicketError) as err:
+            _verify(blob)
+        codes.add(err.value.code)
+
+    assert codes == {"ticket_invalid"}
+
+
+def test_random_msgpack_maps_with_the_right_keys_only_ever_raise_ticket_error():
+    rng = random.Random(7)
+    values = [None, True, 0, -1, 2**63, 1.5, "", "x", b"", bytes(32), bytes(64), [], {}, {"v": 1}]
+
+    for _ in range(500):
+        outer = {name: rng.choice(values) for name in ("body", "sig", "key")}
+        with pytest.raises(TicketError):
+            _verify(msgpack.packb(outer))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"job": ""}, {"node": 3}, {"layer_start": 5, "layer_end": 5}, {"layer_start": -1}, {"ttl_s": 0}],
+    ids=repr,
+)
+def test_issue_ticket_refuses_bad_arguments(overrides):
+    with pytest.raises(TicketError) as err:
+        _issue(**overrides)
+
+    assert err.value.code == "ticket_invalid"

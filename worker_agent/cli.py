@@ -1,0 +1,208 @@
+"""``swarm-worker``: the agent a GPU owner runs.
+
+swarm-worker keygen --out node.key
+swarm-worker serve --model smollm2-135m --layers 0:10 --port 7001 --key node.key --trust-key issuer.pub
+swarm-worker bench --model smollm2-135m --layers 0:10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from worker_agent.errors import SwarmError
+
+
+def parse_span(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layer span must look like 0:10, got {text!r}") from None
+    return start, end
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def _load_or_create_key(path: Path):
+    from worker_agent.keys import generate_signing_key, load_signing_key, write_key
+
+    if not path.exists():
+        write_key(path, generate_signing_key())
+        print(f"created node key {path}", file=sys.stderr)
+    return load_signing_key(path)
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from worker_agent.keys import generate_signing_key, node_id, public_key_bytes, write_key
+
+    key = generate_signing_key()
+    path = write_key(args.out, key, force=args.force)
+    public = public_key_bytes(key)
+    print(json.dumps({"key": str(path), "public_key": public.hex(), "node": node_id(public)}))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from worker_agent import model as models
+    from worker_agent.block import Block
+    from worker_agent.keys import load_verify_key
+    from worker_agent.kvcache import SessionLimits
+    from worker_agent.server import StageServer
+    from worker_agent.stage import Stage
+    from worker_agent.wan import WanProfile
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _set_threads(args.threads)
+    if not args.trust_key and not args.insecure_open:
+        print("error: give --trust-key (the job ticket issuer's public key) or --insecure-open", file=sys.stderr)
+        return 2
+    if args.insecure_open:
+        print(
+            "!" * 78 + "\nWARNING: --insecure-open: this agent accepts jobs WITHOUT a signed ticket.\n"
+            "Anyone who can reach this port can use it. Use only for local experiments.\n" + "!" * 78,
+            file=sys.stderr,
+            flush=True,
+        )
+    signing_key = _load_or_create_key(Path(args.key))
+    trusted = [load_verify_key(key) for key in args.trust_key]
+    start, end = args.layers
+    weights = models.load_block(args.model, start, end, dtype=args.dtype, device=args.device)
+    limits = SessionLimits(args.max_sessions, args.max_tokens, args.idle_timeout)
+    stage = Stage(
+        Block(weights, max_batch=args.max_batch),
+        model=models.model_name(args.model),
+        signing_key=signing_key,
+        trusted_keys=trusted,
+        insecure_open=args.insecure_open,
+        limits=limits,
+    )
+    server = StageServer(
+        stage, wan=WanProfile.parse(args.wan), max_frame=args.max_frame_mb * 1024 * 1024, max_batch=args.max_batch
+    )
+
+    def ready(port: int) -> None:
+        print(
+            f"READY ws://{args.host}:{port} node={stage.node} model={stage.model} layers={start}:{end} "
+            f"pid={os.getpid()}",
+            flush=True,
+        )
+
+    asyncio.run(server.serve(args.host, args.port, ready=ready))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Throughput of this block in layer-tokens per second, for placement."""
+    import torch
+
+    from worker_agent import model as models
+    from worker_agent.block import Block, WorkItem
+    from worker_agent.kvcache import SessionLimits, SessionStore
+
+    _set_threads(args.threads)
+    start, end = args.layers
+    block = Block(models.load_block(args.model, start, end, dtype=args.dtype, device=args.device))
+    store = SessionStore(SessionLimits(max_sessions=args.batch + 1))
+    hidden = block.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    sessions = [store.open("bench", f"s{i}") for i in range(args.batch)]
+    prompt = torch.randn(args.prompt_tokens, hidden, generator=generator)
+    started = time.perf_counter()
+    for kv in sessions:
+        block.forward([WorkItem(kv, 0, prompt)])
+    prefill_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for step in range(args.steps):
+        items = [
+            WorkItem(kv, args.prompt_tokens + step, torch.randn(1, hidden, generator=generator)) for kv in sessions
+        ]
+        block.forward(items)
+    decode_s = time.perf_counter() - started
+    layers = end - start
+    report = {
+        "model": models.model_name(args.model),
+        "layers": f"{start}:{end}",
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "prefill_layer_tokens_per_s": round(layers * args.prompt_tokens * args.batch / prefill_s, 1),
+        "decode_layer_tokens_per_s": round(layers * args.steps * args.batch / decode_s, 1),
+        "decode_step_ms": round(1000 * decode_s / args.steps, 3),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    keygen = sub.add_parser("keygen", help="create an ed25519 node key")
+    keygen.add_argument("--out", default="node.key", help="private key file (the public key goes to OUT.pub)")
+    keygen.add_argument("--force", action="store_true", help="overwrite an existing key")
+    keygen.set_defaults(func=cmd_keygen)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default="smollm2-135m", help="registry id or local HF checkpoint directory")
+        p.add_argument("--layers", type=parse_span, required=True, help="layer span lo:hi (hi exclusive)")
+        p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+        p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+        p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+    serve = sub.add_parser("serve", help="serve a block of layers over WebSockets")
+    model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=7001, help="0 picks a free port (printed on READY)")
+    serve.add_argument("--key", default="node.key", help="node key file (created if missing)")
+    serve.add_argument(
+        "--trust-key",
+        action="append",
+        default=[],
+        help="public key (hex or file) whose job tickets this agent accepts; repeatable",
+    )
+    serve.add_argument("--insecure-open", action="store_true", help="accept HELLO without a ticket (local only)")
+    serve.add_argument("--max-sessions", type=int, default=64)
+    serve.add_argument("--max-tokens", type=int, default=4096, help="positions per session")
+    serve.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle session is evicted")
+    serve.add_argument("--max-batch", type=int, default=32, help="sessions' steps run together at most")
+    serve.add_argument("--max-frame-mb", type=int, default=64)
+    serve.add_argument("--wan", default="", help='emulated WAN on outgoing frames, e.g. "rtt=50ms"')
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="measure this block's throughput (layer-tokens/s)")
+    model_args(bench)
+    bench.add_argument("--batch", type=int, default=1, help="concurrent sessions per decode step")
+    bench.add_argument("--prompt-tokens", type=int, default=64)
+    bench.add_argument("--steps", type=int, default=32)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SwarmError as exc:
+        print(f"error: {exc} ({exc.code})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""``swarm-coordinator``: run a generation through a pipeline of agents.
+
+    swarm-coordinator generate --model smollm2-135m \\
+        --stages ws://127.0.0.1:7001,ws://127.0.0.1:7002,ws://127.0.0.1:7003 \\
+        --ticket-key issuer.key --prompt "What is the capital of France?" --chat --max-tokens 64
+
+With ``--ticket-key`` the coordinator acts as its own ticket issuer (the agents must trust that
+key's public half); without it the agents must run with ``--insecure-open``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+import uuid
+
+import websockets
+from websockets.asyncio.client import connect
+
+from worker_agent import wire
+from worker_agent.errors import StageError, SwarmError
+
+
+async def probe_stage(url: str, timeout: float = 10.0) -> dict:
+    """PING a stage and return its public identity (node, key, model, span)."""
+    async with connect(url, open_timeout=timeout, compression=None) as ws:
+        await ws.send(wire.encode(wire.Ping(nonce=1), seq=1))
+        frame = wire.decode(await asyncio.wait_for(ws.recv(), timeout))
+    if not isinstance(frame.message, wire.Pong):
+        raise StageError(f"{url} answered PING with {type(frame.message).__name__}")
+    return frame.message.info
+
+
+async def local_tickets(urls: list[str], key_path: str, job: str, ttl_s: float = 3600) -> list[bytes]:
+    """Tickets for each stage, signed by a local issuer key, for the span each stage serves."""
+    from worker_agent.keys import load_signing_key
+    from worker_agent.tickets import issue_ticket
+
+    key = load_signing_key(key_path)
+    infos = await asyncio.gather(*(probe_stage(url) for url in urls))
+    return [
+        issue_ticket(
+            key,
+            job=job,
+            node=info["node"],
+            model=info["model"],
+            layer_start=info["layer_start"],
+            layer_end=info["layer_end"],
+            ttl_s=ttl_s,
+        )
+        for info in infos
+    ]
+
+
+async def run_generate(args: argparse.Namespace) -> int:
+    from worker_agent.coordinator.job import Coordinator, GenerationResult
+    from worker_agent.coordinator.pipeline import StageSpec
+    from worker_agent.coordinator.sampling import SamplingParams
+    from worker_agent.wan import WanProfile
+
+    urls = [url.strip() for url in args.stages.split(",") if url.strip()]
+    job = args.job or f"job-{uuid.uuid4().hex[:16]}"
+    tickets = await local_tickets(urls, args.ticket_key, job) if args.ticket_key else [None] * len(urls)
+    specs = [StageSpec(url, ticket) for url, ticket in zip(urls, tickets, strict=True)]
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    prompts = args.prompt * args.concurrency
+    started = time.monotonic()
+    async with Coordinator(
+        args.model, specs, job=job, topology=args.topology, wan=WanProfile.parse(args.wan)
+    ) as coordinator:
+        requests = [
+            coordinator.request(p, chat=args.chat, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
+            for p in prompts
+        ]
+        streaming = len(requests) == 1 and not args.json
+
+        async def run(request) -> GenerationResult:
+            result = None
+            async for event in coordinator.stream(request):
+                if isinstance(event, GenerationResult):
+                    result = event
+                elif streaming:
+                    print(event.text, end="", flush=True)
+            assert result is not None
+            return result
+
+        results = await asyncio.gather(*(run(r) for r in requests))
+    wall = time.monotonic() - started
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "job": job,
+                    "topology": args.topology,
+                    "wall_s": round(wall, 4),
+                    "results": [r.to_json() for r in results],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    for index, result in enumerate(results):
+        if not streaming:
+            print(f"--- [{index}] {result.text}")
+        else:
+            print()
+        decode = result.token_times[-1] - result.token_times[0] if len(result.token_times) > 1 else 0.0
+        rate = (len(result.token_times) - 1) / decode if decode > 0 else 0.0
+        print(
+            f"[{index}] {result.prompt_tokens} prompt + {result.completion_tokens} completion tokens, "
+            f"finish={result.finish_reason}, ttft={result.ttft or 0:.3f}s, decode {rate:.1f} tok/s, "
+            f"total {result.elapsed:.2f}s",
+            file=sys.stderr,
+        )
+        for receipt in result.receipts:
+            print(
+                f"    receipt node={receipt.node} layers={receipt.layer_start}:{receipt.layer_end} "
+                f"steps={receipt.steps} tokens={receipt.tokens} chain={receipt.chain_head.hex()[:16]}... "
+                f"signature ok",
+                file=sys.stderr,
+            )
+        print(
+            f"[{index}] receipts verified: spans tile 0:{coordinator.n_layers}, links and endpoints match",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm-coordinator", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text through a pipeline of agents")
+    gen.add_argument("--model", default="smollm2-135m")
+    gen.add_argument("--stages", required=True, help="comma-separated ws:// URLs in layer order")
+    gen.add_argument("--prompt", action="append", required=True, help="repeatable: one session per prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    gen.add_argument("--topology", choices=["ring", "star"], default="ring")
+    gen.add_argument("--concurrency", type=int, default=1, help="run every prompt this many times at once")
+    gen.add_argument("--ticket-key", default=None, help="issuer key that signs the job tickets")
+    gen.add_argument("--job", default=None, help="job id (default: random)")
+    gen.add_argument("--wan", default="", help='emulated WAN on outgoing frames, e.g. "rtt=50ms"')
+    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("--json", action="store_true", help="print text, token ids, timings and receipts as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        return asyncio.run(run_generate(args))
+    except (SwarmError, ValueError) as exc:
+        code = getattr(exc, "code", "invalid")
+        print(f"error: {exc} ({code})", file=sys.stderr)
+        return 1
+    except (OSError, websockets.WebSocketException) as exc:
+        print(f"error: cannot reach a stage: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

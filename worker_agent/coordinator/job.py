@@ -1,0 +1,231 @@
+"""A coordinator job: one pipeline of stages, any number of concurrent generation sessions.
+
+    async with Coordinator("smollm2-135m", [StageSpec(url, ticket), ...]) as coordinator:
+        result = await coordinator.generate(coordinator.request("Hello", chat=True))
+
+Each session opens a KV cache on every stage, prefills, decodes token by token, closes, and
+collects the stages' signed receipts, which are verified (``verify_job``) against the stages'
+assigned spans and this coordinator's own transcript before the result is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_agent import model as models
+from worker_agent.coordinator.pipeline import Pipeline, StageSpec
+from worker_agent.coordinator.sampling import SamplingParams
+from worker_agent.coordinator.session import GenerationRequest, GenerationState, TokenEvent
+from worker_agent.errors import ReceiptError, StageError
+from worker_agent.keys import node_id
+from worker_agent.receipts import JobVerification, Receipt, SessionTranscript, StageAssignment, verify_job
+from worker_agent.wan import WanProfile
+from worker_agent.wire import DTYPES, tensor_payload
+
+
+@dataclass
+class GenerationResult:
+    session: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" or "length"
+    token_times: list[float]  # seconds from the request's start to each committed token
+    elapsed: float  # seconds for the whole request, receipts included
+    steps: int  # forward passes through the pipeline
+    receipts: list[Receipt] = field(default_factory=list)
+    verification: JobVerification | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    def to_json(self) -> dict:
+        return {
+            "session": self.session,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "token_times": [round(t, 4) for t in self.token_times],
+            "ttft_s": round(self.ttft, 4) if self.ttft is not None else None,
+            "elapsed_s": round(self.elapsed, 4),
+            "steps": self.steps,
+            "verified": self.verification is not None,
+            "receipts": [receipt.to_json_dict() for receipt in self.receipts],
+        }
+
+
+class Coordinator:
+    def __init__(
+        self,
+        model: str,
+        stages: list[StageSpec],
+        *,
+        job: str | None = None,
+        topology: str = "ring",
+        wan: WanProfile | None = None,
+        assignments: list[StageAssignment] | None = None,
+    ) -> None:
+        self.model = model
+        self.model_id = models.model_name(model)
+        self.job = job or f"job-{uuid.uuid4().hex[:16]}"
+        self.pipeline = Pipeline(self.job, stages, topology=topology, wan=wan)
+        self.assignments = assignments
+        self.head = models.load_head(model)
+        self.tokenizer = models.load_tokenizer(model)
+        self.n_layers = models.n_layers(model)
+        self.receipts: list[Receipt] = []
+        self._head_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="head")
+        self._row_bytes = self.head.embed.embedding_dim * DTYPES[self.pipeline.dtype].itemsize
+
+    async def __aenter__(self) -> Coordinator:
+        try:
+            infos = await self.pipeline.connect()
+            self._check_stages(infos)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.pipeline.aclose()
+        self._head_thread.shutdown(wait=False)
+
+    def _check_stages(self, infos: list[dict]) -> None:
+        """The stages must serve this model and cover its layers in order, without gap or overlap."""
+        position = 0
+        for index, info in enumerate(infos):
+            if info.get("model") != self.model_id:
+                raise StageError(
+                    f"stage {index} serves {info.get('model')!r}, not {self.model_id!r}", code="wrong_model"
+                )
+            if info.get("layer_start") != position:
+                raise StageError(
+                    f"stage {index} starts at layer {info.get('layer_start')}, expected {position}", code="bad_route"
+                )
+            if node_id(bytes.fromhex(info["node_key"])) != info.get("node"):
+                raise StageError(f"stage {index} reports a node id that is not its key's", code="bad_route")
+            position = info["layer_end"]
+        if position != self.n_layers:
+            raise StageError(f"the stages cover layers 0:{position} of {self.n_layers}", code="bad_route")
+        if self.assignments is None:
+            self.assignments = [
+                StageAssignment(
+                    node=info["node"],
+                    node_key=bytes.fromhex(info["node_key"]),
+                    layer_start=info["layer_start"],
+                    layer_end=info["layer_end"],
+                )
+                for info in infos
+            ]
+
+    def request(
+        self,
+        prompt: str | list[dict],
+        *,
+        chat: bool = False,
+        max_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop: tuple[str, ...] = (),
+    ) -> GenerationRequest:
+        """Tokenize a prompt (a string, or chat messages with ``chat=True``) into a request."""
+        if chat:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        return GenerationRequest(
+            tuple(ids),
+            max_tokens=max_tokens,
+            sampling=sampling or SamplingParams(),
+            stop=stop,
+            eos_ids=frozenset([eos] if eos is not None else []),
+        )
+
+    async def _in_head_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._head_thread, fn, *args)
+
+    def _embed(self, token_ids: list[int]) -> bytes:
+        return tensor_payload(self.head.embed_tokens(token_ids), self.pipeline.dtype)  # (tokens, hidden)
+
+    def _last_logits(self, output: bytes) -> torch.Tensor:
+        last = torch.frombuffer(bytearray(output[-self._row_bytes :]), dtype=DTYPES[self.pipeline.dtype])
+        return self.head.logits(last.view(1, -1))[0]  # (vocab,)
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
+        """Yield each committed token as it comes, then the verified result."""
+        started = time.monotonic()
+        session = self.pipeline.new_session_id()
+        await self.pipeline.open([session])
+        state = GenerationState(request, self.tokenizer)
+        closed = False
+        try:
+            while not state.done:
+                tokens, start = state.next_input()
+                payload = await self._in_head_thread(self._embed, tokens)
+                output = await self.pipeline.forward(session, start, len(tokens), payload)
+                logits = await self._in_head_thread(self._last_logits, output)
+                event = state.commit(logits)
+                if event is not None:
+                    yield event
+            receipts = [Receipt.from_dict(r) for r in await self.pipeline.close([session])]
+            closed = True
+            verification = self._verify(session, receipts)
+        finally:
+            if not closed:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.pipeline.close([session]), 5)
+        yield GenerationResult(
+            session=session,
+            text=state.text,
+            token_ids=state.generated,
+            prompt_tokens=len(request.prompt_ids),
+            finish_reason=state.finish_reason or "length",
+            token_times=state.token_times,
+            elapsed=time.monotonic() - started,
+            steps=state.steps,
+            receipts=receipts,
+            verification=verification,
+        )
+
+    def _verify(self, session: str, receipts: list[Receipt]) -> JobVerification:
+        transcript = self.pipeline.transcripts[session]
+        try:
+            verification = verify_job(
+                job=self.job,
+                model=self.model_id,
+                n_layers=self.n_layers,
+                assignments=self.assignments or [],
+                receipts=receipts,
+                transcripts=[SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received))],
+            )
+        except ReceiptError:
+            raise
+        self.receipts.extend(receipts)
+        return verification
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        result = None
+        async for event in self.stream(request):
+            if isinstance(event, GenerationResult):
+                result = event
+        assert result is not None
+        return result

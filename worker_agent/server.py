@@ -1,0 +1,333 @@
+"""The stage server: puts ``Stage`` on WebSockets (asyncio, ``websockets``).
+
+One connection per coordinator job (role ``coordinator``) plus, in ring topology, one from the
+previous stage (role ``peer``). Decoded FORWARD frames go to a single compute loop, which takes
+everything that has arrived since its last pass and runs it as one batch (continuous batching
+of concurrent sessions), then sends each output on: to the successor stage (ring), or back to
+the coordinator (the last ring stage, or every stage in star topology).
+
+Bad frames are answered with an ERROR frame (code, message, ref = the frame's seq) and the
+connection stays open; only a failed HELLO closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.server import ServerConnection, serve
+
+from worker_agent import wire
+from worker_agent.errors import SwarmError, TicketError, WireError
+from worker_agent.stage import Output, Prepared, Stage
+from worker_agent.wan import WanLink, WanProfile
+
+log = logging.getLogger("swarm.worker")
+
+HELLO_TIMEOUT_S = 10.0  # a peer stage must answer HELLO within this
+SWEEP_INTERVAL_S = 5.0  # how often idle sessions are looked for
+
+
+class Conn:
+    """One WebSocket with its own outgoing seq counter, incoming replay guard and WAN link."""
+
+    def __init__(self, ws: ServerConnection | ClientConnection, wan: WanProfile) -> None:
+        self.ws = ws
+        self.link = WanLink(ws.send, wan)
+        self.seq_out = 0
+        self.last_seq_in = 0
+        self.job: str | None = None  # set by an accepted HELLO
+        self.role: str | None = None
+
+    async def send(self, message: wire.Message) -> None:
+        self.seq_out += 1
+        await self.link.send(wire.encode(message, self.seq_out))
+
+    async def aclose(self) -> None:
+        await self.link.aclose()
+
+
+@dataclass
+class JobRoute:
+    """Where a job's outputs go, as its coordinator's HELLO said."""
+
+    coordinator: Conn
+    topology: str
+    next_url: str | None
+    next_ticket: bytes | None
+    peer: Conn | None = None
+    peer_ready: asyncio.Future | None = None
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+class StageServer:
+    def __init__(
+        self,
+        stage: Stage,
+        *,
+        wan: WanProfile | None = None,
+        max_frame: int = wire.DEFAULT_MAX_FRAME,
+        max_batch: int = 32,
+    ) -> None:
+        self.stage = stage
+        self.wan = wan or WanProfile()
+        self.max_frame = max_frame
+        self.max_batch = max_batch
+        self.jobs: dict[str, JobRoute] = {}
+        self._queue: asyncio.Queue[tuple[Conn, Prepared]] = asyncio.Queue()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.batches_run = 0
+        self.largest_batch = 0
+
+    async def serve(self, host: str, port: int, *, ready: Callable[[int], None] | None = None) -> None:
+        """Serve until cancelled or SIGTERM/SIGINT."""
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        compute = asyncio.create_task(self._compute_loop())
+        sweeper = asyncio.create_task(self._sweep_loop())
+        try:
+            # The library's own cap is a backstop well above ours, so that an oversize frame
+            # still reaches decode() and gets a proper ERROR instead of a dropped connection.
+            async with serve(
+                self._handle,
+                host,
+                port,
+                max_size=self.max_frame * 2,
+                compression=None,
+                ping_interval=20,
+                ping_timeout=60,
+            ) as server:
+                bound = next(iter(server.sockets)).getsockname()[1]
+                if ready is not None:
+                    ready(bound)
+                await stop
+        finally:
+            compute.cancel()
+            sweeper.cancel()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        conn = Conn(ws, self.wan)
+        try:
+            async for frame in ws:
+                if not await self._on_frame(conn, frame):
+                    break
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            await conn.aclose()
+            if conn.role == "coordinator" and conn.job is not None:
+                await self._end_job(conn.job, conn)
+
+    async def _on_frame(self, conn: Conn, data: bytes | str) -> bool:
+        """Handle one frame; False closes the connection."""
+        try:
+            frame = wire.decode(
+                data if isinstance(data, bytes) else data.encode(),
+                max_frame=self.max_frame,
+                hidden_size=self.stage.block.hidden_size,
+            )
+        except WireError as exc:
+            raw = data if isinstance(data, bytes) else b""
+            await self._error(conn, exc, ref=wire.peek_seq(raw))
+            return True
+        if frame.seq <= conn.last_seq_in:
+            await self._error(
+                conn, WireError(f"seq {frame.seq} is not above {conn.last_seq_in}", code="replayed_seq"), ref=frame.seq
+            )
+            return True
+        conn.last_seq_in = frame.seq
+        message = frame.message
+        try:
+            match message:
+                case wire.Ping():
+                    await conn.send(wire.Pong(message.nonce, self.stage.info()))
+                case wire.Hello():
+                    return await self._hello(conn, message, frame.seq)
+                case _ if conn.job is None:
+                    raise TicketError("send HELLO with a job ticket first", code="ticket_missing")
+                case wire.Forward() if type(message) is wire.Forward:
+                    self._check_job(conn, message.job)
+                    prepared = self.stage.prepare(message)
+                    self._queue.put_nowait((conn, prepared))
+                case _ if conn.role != "coordinator":
+                    raise WireError(
+                        f"a peer stage may only send FORWARD, not {type(message).__name__}", code="not_allowed"
+                    )
+                case wire.Open():
+                    self._check_job(conn, message.job)
+                    self.stage.open(message.job, message.sessions)
+                    await conn.send(wire.Open(message.job, message.sessions))
+                case wire.Close():
+                    self._check_job(conn, message.job)
+                    receipts = self.stage.close(message.job, message.sessions)
+                    await conn.send(wire.Close(message.job, message.sessions, tuple(receipts)))
+                case _:
+                    raise WireError(f"a stage does not accept {type(message).__name__} frames", code="not_allowed")
+        except SwarmError as exc:
+            await self._error(
+                conn, exc, ref=frame.seq, job=getattr(message, "job", None), session=_first_session(message)
+            )
+        return True
+
+    async def _hello(self, conn: Conn, hello: wire.Hello, seq: int) -> bool:
+        try:
+            if conn.job is not None:
+                raise TicketError("this connection already said HELLO", code="hello_twice")
+            if hello.role not in ("coordinator", "peer"):
+                raise TicketError(f"a stage does not accept HELLO as {hello.role!r}", code="not_allowed")
+            self.stage.authorize(hello)
+            if hello.role == "peer" and hello.job not in self.jobs:
+                raise TicketError(f"no coordinator has opened job {hello.job!r} here", code="unknown_job")
+        except TicketError as exc:
+            await self._error(conn, exc, ref=seq, job=hello.job, fatal=True)
+            return False
+        conn.job, conn.role = hello.job, hello.role
+        if hello.role == "coordinator":
+            old = self.jobs.get(hello.job)
+            if old is not None:  # the coordinator reconnected: keep sessions, reroute outputs
+                old.coordinator = conn
+            else:
+                self.jobs[hello.job] = JobRoute(conn, hello.topology, hello.next_url, hello.next_ticket)
+        await conn.send(wire.Hello(job=hello.job, role="stage", topology=hello.topology, info=self.stage.info()))
+        return True
+
+    def _check_job(self, conn: Conn, job: str) -> None:
+        if job != conn.job:
+            raise TicketError(f"this connection is bound to job {conn.job!r}, not {job!r}", code="wrong_job")
+
+    async def _error(
+        self,
+        conn: Conn,
+        exc: SwarmError,
+        *,
+        ref: int | None,
+        job: str | None = None,
+        session: str | None = None,
+        fatal: bool = False,
+    ) -> None:
+        log.warning("refusing frame %s from %s: %s (%s)", ref, conn.role or "unauthenticated", exc, exc.code)
+        error = wire.Error(exc.code, str(exc), ref=ref, job=job, session=session, fatal=fatal)
+        target = conn
+        route = self.jobs.get(job or "") if conn.role == "peer" else None
+        if route is not None:  # a ring peer's bad frame is the coordinator's business
+            target = route.coordinator
+        with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
+            await target.send(error)
+            if fatal:
+                await target.link.drain()
+
+    async def _compute_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty() and len(batch) < self.max_batch:
+                batch.append(self._queue.get_nowait())
+            self.batches_run += 1
+            self.largest_batch = max(self.largest_batch, sum(len(p.work) for _, p in batch))
+            try:
+                results = await loop.run_in_executor(self._executor, self.stage.compute, [p for _, p in batch])
+            except Exception as exc:  # a failed batch must not kill the stage
+                log.exception("compute failed")
+                for conn, prepared in batch:
+                    await self._error(
+                        conn,
+                        SwarmError(f"compute failed: {exc}", code="compute_failed"),
+                        ref=None,
+                        job=prepared.forward.job,
+                    )
+                continue
+            for (conn, prepared), outputs in zip(batch, results, strict=True):
+                output = self.stage.finish(prepared, outputs)
+                await self._send_on(conn, prepared.forward.job, output)
+
+    async def _send_on(self, source: Conn, job: str, output: Output) -> None:
+        route = self.jobs.get(job)
+        if route is None:  # the coordinator left while this was computing
+            return
+        frame_args = dict(job=job, items=output.items, dtype=output.dtype, shape=output.shape, payload=output.payload)
+        try:
+            if route.topology == "ring" and route.next_url:
+                peer = await self._peer(job, route)
+                await peer.send(wire.Forward(**frame_args))
+            else:
+                await route.coordinator.send(wire.Result(**frame_args))
+        except (TimeoutError, SwarmError, OSError, websockets.WebSocketException) as exc:
+            error = (
+                exc
+                if isinstance(exc, SwarmError)
+                else SwarmError(f"cannot reach the next stage {route.next_url}: {exc}", code="next_unreachable")
+            )
+            await self._error(route.coordinator, error, ref=None, job=job)
+
+    async def _peer(self, job: str, route: JobRoute) -> Conn:
+        """The connection to this job's ring successor, opened on first use."""
+        if route.peer_ready is None:
+            route.peer_ready = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._connect_peer(job, route))
+            route.tasks.add(task)
+        return await asyncio.shield(route.peer_ready)
+
+    async def _connect_peer(self, job: str, route: JobRoute) -> None:
+        assert route.peer_ready is not None
+        try:
+            ws = await asyncio.wait_for(
+                connect(route.next_url, max_size=self.max_frame * 2, compression=None), HELLO_TIMEOUT_S
+            )
+            peer = Conn(ws, self.wan)
+            await peer.send(wire.Hello(job=job, role="peer", ticket=route.next_ticket, topology="ring"))
+            reply = wire.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S), max_frame=self.max_frame)
+            if isinstance(reply.message, wire.Error):
+                raise SwarmError(f"next stage refused HELLO: {reply.message.message}", code=reply.message.code)
+            route.peer = peer
+            route.peer_ready.set_result(peer)
+        except Exception as exc:
+            route.peer_ready.set_exception(exc)
+            route.peer_ready = None  # the next output tries again
+            return
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for data in ws:  # the successor's ERRORs about our frames reach the coordinator
+                with contextlib.suppress(WireError):
+                    frame = wire.decode(data, max_frame=self.max_frame)
+                    if isinstance(frame.message, wire.Error):
+                        with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
+                            await route.coordinator.send(frame.message)
+
+    async def _end_job(self, job: str, conn: Conn) -> None:
+        route = self.jobs.get(job)
+        if route is None or route.coordinator is not conn:
+            return
+        del self.jobs[job]
+        dropped = self.stage.drop_job(job)
+        if dropped:
+            log.info("job %s: coordinator left, dropped %d open sessions", job, dropped)
+        for task in route.tasks:
+            task.cancel()
+        if route.peer is not None:
+            await route.peer.aclose()
+            await route.peer.ws.close()
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            evicted = self.stage.evict_idle()
+            if evicted:
+                log.info("evicted %d idle sessions", evicted)
+
+
+def _first_session(message: wire.Message) -> str | None:
+    if isinstance(message, wire.Forward) and message.items:
+        return message.items[0].session
+    if isinstance(message, wire.Open | wire.Close) and message.sessions:
+        return message.sessions[0]
+    return None

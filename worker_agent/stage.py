@@ -1,0 +1,208 @@
+"""A serving stage's state and rules, without I/O.
+
+The server (``server.py``) feeds decoded frames in and sends what comes out; everything it
+decides lives here: who may talk to this stage (tickets), which sessions exist, in which
+order their steps must come, what each step computed (receipts), and the stage's identity.
+The one heavy call, ``compute``, runs the layer block and is meant for a worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_agent.block import Block, WorkItem
+from worker_agent.errors import SessionError, TicketError, WireError
+from worker_agent.keys import node_id, public_key_bytes
+from worker_agent.kvcache import KVSession, SessionLimits, SessionStore
+from worker_agent.receipts import ReceiptBuilder, digest
+from worker_agent.tickets import verify_ticket
+from worker_agent.wire import Forward, Hello, Item, tensor_payload
+
+
+@dataclass
+class _StageSession:
+    kv: KVSession
+    receipt: ReceiptBuilder
+    next_step: int = 0  # the step index the next FORWARD item of this session must carry
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated FORWARD, ready for ``compute``; sessions already advanced their step counter."""
+
+    forward: Forward
+    work: tuple[WorkItem, ...]
+    input_hashes: tuple[bytes, ...]
+    sessions: tuple[_StageSession, ...] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Output:
+    """The stage's output for one prepared FORWARD, as the frame that carries it on."""
+
+    items: tuple[Item, ...]
+    dtype: str
+    shape: tuple[int, int]
+    payload: bytes
+
+
+class Stage:
+    def __init__(
+        self,
+        block: Block,
+        *,
+        model: str,
+        signing_key,
+        trusted_keys: Collection[bytes] = (),
+        insecure_open: bool = False,
+        limits: SessionLimits | None = None,
+    ) -> None:
+        self.block = block
+        self.model = model
+        self.signing_key = signing_key
+        self.node_key = public_key_bytes(signing_key)
+        self.node = node_id(self.node_key)
+        self.trusted_keys = frozenset(trusted_keys)
+        self.insecure_open = insecure_open
+        self.store = SessionStore(limits or SessionLimits())
+        self._sessions: dict[tuple[str, str], _StageSession] = {}
+        self.started = time.time()
+        self.steps_served = 0
+        self.tokens_served = 0
+
+    @property
+    def layer_start(self) -> int:
+        return self.block.weights.layer_start
+
+    @property
+    def layer_end(self) -> int:
+        return self.block.weights.layer_end
+
+    def info(self) -> dict:
+        """Public identity and load, sent in HELLO and PONG replies."""
+        return {
+            "node": self.node,
+            "node_key": self.node_key.hex(),
+            "model": self.model,
+            "layer_start": self.layer_start,
+            "layer_end": self.layer_end,
+            "hidden_size": self.block.hidden_size,
+            "dtype": str(self.block.weights.dtype).removeprefix("torch."),
+            "sessions": len(self.store),
+            "tokens_served": self.tokens_served,
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    def authorize(self, hello: Hello) -> None:
+        """Check the job ticket a HELLO presents; raises TicketError."""
+        if self.insecure_open:
+            return
+        if hello.ticket is None:
+            raise TicketError(
+                "HELLO carries no job ticket and this agent is not --insecure-open", code="ticket_missing"
+            )
+        ticket = verify_ticket(
+            hello.ticket,
+            self.trusted_keys,
+            node=self.node,
+            model=self.model,
+            layer_start=self.layer_start,
+            layer_end=self.layer_end,
+        )
+        if ticket.job != hello.job:
+            raise TicketError(f"ticket is for job {ticket.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
+
+    def open(self, job: str, sessions: tuple[str, ...]) -> None:
+        self.evict_idle()
+        opened = []
+        try:
+            for session in sessions:
+                kv = self.store.open(job, session)
+                opened.append(session)
+                receipt = ReceiptBuilder(
+                    job=job,
+                    session=session,
+                    node=self.node,
+                    node_key=self.node_key,
+                    model=self.model,
+                    layer_start=self.layer_start,
+                    layer_end=self.layer_end,
+                )
+                self._sessions[(job, session)] = _StageSession(kv, receipt)
+        except SessionError:
+            for session in opened:  # all or nothing
+                self.store.close(job, session)
+                self._sessions.pop((job, session), None)
+            raise
+
+    def prepare(self, forward: Forward) -> Prepared:
+        """Validate a FORWARD against the sessions; raises SessionError/WireError, changing nothing."""
+        if forward.shape[1] != self.block.hidden_size:
+            raise WireError(f"hidden size {forward.shape[1]} != {self.block.hidden_size}", code="bad_shape")
+        states = []
+        for item in forward.items:
+            self.store.get(forward.job, item.session)  # raises unknown/evicted
+            state = self._sessions[(forward.job, item.session)]
+            if item.step != state.next_step:
+                code = "replayed_seq" if item.step < state.next_step else "step_gap"
+                raise SessionError(
+                    f"session {item.session!r} expects step {state.next_step}, got {item.step}", code=code
+                )
+            self.store.check_room(state.kv, item.start, item.count)
+            states.append(state)
+        tensor = forward.tensor()
+        work, row = [], 0
+        for item, state in zip(forward.items, states, strict=True):
+            work.append(WorkItem(state.kv, item.start, tensor[row : row + item.count]))
+            row += item.count
+            state.next_step += 1
+        hashes = tuple(digest(chunk) for chunk in forward.item_bytes())
+        return Prepared(forward, tuple(work), hashes, tuple(states))
+
+    def compute(self, batch: list[Prepared]) -> list[list[torch.Tensor]]:
+        """Run the block over every item of every prepared frame at once (worker thread)."""
+        flat = [work for prepared in batch for work in prepared.work]
+        outputs = self.block.forward(flat)
+        grouped, index = [], 0
+        for prepared in batch:
+            grouped.append(outputs[index : index + len(prepared.work)])
+            index += len(prepared.work)
+        return grouped
+
+    def finish(self, prepared: Prepared, outputs: list[torch.Tensor]) -> Output:
+        """Serialize outputs in the frame's dtype and record each step in the session's receipt."""
+        dtype = prepared.forward.dtype
+        chunks = [tensor_payload(out, dtype) for out in outputs]
+        for state, item, chunk, in_hash in zip(
+            prepared.sessions, prepared.forward.items, chunks, prepared.input_hashes, strict=True
+        ):
+            state.receipt.add_step(in_hash, digest(chunk), item.count)
+            self.steps_served += 1
+            self.tokens_served += item.count
+        return Output(prepared.forward.items, dtype, prepared.forward.shape, b"".join(chunks))
+
+    def close(self, job: str, sessions: tuple[str, ...]) -> list[dict]:
+        """Close sessions and return their signed receipts (as wire dicts)."""
+        receipts = []
+        for session in sessions:
+            self.store.close(job, session)
+            state = self._sessions.pop((job, session))
+            receipts.append(state.receipt.sign(self.signing_key).to_dict())
+        return receipts
+
+    def drop_job(self, job: str) -> int:
+        """Forget every session of a job whose coordinator went away; returns how many."""
+        closed = self.store.close_job(job)
+        for kv in closed:
+            self._sessions.pop((job, kv.session), None)
+        return len(closed)
+
+    def evict_idle(self) -> int:
+        evicted = self.store.evict_idle()
+        for kv in evicted:
+            self._sessions.pop((kv.job, kv.session), None)
+        return len(evicted)

@@ -1,0 +1,374 @@
+"""The data-plane wire codec between the coordinator and the stages (sans-I/O).
+
+A frame is one binary WebSocket message: a msgpack map (the header) immediately followed by
+the raw little-endian bytes of at most one tensor. No pickle anywhere. ``decode`` validates
+everything a peer controls and raises ``WireError`` with a stable code; the server answers
+such a frame with an ERROR frame and keeps the connection when that is safe.
+
+Frame types (``MsgType``) and their replies:
+
+- HELLO     coordinator -> stage: the job ticket; the stage answers HELLO with its identity.
+            A stage also says HELLO to its ring successor (role ``peer``) with that stage's ticket.
+- OPEN      open sessions (KV caches) for the job; answered with OPEN.
+- FORWARD   hidden states of one or many tokens of one or many sessions.
+- RESULT    the last stage's output, back to the coordinator.
+- CLOSE     close sessions; answered with CLOSE carrying the stage's signed receipts.
+- PING/PONG liveness and the stage's identity and load.
+- ERROR     code + message, referring to the frame (``ref``) that caused it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from worker_agent.errors import WireError
+
+VERSION = 1
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024  # bytes in one frame, header included
+_MAX_HEADER = 64 * 1024  # bytes of msgpack header
+_MAX_ID = 128  # characters in a job or session id
+
+if sys.byteorder != "little":  # raw tensor bytes are little-endian on the wire
+    raise ImportError("the wire codec needs a little-endian host")
+
+
+class MsgType(enum.StrEnum):
+    HELLO = "HELLO"
+    OPEN = "OPEN"
+    FORWARD = "FORWARD"
+    RESULT = "RESULT"
+    CLOSE = "CLOSE"
+    PING = "PING"
+    PONG = "PONG"
+    ERROR = "ERROR"
+
+
+DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {value: key for key, value in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Item:
+    """One session's slice of a FORWARD/RESULT tensor: ``count`` consecutive token rows."""
+
+    session: str
+    step: int  # 0-based index of this forward step within the session
+    start: int  # position of the first token; below the session's length truncates the cache
+    count: int  # token rows of this session in the tensor
+
+
+@dataclass(frozen=True)
+class Hello:
+    job: str
+    role: str = "coordinator"  # "coordinator", "peer" (the previous ring stage) or "stage" (a reply)
+    ticket: bytes | None = None  # signed job ticket (tickets.py); None only on --insecure-open agents
+    topology: str = "star"  # "ring" or "star"
+    next_url: str | None = None  # ring: where this stage sends its output; None = back to coordinator
+    next_ticket: bytes | None = None  # ring: the successor's ticket, presented by this stage
+    info: dict[str, Any] = field(default_factory=dict)  # the stage's reply: node, key, model, span
+
+
+@dataclass(frozen=True)
+class Open:
+    job: str
+    sessions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Forward:
+    job: str
+    items: tuple[Item, ...]
+    dtype: str  # key of DTYPES
+    shape: tuple[int, int]  # (token rows over all items, hidden size)
+    payload: bytes  # rows * hidden * itemsize raw little-endian bytes
+
+    def item_bytes(self) -> list[bytes]:
+        """Each item's exact slice of the payload, as hashed in receipts."""
+        row = self.shape[1] * DTYPES[self.dtype].itemsize
+        slices, offset = [], 0
+        for item in self.items:
+            slices.append(self.payload[offset : offset + item.count * row])
+            offset += item.count * row
+        return slices
+
+    def tensor(self) -> torch.Tensor:
+        flat = torch.frombuffer(bytearray(self.payload), dtype=DTYPES[self.dtype])
+        return flat.view(self.shape)  # (rows, hidden)
+
+
+@dataclass(frozen=True)
+class Result(Forward):
+    pass
+
+
+@dataclass(frozen=True)
+class Close:
+    job: str
+    sessions: tuple[str, ...]
+    receipts: tuple[dict[str, Any], ...] = ()  # the stage's reply: Receipt.to_dict() per session
+
+
+@dataclass(frozen=True)
+class Ping:
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    nonce: int
+    info: dict[str, Any] = field(default_factory=dict)  # node, key, model, span, load
+
+
+@dataclass(frozen=True)
+class Error:
+    code: str  # stable identifier, e.g. "bad_shape", "unknown_session", "ticket_expired"
+    message: str  # for humans
+    ref: int | None = None  # seq of the frame this answers, when known
+    job: str | None = None
+    session: str | None = None
+    fatal: bool = False  # the sender closes the connection after this frame
+
+
+Message = Hello | Open | Forward | Result | Close | Ping | Pong | Error
+_TYPE_OF: dict[type, MsgType] = {
+    Hello: MsgType.HELLO,
+    Open: MsgType.OPEN,
+    Forward: MsgType.FORWARD,
+    Result: MsgType.RESULT,
+    Close: MsgType.CLOSE,
+    Ping: MsgType.PING,
+    Pong: MsgType.PONG,
+    Error: MsgType.ERROR,
+}
+
+
+def tensor_payload(tensor: torch.Tensor, dtype: str) -> bytes:
+    """Raw bytes of a (rows, hidden) tensor in the wire dtype."""
+    data = tensor.detach().to("cpu", DTYPES[dtype]).contiguous()
+    return data.view(torch.uint8).numpy().tobytes()
+
+
+def encode(message: Message, seq: int) -> bytes:
+    """One frame: msgpack header, then the tensor bytes for FORWARD/RESULT."""
+    header: dict[str, Any] = {"v": VERSION, "type": str(_TYPE_OF[type(message)]), "seq": seq}
+    payload = b""
+    match message:
+        case Hello():
+            header.update(
+                job=message.job,
+                role=message.role,
+                ticket=message.ticket,
+                topology=message.topology,
+                next_url=message.next_url,
+                next_ticket=message.next_ticket,
+                info=message.info,
+            )
+        case Open():
+            header.update(job=message.job, sessions=list(message.sessions))
+        case Forward():  # and Result
+            header.update(
+                job=message.job,
+                dtype=message.dtype,
+                shape=list(message.shape),
+                items=[[i.session, i.step, i.start, i.count] for i in message.items],
+            )
+            payload = message.payload
+        case Close():
+            header.update(job=message.job, sessions=list(message.sessions), receipts=list(message.receipts))
+        case Ping():
+            header.update(nonce=message.nonce)
+        case Pong():
+            header.update(nonce=message.nonce, info=message.info)
+        case Error():
+            header.update(
+                code=message.code,
+                message=message.message,
+                ref=message.ref,
+                job=message.job,
+                session=message.session,
+                fatal=message.fatal,
+            )
+    return msgpack.packb(header, use_bin_type=True) + payload
+
+
+@dataclass(frozen=True)
+class Frame:
+    seq: int
+    message: Message
+    size: int  # bytes on the wire
+
+
+def peek_seq(frame: bytes) -> int | None:
+    """Best-effort seq of a frame that failed to decode, for the ERROR's ``ref``."""
+    try:
+        unpacker = msgpack.Unpacker(max_buffer_size=_MAX_HEADER)
+        unpacker.feed(frame[:_MAX_HEADER])
+        header = unpacker.unpack()
+        seq = header.get("seq") if isinstance(header, dict) else None
+        return seq if isinstance(seq, int) else None
+    except Exception:
+        return None
+
+
+def decode(frame: bytes, *, max_frame: int = DEFAULT_MAX_FRAME, hidden_size: int | None = None) -> Frame:
+    """Parse and validate one frame; raise WireError (with a precise code) on anything off."""
+    if not isinstance(frame, bytes | bytearray | memoryview):
+        raise WireError("text frames are not accepted; send binary frames", code="malformed")
+    frame = bytes(frame)
+    if len(frame) > max_frame:
+        raise WireError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame}", code="too_large")
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(frame), 1), strict_map_key=True)
+    unpacker.feed(frame)
+    try:
+        header = unpacker.unpack()
+    except Exception as exc:
+        raise WireError(f"header is not valid msgpack: {exc.__class__.__name__}", code="malformed") from exc
+    offset = unpacker.tell()
+    if offset > _MAX_HEADER:
+        raise WireError(f"header of {offset} bytes exceeds {_MAX_HEADER}", code="too_large")
+    if not isinstance(header, dict):
+        raise WireError("header must be a msgpack map", code="malformed")
+    version = header.get("v")
+    if version != VERSION:
+        raise WireError(f"unsupported protocol version {version!r} (this side speaks {VERSION})", code="bad_version")
+    seq = _int(header, "seq", minimum=0)
+    try:
+        kind = MsgType(header.get("type"))
+    except ValueError:
+        raise WireError(f"unknown frame type {header.get('type')!r}", code="unknown_type") from None
+    payload = frame[offset:]
+    if payload and kind not in (MsgType.FORWARD, MsgType.RESULT):
+        raise WireError(f"{kind} frames carry no tensor bytes", code="malformed")
+    return Frame(seq, _parse(kind, header, payload, hidden_size), len(frame))
+
+
+def _parse(kind: MsgType, h: dict, payload: bytes, hidden_size: int | None) -> Message:
+    match kind:
+        case MsgType.HELLO:
+            topology = _str(h, "topology")
+            if topology not in ("ring", "star"):
+                raise WireError(f"topology must be 'ring' or 'star', got {topology!r}", code="malformed")
+            role = _str(h, "role")
+            if role not in ("coordinator", "peer", "stage"):
+                raise WireError(f"role must be 'coordinator', 'peer' or 'stage', got {role!r}", code="malformed")
+            return Hello(
+                job=_id(h, "job"),
+                role=role,
+                ticket=_opt(h, "ticket", bytes),
+                topology=topology,
+                next_url=_opt(h, "next_url", str),
+                next_ticket=_opt(h, "next_ticket", bytes),
+                info=_opt(h, "info", dict) or {},
+            )
+        case MsgType.OPEN:
+            return Open(job=_id(h, "job"), sessions=_ids(h, "sessions"))
+        case MsgType.FORWARD | MsgType.RESULT:
+            return _parse_tensor_frame(kind, h, payload, hidden_size)
+        case MsgType.CLOSE:
+            receipts = _opt(h, "receipts", list) or []
+            if not all(isinstance(r, dict) for r in receipts):
+                raise WireError("receipts must be maps", code="malformed")
+            return Close(job=_id(h, "job"), sessions=_ids(h, "sessions"), receipts=tuple(receipts))
+        case MsgType.PING:
+            return Ping(nonce=_int(h, "nonce"))
+        case MsgType.PONG:
+            return Pong(nonce=_int(h, "nonce"), info=_opt(h, "info", dict) or {})
+        case MsgType.ERROR:
+            return Error(
+                code=_str(h, "code"),
+                message=_str(h, "message"),
+                ref=_opt(h, "ref", int),
+                job=_opt(h, "job", str),
+                session=_opt(h, "session", str),
+                fatal=bool(_opt(h, "fatal", bool)),
+            )
+    raise WireError(f"unknown frame type {kind!r}", code="unknown_type")  # pragma: no cover
+
+
+def _parse_tensor_frame(kind: MsgType, h: dict, payload: bytes, hidden_size: int | None) -> Forward:
+    dtype = _str(h, "dtype")
+    if dtype not in DTYPES:
+        raise WireError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}", code="bad_dtype")
+    shape = h.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(_is_int(n) and n > 0 for n in shape)):
+        raise WireError(f"shape must be [rows, hidden] of positive ints, got {shape!r}", code="bad_shape")
+    rows, hidden = shape
+    if hidden_size is not None and hidden != hidden_size:
+        raise WireError(f"hidden size {hidden} does not match this stage's {hidden_size}", code="bad_shape")
+    raw_items = h.get("items")
+    if not isinstance(raw_items, list) or not raw_items:
+        raise WireError("items must be a non-empty list", code="malformed")
+    items = []
+    for raw in raw_items:
+        if not (
+            isinstance(raw, list) and len(raw) == 4 and isinstance(raw[0], str) and all(_is_int(n) for n in raw[1:])
+        ):
+            raise WireError(f"each item is [session, step, start, count], got {raw!r}", code="malformed")
+        session, step, start, count = raw
+        if not 0 < len(session) <= _MAX_ID or step < 0 or start < 0 or count < 1:
+            raise WireError(f"item {raw!r} is out of range", code="malformed")
+        items.append(Item(session, step, start, count))
+    if len({item.session for item in items}) != len(items):
+        raise WireError("a session appears twice in one frame", code="malformed")
+    if sum(item.count for item in items) != rows:
+        raise WireError(f"items cover {sum(i.count for i in items)} rows but shape says {rows}", code="bad_shape")
+    expected = rows * hidden * DTYPES[dtype].itemsize
+    if len(payload) != expected:
+        raise WireError(f"tensor has {len(payload)} bytes, shape {shape} {dtype} needs {expected}", code="bad_shape")
+    cls = Forward if kind == MsgType.FORWARD else Result
+    message = cls(job=_id(h, "job"), items=tuple(items), dtype=dtype, shape=(rows, hidden), payload=payload)
+    if not bool(torch.isfinite(message.tensor()).all()):
+        raise WireError("tensor holds NaN or Inf", code="non_finite")
+    return message
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(h: dict, key: str, *, minimum: int | None = None) -> int:
+    value = h.get(key)
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        raise WireError(f"field {key!r} must be an integer, got {value!r}", code="malformed")
+    return value
+
+
+def _str(h: dict, key: str) -> str:
+    value = h.get(key)
+    if not isinstance(value, str):
+        raise WireError(f"field {key!r} must be a string, got {type(value).__name__}", code="malformed")
+    return value
+
+
+def _id(h: dict, key: str) -> str:
+    value = _str(h, key)
+    if not 0 < len(value) <= _MAX_ID or not value.isprintable():
+        raise WireError(f"field {key!r} must be 1-{_MAX_ID} printable characters", code="malformed")
+    return value
+
+
+def _ids(h: dict, key: str) -> tuple[str, ...]:
+    values = h.get(key)
+    if not isinstance(values, list) or not values or len(values) > 4096:
+        raise WireError(f"field {key!r} must be a non-empty list of ids", code="malformed")
+    return tuple(_id({key: value}, key) for value in values)
+
+
+def _opt(h: dict, key: str, kind: type) -> Any:
+    value = h.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise WireError(f"field {key!r} must be {kind.__name__} or nil, got {type(value).__name__}", code="malformed")
+    if kind is int and isinstance(value, bool):
+        raise WireError(f"field {key!r} must be an integer", code="malformed")
+    return value
+
+
+def finite(value: float) -> bool:
+    return not (math.isnan(value) or math.isinf(value))
