@@ -1,0 +1,156 @@
+"""A local swarm: agents as real ``swarm-worker serve`` processes on loopback.
+
+Used by ``make demo``, the benchmarks and the tests; also handy for trying a split by hand::
+
+    with LocalSwarm("smollm2-135m", spans=[(0, 10), (10, 20), (20, 30)]) as swarm:
+        print(swarm.urls)          # ws://127.0.0.1:PORT for each stage, in layer order
+        swarm.tickets("job-1")     # tickets signed by the swarm's own issuer key
+
+Each agent gets its own node key and trusts the swarm's issuer key; ports are picked by the
+OS and read back from each agent's READY line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker_agent.keys import generate_signing_key, load_signing_key, node_id, public_key_bytes, write_key
+from worker_agent.tickets import issue_ticket
+
+_READY = re.compile(r"^READY (ws://\S+) node=(\S+) model=(\S+) layers=(\d+):(\d+)")
+
+
+@dataclass
+class Agent:
+    url: str
+    node: str
+    model: str
+    layer_start: int
+    layer_end: int
+    process: subprocess.Popen
+    log_path: Path
+
+
+def even_spans(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Split ``n_layers`` into ``stages`` contiguous spans, sizes differing by at most one."""
+    bounds = [round(i * n_layers / stages) for i in range(stages + 1)]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+class LocalSwarm:
+    def __init__(
+        self,
+        model: str,
+        spans: list[tuple[int, int]],
+        *,
+        threads: int = 1,
+        wan: str = "",
+        extra_args: list[str] | None = None,
+        workdir: str | Path | None = None,
+        startup_timeout_s: float = 180.0,
+    ) -> None:
+        self.model = model
+        self.spans = spans
+        self.threads = threads
+        self.wan = wan
+        self.extra_args = extra_args or []
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="swarm-")
+        self.workdir = Path(workdir or self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.startup_timeout_s = startup_timeout_s
+        self.agents: list[Agent] = []
+        issuer = self.workdir / "issuer.key"
+        if not issuer.exists():
+            write_key(issuer, generate_signing_key())
+        self.issuer_key = load_signing_key(issuer)
+        self.issuer_pub = self.workdir / "issuer.key.pub"
+
+    @property
+    def urls(self) -> list[str]:
+        return [agent.url for agent in self.agents]
+
+    def tickets(self, job: str, ttl_s: float = 3600) -> list[bytes]:
+        return [
+            issue_ticket(self.issuer_key, job=job, node=a.node, model=a.model, layer_start=a.layer_start,
+                         layer_end=a.layer_end, ttl_s=ttl_s)
+            for a in self.agents
+        ]
+
+    def node_keys(self) -> list[bytes]:
+        return [public_key_bytes(load_signing_key(self.workdir / f"node{i}.key")) for i in range(len(self.spans))]
+
+    def start(self) -> LocalSwarm:
+        pending = []
+        for index, (start, end) in enumerate(self.spans):
+            key = self.workdir / f"node{index}.key"
+            if not key.exists():
+                write_key(key, generate_signing_key())
+            log_path = self.workdir / f"agent{index}.log"
+            command = [
+                sys.executable, "-m", "worker_agent.cli", "serve", "--model", self.model,
+                "--layers", f"{start}:{end}", "--port", "0", "--key", str(key),
+                "--trust-key", str(self.issuer_pub), "--threads", str(self.threads), "--wan", self.wan,
+                *self.extra_args,
+            ]  # fmt: skip
+            log = open(log_path, "w")  # noqa: SIM115 - the child process owns it
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+            pending.append((process, log_path))
+        try:
+            self.agents = [self._wait_ready(process, log_path) for process, log_path in pending]
+        except BaseException:
+            for process, _ in pending:
+                process.kill()
+            raise
+        for agent, index in zip(self.agents, range(len(self.spans)), strict=True):
+            expected = node_id(public_key_bytes(load_signing_key(self.workdir / f"node{index}.key")))
+            if agent.node != expected:
+                raise RuntimeError(f"agent {index} reports node {agent.node}, its key says {expected}")
+        return self
+
+    def _wait_ready(self, process: subprocess.Popen, log_path: Path) -> Agent:
+        assert process.stdout is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        selector = selectors.DefaultSelector()
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"agent exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+            if selector.select(timeout=0.5):
+                line = process.stdout.readline()
+                match = _READY.match(line)
+                if match:
+                    url, node, model, start, end = match.groups()
+                    return Agent(url, node, model, int(start), int(end), process, log_path)
+        raise RuntimeError(f"agent not ready after {self.startup_timeout_s}s:\n{log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            if agent.process.poll() is None:
+                agent.process.send_signal(signal.SIGTERM)
+        for agent in self.agents:
+            try:
+                agent.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                agent.process.kill()
+                agent.process.wait()
+            if agent.process.stdout is not None:
+                agent.process.stdout.close()
+        self.agents = []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> LocalSwarm:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
