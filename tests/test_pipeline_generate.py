@@ -88,7 +88,9 @@ def test_capital_of_france_answer(smollm2_swarm):
 def test_concurrent_sessions_match_single_runs_and_verify(smollm2_swarm):
     async def main():
         job = "job-concurrent"
-        specs = [StageSpec(url, ticket) for url, ticket in zip(smollm2_swarm.urls, smollm2_swarm.tickets(job))]
+        specs = [
+            StageSpec(url, ticket) for url, ticket in zip(smollm2_swarm.urls, smollm2_swarm.tickets(job), strict=True)
+        ]
         async with Coordinator("smollm2-135m", specs, job=job, topology="ring") as coordinator:
             requests = [coordinator.request(p, chat=True, max_tokens=MAX_TOKENS) for p in PROMPTS * 2]
             return await asyncio.gather(*(coordinator.generate(r) for r in requests)), coordinator.assignments

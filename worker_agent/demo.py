@@ -24,8 +24,11 @@ async def run(swarm: LocalSwarm, model: str, prompt: str, max_tokens: int, topol
     job = f"job-{uuid.uuid4().hex[:12]}"
     specs = [StageSpec(url, ticket) for url, ticket in zip(swarm.urls, swarm.tickets(job), strict=True)]
     async with Coordinator(model, specs, job=job, topology=topology) as coordinator:
-        print(f"\njob {job}, {topology} topology: coordinator -> " + " -> ".join(
-            f"{a.node}[{a.layer_start}:{a.layer_end}]" for a in swarm.agents) + " -> coordinator")
+        print(
+            f"\njob {job}, {topology} topology: coordinator -> "
+            + " -> ".join(f"{a.node}[{a.layer_start}:{a.layer_end}]" for a in swarm.agents)
+            + " -> coordinator"
+        )
         print(f"\nuser> {prompt}\nassistant> ", end="", flush=True)
         result = None
         async for event in coordinator.stream(coordinator.request(prompt, chat=True, max_tokens=max_tokens)):
@@ -57,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     with LocalSwarm(args.model, spans, threads=1, workdir=Path(args.workdir)) as swarm:
         print(f"{len(swarm.agents)} agents ready in {time.monotonic() - started:.1f}s:")
         for agent in swarm.agents:
-            print(f"  {agent.url}  {agent.node}  layers {agent.layer_start}:{agent.layer_end}  "
-                  f"pid {agent.process.pid}  log {agent.log_path}")
+            print(
+                f"  {agent.url}  {agent.node}  layers {agent.layer_start}:{agent.layer_end}  "
+                f"pid {agent.process.pid}  log {agent.log_path}"
+            )
         result = asyncio.run(run(swarm, args.model, args.prompt, args.max_tokens, args.topology))
 
     decode = result.token_times[-1] - result.token_times[0] if len(result.token_times) > 1 else 0.0
@@ -71,12 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  total              {result.elapsed:.2f} s, {result.steps} pipeline steps")
     print("\nreceipts (ed25519-signed by each stage, verified against the coordinator's transcript):")
     for receipt in result.receipts:
-        print(f"  {receipt.node}  layers {receipt.layer_start:>2}:{receipt.layer_end:<2}  steps {receipt.steps}  "
-              f"tokens {receipt.tokens}  chain {receipt.chain_head.hex()[:16]}  sig {receipt.signature.hex()[:16]}")
+        print(
+            f"  {receipt.node}  layers {receipt.layer_start:>2}:{receipt.layer_end:<2}  steps {receipt.steps}  "
+            f"tokens {receipt.tokens}  chain {receipt.chain_head.hex()[:16]}  sig {receipt.signature.hex()[:16]}"
+        )
     verification = result.verification
     assert verification is not None
-    print(f"  verify_job: OK: {len(result.receipts)} signatures valid, spans tile 0:{n_layers(args.model)}, "
-          f"{verification.steps} steps linked stage to stage, endpoints match")
+    print(
+        f"  verify_job: OK: {len(result.receipts)} signatures valid, spans tile 0:{n_layers(args.model)}, "
+        f"{verification.steps} steps linked stage to stage, endpoints match"
+    )
     return 0
 
 

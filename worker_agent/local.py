@@ -12,6 +12,7 @@ OS and read back from each agent's READY line.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import selectors
@@ -43,7 +44,7 @@ class Agent:
 def even_spans(n_layers: int, stages: int) -> list[tuple[int, int]]:
     """Split ``n_layers`` into ``stages`` contiguous spans, sizes differing by at most one."""
     bounds = [round(i * n_layers / stages) for i in range(stages + 1)]
-    return list(zip(bounds, bounds[1:], strict=False))
+    return list(itertools.pairwise(bounds))
 
 
 class LocalSwarm:
@@ -80,8 +81,15 @@ class LocalSwarm:
 
     def tickets(self, job: str, ttl_s: float = 3600) -> list[bytes]:
         return [
-            issue_ticket(self.issuer_key, job=job, node=a.node, model=a.model, layer_start=a.layer_start,
-                         layer_end=a.layer_end, ttl_s=ttl_s)
+            issue_ticket(
+                self.issuer_key,
+                job=job,
+                node=a.node,
+                model=a.model,
+                layer_start=a.layer_start,
+                layer_end=a.layer_end,
+                ttl_s=ttl_s,
+            )
             for a in self.agents
         ]
 
