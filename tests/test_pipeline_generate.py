@@ -46,10 +46,24 @@ def reference_tokens(prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
 
 def run_cli(swarm, *args: str) -> dict:
     command = [
-        sys.executable, "-m", "worker_agent.coordinator.cli", "generate", "--model", "smollm2-135m",
-        "--stages", ",".join(swarm.urls), "--ticket-key", str(swarm.workdir / "issuer.key"),
-        "--chat", "--max-tokens", str(MAX_TOKENS), "--threads", "1", "--json", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "worker_agent.coordinator.cli",
+        "generate",
+        "--model",
+        "smollm2-135m",
+        "--stages",
+        ",".join(swarm.urls),
+        "--ticket-key",
+        str(swarm.workdir / "issuer.key"),
+        "--chat",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--threads",
+        "1",
+        "--json",
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)

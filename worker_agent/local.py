@@ -104,14 +104,30 @@ class LocalSwarm:
                 write_key(key, generate_signing_key())
             log_path = self.workdir / f"agent{index}.log"
             command = [
-                sys.executable, "-m", "worker_agent.cli", "serve", "--model", self.model,
-                "--layers", f"{start}:{end}", "--port", "0", "--key", str(key),
-                "--trust-key", str(self.issuer_pub), "--threads", str(self.threads), "--wan", self.wan,
+                sys.executable,
+                "-m",
+                "worker_agent.cli",
+                "serve",
+                "--model",
+                self.model,
+                "--layers",
+                f"{start}:{end}",
+                "--port",
+                "0",
+                "--key",
+                str(key),
+                "--trust-key",
+                str(self.issuer_pub),
+                "--threads",
+                str(self.threads),
+                "--wan",
+                self.wan,
                 *self.extra_args,
-            ]  # fmt: skip
+            ]
             log = open(log_path, "w")  # noqa: SIM115 - the child process owns it
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+            process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            )
             pending.append((process, log_path))
         try:
             self.agents = [self._wait_ready(process, log_path) for process, log_path in pending]
