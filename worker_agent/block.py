@@ -86,6 +86,16 @@ class Block:
         kv.length = item.start + count
         return out[0]
 
+    @staticmethod
+    def _past(kv: KVSession, layer_index: int, like: KVSession) -> tuple[torch.Tensor, torch.Tensor]:
+        """A session's cached keys and values of one layer; empty ones shaped like ``like``'s."""
+        if kv.length:
+            layer = kv.cache.layers[layer_index]
+            return layer.keys, layer.values
+        template = like.cache.layers[layer_index].keys
+        empty = template.new_zeros((1, template.shape[1], 0, template.shape[3]))  # (1, kv_heads, 0, d)
+        return empty, empty
+
     def _run_batch(self, items: list[WorkItem]) -> list[torch.Tensor]:
         device, dtype = self.weights.device, self.weights.dtype
         count = items[0].hidden.shape[0]
@@ -98,13 +108,14 @@ class Block:
         # Left-pad every session's past to the longest one; padding is masked out below.
         cache = DynamicCache()
         if longest:
+            like = next(item.session for item in items if item.session.length)
             for layer_index in range(len(self.weights.layers)):
                 keys, values = [], []
                 for item in items:
-                    layer = item.session.cache.layers[layer_index]
+                    past_keys, past_values = self._past(item.session, layer_index, like)
                     pad = longest - item.session.length
-                    keys.append(torch.nn.functional.pad(layer.keys, (0, 0, pad, 0)))  # (1, kv_heads, longest, d)
-                    values.append(torch.nn.functional.pad(layer.values, (0, 0, pad, 0)))
+                    keys.append(torch.nn.functional.pad(past_keys, (0, 0, pad, 0)))  # (1, kv_heads, longest, d)
+                    values.append(torch.nn.functional.pad(past_values, (0, 0, pad, 0)))
                 cache.update(torch.cat(keys), torch.cat(values), layer_index)
 
         # mask[b, 0, i, j]: query i of item b may attend key j (its own past and causal present).

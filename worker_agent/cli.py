@@ -102,6 +102,77 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    """Register with the control plane (once) and serve what it assigns, until stopped."""
+    from worker_agent.control import Agent, JoinError, JoinState, hardware_report, measure_compute, register
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _set_threads(args.threads)
+    key_path = Path(args.key)
+    signing_key = _load_or_create_key(key_path)
+    state_path = key_path.with_name(key_path.name + ".join.json")
+    port = args.port or _free_port(args.host)
+    advertise = args.advertise_url or f"ws://{args.host}:{port}"
+    saved = JoinState.load(state_path)
+    if saved is not None and saved.control_plane != args.control_plane.rstrip("/"):
+        saved = None
+    if args.token:
+        print(f"measuring this machine on {args.model} ...", file=sys.stderr, flush=True)
+        compute = measure_compute(args.model, dtype=args.dtype, device=args.device)
+        try:
+            state = register(
+                args.control_plane,
+                args.token,
+                signing_key,
+                compute=compute,
+                data_url=advertise,
+                hardware=hardware_report(args.device, args.max_layers),
+            )
+        except JoinError as exc:
+            if saved is None or "invalid_join_token" not in str(exc):
+                raise
+            print("the token was used already; reconnecting as the node registered before", file=sys.stderr)
+            state = saved
+        else:
+            state.save(state_path)
+            print(f"joined as {state.node} ({compute:.0f} layer-tokens/s)", file=sys.stderr, flush=True)
+    elif saved is not None:
+        state = saved
+    else:
+        print("error: this key has not joined that control plane yet: give --token", file=sys.stderr)
+        return 2
+    print(f"JOINED node={state.node} control={state.control_url} data={advertise} pid={os.getpid()}", flush=True)
+    agent = Agent(
+        signing_key,
+        state,
+        host=args.host,
+        port=port,
+        advertise_url=advertise,
+        dtype=args.dtype,
+        device=args.device,
+        wan=args.wan,
+    )
+
+    async def main() -> None:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, agent.stopped.set)
+        await agent.run()
+
+    asyncio.run(main())
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Throughput of this block in layer-tokens per second, for placement."""
     import torch
@@ -183,6 +254,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--wan", default="", help='emulated WAN on outgoing frames, e.g. "rtt=50ms"')
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=cmd_serve)
+
+    join = sub.add_parser("join", help="join a control plane and serve the blocks it assigns")
+    join.add_argument("--control-plane", required=True, help="e.g. http://127.0.0.1:8000")
+    join.add_argument("--token", default=None, help="the node's one-time join token (not needed to reconnect)")
+    join.add_argument("--key", default="node.key", help="node key file (created if missing)")
+    join.add_argument("--model", default="smollm2-135m", help="model to benchmark this machine on")
+    join.add_argument("--host", default="127.0.0.1", help="data-plane bind address")
+    join.add_argument("--port", type=int, default=0, help="data-plane port (0 picks a free one)")
+    join.add_argument("--advertise-url", default=None, help="ws:// URL peers use (default ws://HOST:PORT)")
+    join.add_argument("--max-layers", type=int, default=None, help="host at most this many layers")
+    join.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    join.add_argument("--device", default="cpu")
+    join.add_argument("--threads", type=int, default=None)
+    join.add_argument("--wan", default="", help='emulated WAN on outgoing data-plane frames, e.g. "rtt=50ms"')
+    join.add_argument("--log-level", default="info")
+    join.set_defaults(func=cmd_join)
 
     bench = sub.add_parser("bench", help="measure this block's throughput (layer-tokens/s)")
     model_args(bench)

@@ -40,7 +40,7 @@ class KVSession:
     def truncate(self, position: int) -> None:
         """Drop every cached position >= ``position`` (rejected speculative tokens)."""
         if position < self.length:
-            self.cache.crop(position)
+            self.cache.crop(position - self.length)  # a negative count: how many positions to drop
             self.length = position
 
 
@@ -75,6 +75,23 @@ class SessionStore:
         kv = KVSession(job, session, last_used=self._clock())
         self._live[key] = kv
         return kv
+
+    def check_can_open(self, job: str, sessions: tuple[str, ...]) -> None:
+        """Raise the error ``open`` would raise for any of ``sessions``, changing nothing."""
+        if len(set(sessions)) != len(sessions):
+            raise SessionError("a session is listed twice", code="session_exists")
+        for session in sessions:
+            key = (job, session)
+            if key in self._live:
+                raise SessionError(f"session {session!r} of job {job!r} is already open", code="session_exists")
+            if key in self._evicted:
+                raise SessionError(f"session {session!r} was closed or evicted; open a new one", code="session_reused")
+        if len(self._live) + len(sessions) > self.limits.max_sessions:
+            raise SessionError(
+                f"this stage holds {len(self._live)} sessions; {len(sessions)} more would pass its limit of "
+                f"{self.limits.max_sessions}",
+                code="too_many_sessions",
+            )
 
     def get(self, job: str, session: str) -> KVSession:
         key = (job, session)

@@ -170,6 +170,18 @@ def n_layers(model: str) -> int:
     return int(load_config(model).num_hidden_layers)
 
 
+def layer_parameters(model: str) -> int:
+    """Parameters of one decoder layer (attention, MLP, two norms), for memory planning."""
+    config = load_config(model)
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_out = config.num_attention_heads * head_dim
+    kv_out = config.num_key_value_heads * head_dim
+    attention = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
+    mlp = 3 * hidden * config.intermediate_size
+    return attention + mlp + 2 * hidden
+
+
 @cache
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer

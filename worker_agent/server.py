@@ -86,13 +86,16 @@ class StageServer:
         self.batches_run = 0
         self.largest_batch = 0
 
-    async def serve(self, host: str, port: int, *, ready: Callable[[int], None] | None = None) -> None:
-        """Serve until cancelled or SIGTERM/SIGINT."""
+    async def serve(
+        self, host: str, port: int, *, ready: Callable[[int], None] | None = None, stop: asyncio.Future | None = None
+    ) -> None:
+        """Serve until ``stop`` resolves, or (without ``stop``) until cancelled or SIGTERM/SIGINT."""
         loop = asyncio.get_running_loop()
-        stop = loop.create_future()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+        if stop is None:
+            stop = loop.create_future()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
         compute = asyncio.create_task(self._compute_loop())
         sweeper = asyncio.create_task(self._sweep_loop())
         try:
@@ -133,7 +136,7 @@ class StageServer:
         """Handle one frame; False closes the connection."""
         try:
             frame = wire.decode(
-                data if isinstance(data, bytes) else data.encode(),
+                data,
                 max_frame=self.max_frame,
                 hidden_size=self.stage.block.hidden_size,
             )

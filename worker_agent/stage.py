@@ -117,27 +117,21 @@ class Stage:
             raise TicketError(f"ticket is for job {ticket.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
 
     def open(self, job: str, sessions: tuple[str, ...]) -> None:
+        """Open all the sessions or none: every check runs before anything changes."""
         self.evict_idle()
-        opened = []
-        try:
-            for session in sessions:
-                kv = self.store.open(job, session)
-                opened.append(session)
-                receipt = ReceiptBuilder(
-                    job=job,
-                    session=session,
-                    node=self.node,
-                    node_key=self.node_key,
-                    model=self.model,
-                    layer_start=self.layer_start,
-                    layer_end=self.layer_end,
-                )
-                self._sessions[(job, session)] = _StageSession(kv, receipt)
-        except SessionError:
-            for session in opened:  # all or nothing
-                self.store.close(job, session)
-                self._sessions.pop((job, session), None)
-            raise
+        self.store.check_can_open(job, sessions)
+        for session in sessions:
+            kv = self.store.open(job, session)
+            receipt = ReceiptBuilder(
+                job=job,
+                session=session,
+                node=self.node,
+                node_key=self.node_key,
+                model=self.model,
+                layer_start=self.layer_start,
+                layer_end=self.layer_end,
+            )
+            self._sessions[(job, session)] = _StageSession(kv, receipt)
 
     def prepare(self, forward: Forward) -> Prepared:
         """Validate a FORWARD against the sessions; raises SessionError/WireError, changing nothing."""
@@ -186,7 +180,9 @@ class Stage:
         return Output(prepared.forward.items, dtype, prepared.forward.shape, b"".join(chunks))
 
     def close(self, job: str, sessions: tuple[str, ...]) -> list[dict]:
-        """Close sessions and return their signed receipts (as wire dicts)."""
+        """Close sessions and return their signed receipts (as wire dicts); all or none."""
+        for session in sessions:
+            self.store.get(job, session)  # raises unknown/evicted before anything is closed
         receipts = []
         for session in sessions:
             self.store.close(job, session)

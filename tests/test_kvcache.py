@@ -1,0 +1,257 @@
+"""Per-session KV caches: limits, idle eviction with an injected clock, truncation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_agent.errors import SessionError
+from worker_agent.kvcache import KVSession, SessionLimits, SessionStore
+
+pytestmark = pytest.mark.dataplane
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _store(**limits) -> tuple[SessionStore, FakeClock]:
+    clock = FakeClock()
+    return SessionStore(SessionLimits(**limits), clock=clock), clock
+
+
+def _code(call, *args) -> str:
+    with pytest.raises(SessionError) as err:
+        call(*args)
+    return err.value.code
+
+
+def _fill(kv: KVSession, positions: int, layers: int = 2) -> None:
+    """Put ``positions`` distinct keys/values into every layer, as a forward pass would."""
+    for layer in range(layers):
+        keys = torch.arange(positions, dtype=torch.float32).view(1, 1, positions, 1).expand(1, 2, positions, 4)
+        kv.cache.update(keys + layer, -(keys + layer), layer)
+    kv.length = positions
+
+
+# --- limits -------------------------------------------------------------------------------
+
+
+def test_refuses_a_session_over_max_sessions_and_changes_nothing():
+    store, _ = _store(max_sessions=2)
+    first, second = store.open("job-1", "s0"), store.open("job-1", "s1")
+
+    code = _code(store.open, "job-1", "s2")
+
+    assert code == "too_many_sessions"
+    assert len(store) == 2
+    assert (store.get("job-1", "s0"), store.get("job-1", "s1")) == (first, second)
+    assert _code(store.get, "job-1", "s2") == "unknown_session"
+
+
+def test_a_closed_session_frees_its_slot():
+    store, _ = _store(max_sessions=1)
+    store.open("job-1", "s0")
+    store.close("job-1", "s0")
+
+    kv = store.open("job-1", "s1")
+
+    assert (len(store), kv.session) == (1, "s1")
+
+
+def test_refuses_a_step_past_max_tokens_and_allows_one_up_to_it():
+    store, _ = _store(max_tokens=8)
+    kv = store.open("job-1", "s0")
+    _fill(kv, 5)
+
+    code = _code(store.check_room, kv, 5, 4)
+    store.check_room(kv, 5, 3)
+
+    assert code == "session_too_long"
+    assert kv.length == 5
+
+
+def test_refuses_a_step_that_leaves_a_gap_in_positions():
+    store, _ = _store()
+    kv = store.open("job-1", "s0")
+    _fill(kv, 3)
+
+    code = _code(store.check_room, kv, 4, 1)
+    store.check_room(kv, 3, 1)
+    store.check_room(kv, 1, 1)  # below the length: a truncation, allowed
+
+    assert code == "position_gap"
+    assert kv.length == 3
+
+
+def test_refuses_opening_an_open_session_twice():
+    store, _ = _store()
+    kv = store.open("job-1", "s0")
+    _fill(kv, 2)
+
+    code = _code(store.open, "job-1", "s0")
+
+    assert code == "session_exists"
+    assert store.get("job-1", "s0") is kv
+    assert kv.length == 2
+
+
+def test_refuses_reopening_a_closed_session():
+    store, _ = _store()
+    store.open("job-1", "s0")
+    store.close("job-1", "s0")
+
+    code = _code(store.open, "job-1", "s0")
+
+    assert code == "session_reused"
+    assert len(store) == 0
+
+
+def test_the_same_session_id_in_another_job_is_another_session():
+    store, _ = _store()
+    a = store.open("job-a", "s0")
+    _fill(a, 4)
+
+    b = store.open("job-b", "s0")
+
+    assert b is not a
+    assert (store.get("job-a", "s0").length, store.get("job-b", "s0").length) == (4, 0)
+
+
+@pytest.mark.parametrize(
+    "limits", [{"max_sessions": 0}, {"max_tokens": 0}, {"idle_timeout_s": 0}, {"idle_timeout_s": -1.0}]
+)
+def test_session_limits_must_be_positive(limits):
+    with pytest.raises(ValueError):
+        SessionLimits(**limits)
+
+
+# --- idle eviction ------------------------------------------------------------------------
+
+
+def test_an_idle_session_is_evicted_and_then_reported_as_evicted_not_unknown():
+    store, clock = _store(idle_timeout_s=300)
+    kv = store.open("job-1", "s0")
+    clock.now += 300.5
+
+    evicted = store.evict_idle()
+
+    assert evicted == [kv]
+    assert len(store) == 0
+    with pytest.raises(SessionError) as err:
+        store.get("job-1", "s0")
+    assert err.value.code == "session_evicted"
+    assert str(err.value) == "session 's0' of job 'job-1' was evicted after idling 300s"
+    assert _code(store.get, "job-1", "never-opened") == "unknown_session"
+
+
+def test_a_session_idle_exactly_the_timeout_is_kept():
+    store, clock = _store(idle_timeout_s=300)
+    store.open("job-1", "s0")
+    clock.now += 300
+
+    assert store.evict_idle() == []
+    assert len(store) == 1
+
+
+def test_using_a_session_resets_its_idle_timer():
+    store, clock = _store(idle_timeout_s=300)
+    used, unused = store.open("job-1", "used"), store.open("job-1", "unused")
+    clock.now += 200
+    store.get("job-1", "used")
+    clock.now += 200
+
+    evicted = store.evict_idle()
+
+    assert evicted == [unused]
+    assert store.get("job-1", "used") is used
+    assert used.last_used == 1400.0
+
+
+def test_opening_evicts_idle_sessions_before_applying_max_sessions():
+    store, clock = _store(max_sessions=1, idle_timeout_s=60)
+    store.open("job-1", "old")
+    clock.now += 61
+
+    new = store.open("job-1", "new")
+
+    assert len(store) == 1
+    assert store.get("job-1", "new") is new
+    assert _code(store.get, "job-1", "old") == "session_evicted"
+
+
+def test_a_closed_session_reads_as_closed():
+    store, _ = _store()
+    store.open("job-1", "s0")
+    store.close("job-1", "s0")
+
+    with pytest.raises(SessionError) as err:
+        store.get("job-1", "s0")
+
+    assert (err.value.code, str(err.value)) == ("session_evicted", "session 's0' of job 'job-1' was closed")
+
+
+def test_close_job_closes_only_that_jobs_sessions():
+    store, _ = _store()
+    a0, a1 = store.open("job-a", "s0"), store.open("job-a", "s1")
+    b0 = store.open("job-b", "s0")
+
+    closed = store.close_job("job-a")
+
+    assert closed == [a0, a1]
+    assert len(store) == 1
+    assert store.get("job-b", "s0") is b0
+    assert _code(store.get, "job-a", "s1") == "session_evicted"
+
+
+def test_the_oldest_evicted_ids_are_forgotten_past_the_memory_bound():
+    store, _ = _store()
+    store._FORGET_AFTER = 2
+    for name in ("s0", "s1", "s2"):
+        store.open("job-1", name)
+        store.close("job-1", name)
+
+    assert [_code(store.get, "job-1", name) for name in ("s0", "s1", "s2")] == [
+        "unknown_session",
+        "session_evicted",
+        "session_evicted",
+    ]
+
+
+# --- truncation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("position", [5, 1])
+def test_truncate_keeps_exactly_the_positions_below(position):
+    kv = KVSession("job-1", "s0")
+    _fill(kv, 8)
+
+    kv.truncate(position)
+
+    assert kv.length == position
+    assert kv.cache.get_seq_length() == position
+    for layer in range(2):
+        assert kv.cache.layers[layer].keys[0, 0, :, 0].tolist() == [float(p + layer) for p in range(position)]
+
+
+def test_truncate_to_zero_empties_the_cache():
+    kv = KVSession("job-1", "s0")
+    _fill(kv, 8)
+
+    kv.truncate(0)
+
+    assert (kv.length, kv.cache.get_seq_length()) == (0, 0)
+
+
+@pytest.mark.parametrize("position", [8, 9])
+def test_truncate_at_or_past_the_length_changes_nothing(position):
+    kv = KVSession("job-1", "s0")
+    _fill(kv, 8)
+
+    kv.truncate(position)
+
+    assert (kv.length, kv.cache.get_seq_length()) == (8, 8)

@@ -1,0 +1,333 @@
+"""The agent's side of the control plane: join once, then hold the control channel.
+
+    swarm-worker join --control-plane http://127.0.0.1:8000 --token swj_...
+
+Joining registers the node key (proving possession with a signature over the one-time
+token), the hardware and a measured benchmark, and saves ``<key>.join.json`` so that a
+restarted agent reconnects without a token. The control channel (a WebSocket) opens with a
+signed answer to the server's fresh nonce; over it the agent sends heartbeats with its load and
+receives assignments (model + layer span: it loads that block and serves it on its data-plane
+port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import websockets
+from websockets.asyncio.client import connect
+
+from worker_agent import __version__, wire
+from worker_agent.errors import SwarmError
+from worker_agent.keys import node_id, public_key_bytes
+
+log = logging.getLogger("swarm.agent")
+
+JOIN_CONTEXT = b"swarm-join-v1\0"  # signed at join: context || token || 0 || public key
+CONTROL_CONTEXT = b"swarm-control-v1\0"  # signed per connection: context || nonce || node id
+HTTP_TIMEOUT_S = 30.0
+MAX_BACKOFF_S = 30.0
+PROBE_BYTES = 256 * 1024  # size of the frame that measures uplink
+
+
+class JoinError(SwarmError):
+    code = "join_failed"
+
+
+def join_signature(signing_key, token: str) -> str:
+    public = public_key_bytes(signing_key)
+    return signing_key.sign(JOIN_CONTEXT + token.encode() + b"\0" + public).signature.hex()
+
+
+def control_signature(signing_key, nonce: bytes, node: str) -> str:
+    return signing_key.sign(CONTROL_CONTEXT + nonce + node.encode()).signature.hex()
+
+
+@dataclass(frozen=True)
+class JoinState:
+    control_plane: str
+    node: str
+    control_url: str
+    heartbeat_interval_s: float
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> JoinState | None:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def hardware_report(device: str, max_layers: int | None) -> dict:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index or 0
+        props = torch.cuda.get_device_properties(index)
+        report = {
+            "device": "cuda",
+            "device_name": props.name,
+            "memory_bytes": int(props.total_memory),
+            "dtypes": ["float32", "float16", "bfloat16"],
+        }
+    else:
+        report = {
+            "device": "cpu",
+            "device_name": f"{psutil.cpu_count()} CPU threads",
+            "memory_bytes": int(psutil.virtual_memory().available),
+            "dtypes": ["float32", "bfloat16"],
+        }
+    if max_layers:
+        report["max_layers"] = max_layers
+    return report
+
+
+def measure_compute(model: str, *, dtype: str, device: str, layers: int = 2, steps: int = 16) -> float:
+    """Decode throughput of a small block of ``model`` in layer-tokens per second (batch 1)."""
+    import torch
+
+    from worker_agent import model as models
+    from worker_agent.block import Block, WorkItem
+    from worker_agent.kvcache import SessionLimits, SessionStore
+
+    block = Block(models.load_block(model, 0, min(layers, models.n_layers(model)), dtype=dtype, device=device))
+    store = SessionStore(SessionLimits(max_sessions=1))
+    kv = store.open("bench", "s")
+    generator = torch.Generator().manual_seed(0)
+    block.forward([WorkItem(kv, 0, torch.randn(16, block.hidden_size, generator=generator))])
+    started = time.perf_counter()
+    for step in range(steps):
+        block.forward([WorkItem(kv, 16 + step, torch.randn(1, block.hidden_size, generator=generator))])
+    elapsed = time.perf_counter() - started
+    return len(block.weights.layers) * steps / elapsed
+
+
+def _post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:500]
+        raise JoinError(f"the control plane refused the join ({exc.code}): {detail}") from None
+    except (urllib.error.URLError, TimeoutError, ValueError) as exc:
+        raise JoinError(f"cannot reach the control plane at {url}: {exc}") from None
+
+
+def register(
+    control_plane: str, token: str, signing_key, *, hardware: dict, compute: float, data_url: str
+) -> JoinState:
+    base = control_plane.rstrip("/")
+    reply = _post_json(
+        f"{base}/api/v1/agents/register",
+        {
+            "token": token,
+            "public_key": public_key_bytes(signing_key).hex(),
+            "signature": join_signature(signing_key, token),
+            "hardware": hardware,
+            "benchmark": {"layer_tokens_per_s": compute},
+            "data_url": data_url,
+            "agent_version": __version__,
+        },
+    )
+    if reply.get("node") != node_id(public_key_bytes(signing_key)):
+        raise JoinError(f"the control plane registered node {reply.get('node')!r}, not this key's")
+    return JoinState(base, reply["node"], reply["control_url"], float(reply["heartbeat_interval_s"]))
+
+
+class Agent:
+    """Holds the control channel and serves whatever block the control plane assigns."""
+
+    def __init__(
+        self,
+        signing_key,
+        state: JoinState,
+        *,
+        host: str,
+        port: int,
+        advertise_url: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        wan: str = "",
+    ) -> None:
+        self.signing_key = signing_key
+        self.state = state
+        self.host, self.port, self.advertise_url = host, port, advertise_url
+        self.dtype, self.device, self.wan = dtype, device, wan
+        self.trusted_key: bytes | None = None
+        self.serving = None  # (assignment id, Stage, stop future, serve task)
+        self.draining = False
+        self.stopped = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    async def run(self) -> None:
+        """Stay connected (reconnecting with backoff) until told to stop."""
+        backoff = 1.0
+        while not self.stopped.is_set():
+            try:
+                async with connect(self.state.control_url, open_timeout=HTTP_TIMEOUT_S) as ws:
+                    backoff = 1.0
+                    await self._session(ws)
+            except (TimeoutError, OSError, websockets.WebSocketException, SwarmError) as exc:
+                log.warning("control channel lost: %s; reconnecting in %.0fs", exc, backoff)
+            if self.stopped.is_set():
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopped.wait(), backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+        await self._stop_serving()
+
+    async def _session(self, ws) -> None:
+        challenge = json.loads(await asyncio.wait_for(ws.recv(), HTTP_TIMEOUT_S))
+        nonce = bytes.fromhex(challenge["nonce"])
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "auth",
+                    "node": self.state.node,
+                    "signature": control_signature(self.signing_key, nonce, self.state.node),
+                }
+            )
+        )
+        welcome = json.loads(await asyncio.wait_for(ws.recv(), HTTP_TIMEOUT_S))
+        if welcome.get("type") != "welcome":
+            raise SwarmError(f"control plane refused the handshake: {welcome.get('message')}", code="handshake")
+        self.trusted_key = bytes.fromhex(welcome["ticket_key"])
+        log.info("control channel up as %s (state %s)", welcome["node"], welcome["state"])
+        heartbeat = asyncio.create_task(self._heartbeats(ws, float(welcome["heartbeat_interval_s"])))
+        try:
+            for assignment in welcome.get("assignments", []):
+                await self._assign(ws, assignment)
+            async for raw in ws:
+                await self._on_message(ws, json.loads(raw))
+                if self.stopped.is_set():
+                    return
+        finally:
+            heartbeat.cancel()
+
+    async def _heartbeats(self, ws, interval: float) -> None:
+        while True:
+            load = {"state": "draining" if self.draining else "serving" if self.serving else "idle"}
+            if self.serving is not None:
+                stage = self.serving[1]
+                load.update(sessions=len(stage.store), tokens_served=stage.tokens_served, model=stage.model)
+            await ws.send(json.dumps({"type": "heartbeat", "load": load}))
+            await asyncio.sleep(interval)
+
+    async def _on_message(self, ws, message: dict) -> None:
+        match message.get("type"):
+            case "assign":
+                asyncio.create_task(self._assign(ws, message))  # noqa: RUF006 - tracked via self.serving
+            case "release":
+                if self.serving is not None and self.serving[0] == message.get("assignment"):
+                    await self._stop_serving()
+            case "drain":
+                self.draining = True
+            case "stop":
+                log.warning("stopping: %s", message.get("reason", "asked by the control plane"))
+                self.stopped.set()
+            case "probe":
+                results = await self._probe(message.get("targets", []))
+                await ws.send(json.dumps({"type": "probe_result", "results": results}))
+            case "error":
+                log.warning("control plane says: %s (%s)", message.get("message"), message.get("code"))
+
+    async def _assign(self, ws, message: dict) -> None:
+        from worker_agent import model as models
+        from worker_agent.block import Block
+        from worker_agent.server import StageServer
+        from worker_agent.stage import Stage
+        from worker_agent.wan import WanProfile
+
+        async with self._lock:
+            assignment = message["assignment"]
+            model, start, end = message["model"], message["layer_start"], message["layer_end"]
+            if self.serving is not None and self.serving[0] == assignment:
+                await ws.send(json.dumps({"type": "ready", "assignment": assignment, "url": self.advertise_url}))
+                return
+            await self._stop_serving()
+            log.info("assigned %s layers %d:%d (assignment %s)", model, start, end, assignment)
+            try:
+                weights = await asyncio.to_thread(
+                    models.load_block, model, start, end, dtype=self.dtype, device=self.device
+                )
+            except SwarmError as exc:
+                await ws.send(json.dumps({"type": "failed", "assignment": assignment, "error": str(exc)}))
+                return
+            stage = Stage(
+                Block(weights),
+                model=models.model_name(model),
+                signing_key=self.signing_key,
+                trusted_keys=[self.trusted_key] if self.trusted_key else [],
+            )
+            server = StageServer(stage, wan=WanProfile.parse(self.wan))
+            stop = asyncio.get_running_loop().create_future()
+            bound = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(server.serve(self.host, self.port, ready=bound.set_result, stop=stop))
+            await asyncio.wait([bound, task], return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "failed",
+                            "assignment": assignment,
+                            "error": f"cannot serve on port {self.port}: {task.exception()}",
+                        }
+                    )
+                )
+                return
+            self.serving = (assignment, stage, stop, task)
+            await ws.send(json.dumps({"type": "ready", "assignment": assignment, "url": self.advertise_url}))
+            log.info("serving %s layers %d:%d at %s", model, start, end, self.advertise_url)
+
+    async def _stop_serving(self) -> None:
+        if self.serving is None:
+            return
+        _, _, stop, task = self.serving
+        self.serving = None
+        if not stop.done():
+            stop.set_result(None)
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+
+    async def _probe(self, targets: list) -> list[dict]:
+        """RTT (PING/PONG) and uplink (time to push a large frame) to each peer's data plane."""
+        results = []
+        for target in targets[:64]:
+            if not isinstance(target, dict) or not isinstance(target.get("url"), str):
+                continue
+            with contextlib.suppress(OSError, websockets.WebSocketException, asyncio.TimeoutError, SwarmError):
+                results.append(
+                    {"target": str(target.get("target", target["url"]))[:64], **await probe_link(target["url"])}
+                )
+        return results
+
+
+async def probe_link(url: str, timeout: float = 10.0) -> dict:
+    async with connect(url, open_timeout=timeout, compression=None, max_size=None) as ws:
+        started = time.perf_counter()
+        await ws.send(wire.encode(wire.Ping(nonce=1), seq=1))
+        await asyncio.wait_for(ws.recv(), timeout)
+        rtt = time.perf_counter() - started
+        # Any frame is answered once fully received: a PING carrying bytes is refused with an
+        # ERROR, so the time to that answer is one RTT plus pushing the bytes through the uplink.
+        blob = wire.encode(wire.Ping(nonce=2), seq=2) + bytes(PROBE_BYTES)
+        started = time.perf_counter()
+        await ws.send(blob)
+        await asyncio.wait_for(ws.recv(), timeout)
+        push = max(time.perf_counter() - started - rtt, 1e-6)
+    return {"rtt_ms": round(rtt * 1000, 3), "uplink_mbps": round(len(blob) * 8 / push / 1e6, 1)}
