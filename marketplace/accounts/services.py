@@ -1,0 +1,32 @@
+"""Account use cases."""
+
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from django.db import transaction
+
+from marketplace.accounts.errors import RoleRequired
+
+
+@transaction.atomic
+def sign_up(*, username: str, email: str, password: str, provider: bool, customer: bool):
+    """Create a user holding the chosen roles (at least one)."""
+    if not (provider or customer):
+        raise RoleRequired("choose at least one role: provider or customer")
+    user = get_user_model().objects.create_user(
+        username=username, email=email, password=password, is_provider=provider, is_customer=customer
+    )
+    return user
+
+
+@transaction.atomic
+def add_role(user, *, provider: bool = False, customer: bool = False) -> None:
+    fields = []
+    if provider and not user.is_provider:
+        user.is_provider = True
+        fields.append("is_provider")
+    if customer and not user.is_customer:
+        user.is_customer = True
+        fields.append("is_customer")
+    if fields:
+        user.save(update_fields=fields)

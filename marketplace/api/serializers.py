@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from marketplace.nodes.models import Node
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    layer_span = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Node
+        fields = [
+            "id",
+            "name",
+            "region",
+            "state",
+            "node_id",
+            "public_key",
+            "device",
+            "device_name",
+            "memory_bytes",
+            "dtypes",
+            "max_layers",
+            "compute_layer_tokens_per_s",
+            "uplink_mbps",
+            "data_url",
+            "reputation",
+            "connected",
+            "last_heartbeat_at",
+            "load",
+            "joined_at",
+            "created_at",
+            "layer_span",
+        ]
+        read_only_fields = fields
+
+    def get_layer_span(self, node: Node) -> list[dict]:
+        return [
+            {
+                "model": a.model,
+                "layer_start": a.layer_start,
+                "layer_end": a.layer_end,
+                "state": a.state,
+                "spare": a.is_spare,
+            }
+            for a in node.assignments.filter(state__in=["assigned", "ready"])
+        ]
+
+
+class NodeCreateSerializer(serializers.Serializer):
+    name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$", max_length=100)
+    region = serializers.RegexField(r"^[a-z0-9-]{1,64}$", required=False, default="local")
+
+
+class NodeCreatedSerializer(NodeSerializer):
+    join_token = serializers.CharField(read_only=True)
+    join_command = serializers.CharField(read_only=True)
+
+    class Meta(NodeSerializer.Meta):
+        fields = [*NodeSerializer.Meta.fields, "join_token", "join_command"]
+        read_only_fields = fields
+
+
+class JoinTokenSerializer(serializers.Serializer):
+    join_token = serializers.CharField(read_only=True)
+    join_command = serializers.CharField(read_only=True)
+
+
+class AgentRegisterSerializer(serializers.Serializer):
+    token = serializers.CharField(max_length=128)
+    public_key = serializers.RegexField(r"^[0-9a-fA-F]{64}$")
+    signature = serializers.RegexField(r"^[0-9a-fA-F]{128}$")
+    hardware = serializers.DictField()
+    benchmark = serializers.DictField()
+    data_url = serializers.CharField(max_length=255)
+    agent_version = serializers.CharField(max_length=32, required=False, default="")
+
+
+class AgentRegisteredSerializer(serializers.Serializer):
+    node = serializers.CharField()
+    control_url = serializers.CharField()
+    heartbeat_interval_s = serializers.FloatField()

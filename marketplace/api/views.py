@@ -1,0 +1,92 @@
+"""The provider API for nodes and the agents' join endpoint (DRF)."""
+
+from __future__ import annotations
+
+from django.db import transaction
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, permissions, status, viewsets
+from rest_framework.decorators import action, api_view, authentication_classes, permission_classes
+from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from marketplace.api import serializers as s
+from marketplace.nodes import services
+from marketplace.nodes.errors import NodeError
+from marketplace.nodes.models import Node
+
+
+class IsProvider(permissions.BasePermission):
+    message = "this endpoint is for providers"
+
+    def has_permission(self, request, view) -> bool:
+        return bool(request.user and request.user.is_authenticated and request.user.is_provider)
+
+
+def join_command(request: Request, token: str) -> str:
+    base = request.build_absolute_uri("/").rstrip("/")
+    return f"swarm-worker join --control-plane {base} --token {token}"
+
+
+class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
+    """A provider's own nodes. Another provider's node answers 404, as if it did not exist."""
+
+    serializer_class = s.NodeSerializer
+    permission_classes = [permissions.IsAuthenticated, IsProvider]
+
+    def get_queryset(self):
+        if getattr(self, "swagger_fake_view", False):  # schema generation has no user
+            return Node.objects.none()
+        return Node.objects.filter(owner=self.request.user).prefetch_related("assignments").order_by("id")
+
+    @extend_schema(request=s.NodeCreateSerializer, responses={201: s.NodeCreatedSerializer})
+    def create(self, request: Request) -> Response:
+        data = s.NodeCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        if Node.objects.filter(owner=request.user, name=data.validated_data["name"]).exists():
+            raise ValidationError({"name": ["you already have a node with this name"]})
+        try:
+            node, token = services.create_node(owner=request.user, **data.validated_data)
+        except NodeError as exc:
+            raise PermissionDenied(str(exc)) from exc
+        body = s.NodeSerializer(node).data | {"join_token": token, "join_command": join_command(request, token)}
+        return Response(body, status=status.HTTP_201_CREATED)
+
+    def perform_destroy(self, instance: Node) -> None:
+        services.delete_node(instance)
+
+    @extend_schema(request=None, responses=s.NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, pk=None) -> Response:
+        node = services.drain_node(self.get_object())
+        return Response(s.NodeSerializer(node).data)
+
+    @extend_schema(request=None, responses=s.JoinTokenSerializer)
+    @action(detail=True, methods=["post"], url_path="rotate-token")
+    def rotate_token(self, request: Request, pk=None) -> Response:
+        token = services.rotate_join_token(self.get_object())
+        return Response({"join_token": token, "join_command": join_command(request, token)})
+
+
+@extend_schema(request=s.AgentRegisterSerializer, responses={201: s.AgentRegisteredSerializer})
+@api_view(["POST"])
+@authentication_classes([])
+@permission_classes([permissions.AllowAny])
+def register_agent(request: Request) -> Response:
+    """An agent joins with its one-time token, proving it holds the key it registers."""
+    data = s.AgentRegisterSerializer(data=request.data)
+    data.is_valid(raise_exception=True)
+    try:
+        with transaction.atomic():
+            node = services.register_agent(**data.validated_data)
+    except NodeError as exc:
+        code = status.HTTP_403_FORBIDDEN if exc.code in ("invalid_join_token", "node_not_allowed") else 400
+        return Response({"error": {"code": exc.code, "message": str(exc)}}, status=code)
+    scheme = "wss" if request.is_secure() else "ws"
+    control_url = f"{scheme}://{request.get_host()}/ws/agent/"
+    from django.conf import settings
+
+    return Response(
+        {"node": node.node_id, "control_url": control_url, "heartbeat_interval_s": settings.SWARM_HEARTBEAT_INTERVAL_S},
+        status=status.HTTP_201_CREATED,
+    )

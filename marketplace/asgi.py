@@ -1,0 +1,61 @@
+"""ASGI entry point: HTTP (Django), WebSockets (Channels), and lifespan.
+
+On lifespan startup in the embedded default (no Redis), the periodic sweeps (heartbeat
+timeouts, re-placement) run as a task of this process; in production Celery beat runs them.
+
+    uvicorn marketplace.asgi:application --port 8000
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
+
+from django.core.asgi import get_asgi_application
+
+django_app = get_asgi_application()
+
+from channels.db import database_sync_to_async  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.conf import settings  # noqa: E402
+
+from marketplace.routing import websocket_urlpatterns  # noqa: E402
+
+log = logging.getLogger("swarm.scheduler")
+
+router = ProtocolTypeRouter({"http": django_app, "websocket": URLRouter(websocket_urlpatterns)})
+
+
+async def embedded_scheduler(interval_s: float) -> None:
+    from marketplace.placement.tasks import run_periodic
+
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await database_sync_to_async(run_periodic)()
+        except Exception:
+            log.exception("periodic sweep failed")
+
+
+async def application(scope, receive, send):
+    if scope["type"] != "lifespan":
+        await router(scope, receive, send)
+        return
+    task = None
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            if settings.SWARM_EMBEDDED_SCHEDULER:
+                task = asyncio.create_task(embedded_scheduler(settings.SWARM_SWEEP_INTERVAL_S))
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,27 @@
+"""Error codes of the nodes app (used by the API and the control channel)."""
+
+from __future__ import annotations
+
+
+class NodeError(Exception):
+    code = "node_error"
+
+
+class InvalidJoinToken(NodeError):
+    code = "invalid_join_token"
+
+
+class KeyAlreadyRegistered(NodeError):
+    code = "key_already_registered"
+
+
+class InvalidHandshake(NodeError):
+    code = "invalid_handshake"
+
+
+class InvalidReport(NodeError):
+    code = "invalid_report"
+
+
+class NodeNotAllowed(NodeError):
+    code = "node_not_allowed"

@@ -1,0 +1,70 @@
+"""The node registry: who provides which machine, its key, hardware, state and links."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+
+class NodeState(models.TextChoices):
+    PENDING = "pending", "pending"  # added by its owner, agent not joined yet
+    ACTIVE = "active", "active"  # joined and heartbeating
+    DRAINING = "draining", "draining"  # finishing work, gets no new assignment
+    OFFLINE = "offline", "offline"  # missed heartbeats past the timeout
+    EJECTED = "ejected", "ejected"  # removed by strikes or an admin; cannot come back by itself
+
+
+class Node(models.Model):
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="nodes")
+    name = models.CharField(max_length=100)
+    region = models.CharField(max_length=64, default="local")
+    state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.PENDING)
+
+    # Set when the agent joins: node id = "node-" + sha256(public key)[:16], as the agent computes it.
+    node_id = models.CharField(max_length=32, unique=True, null=True, blank=True)
+    public_key = models.CharField(max_length=64, unique=True, null=True, blank=True)  # ed25519, hex
+
+    # One-time join token: only its sha256 is stored; the token itself is shown once.
+    join_token_hash = models.CharField(max_length=64, unique=True, null=True, blank=True)
+    join_token_expires_at = models.DateTimeField(null=True, blank=True)
+
+    # Hardware and benchmark, as the agent reported them at join.
+    device = models.CharField(max_length=16, blank=True)  # "cpu" or "cuda"
+    device_name = models.CharField(max_length=128, blank=True)
+    memory_bytes = models.BigIntegerField(default=0)  # memory available for weights
+    dtypes = models.JSONField(default=list)
+    max_layers = models.PositiveIntegerField(null=True, blank=True)  # a cap the owner set; else from memory
+    compute_layer_tokens_per_s = models.FloatField(default=0.0)  # decode, batch 1, from `swarm-worker bench`
+    uplink_mbps = models.FloatField(null=True, blank=True)
+    data_url = models.CharField(max_length=255, blank=True)  # ws://host:port of its data plane
+    agent_version = models.CharField(max_length=32, blank=True)
+
+    reputation = models.FloatField(default=1.0)
+    connected = models.BooleanField(default=False)
+    connected_since = models.DateTimeField(null=True, blank=True)  # when the current control channel opened
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    load = models.JSONField(default=dict)  # the last heartbeat's load report
+    joined_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.UniqueConstraint(fields=["owner", "name"], name="node_name_unique_per_owner"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.node_id or 'not joined'}, {self.state})"
+
+
+class LinkMeasurement(models.Model):
+    """A measured link from a node to a peer node or a coordinator region (one direction)."""
+
+    source = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="links")
+    target = models.CharField(max_length=64)  # a node id, or "region:<name>"
+    rtt_ms = models.FloatField()
+    uplink_mbps = models.FloatField(null=True, blank=True)
+    measured_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["source", "target"], name="one_link_per_target")]

@@ -1,0 +1,294 @@
+"""Node registry use cases: add, join, authenticate, heartbeat, sweep, drain, delete.
+
+Agents talk to these through the join endpoint and the control channel; providers through the
+API. Every state change is an atomic, conditional write; messages to agents go out on commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import secrets
+from datetime import timedelta
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from nacl.exceptions import BadSignatureError
+from nacl.signing import VerifyKey
+
+from marketplace.nodes.errors import (
+    InvalidHandshake,
+    InvalidJoinToken,
+    InvalidReport,
+    KeyAlreadyRegistered,
+    NodeNotAllowed,
+)
+from marketplace.nodes.models import LinkMeasurement, Node, NodeState
+from worker_agent.control import CONTROL_CONTEXT, JOIN_CONTEXT
+from worker_agent.keys import node_id as node_id_of
+
+log = logging.getLogger("swarm.nodes")
+
+TOKEN_PREFIX = "swj_"
+SPEED_SMOOTHING = 0.3  # weight of the newest measured speed in the node's running estimate
+
+
+def node_group(node_id: str) -> str:
+    """The channel-layer group of a node's control channel."""
+    return f"node.{node_id}"
+
+
+def push(node_id: str, message: dict) -> None:
+    """Send a control message to a node's agent once the current transaction commits."""
+
+    def send() -> None:
+        layer = get_channel_layer()
+        if layer is not None:
+            async_to_sync(layer.group_send)(node_group(node_id), {"type": "control.push", "message": message})
+
+    transaction.on_commit(send)
+
+
+def _hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _new_token() -> tuple[str, str]:
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    return token, _hash_token(token)
+
+
+@transaction.atomic
+def create_node(*, owner, name: str, region: str = "local") -> tuple[Node, str]:
+    """Add a node for a provider; returns it with its one-time join token (shown once)."""
+    if not owner.is_provider:
+        raise NodeNotAllowed("only providers can add nodes")
+    token, token_hash = _new_token()
+    expires = timezone.now() + timedelta(seconds=settings.SWARM_JOIN_TOKEN_TTL_S)
+    node = Node.objects.create(
+        owner=owner, name=name, region=region, join_token_hash=token_hash, join_token_expires_at=expires
+    )
+    return node, token
+
+
+@transaction.atomic
+def rotate_join_token(node: Node) -> str:
+    """A fresh one-time join token (the old one stops working); the next join binds a new key."""
+    token, token_hash = _new_token()
+    expires = timezone.now() + timedelta(seconds=settings.SWARM_JOIN_TOKEN_TTL_S)
+    Node.objects.filter(pk=node.pk).update(join_token_hash=token_hash, join_token_expires_at=expires)
+    return token
+
+
+def _check_public_key(public_key: str) -> bytes:
+    try:
+        raw = bytes.fromhex(public_key)
+        VerifyKey(raw)
+    except (ValueError, TypeError) as exc:
+        raise InvalidReport("public_key must be 64 hex characters of an ed25519 key") from exc
+    if len(raw) != 32:
+        raise InvalidReport("public_key must be 64 hex characters of an ed25519 key")
+    return raw
+
+
+def _verify(public_key: bytes, message: bytes, signature_hex: str, error: type[Exception]) -> None:
+    try:
+        VerifyKey(public_key).verify(message, bytes.fromhex(signature_hex))
+    except (BadSignatureError, ValueError, TypeError) as exc:
+        raise error("the signature does not verify with the node's key") from exc
+
+
+def _number(
+    report: dict, key: str, *, minimum: float = 0.0, maximum: float = 1e15, required: bool = True
+) -> float | None:
+    value = report.get(key)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < minimum:
+        raise InvalidReport(f"{key} must be a number >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise InvalidReport(f"{key} must be at most {maximum:g}, got {value!r}")
+    return float(value)
+
+
+@transaction.atomic
+def register_agent(
+    *,
+    token: str,
+    public_key: str,
+    signature: str,
+    hardware: dict,
+    benchmark: dict,
+    data_url: str,
+    agent_version: str = "",
+) -> Node:
+    """An agent joins with a one-time token and proof that it holds the key it registers."""
+    raw_key = _check_public_key(public_key)
+    if not isinstance(token, str) or not token.startswith(TOKEN_PREFIX):
+        raise InvalidJoinToken("the join token is not valid")
+    _verify(raw_key, JOIN_CONTEXT + token.encode() + b"\0" + raw_key, signature, InvalidReport)
+    node = Node.objects.select_for_update().filter(join_token_hash=_hash_token(token)).first()
+    if node is None or node.join_token_expires_at is None or node.join_token_expires_at < timezone.now():
+        raise InvalidJoinToken("the join token is not valid (unknown, used or expired)")
+    if node.state == NodeState.EJECTED:
+        raise NodeNotAllowed("this node was ejected")
+    if not (isinstance(data_url, str) and data_url.startswith(("ws://", "wss://")) and len(data_url) <= 255):
+        raise InvalidReport("data_url must be a ws:// or wss:// URL")
+    memory = _number(hardware, "memory_bytes", minimum=1, maximum=2**62)  # fits a bigint
+    max_layers = _number(hardware, "max_layers", minimum=1, maximum=100_000, required=False)
+    compute = _number(benchmark, "layer_tokens_per_s", minimum=1e-9)
+    dtypes = hardware.get("dtypes", [])
+    if not isinstance(dtypes, list) or not all(isinstance(d, str) and 0 < len(d) <= 16 for d in dtypes):
+        raise InvalidReport("dtypes must be a list of dtype names")
+    node.public_key = public_key.lower()
+    node.node_id = node_id_of(raw_key)
+    node.join_token_hash = None
+    node.join_token_expires_at = None
+    node.device = str(hardware.get("device", ""))[:16]
+    node.device_name = str(hardware.get("device_name", ""))[:128]
+    node.memory_bytes = int(memory)
+    node.dtypes = dtypes[:8]
+    node.max_layers = int(max_layers) if max_layers else None
+    node.compute_layer_tokens_per_s = compute
+    node.data_url = data_url
+    node.agent_version = str(agent_version)[:32]
+    node.joined_at = timezone.now()
+    try:
+        with transaction.atomic():
+            node.save()
+    except IntegrityError as exc:
+        raise KeyAlreadyRegistered("this key is already registered to another node") from exc
+    return node
+
+
+def authenticate(*, node_id: str, nonce: bytes, signature: str) -> Node:
+    """Check a control-channel handshake: the node's key signed this connection's fresh nonce."""
+    node = Node.objects.filter(node_id=node_id).first() if isinstance(node_id, str) else None
+    if node is None or not node.public_key:
+        raise InvalidHandshake("unknown node")
+    _verify(bytes.fromhex(node.public_key), CONTROL_CONTEXT + nonce + node_id.encode(), signature, InvalidHandshake)
+    if node.state == NodeState.EJECTED:
+        raise NodeNotAllowed("this node was ejected")
+    return node
+
+
+@transaction.atomic
+def node_connected(node_pk: int) -> Node:
+    """The control channel is up: a pending or offline node becomes active."""
+    now = timezone.now()
+    Node.objects.filter(pk=node_pk).update(connected=True, last_heartbeat_at=now, connected_since=now)
+    Node.objects.filter(pk=node_pk, state__in=[NodeState.PENDING, NodeState.OFFLINE]).update(state=NodeState.ACTIVE)
+    node = Node.objects.get(pk=node_pk)
+    _placement_changed()
+    return node
+
+
+def node_disconnected(node_pk: int, connected_at) -> None:
+    """A channel opened at ``connected_at`` closed; the node stays as it is until its heartbeats
+    time out. A newer channel (the agent reconnected first) keeps the node connected."""
+    Node.objects.filter(pk=node_pk, connected_since__lte=connected_at).update(connected=False)
+
+
+@transaction.atomic
+def record_heartbeat(node_pk: int, load: dict) -> None:
+    if not isinstance(load, dict):
+        raise InvalidReport("load must be an object")
+    clean = {}
+    for key in ("sessions", "tokens_served", "uptime_s", "queue", "layer_ms"):
+        if key in load:
+            clean[key] = _number(load, key)
+    for key in ("model", "state"):
+        if key in load:
+            clean[key] = str(load[key])[:64]
+    now = timezone.now()
+    updates = {"last_heartbeat_at": now, "load": clean, "connected": True}
+    if clean.get("layer_ms"):
+        # The measured speed under real traffic replaces the join-time benchmark, smoothed.
+        node = Node.objects.only("compute_layer_tokens_per_s").get(pk=node_pk)
+        measured = 1000.0 / clean["layer_ms"]
+        updates["compute_layer_tokens_per_s"] = SPEED_SMOOTHING * measured + (1 - SPEED_SMOOTHING) * (
+            node.compute_layer_tokens_per_s or measured
+        )
+    Node.objects.filter(pk=node_pk).update(**updates)
+    if Node.objects.filter(pk=node_pk, state=NodeState.OFFLINE).update(state=NodeState.ACTIVE):
+        _placement_changed()
+
+
+def sweep_heartbeats(now=None) -> list[str]:
+    """Nodes silent past the timeout go offline and lose their assignments; returns their ids."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.SWARM_HEARTBEAT_TIMEOUT_S)
+    silent = list(
+        Node.objects.filter(state__in=[NodeState.ACTIVE, NodeState.DRAINING], last_heartbeat_at__lt=cutoff).values_list(
+            "pk", "node_id"
+        )
+    )
+    gone = []
+    for pk, node_id in silent:
+        with transaction.atomic():
+            # Conditional: a heartbeat that raced in keeps the node.
+            if Node.objects.filter(
+                pk=pk, state__in=[NodeState.ACTIVE, NodeState.DRAINING], last_heartbeat_at__lt=cutoff
+            ).update(state=NodeState.OFFLINE, connected=False):
+                from marketplace.placement.services import release_node
+
+                release_node(pk)
+                gone.append(node_id)
+                log.info("node %s went offline (no heartbeat since %s)", node_id, cutoff.isoformat())
+    if gone:
+        _placement_changed()
+    return gone
+
+
+@transaction.atomic
+def drain_node(node: Node) -> Node:
+    if Node.objects.filter(pk=node.pk, state__in=[NodeState.ACTIVE, NodeState.PENDING]).update(
+        state=NodeState.DRAINING
+    ):
+        if node.node_id:
+            push(node.node_id, {"type": "drain"})
+        _placement_changed()
+    node.refresh_from_db()
+    return node
+
+
+@transaction.atomic
+def delete_node(node: Node) -> None:
+    if node.node_id:
+        push(node.node_id, {"type": "stop", "reason": "the node was deleted by its owner"})
+    from marketplace.placement.services import release_node
+
+    release_node(node.pk)
+    node.delete()
+    _placement_changed()
+
+
+@transaction.atomic
+def record_links(node_pk: int, results: list) -> int:
+    """Store the RTT/uplink an agent measured to the targets it was asked to probe."""
+    if not isinstance(results, list) or len(results) > 1024:
+        raise InvalidReport("results must be a list of at most 1024 measurements")
+    now = timezone.now()
+    for result in results:
+        if not isinstance(result, dict) or not isinstance(result.get("target"), str):
+            raise InvalidReport("each measurement needs a target")
+        rtt = _number(result, "rtt_ms")
+        uplink = _number(result, "uplink_mbps", required=False)
+        LinkMeasurement.objects.update_or_create(
+            source_id=node_pk,
+            target=result["target"][:64],
+            defaults={"rtt_ms": rtt, "uplink_mbps": uplink, "measured_at": now},
+        )
+        if uplink is not None and result["target"].startswith("region:"):
+            Node.objects.filter(pk=node_pk).update(uplink_mbps=uplink)
+    return len(results)
+
+
+def _placement_changed() -> None:
+    from marketplace.placement.services import mark_dirty
+
+    transaction.on_commit(mark_dirty)

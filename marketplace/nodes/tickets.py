@@ -1,0 +1,34 @@
+"""The control plane's job-ticket issuer key (ed25519). Agents trust its public half, which
+they receive in the control channel's welcome; per-job tickets are signed with it."""
+
+from __future__ import annotations
+
+import fcntl
+from functools import cache
+
+from django.conf import settings
+from nacl.signing import SigningKey
+
+from worker_agent.keys import generate_signing_key, load_signing_key, public_key_bytes, write_key
+from worker_agent.tickets import issue_ticket
+
+
+@cache
+def issuer_key() -> SigningKey:
+    path = settings.SWARM_TICKET_KEY_PATH
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".ticket.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # several web processes may start at once
+        if not path.exists():
+            write_key(path, generate_signing_key())
+    return load_signing_key(path)
+
+
+def issuer_public_key() -> bytes:
+    return public_key_bytes(issuer_key())
+
+
+def ticket_for(*, job: str, node: str, model: str, layer_start: int, layer_end: int, ttl_s: float = 3600) -> bytes:
+    return issue_ticket(
+        issuer_key(), job=job, node=node, model=model, layer_start=layer_start, layer_end=layer_end, ttl_s=ttl_s
+    )

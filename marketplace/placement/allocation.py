@@ -1,0 +1,461 @@
+"""Layer allocation: how many pipelines, which nodes in each, and which layers each node hosts.
+
+A model of ``L`` decoder layers is served by ``k`` disjoint pipelines; each pipeline is a chain of
+stages, a stage being one node hosting a contiguous block of layers, and together a pipeline's
+stages cover ``[0, L)``. Three decisions, after Parallax:
+
+1. the number of pipelines ``k`` and their members (:func:`choose_pipeline_count`), from the
+   nodes' memory (``max_layers``) alone: more pipelines serve more requests at once, more stages
+   per pipeline add a network hop per token;
+2. the layer split inside a pipeline (:func:`water_fill`), proportional to the members' compute
+   and capped by their memory, so that every stage takes about the same time per token;
+3. when to redo it (:func:`needs_rebalance`): the coefficient of variation of per-layer load.
+
+Spares (nodes no pipeline needs) keep a warm copy of a loaded stage's block, ready for healing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+from marketplace.placement.errors import PlacementError
+
+# Above this many multiset states the exact pipeline-count DP gives way to the greedy; 2**16
+# covers every instance of 16 nodes or fewer (and larger ones whose capacities repeat).
+EXACT_STATES = 1 << 16
+DEFAULT_MIN_REPUTATION = 0.5
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """What placement knows of one node."""
+
+    node: str  # node id
+    compute: float  # relative throughput, layer-tokens/s from the agent's benchmark; > 0
+    max_layers: int  # decoder layers that fit in the node's memory; >= 1
+    reputation: float = 1.0  # below the placement threshold the node is kept off pipelines
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node, str) or not self.node:
+            raise PlacementError(f"node id must be a non-empty string, got {self.node!r}")
+        if not (math.isfinite(self.compute) and self.compute > 0):
+            raise PlacementError(f"{self.node}: compute must be finite and > 0, got {self.compute!r}")
+        if isinstance(self.max_layers, bool) or not isinstance(self.max_layers, int) or self.max_layers < 1:
+            raise PlacementError(f"{self.node}: max_layers must be an int >= 1, got {self.max_layers!r}")
+        if not math.isfinite(self.reputation):
+            raise PlacementError(f"{self.node}: reputation must be finite, got {self.reputation!r}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One node hosting layers ``[layer_start, layer_end)``."""
+
+    node: str
+    layer_start: int  # first layer hosted, inclusive
+    layer_end: int  # end of the block, exclusive
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_start < self.layer_end:
+            raise PlacementError(f"{self.node}: bad span {self.layer_start}:{self.layer_end}")
+
+    @property
+    def layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The chosen number of pipelines and their members (node ids, largest memory first)."""
+
+    k: int  # number of disjoint pipelines
+    pipelines: tuple[tuple[str, ...], ...]  # members of each pipeline
+    stages_total: int  # s(k): nodes used over all pipelines
+    score: float  # k**2 / stages_total, the quantity maximised
+    spares: tuple[str, ...]  # nodes in no pipeline, largest memory first
+    exact: bool = True  # False when s(k) came from the greedy (more than EXACT_STATES states)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The outcome of :func:`place`: the stages of every pipeline and the spares' warm blocks."""
+
+    n_layers: int
+    plan: PipelinePlan
+    pipelines: tuple[tuple[Stage, ...], ...]  # each covers [0, n_layers) in order
+    spares: tuple[Stage, ...]  # warm blocks of nodes that carry no pipeline load
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """Every load-bearing stage, pipeline after pipeline."""
+        return tuple(stage for pipeline in self.pipelines for stage in pipeline)
+
+
+def _check_layers(n_layers: int) -> None:
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise PlacementError(f"n_layers must be an int >= 1, got {n_layers!r}")
+
+
+def _check_unique(nodes: Sequence[NodeCapacity]) -> None:
+    if not nodes:
+        raise PlacementError("no nodes to place on")
+    ids = [n.node for n in nodes]
+    if len(set(ids)) != len(ids):
+        raise PlacementError("duplicate node ids")
+
+
+def water_fill(nodes: Sequence[NodeCapacity], n_layers: int) -> dict[str, int]:
+    """Split ``n_layers`` over ``nodes`` in proportion to compute, capped by memory.
+
+    Continuous shares: ``x_i = min(cap_i, lam * c_i)`` with the water level ``lam`` chosen so that
+    ``sum x_i = L``. ``G(lam) = sum min(cap_i, lam * c_i)`` is continuous and non-decreasing, so
+    the level is found by sorting the nodes by their saturation level ``t_i = cap_i / c_i``: with
+    the first ``j`` nodes saturated, ``lam_j = (L - sum_{i<j} cap_i) / sum_{i>=j} c_i``, and the
+    answer is the smallest ``j`` with ``lam_j <= t_j``. This is the fixed point of "cap the
+    saturated nodes, share the rest in proportion among the others, repeat", in O(n log n).
+
+    Integers by largest remainder: every node gets ``floor(x_i)`` (``<= cap_i``), and the
+    ``L - sum floor(x_i)`` layers left go one each to the largest fractional parts, ties to the
+    smaller node id. Those nodes have ``floor(x_i) < x_i <= cap_i``, so caps hold, and since the
+    fractional parts are each < 1 and sum to the layers left, there are always enough of them.
+    Shares are computed in exact rational arithmetic, so ties are real ties.
+
+    Zero layers: a node's result is 0 exactly when its share is below 1 and it loses the
+    remainder round, which must happen to someone when there are more nodes than layers. Every
+    node appears in the result; callers drop the zeros (:func:`spans_for` makes no stage for them).
+
+    Raises PlacementError when ``sum cap_i < L``.
+    """
+    _check_layers(n_layers)
+    _check_unique(nodes)
+    if sum(n.max_layers for n in nodes) < n_layers:
+        raise PlacementError(f"{len(nodes)} nodes hold {sum(n.max_layers for n in nodes)} layers, need {n_layers}")
+    compute = {n.node: Fraction(n.compute) for n in nodes}
+    by_level = sorted(nodes, key=lambda n: (n.max_layers / compute[n.node], n.node))
+    suffix_compute = list(itertools.accumulate(reversed([compute[n.node] for n in by_level])))[::-1]
+    shares: dict[str, Fraction] = {n.node: Fraction(n.max_layers) for n in nodes}
+    saturated_layers = 0
+    for j, node in enumerate(by_level):
+        level = (n_layers - saturated_layers) / suffix_compute[j]
+        if level <= node.max_layers / compute[node.node]:
+            for rest in by_level[j:]:
+                shares[rest.node] = level * compute[rest.node]
+            break
+        saturated_layers += node.max_layers
+    layers = {n.node: math.floor(shares[n.node]) for n in nodes}
+    left = n_layers - sum(layers.values())
+    for node in sorted(nodes, key=lambda n: (layers[n.node] - shares[n.node], n.node))[:left]:
+        layers[node.node] += 1
+    return layers
+
+
+def spans_for(order: Sequence[str], layers: Mapping[str, int]) -> list[Stage]:
+    """Contiguous stages from layer 0 in the given node order; a node with 0 layers gets no stage."""
+    if len(set(order)) != len(order):
+        raise PlacementError("duplicate node in stage order")
+    if any(layers.get(node, 0) > 0 for node in set(layers) - set(order)):
+        raise PlacementError("layers given to a node missing from the order")
+    stages, start = [], 0
+    for node in order:
+        if node not in layers or layers[node] < 0:
+            raise PlacementError(f"{node}: no layer count, or a negative one")
+        if layers[node]:
+            stages.append(Stage(node, start, start + layers[node]))
+            start += layers[node]
+    return stages
+
+
+def _as_nodes(capacities: Sequence[int] | Sequence[NodeCapacity]) -> list[NodeCapacity]:
+    """Bare capacities become nodes named by their index ("0", "1", ...) with equal compute."""
+    return [c if isinstance(c, NodeCapacity) else NodeCapacity(str(i), 1.0, c) for i, c in enumerate(capacities)]
+
+
+def _add(value: int, cap: int, n_layers: int) -> int:
+    """One item into the sequential bin-covering state ``value = covered * L + fill``."""
+    fill = value % n_layers
+    return value + cap if fill + cap < n_layers else (value // n_layers + 1) * n_layers
+
+
+def _exact_groups(caps: list[int], n_layers: int) -> list[list[int]]:
+    """Exact s*(k) for every k and the groups of the best k (indices into ``caps``, sorted desc).
+
+    ``cover(S)``, the most disjoint groups of items of ``S`` each summing to >= L, is the best, over
+    all orders of ``S``, of filling one open bin at a time and closing it once it reaches L (an
+    optimal grouping laid out group after group closes at least as many bins). The DP keeps, per
+    multiset of items (a count per distinct capacity), the lexicographically largest (closed
+    bins, open fill): one more closed bin beats any fill below L. ``s*(k)`` is then the shortest
+    prefix ``s`` of the items sorted by capacity with ``cover(prefix_s) >= k`` (exchange argument:
+    swapping a used node for a larger unused one never uncovers a group). At that minimal ``s``
+    the best order closes exactly k bins with nothing left open, or a shorter prefix would do.
+    """
+    values = sorted(set(caps), reverse=True)
+    counts = [caps.count(v) for v in values]
+    strides = [math.prod(c + 1 for c in counts[:t]) for t in range(len(values))]
+    states = strides[-1] * (counts[-1] + 1)
+    best, last = [0] * states, [0] * states  # value = closed * L + fill; last class added
+    digits = [0] * len(values)  # the state's count of each class, kept as an odometer
+    classes = list(enumerate(zip(values, strides, strict=True)))
+    for state in range(1, states):
+        t = 0
+        while digits[t] == counts[t]:
+            digits[t] = 0
+            t += 1
+        digits[t] += 1
+        top = arg = -1
+        for t, (value, stride) in classes:
+            if digits[t]:
+                candidate = _add(best[state - stride], value, n_layers)
+                if candidate > top:
+                    top, arg = candidate, t
+        best[state], last[state] = top, arg
+    prefix_states, state = [0], 0
+    for t, count in enumerate(counts):
+        for _ in range(count):
+            state += strides[t]
+            prefix_states.append(state)
+    covered = [best[s] // n_layers for s in prefix_states]
+    fewest = {k: bisect.bisect_left(covered, k) for k in range(1, covered[-1] + 1)}  # k -> s*(k)
+    k = max(fewest, key=lambda k: (Fraction(k * k, fewest[k]), k))
+    state, sequence = prefix_states[fewest[k]], []
+    while state:
+        sequence.append(last[state])
+        state -= strides[last[state]]
+    first_of = {v: caps.index(v) for v in values}
+    taken = dict.fromkeys(range(len(values)), 0)
+    groups, group, fill = [], [], 0
+    for t in reversed(sequence):
+        group.append(first_of[values[t]] + taken[t])
+        taken[t] += 1
+        fill += values[t]
+        if fill >= n_layers:
+            groups.append(sorted(group))
+            group, fill = [], 0
+    return groups
+
+
+def _spread(caps: list[int], n_layers: int, k: int) -> list[list[int]] | None:
+    """Greedy 1: each next-largest node joins the open pipeline missing the most layers (LPT)."""
+    heap = [(-n_layers, b) for b in range(k)]
+    groups: list[list[int]] = [[] for _ in range(k)]
+    for i, cap in enumerate(caps):
+        deficit, b = heapq.heappop(heap)
+        groups[b].append(i)
+        if -deficit > cap:
+            heapq.heappush(heap, (deficit + cap, b))
+        elif not heap:
+            return groups
+    return None
+
+
+def _best_fit(caps: list[int], n_layers: int, k: int) -> list[list[int]] | None:
+    """Greedy 2: pipeline after pipeline, take the largest node left, or, once a node left can
+    close the pipeline, the smallest such node (the least memory wasted past ``n_layers``)."""
+    pool = sorted((cap, -i) for i, cap in enumerate(caps))
+    groups = []
+    for _ in range(k):
+        group, deficit = [], n_layers
+        while deficit > 0:
+            if not pool:
+                return None
+            j = bisect.bisect_left(pool, (deficit, -len(caps))) if pool[-1][0] >= deficit else len(pool) - 1
+            cap, minus_i = pool.pop(j)
+            group.append(-minus_i)
+            deficit -= cap
+        groups.append(sorted(group))
+    return groups
+
+
+def _greedy_groups(caps: list[int], n_layers: int) -> list[list[int]]:
+    """Branch and bound over k, with the better of two greedy bin coverings as s(k).
+
+    ``LB(k) = max(k, shortest prefix whose sum reaches k*L)`` bounds s*(k) below, so k is skipped
+    when ``k**2 / LB(k)`` cannot beat the best score found; k runs from the largest feasible down,
+    and since ``k**2 / LB(k) <= k`` the search stops once the best score reaches k.
+    """
+    prefix = list(itertools.accumulate(caps))
+    best: tuple[int, int, list[list[int]]] | None = None
+    for k in range(min(len(caps), prefix[-1] // n_layers), 0, -1):
+        if best is not None and k * best[1] <= best[0] ** 2:
+            break
+        lower = max(k, bisect.bisect_left(prefix, k * n_layers) + 1)
+        if best is not None and k * k * best[1] <= best[0] ** 2 * lower:
+            continue
+        for groups in (_spread(caps, n_layers, k), _best_fit(caps, n_layers, k)):
+            used = None if groups is None else sum(len(g) for g in groups)
+            if used is not None and (best is None or k * k * best[1] > best[0] ** 2 * used):
+                best = (k, used, groups)
+    assert best is not None  # k = 1 always succeeds: the capacities sum to >= L
+    return best[2]
+
+
+def choose_pipeline_count(capacities: Sequence[int] | Sequence[NodeCapacity], n_layers: int) -> PipelinePlan:
+    """Choose k, the number of disjoint pipelines, maximising ``k**2 / s*(k)`` (ties: larger k).
+
+    A pipeline is a set of nodes whose ``max_layers`` sum to >= ``n_layers`` (a node's capacity
+    counts up to ``n_layers``); ``s*(k)`` is the fewest nodes that can form k pipelines at once.
+    Throughput grows with k while every extra stage costs a hop per token, whence Parallax's
+    ``k**2 / s``: k pipelines of ``s/k`` stages each.
+
+    Nodes are ranked by capacity (largest first, then compute, then id); by the exchange argument
+    the nodes used can always be taken as a prefix of that ranking. Exact (multiset DP, see
+    ``_exact_groups``) when the instance has at most ``EXACT_STATES`` states, which includes every
+    instance of 16 nodes or fewer. Above that ``s(k)`` is the fewer nodes of two greedy bin
+    coverings, ``_spread`` (LPT: next-largest node into the pipeline missing the most layers)
+    and ``_best_fit`` (close each pipeline with the smallest node that does): exact for k = 1
+    and whenever every node covers a pipeline alone, an upper bound on s*(k) otherwise
+    (``bench/placement.py`` counts how often it matches the exact score on small random
+    instances); ``exact`` says which path ran. Bare integer capacities name their nodes by
+    index: "0", "1", ...
+
+    Raises PlacementError when all nodes together cannot hold ``n_layers``.
+    """
+    _check_layers(n_layers)
+    nodes = _as_nodes(capacities)
+    _check_unique(nodes)
+    ranked = sorted(nodes, key=lambda n: (-min(n.max_layers, n_layers), -n.compute, n.node))
+    caps = [min(n.max_layers, n_layers) for n in ranked]
+    if sum(caps) < n_layers:
+        raise PlacementError(f"{len(nodes)} nodes hold {sum(caps)} layers, need {n_layers}")
+    exact = math.prod(caps.count(v) + 1 for v in set(caps)) <= EXACT_STATES
+    groups = _exact_groups(caps, n_layers) if exact else _greedy_groups(caps, n_layers)
+    used = {i for group in groups for i in group}
+    stages_total = len(used)
+    return PipelinePlan(
+        k=len(groups),
+        pipelines=tuple(tuple(ranked[i].node for i in group) for group in groups),
+        stages_total=stages_total,
+        score=len(groups) ** 2 / stages_total,
+        spares=tuple(n.node for i, n in enumerate(ranked) if i not in used),
+        exact=exact,
+    )
+
+
+def place(
+    nodes: Sequence[NodeCapacity],
+    n_layers: int,
+    *,
+    min_reputation: float = DEFAULT_MIN_REPUTATION,
+    spares_per_pipeline: int = 0,
+    max_stages: int = 8,
+) -> Placement:
+    """Pipelines, their stages and the spares' warm blocks for a model of ``n_layers`` layers.
+
+    1. Nodes with ``reputation >= min_reputation`` are trusted. Only when the trusted nodes
+       cannot hold the model together are low-reputation nodes admitted, highest reputation
+       first (then most memory, then id), just until the layers fit; the rest are spares.
+    2. :func:`choose_pipeline_count` over the admitted nodes gives k and each pipeline's minimal
+       members. Of the admitted nodes left over, up to ``spares_per_pipeline`` per pipeline are
+       kept as spares (largest first); the rest join the pipelines, each to the one with the
+       least compute so far, while it has fewer than ``max_stages`` stages: a provider's node
+       earns only on the serving path, and more stages split the per-token compute further.
+    3. Each pipeline's ``n_layers`` are water-filled over its members (:func:`water_fill`), in
+       the member order of the plan; a member the split leaves at 0 layers becomes a spare.
+    4. A spare keeps a warm copy of a stage: among the stages it can hold (``layers <=
+       max_layers``) the one with the fewest spares so far, then the most loaded (layers /
+       compute: the slowest), then the earliest pipeline and layer. While every stage has at
+       most one spare this is "the most loaded stage it can hold"; further spares spread over
+       the stages instead of piling on one. A spare too small for any stage holds the first
+       ``max_layers`` layers of the most loaded stage, a partial block that still shortens a heal.
+    Spares are taken trusted first, each by capacity (largest first), compute, then id.
+    """
+    _check_layers(n_layers)
+    _check_unique(nodes)
+    trusted = [n for n in nodes if n.reputation >= min_reputation]
+    doubtful = sorted(
+        (n for n in nodes if n.reputation < min_reputation), key=lambda n: (-n.reputation, -n.max_layers, n.node)
+    )
+    admitted, missing = list(trusted), n_layers - sum(min(n.max_layers, n_layers) for n in trusted)
+    for node in doubtful:
+        if missing <= 0:
+            break
+        admitted.append(node)
+        missing -= min(node.max_layers, n_layers)
+    if missing > 0:
+        raise PlacementError(f"{len(nodes)} nodes cannot hold {n_layers} layers")
+    plan = choose_pipeline_count(admitted, n_layers)
+    by_id = {n.node: n for n in nodes}
+    groups = [list(members) for members in plan.pipelines]
+    used = {m for members in groups for m in members}
+    extra = sorted((n for n in admitted if n.node not in used), key=lambda n: (-n.max_layers, -n.compute, n.node))
+    extra = extra[spares_per_pipeline * len(groups) :]
+    for node in extra:
+        open_groups = [g for g in groups if len(g) < max_stages]
+        if not open_groups:
+            break
+        target = min(open_groups, key=lambda g: (sum(by_id[m].compute for m in g), groups.index(g)))
+        target.append(node.node)
+    pipelines, idle = [], []
+    for members in groups:
+        layers = water_fill([by_id[m] for m in members], n_layers)
+        pipelines.append(tuple(spans_for(members, layers)))
+        idle += [by_id[m] for m in members if layers[m] == 0]
+    in_pipelines = {m for members in groups for m in members}
+    rank = {n.node: (n.reputation < min_reputation, -n.max_layers, -n.compute, n.node) for n in nodes}
+    idle = sorted(idle + [n for n in nodes if n.node not in in_pipelines], key=lambda n: rank[n.node])
+    loaded = sorted(  # time per token of each stage, in units of 1/compute: layers / compute
+        ((p, stage) for p, pipeline in enumerate(pipelines) for stage in pipeline),
+        key=lambda ps: (-ps[1].layers / by_id[ps[1].node].compute, ps[0], ps[1].layer_start),
+    )
+    spares_on = [0] * len(loaded)
+    spares = []
+    for node in idle:
+        fits = [i for i, (_, stage) in enumerate(loaded) if stage.layers <= node.max_layers]
+        if fits:
+            i = min(fits, key=lambda i: (spares_on[i], i))
+            spares_on[i] += 1
+            spares.append(Stage(node.node, loaded[i][1].layer_start, loaded[i][1].layer_end))
+        else:
+            start = loaded[0][1].layer_start
+            spares.append(Stage(node.node, start, start + node.max_layers))
+    return Placement(n_layers=n_layers, plan=plan, pipelines=tuple(pipelines), spares=tuple(spares))
+
+
+def per_layer_load(stages: Sequence[Stage], n_layers: int, compute: Mapping[str, float]) -> list[float]:
+    """Each layer's time per token in steady state, from the stages that host it.
+
+    A node of ``compute`` c (layer-tokens/s) hosting a stage of m layers passes c/m tokens/s, and
+    that rate serves each of its layers; a layer hosted by several stages (several pipelines)
+    is served at the sum of their rates. ``load_j = 1 / sum_{stages s hosting j} c_s / m_s``.
+    With a proportional split (m_s ~ c_s) every layer's load is equal: the CV is 0 exactly when
+    no stage is a bottleneck, whatever the nodes' individual speeds.
+    """
+    _check_layers(n_layers)
+    rate = [0.0] * n_layers
+    for stage in stages:
+        speed = compute.get(stage.node)
+        if speed is None or not (math.isfinite(speed) and speed > 0):
+            raise PlacementError(f"{stage.node}: no valid compute for its stage")
+        if stage.layer_end > n_layers:
+            raise PlacementError(f"{stage.node}: stage ends at {stage.layer_end} > {n_layers} layers")
+        for layer in range(stage.layer_start, stage.layer_end):
+            rate[layer] += speed / stage.layers
+    if 0.0 in rate:
+        raise PlacementError(f"layer {rate.index(0.0)} is hosted by no stage")
+    return [1.0 / r for r in rate]
+
+
+def layer_load_cv(per_layer_load: Sequence[float]) -> float:
+    """Coefficient of variation of per-layer load: population std / mean (0 when all loads are 0).
+
+    ``mu = sum x_j / L``, ``sigma = sqrt(sum (x_j - mu)**2 / L)``, ``CV = sigma / mu``. Loads are
+    one number per layer, e.g. :func:`per_layer_load`, or measured per-layer latencies.
+    """
+    loads = [float(x) for x in per_layer_load]
+    if not loads:
+        raise PlacementError("no per-layer loads")
+    if not all(math.isfinite(x) and x >= 0 for x in loads):
+        raise PlacementError("per-layer loads must be finite and >= 0")
+    mean = math.fsum(loads) / len(loads)
+    if mean == 0:
+        return 0.0
+    return math.sqrt(math.fsum((x - mean) ** 2 for x in loads) / len(loads)) / mean
+
+
+def needs_rebalance(per_layer_load: Sequence[float], threshold: float = 0.25) -> bool:
+    """Parallax's trigger: rebalance when the per-layer load's CV is strictly above ``threshold``."""
+    return layer_load_cv(per_layer_load) > threshold

@@ -1,0 +1,10 @@
+"""The placement package's one exception.
+
+``PlacementError`` is raised for an input that cannot be placed (not enough memory for the
+model, no chain of stages covering every layer) and for a malformed input (a non-positive
+compute, a duplicate node id); placement never returns a partial answer instead.
+"""
+
+
+class PlacementError(Exception):
+    """The nodes, layers or measurements given cannot be turned into a valid placement."""

@@ -1,0 +1,139 @@
+"""Read queries about placements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db.models import Max
+
+from marketplace.nodes.models import LinkMeasurement, Node, NodeState
+from marketplace.placement.models import Assignment, AssignmentState, PlacementState
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    node: str
+    node_key: str
+    data_url: str
+    layer_start: int
+    layer_end: int
+    region: str
+
+
+def live_assignments(model: str):
+    return (
+        Assignment.objects.filter(model=model, state__in=[AssignmentState.ASSIGNED, AssignmentState.READY])
+        .select_related("node")
+        .order_by("pipeline", "position")
+    )
+
+
+def assignments_of_node(node_pk: int):
+    return Assignment.objects.filter(node_id=node_pk, state__in=[AssignmentState.ASSIGNED, AssignmentState.READY])
+
+
+def servable_pipelines(model: str) -> list[list[PipelineStage]]:
+    """Pipelines of the current placement whose every stage is ready on an active node, in order."""
+    state = PlacementState.objects.filter(model=model).first()
+    if state is None:
+        return []
+    pipelines: dict[int, list[Assignment]] = {}
+    for assignment in live_assignments(model).filter(is_spare=False):
+        pipelines.setdefault(assignment.pipeline, []).append(assignment)
+    servable = []
+    for stages in pipelines.values():
+        if not all(a.state == AssignmentState.READY and a.node.state == NodeState.ACTIVE for a in stages):
+            continue
+        position = 0
+        for a in stages:
+            if a.layer_start != position:
+                break
+            position = a.layer_end
+        else:
+            from worker_agent import model as models
+
+            if position == models.n_layers(model):
+                servable.append(
+                    [
+                        PipelineStage(
+                            a.node.node_id,
+                            a.node.public_key,
+                            a.data_url or a.node.data_url,
+                            a.layer_start,
+                            a.layer_end,
+                            a.node.region,
+                        )
+                        for a in stages
+                    ]
+                )
+    return servable
+
+
+def is_servable(model: str) -> bool:
+    return bool(servable_pipelines(model))
+
+
+def region_target(region: str) -> str:
+    return f"region:{region}"
+
+
+def link_maps(node_ids: list[str]) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """Measured round trips (directed, by node id or ``region:<name>``) and uplinks.
+
+    A node measures its links to peers (each direction by its sender) and to coordinator
+    regions; a region cannot measure back, so a node<->region link counts the node's measurement
+    for both directions. A region's uplink is configured (SWARM_REGION_UPLINK_MBPS).
+    """
+    rtt: dict[tuple[str, str], float] = {}
+    uplink: dict[str, float] = {}
+    rows = LinkMeasurement.objects.filter(source__node_id__in=node_ids).values_list(
+        "source__node_id", "target", "rtt_ms"
+    )
+    for source, target, value in rows:
+        rtt[(source, target)] = value
+        if target.startswith("region:"):
+            rtt[(target, source)] = value
+    measured = LinkMeasurement.objects.filter(source__node_id__in=node_ids, uplink_mbps__isnull=False)
+    for source, value in (
+        measured.values("source__node_id").annotate(best=Max("uplink_mbps")).values_list("source__node_id", "best")
+    ):
+        uplink[source] = value
+    for source, value in Node.objects.filter(node_id__in=node_ids, uplink_mbps__isnull=False).values_list(
+        "node_id", "uplink_mbps"
+    ):
+        uplink.setdefault(source, value)
+    for region in settings.SWARM_COORDINATOR_REGIONS:
+        uplink[region_target(region)] = settings.SWARM_REGION_UPLINK_MBPS
+    return rtt, uplink
+
+
+def route_request(model: str):
+    """The lowest-latency chain of ready stages (from any pipeline) for one request, and the
+    coordinator region it starts from; None when the model is not servable."""
+    from marketplace.placement.allocation import Stage
+    from marketplace.placement.routing import route
+    from worker_agent import model as models
+
+    stages = [stage for pipeline in servable_pipelines(model) for stage in pipeline]
+    if not stages:
+        return None
+    nodes = sorted({stage.node for stage in stages})
+    rtt, _ = link_maps(nodes)
+    speed = dict(Node.objects.filter(node_id__in=nodes).values_list("node_id", "compute_layer_tokens_per_s"))
+    layer_ms = {node: 1000.0 / value for node, value in speed.items() if value}
+    best = None
+    for region in settings.SWARM_COORDINATOR_REGIONS:
+        source = region_target(region)
+        candidate = route(
+            [Stage(s.node, s.layer_start, s.layer_end) for s in stages],
+            models.n_layers(model),
+            rtt,
+            layer_ms,
+            source=source,
+        )
+        if best is None or candidate.cost_ms < best[1].cost_ms:
+            best = (region, candidate)
+    region, chosen = best
+    by_key = {(s.node, s.layer_start, s.layer_end): s for s in stages}
+    return region, [by_key[(s.node, s.layer_start, s.layer_end)] for s in chosen.stages], chosen.cost_ms

@@ -1,0 +1,238 @@
+"""Applying placements: from the pure planner to assignments pushed to agents.
+
+``place_model`` asks ``allocation.place`` for a plan over the active nodes, keeps every
+assignment that the new plan leaves unchanged (the agent keeps its warm block), releases the
+rest and pushes the new ones to their agents over the control channel. Agents answer ``ready``
+once their block is loaded; a model is servable when one pipeline is ready end to end.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from marketplace.nodes.models import Node, NodeState
+from marketplace.nodes.services import push
+from marketplace.placement.allocation import NodeCapacity, Stage, needs_rebalance, per_layer_load, place, spans_for
+from marketplace.placement.errors import PlacementError
+from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
+from marketplace.placement.selectors import link_maps, region_target
+from marketplace.placement.tour import hop_cost, place_coordinator
+from worker_agent import model as models
+
+log = logging.getLogger("swarm.placement")
+
+MEMORY_FRACTION = 0.8  # share of a node's reported memory planned for weights; the rest for KV and runtime
+BYTES_PER_PARAMETER = 4  # float32 blocks (CPU default)
+
+
+def layer_cap(node: Node, model: str) -> int:
+    """How many layers of ``model`` a node can hold: its owner's cap, else what fits its memory."""
+    fits = int(node.memory_bytes * MEMORY_FRACTION // (models.layer_parameters(model) * BYTES_PER_PARAMETER))
+    return max(0, min(node.max_layers, fits) if node.max_layers else fits)
+
+
+def mark_dirty(model: str | None = None) -> None:
+    """Ask for a new placement of one model (or every served model) at the next sweep."""
+    for name in [model] if model else settings.SWARM_MODELS:
+        PlacementState.objects.update_or_create(model=name, defaults={"dirty": True})
+
+
+@transaction.atomic
+def release_node(node_pk: int) -> int:
+    now = timezone.now()
+    return Assignment.objects.filter(node_id=node_pk, state__in=LIVE_STATES).update(
+        state=AssignmentState.RELEASED, released_at=now
+    )
+
+
+def place_dirty_models() -> list[str]:
+    placed = []
+    for state in PlacementState.objects.filter(dirty=True):
+        place_model(state.model)
+        placed.append(state.model)
+    return placed
+
+
+@transaction.atomic
+def place_model(model: str) -> list[Assignment]:
+    """Compute and apply a placement of ``model`` over the active nodes; returns live assignments."""
+    state, _ = PlacementState.objects.select_for_update().get_or_create(model=model)
+    nodes = list(
+        Node.objects.select_for_update()
+        .filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False)
+        .order_by("pk")
+    )
+    n_layers = models.n_layers(model)
+    capacities = [
+        NodeCapacity(
+            node=n.node_id, compute=max(n.compute_layer_tokens_per_s, 1e-6), max_layers=cap, reputation=n.reputation
+        )
+        for n in nodes
+        if (cap := layer_cap(n, model)) >= 1
+    ]
+    by_id = {n.node_id: n for n in nodes}
+    now = timezone.now()
+    state.generation += 1
+    state.dirty = False
+    state.placed_at = now
+    try:
+        plan = (
+            place(capacities, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE) if capacities else None
+        )
+        if plan is None:
+            raise PlacementError("no active node can hold a layer of this model")
+    except PlacementError as exc:
+        state.note = str(exc)
+        state.save()
+        log.warning("cannot place %s: %s", model, exc)
+        return list(Assignment.objects.filter(model=model, state__in=LIVE_STATES))
+    state.note = ""
+    pipelines, state.coordinator_regions = order_pipelines(model, plan.pipelines)
+    state.save()
+
+    wanted = {}
+    for pipeline_index, stages in enumerate(pipelines):
+        for position, stage in enumerate(stages):
+            wanted[stage.node] = (pipeline_index, position, stage.layer_start, stage.layer_end, False)
+    for spare in plan.spares:
+        wanted[spare.node] = (len(pipelines), 0, spare.layer_start, spare.layer_end, True)
+
+    live = {
+        a.node.node_id: a
+        for a in Assignment.objects.select_for_update()
+        .filter(model=model, state__in=LIVE_STATES)
+        .select_related("node")
+    }
+    result = []
+    for node_id, assignment in live.items():
+        target = wanted.get(node_id)
+        if target is not None and (assignment.layer_start, assignment.layer_end) == target[2:4]:
+            assignment.pipeline, assignment.position, _, _, assignment.is_spare = target
+            assignment.generation = state.generation
+            assignment.save(update_fields=["pipeline", "position", "is_spare", "generation"])
+            result.append(assignment)
+            continue
+        assignment.state = AssignmentState.RELEASED
+        assignment.released_at = now
+        assignment.save(update_fields=["state", "released_at"])
+        if target is None:
+            push(node_id, {"type": "release", "assignment": assignment.pk, "model": model})
+    kept = {a.node.node_id for a in result}
+    for node_id, (pipeline_index, position, start, end, spare) in wanted.items():
+        if node_id in kept:
+            continue
+        assignment = Assignment.objects.create(
+            node=by_id[node_id],
+            model=model,
+            generation=state.generation,
+            pipeline=pipeline_index,
+            position=position,
+            layer_start=start,
+            layer_end=end,
+            is_spare=spare,
+        )
+        push(node_id, assignment.as_message())
+        result.append(assignment)
+    log.info(
+        "placed %s (generation %d): %s",
+        model,
+        state.generation,
+        ", ".join(f"{a.node.node_id}[{a.layer_start}:{a.layer_end}]" for a in result),
+    )
+    return result
+
+
+def order_pipelines(model: str, pipelines) -> tuple[list[tuple[Stage, ...]], list[str]]:
+    """Each pipeline's ring order and coordinator region, chosen together as the cheapest tour
+    with the coordinator as depot over the measured links (an unmeasured link counts as bad).
+    Layer counts stay as the water-filling gave them; only who holds which span moves."""
+    config = models.load_config(model)
+    payload = config.hidden_size * 4 + 256  # one decode step's frame, float32
+    nodes = sorted({stage.node for pipeline in pipelines for stage in pipeline})
+    rtt, uplink = link_maps(nodes)
+    regions = [region_target(r) for r in settings.SWARM_COORDINATOR_REGIONS]
+
+    def cost(a: str, b: str) -> float:
+        return hop_cost(a, b, rtt_ms=rtt, uplink_mbps=uplink, payload_bytes=payload)
+
+    ordered, chosen_regions = [], []
+    for pipeline in pipelines:
+        layers = {stage.node: stage.layer_end - stage.layer_start for stage in pipeline}
+        region, tour = place_coordinator(regions, [stage.node for stage in pipeline], cost)
+        ordered.append(tuple(spans_for(list(tour.order), layers)))
+        chosen_regions.append(region.removeprefix("region:"))
+    return ordered, chosen_regions
+
+
+def request_probes(model: str, nodes: list[Node]) -> None:
+    """Ask each placed node to measure its links to the others and to the coordinator regions."""
+    for node in nodes:
+        targets = [
+            {"target": other.node_id, "url": other.data_url}
+            for other in nodes
+            if other.pk != node.pk and other.data_url
+        ]
+        targets += [
+            {"target": region_target(r), "url": settings.SWARM_REGION_PROBE_URLS.get(r)}
+            for r in settings.SWARM_COORDINATOR_REGIONS
+        ]
+        push(node.node_id, {"type": "probe", "model": model, "targets": targets})
+    log.info("asked %d nodes to probe their links for %s", len(nodes), model)
+
+
+def rebalance_if_needed(now=None) -> list[str]:
+    """Mark for re-placement every model whose per-layer load (from the nodes' measured speed)
+    varies more than SWARM_REBALANCE_CV, at most once per SWARM_REBALANCE_MIN_INTERVAL_S."""
+    now = now or timezone.now()
+    marked = []
+    for state in PlacementState.objects.filter(dirty=False, placed_at__isnull=False):
+        if (now - state.placed_at).total_seconds() < settings.SWARM_REBALANCE_MIN_INTERVAL_S:
+            continue
+        live = list(
+            Assignment.objects.filter(model=state.model, state=AssignmentState.READY, is_spare=False).select_related(
+                "node"
+            )
+        )
+        if not live:
+            continue
+        speed = {a.node.node_id: max(a.node.compute_layer_tokens_per_s, 1e-6) for a in live}
+        for pipeline in {a.pipeline for a in live}:
+            stages = [Stage(a.node.node_id, a.layer_start, a.layer_end) for a in live if a.pipeline == pipeline]
+            covered = sum(s.layer_end - s.layer_start for s in stages)
+            if covered == models.n_layers(state.model) and needs_rebalance(
+                per_layer_load(stages, covered, speed), settings.SWARM_REBALANCE_CV
+            ):
+                mark_dirty(state.model)
+                marked.append(state.model)
+                log.info("re-placing %s: per-layer load varies past CV %.2f", state.model, settings.SWARM_REBALANCE_CV)
+                break
+    return marked
+
+
+@transaction.atomic
+def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
+    """The agent reports its block loaded and served at ``data_url``; False if it is stale.
+    Once every live block of the model is up, the placed nodes measure their links."""
+    updated = Assignment.objects.filter(pk=assignment_pk, node_id=node_pk, state=AssignmentState.ASSIGNED).update(
+        state=AssignmentState.READY, ready_at=timezone.now(), data_url=data_url[:255]
+    )
+    if updated:
+        model = Assignment.objects.get(pk=assignment_pk).model
+        live = Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
+        if all(a.state == AssignmentState.READY for a in live):
+            request_probes(model, [a.node for a in live])
+    return bool(updated)
+
+
+@transaction.atomic
+def assignment_failed(node_pk: int, assignment_pk: int, error: str) -> bool:
+    updated = Assignment.objects.filter(pk=assignment_pk, node_id=node_pk, state=AssignmentState.ASSIGNED).update(
+        state=AssignmentState.FAILED, error=error[:2000], released_at=timezone.now()
+    )
+    if updated:
+        mark_dirty(Assignment.objects.get(pk=assignment_pk).model)
+    return bool(updated)

@@ -1,0 +1,184 @@
+"""Settings, driven by environment variables (documented in the README).
+
+Embedded default: SQLite, the in-memory channel layer, Celery tasks run eagerly in-process and
+periodic sweeps run in the web process. Production: DATABASE_URL (PostgreSQL) and REDIS_URL
+(channel layer, Celery broker, cache) switch to the real services.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from marketplace.conf import env_bool, env_float, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(env_str("SWARM_DATA_DIR", str(BASE_DIR / ".data")))
+
+# --- core -------------------------------------------------------------------------------
+DEBUG = env_bool("DJANGO_DEBUG", False)
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG and env_bool("SWARM_REQUIRE_SECRET_KEY", False):
+        raise ImproperlyConfigured("DJANGO_SECRET_KEY must be set in production")
+    SECRET_KEY = "insecure-embedded-default-key-change-me"
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "django_htmx",
+    "django_celery_beat",
+    "channels",
+    "marketplace.accounts",
+    "marketplace.nodes",
+    "marketplace.placement",
+    "marketplace.api",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "marketplace.urls"
+ASGI_APPLICATION = "marketplace.asgi.application"
+AUTH_USER_MODEL = "accounts.User"
+LOGIN_URL = "accounts:login"
+LOGIN_REDIRECT_URL = "accounts:home"
+LOGOUT_REDIRECT_URL = "accounts:login"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "frontend" / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "frontend" / "static"]
+STATIC_ROOT = DATA_DIR / "static"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+USE_TZ = True
+TIME_ZONE = "UTC"
+
+# Migrations live in the top-level migrations/ package.
+MIGRATION_MODULES = {app: f"migrations.{app}" for app in ("accounts", "nodes", "placement")}
+
+# --- database -----------------------------------------------------------------------------
+DATABASE_URL = env_str("DATABASE_URL", "")
+if DATABASE_URL:
+    try:
+        DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+    except Exception as exc:
+        raise ImproperlyConfigured(f"DATABASE_URL is not a database URL: {exc}") from exc
+else:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": DATA_DIR / "swarm.sqlite3",
+            "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+            # A file, not memory, so a live server thread and the tests share it; one per process,
+            # so that two test runs on one machine do not clash.
+            "TEST": {"NAME": DATA_DIR / f"test-{os.getpid()}.sqlite3"},
+        }
+    }
+
+# --- redis: channel layer, Celery broker, cache -------------------------------------------------
+REDIS_URL = env_str("REDIS_URL", "")
+if REDIS_URL:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+# --- celery -------------------------------------------------------------------------------
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_TASK_ALWAYS_EAGER = env_bool("SWARM_CELERY_EAGER", not REDIS_URL)
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_BEAT_SCHEDULE = {
+    "sweep": {"task": "marketplace.placement.tasks.sweep", "schedule": 5.0},
+}
+
+# --- REST API -----------------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.BasicAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Swarm marketplace API",
+    "DESCRIPTION": "Nodes, placement and (later) inference of the swarm marketplace.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+
+# --- the swarm ------------------------------------------------------------------------------
+# Models the marketplace serves (registry ids of worker_agent.model).
+SWARM_MODELS = env_list("SWARM_MODELS", ["smollm2-135m"])
+# A node that sent no heartbeat for this long goes offline and loses its assignment.
+SWARM_HEARTBEAT_INTERVAL_S = env_float("SWARM_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.1)
+SWARM_HEARTBEAT_TIMEOUT_S = env_float("SWARM_HEARTBEAT_TIMEOUT_S", 20.0, minimum=0.5)
+# Run the periodic sweeps inside the web process (embedded default) instead of Celery beat.
+SWARM_EMBEDDED_SCHEDULER = env_bool("SWARM_EMBEDDED_SCHEDULER", not REDIS_URL)
+SWARM_SWEEP_INTERVAL_S = env_float("SWARM_SWEEP_INTERVAL_S", 2.0, minimum=0.1)
+# Re-place a model automatically when nodes come and go.
+SWARM_AUTO_PLACE = env_bool("SWARM_AUTO_PLACE", True)
+# Nodes kept off the serving path, holding a warm block, per pipeline (0: every node serves).
+SWARM_SPARES_PER_PIPELINE = env_int("SWARM_SPARES_PER_PIPELINE", 0, minimum=0)
+SWARM_COORDINATOR_REGIONS = env_list("SWARM_COORDINATOR_REGIONS", ["local"])
+# Where agents measure their RTT to each region ("region=url,..."); a region without one is
+# probed at the control plane's own /healthz.
+SWARM_REGION_PROBE_URLS = dict(item.split("=", 1) for item in env_list("SWARM_REGION_PROBE_URLS", []) if "=" in item)
+SWARM_REGION_UPLINK_MBPS = env_float("SWARM_REGION_UPLINK_MBPS", 1000.0, minimum=0.001)
+# Re-place a model when the coefficient of variation of its per-layer load passes this.
+SWARM_REBALANCE_CV = env_float("SWARM_REBALANCE_CV", 0.25, minimum=0.0)
+SWARM_REBALANCE_MIN_INTERVAL_S = env_float("SWARM_REBALANCE_MIN_INTERVAL_S", 60.0, minimum=0.0)
+# The control plane's ed25519 key that signs job tickets (created on first use if missing).
+SWARM_TICKET_KEY_PATH = Path(env_str("SWARM_TICKET_KEY_PATH", str(DATA_DIR / "ticket.key")))
+SWARM_JOIN_TOKEN_TTL_S = env_int("SWARM_JOIN_TOKEN_TTL_S", 7 * 24 * 3600, minimum=60)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env_str("SWARM_LOG_LEVEL", "INFO")},
+}

@@ -1,0 +1,115 @@
+"""The API's OpenAPI document (/api/schema/) and its offline Swagger UI (/api/docs/)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.contrib.staticfiles import finders
+from django.test import Client
+
+pytestmark = [pytest.mark.control, pytest.mark.django_db]
+
+OPENAPI_JSON = "application/vnd.oai.openapi+json"
+
+
+@pytest.fixture
+def schema() -> dict:
+    response = Client().get("/api/schema/", HTTP_ACCEPT=OPENAPI_JSON)
+    assert response.status_code == 200
+    assert response["Content-Type"] == OPENAPI_JSON
+    return response.json()
+
+
+def test_schema_is_an_openapi_3_document_about_the_marketplace(schema):
+    assert schema["openapi"].startswith("3.")
+    assert schema["info"] == {
+        "title": "Swarm marketplace API",
+        "version": "0.1.0",
+        "description": "Nodes, placement and (later) inference of the swarm marketplace.",
+    }
+
+
+def test_schema_lists_the_node_paths_and_the_join_endpoint(schema):
+    assert {path: sorted(operations) for path, operations in schema["paths"].items()} == {
+        "/api/v1/nodes/": ["get", "post"],
+        "/api/v1/nodes/{id}/": ["delete", "get"],
+        "/api/v1/nodes/{id}/drain/": ["post"],
+        "/api/v1/nodes/{id}/rotate-token/": ["post"],
+        "/api/v1/agents/register": ["post"],
+    }
+
+
+def test_schema_documents_the_join_request_and_its_answer(schema):
+    register = schema["paths"]["/api/v1/agents/register"]["post"]
+    assert register["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/AgentRegister"
+    }
+    assert register["responses"]["201"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/AgentRegistered"
+    }
+    assert register["security"] == [{}]  # an agent joins with its token, not a user's credentials
+    components = schema["components"]["schemas"]
+    assert sorted(components["AgentRegister"]["required"]) == [
+        "benchmark",
+        "data_url",
+        "hardware",
+        "public_key",
+        "signature",
+        "token",
+    ]
+    assert sorted(components["AgentRegistered"]["properties"]) == ["control_url", "heartbeat_interval_s", "node"]
+
+
+def test_schema_shows_the_join_token_only_in_the_create_answer(schema):
+    components = schema["components"]["schemas"]
+    create = schema["paths"]["/api/v1/nodes/"]["post"]
+    assert create["responses"]["201"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/NodeCreated"
+    }
+    assert {"join_token", "join_command"} <= set(components["NodeCreated"]["properties"])
+    assert not {"join_token", "join_command"} & set(components["Node"]["properties"])
+
+
+def test_schema_declares_session_and_basic_authentication_for_the_node_api(schema):
+    assert schema["components"]["securitySchemes"] == {
+        "basicAuth": {"type": "http", "scheme": "basic"},
+        "cookieAuth": {"type": "apiKey", "in": "cookie", "name": "sessionid"},
+    }
+    assert schema["paths"]["/api/v1/nodes/"]["get"]["security"] == [{"cookieAuth": []}, {"basicAuth": []}]
+
+
+def test_schema_types_the_node_id_in_paths_as_an_integer(schema):
+    parameters = schema["paths"]["/api/v1/nodes/{id}/"]["get"]["parameters"]
+
+    assert [(p["in"], p["name"], p["schema"], p["required"]) for p in parameters] == [
+        ("path", "id", {"type": "integer"}, True)
+    ]
+
+
+def test_schema_is_yaml_by_default():
+    response = Client().get("/api/schema/")
+
+    assert response.status_code == 200
+    assert response["Content-Type"] == "application/vnd.oai.openapi; charset=utf-8"
+    assert response.content.startswith(b"openapi: 3.")
+
+
+def test_docs_page_uses_only_local_assets():
+    response = Client().get("/api/docs/")
+
+    assert response.status_code == 200
+    assert response["Content-Type"] == "text/html; charset=utf-8"
+    html = response.content.decode()
+    assert "http://" not in html
+    assert "https://" not in html
+    assets = re.findall(r'(?:src|href)="([^"]*)"', html)
+    assert sorted(assets) == [
+        "/static/drf_spectacular_sidecar/swagger-ui-dist/favicon-32x32.png",
+        "/static/drf_spectacular_sidecar/swagger-ui-dist/swagger-ui-bundle.js",
+        "/static/drf_spectacular_sidecar/swagger-ui-dist/swagger-ui-standalone-preset.js",
+        "/static/drf_spectacular_sidecar/swagger-ui-dist/swagger-ui.css",
+    ]
+    for asset in assets:
+        assert finders.find(asset.removeprefix("/static/")) is not None, asset
+    assert 'url: "/api/schema/"' in html

@@ -1,0 +1,195 @@
+"""End to end: the control plane places three joined agents over smollm2-135m's 30 layers, they
+load their blocks and report ready, a generation runs through the placed pipeline with tickets
+the control plane signed, and killing one agent re-places the model onto the two survivors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from marketplace.nodes.models import LinkMeasurement, Node, NodeState
+from marketplace.nodes.tickets import ticket_for
+from marketplace.placement.models import AssignmentState
+from marketplace.placement.selectors import route_request, servable_pipelines
+from tests.live import LiveServer
+from worker_agent.coordinator.job import Coordinator
+from worker_agent.coordinator.pipeline import StageSpec
+
+pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture
+def control_plane(settings):
+    settings.SWARM_HEARTBEAT_INTERVAL_S = 0.5
+    settings.SWARM_HEARTBEAT_TIMEOUT_S = 4.0
+    settings.SWARM_SWEEP_INTERVAL_S = 0.5
+    settings.SWARM_EMBEDDED_SCHEDULER = True
+    settings.SWARM_MODELS = [MODEL]
+    server = LiveServer().start()
+    yield server
+    server.stop()
+
+
+def api(server, method: str, path: str, user: str, password: str, body: dict | None = None) -> dict:
+    auth = base64.b64encode(f"{user}:{password}".encode()).decode()
+    request = urllib.request.Request(
+        server.url + path,
+        method=method,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Authorization": f"Basic {auth}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def join(server, token: str, key_path, log_path) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "worker_agent.cli",
+        "join",
+        "--control-plane",
+        server.url,
+        "--token",
+        token,
+        "--key",
+        str(key_path),
+        "--model",
+        MODEL,
+        "--max-layers",
+        "15",
+        "--threads",
+        "1",
+        "--log-level",
+        "info",
+    ]
+    log = open(log_path, "w")  # noqa: SIM115 - owned by the child process
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def generate_through(pipeline, job: str) -> list[int]:
+    specs = [
+        StageSpec(
+            stage.data_url,
+            ticket_for(job=job, node=stage.node, model=MODEL, layer_start=stage.layer_start, layer_end=stage.layer_end),
+        )
+        for stage in pipeline
+    ]
+
+    async def run():
+        async with Coordinator(MODEL, specs, job=job) as coordinator:
+            result = await coordinator.generate(
+                coordinator.request("What is the capital of France?", chat=True, max_tokens=12)
+            )
+            return result
+
+    return asyncio.run(run())
+
+
+def spans(pipeline) -> list[tuple[int, int]]:
+    return [(stage.layer_start, stage.layer_end) for stage in pipeline]
+
+
+def test_joined_agents_are_placed_served_and_replaced_when_one_dies(control_plane, django_user_model, tmp_path):
+    django_user_model.objects.create_user(
+        username="prov", email="p@example.com", password="pw-123456", is_provider=True
+    )
+    created = [
+        api(control_plane, "POST", "/api/v1/nodes/", "prov", "pw-123456", {"name": f"gpu-{i}"}) for i in range(3)
+    ]
+    assert [n["state"] for n in created] == ["pending"] * 3
+    assert all(
+        n["join_command"].startswith(f"swarm-worker join --control-plane {control_plane.url} --token swj_")
+        for n in created
+    )
+
+    agents = [
+        join(control_plane, n["join_token"], tmp_path / f"n{i}.key", tmp_path / f"agent{i}.log")
+        for i, n in enumerate(created)
+    ]
+    try:
+        pipelines = wait_for(
+            lambda: [p for p in servable_pipelines(MODEL) if len(p) == 3], 240, "a ready three-stage pipeline"
+        )
+        (pipeline,) = pipelines
+        # Split in proportion to each agent's measured speed, never above its 15-layer cap.
+        cuts = spans(pipeline)
+        assert cuts[0][0] == 0 and cuts[-1][1] == 30
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts))
+        assert all(1 <= end - start <= 15 for start, end in cuts)
+        assert len({stage.node for stage in pipeline}) == 3
+        assert Node.objects.filter(state=NodeState.ACTIVE, connected=True).count() == 3
+        listed = api(control_plane, "GET", "/api/v1/nodes/", "prov", "pw-123456")["results"]
+        assert sorted(s["state"] for n in listed for s in n["layer_span"]) == ["ready"] * 3
+
+        # Each placed agent measured its links to the two others and to the coordinator region.
+        links = wait_for(
+            lambda: LinkMeasurement.objects.count() == 9 and list(LinkMeasurement.objects.all()),
+            60,
+            "the agents' link measurements",
+        )
+        assert sorted(link.target.startswith("region:") for link in links) == [False] * 6 + [True] * 3
+        assert all(link.rtt_ms > 0 for link in links)
+        assert all(link.uplink_mbps > 0 for link in links if not link.target.startswith("region:"))
+        region, chosen, cost_ms = route_request(MODEL)
+        assert region == "local"
+        assert [s.node for s in chosen] == [s.node for s in pipeline]
+        assert cost_ms > 0
+
+        result = generate_through(pipeline, "job-e2e-1")
+        assert result.text.startswith("The capital of France is Paris")
+        assert result.verification is not None
+
+        victim = next(i for i, n in enumerate(created) if Node.objects.get(pk=n["id"]).node_id == pipeline[1].node)
+        agents[victim].send_signal(signal.SIGKILL)
+        agents[victim].wait(timeout=10)
+
+        wait_for(
+            lambda: Node.objects.get(pk=created[victim]["id"]).state == NodeState.OFFLINE,
+            30,
+            "the killed node to go offline",
+        )
+        victim_node = Node.objects.get(pk=created[victim]["id"])
+        assert not victim_node.assignments.filter(state__in=[AssignmentState.ASSIGNED, AssignmentState.READY])
+        survivors = wait_for(
+            lambda: [p for p in servable_pipelines(MODEL) if len(p) == 2],
+            240,
+            "a ready two-stage pipeline on the survivors",
+        )
+        (pipeline,) = survivors
+        assert spans(pipeline) == [(0, 15), (15, 30)]
+        assert victim_node.node_id not in {stage.node for stage in pipeline}
+
+        result = generate_through(pipeline, "job-e2e-2")
+        assert result.text.startswith("The capital of France is Paris")
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGTERM)
+        for agent in agents:
+            try:
+                agent.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                agent.kill()

@@ -1,0 +1,283 @@
+"""Layer allocation: pipeline count, water-filling, spares, low reputation, rebalance trigger."""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+
+import pytest
+
+from marketplace.placement.allocation import (
+    NodeCapacity,
+    Stage,
+    choose_pipeline_count,
+    layer_load_cv,
+    needs_rebalance,
+    per_layer_load,
+    place,
+    spans_for,
+    water_fill,
+)
+from marketplace.placement.errors import PlacementError
+
+pytestmark = pytest.mark.control
+
+
+def brute_force_plan(caps: list[int], n_layers: int) -> tuple[int, int]:
+    """(k, s*(k)) maximising k**2 / s*(k) over every subset and every grouping of it."""
+    n = len(caps)
+
+    @functools.cache
+    def cover(subset: int) -> int:
+        if not subset:
+            return 0
+        low = subset & -subset
+        best = cover(subset ^ low)  # the lowest node sits out
+        rest = subset ^ low
+        group = rest
+        while True:  # every group containing the lowest node
+            members = group | low
+            if sum(caps[i] for i in range(n) if members >> i & 1) >= n_layers:
+                best = max(best, 1 + cover(subset ^ members))
+            if not group:
+                break
+            group = (group - 1) & rest
+        return best
+
+    fewest: dict[int, int] = {}
+    for subset in range(1, 1 << n):
+        for k in range(1, cover(subset) + 1):
+            fewest[k] = min(fewest.get(k, n + 1), subset.bit_count())
+    return max(fewest.items(), key=lambda ks: (ks[0] ** 2 / ks[1], ks[0]))
+
+
+def test_prefers_two_pipelines_of_three_stages_over_one_of_two():
+    plan = choose_pipeline_count((40, 40, 20, 20, 10, 10), 70)
+
+    assert plan.k == 2
+    assert plan.pipelines == (("0", "2", "4"), ("1", "3", "5"))
+    assert plan.stages_total == 6
+    assert plan.score == 4 / 6
+    assert plan.spares == ()
+    assert plan.exact is True
+
+
+def test_pipeline_count_matches_brute_force_on_small_random_instances():
+    rng = random.Random(7)
+    for _ in range(150):
+        n_layers = rng.randint(1, 40)
+        caps = [rng.randint(1, 40) for _ in range(rng.randint(1, 8))]
+        if sum(caps) < n_layers:
+            continue
+
+        plan = choose_pipeline_count(caps, n_layers)
+
+        assert (plan.k, plan.stages_total) == brute_force_plan(caps, n_layers)
+        members = [node for pipeline in plan.pipelines for node in pipeline]
+        assert len(members) == len(set(members)) == plan.stages_total
+        assert sorted(members + list(plan.spares), key=int) == [str(i) for i in range(len(caps))]
+        assert all(sum(caps[int(node)] for node in pipeline) >= n_layers for pipeline in plan.pipelines)
+
+
+def test_pipeline_count_on_a_thousand_nodes_forms_valid_disjoint_pipelines():
+    rng = random.Random(11)
+    nodes = [NodeCapacity(f"n{i:04d}", rng.uniform(1, 100), rng.randint(4, 40)) for i in range(1000)]
+    caps = {n.node: n.max_layers for n in nodes}
+
+    plan = choose_pipeline_count(nodes, 80)
+
+    assert plan.exact is False
+    members = [node for pipeline in plan.pipelines for node in pipeline]
+    assert len(members) == len(set(members)) == plan.stages_total
+    assert set(members) | set(plan.spares) == set(caps)
+    assert not set(members) & set(plan.spares)
+    assert all(sum(caps[node] for node in pipeline) >= 80 for pipeline in plan.pipelines)
+    assert plan.score == plan.k**2 / plan.stages_total
+    assert plan.k >= 100
+
+
+def test_pipeline_count_raises_when_all_memory_cannot_hold_the_model():
+    with pytest.raises(PlacementError):
+        choose_pipeline_count((30, 30), 61)
+
+
+def test_water_fill_splits_in_proportion_to_compute_when_uncapped():
+    nodes = [NodeCapacity(node, compute, 100) for node, compute in zip("abcd", (1.0, 2.0, 3.0, 4.0), strict=True)]
+
+    assert water_fill(nodes, 20) == {"a": 2, "b": 4, "c": 6, "d": 8}
+
+
+def test_water_fill_gives_the_remainder_to_the_smaller_node_id_on_a_tie():
+    nodes = [NodeCapacity(node, 1.0, 100) for node in "cab"]
+
+    assert water_fill(nodes, 10) == {"c": 3, "a": 4, "b": 3}
+
+
+def test_water_fill_caps_a_saturated_node_and_shares_the_rest_in_proportion():
+    nodes = [NodeCapacity("a", 3.0, 2), NodeCapacity("b", 1.0, 10), NodeCapacity("c", 2.0, 10)]
+
+    assert water_fill(nodes, 8) == {"a": 2, "b": 2, "c": 4}
+
+
+def test_water_fill_leaves_nodes_at_zero_when_there_are_more_nodes_than_layers():
+    nodes = [NodeCapacity(node, 1.0, 4) for node in "edcba"]
+
+    assert water_fill(nodes, 3) == {"e": 0, "d": 0, "c": 1, "b": 1, "a": 1}
+
+
+def test_water_fill_conserves_layers_and_respects_caps_on_random_instances():
+    rng = random.Random(3)
+    for _ in range(300):
+        nodes = [
+            NodeCapacity(f"n{i}", rng.choice((0.5, 1.0, rng.uniform(0.1, 50))), rng.randint(1, 30))
+            for i in range(rng.randint(1, 25))
+        ]
+        n_layers = rng.randint(1, sum(n.max_layers for n in nodes))
+
+        layers = water_fill(nodes, n_layers)
+
+        assert sum(layers.values()) == n_layers
+        assert all(0 <= layers[n.node] <= n.max_layers for n in nodes)
+        assert water_fill(nodes[::-1], n_layers) == layers
+
+
+def test_water_fill_raises_when_caps_cannot_hold_the_model():
+    with pytest.raises(PlacementError):
+        water_fill([NodeCapacity("a", 1.0, 3), NodeCapacity("b", 5.0, 4)], 8)
+
+
+def test_spans_follow_the_given_order_and_skip_empty_nodes():
+    assert spans_for(["b", "z", "a"], {"a": 3, "b": 2, "z": 0}) == [Stage("b", 0, 2), Stage("a", 2, 5)]
+
+
+def test_place_water_fills_each_pipeline_and_gives_spares_the_most_loaded_stage_they_hold():
+    nodes = [
+        NodeCapacity("a", 1.0, 8),
+        NodeCapacity("b", 3.0, 8),
+        NodeCapacity("c", 1.0, 2),
+        NodeCapacity("d", 1.0, 5),
+    ]
+
+    placement = place(nodes, 12, spares_per_pipeline=2)
+
+    assert placement.pipelines == ((Stage("b", 0, 8), Stage("a", 8, 12)),)
+    assert placement.spares == (Stage("d", 8, 12), Stage("c", 8, 10))
+    assert placement.plan.k == 1
+
+
+def test_place_puts_leftover_nodes_on_the_serving_path_by_default():
+    nodes = [
+        NodeCapacity("a", 1.0, 8),
+        NodeCapacity("b", 3.0, 8),
+        NodeCapacity("c", 1.0, 2),
+        NodeCapacity("d", 1.0, 5),
+    ]
+
+    placement = place(nodes, 12)
+
+    assert placement.pipelines == ((Stage("b", 0, 6), Stage("a", 6, 8), Stage("d", 8, 10), Stage("c", 10, 12)),)
+    assert placement.spares == ()
+
+
+def test_place_caps_the_stages_of_a_pipeline():
+    nodes = [NodeCapacity(name, 1.0, 2) for name in "abcde"]
+
+    placement = place(nodes, 4, max_stages=2)
+
+    assert placement.plan.k == 2
+    assert [len(p) for p in placement.pipelines] == [2, 2]
+    assert [s.node for s in placement.spares] == ["e"]
+    assert placement.spares[0].layers == 2
+
+
+def test_place_spreads_spares_over_stages_before_doubling_up():
+    nodes = [
+        NodeCapacity("a", 1.0, 8),
+        NodeCapacity("b", 3.0, 8),
+        NodeCapacity("p", 1.0, 8, reputation=0.1),
+        NodeCapacity("q", 1.0, 8, reputation=0.2),
+    ]
+
+    placement = place(nodes, 12)
+
+    assert placement.pipelines == ((Stage("b", 0, 8), Stage("a", 8, 12)),)
+    assert placement.spares == (Stage("p", 8, 12), Stage("q", 0, 8))
+
+
+def test_place_keeps_low_reputation_nodes_off_pipelines_when_trusted_ones_suffice():
+    nodes = [
+        NodeCapacity("big-but-doubtful", 100.0, 12, reputation=0.3),
+        NodeCapacity("a", 1.0, 6),
+        NodeCapacity("b", 1.0, 6),
+    ]
+
+    placement = place(nodes, 12)
+
+    assert placement.pipelines == ((Stage("a", 0, 6), Stage("b", 6, 12)),)
+    assert placement.spares == (Stage("big-but-doubtful", 0, 6),)
+
+
+def test_place_admits_the_most_reputable_doubtful_nodes_only_as_needed():
+    nodes = [
+        NodeCapacity("a", 1.0, 5),
+        NodeCapacity("x", 1.0, 5, reputation=0.4),
+        NodeCapacity("y", 1.0, 10, reputation=0.1),
+    ]
+
+    placement = place(nodes, 10)
+
+    assert placement.pipelines == ((Stage("a", 0, 5), Stage("x", 5, 10)),)
+    assert placement.spares == (Stage("y", 0, 5),)
+
+
+def test_place_raises_when_no_selection_of_nodes_holds_the_model():
+    with pytest.raises(PlacementError):
+        place([NodeCapacity("a", 1.0, 5), NodeCapacity("x", 1.0, 4, reputation=0.1)], 10)
+
+
+def test_place_covers_every_layer_in_every_pipeline_on_a_large_instance():
+    rng = random.Random(5)
+    nodes = [NodeCapacity(f"n{i:03d}", rng.uniform(1, 100), rng.randint(2, 40), rng.uniform(0, 1)) for i in range(300)]
+    caps = {n.node: n.max_layers for n in nodes}
+
+    placement = place(nodes, 80)
+
+    for pipeline in placement.pipelines:
+        assert [s.layer_start for s in pipeline] == [0] + [s.layer_end for s in pipeline[:-1]]
+        assert pipeline[-1].layer_end == 80
+        assert all(s.layers <= caps[s.node] for s in pipeline)
+    assert all(s.layers <= caps[s.node] for s in placement.spares)
+    hosts = [s.node for s in placement.stages] + [s.node for s in placement.spares]
+    assert sorted(hosts) == sorted(caps)
+
+
+def test_cv_of_per_layer_load_is_population_std_over_mean():
+    assert layer_load_cv([2.0, 2.0, 2.0, 2.0]) == 0.0
+    assert layer_load_cv([1.0, 3.0]) == 0.5
+    assert layer_load_cv([3.0, 5.0]) == 0.25
+    assert layer_load_cv([1.0, 1.0, 1.0, 1.4]) == pytest.approx(math.sqrt(0.03) / 1.1, rel=1e-12)
+
+
+def test_rebalance_only_strictly_above_the_threshold():
+    assert needs_rebalance([1.0, 3.0]) is True
+    assert needs_rebalance([3.0, 5.0]) is False
+    assert needs_rebalance([3.0, 5.0], threshold=0.2) is True
+    assert needs_rebalance([1.0, 1.0, 1.0, 1.4]) is False
+
+
+def test_per_layer_load_is_zero_cv_for_a_proportional_split_and_counts_replicas():
+    balanced = [Stage("a", 0, 2), Stage("b", 2, 6)]
+    assert per_layer_load(balanced, 6, {"a": 2.0, "b": 4.0}) == [1.0] * 6
+
+    slow_b = per_layer_load(balanced, 6, {"a": 2.0, "b": 2.0})
+    assert slow_b == [1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert layer_load_cv(slow_b) == pytest.approx(math.sqrt(2) / 5, rel=1e-12)
+
+    replicated = [*balanced, Stage("c", 0, 6)]
+    assert per_layer_load(replicated, 6, {"a": 2.0, "b": 4.0, "c": 6.0}) == [0.5] * 6
+
+
+def test_per_layer_load_raises_on_an_unhosted_layer():
+    with pytest.raises(PlacementError):
+        per_layer_load([Stage("a", 0, 2)], 3, {"a": 1.0})
