@@ -34,7 +34,9 @@ def _run(state: GenerationState, token_ids: list[int]) -> list[TokenEvent]:
     events = []
     for token in token_ids:
         assert not state.done
-        events.append(state.commit(_one_hot(token)))
+        event = state.commit(_one_hot(token))
+        if event is not None:
+            events.append(event)
     return events
 
 
@@ -61,18 +63,18 @@ def test_stops_on_eos_with_finish_reason_stop(tokenizer):
     assert state.finish_reason == "stop"
     assert state.generated == tokens  # the EOS itself is not part of the output
     assert state.text == "Once upon a time"
-    assert [e.token_id for e in events] == [*tokens, EOS]
-    assert [e.text for e in events] == ["Once", " upon", " a", " time", ""]
+    assert [e.token_id for e in events] == tokens  # EOS releases no held text here: no event
+    assert [e.text for e in events] == ["Once", " upon", " a", " time"]
     assert state.next_input() == ([], len(PROMPT) + 4)
 
 
 def test_eos_as_the_first_token_gives_empty_text(tokenizer):
     state = _state(tokenizer)
 
-    (event,) = _run(state, [EOS])
+    events = _run(state, [EOS])
 
     assert (state.finish_reason, state.generated, state.text) == ("stop", [], "")
-    assert event == TokenEvent(EOS, "", 0.0)
+    assert events == []
 
 
 def test_stops_at_max_tokens_with_finish_reason_length(tokenizer):
@@ -108,7 +110,7 @@ def test_a_held_back_stop_prefix_is_released_when_the_stop_string_does_not_follo
     events = _run(state, [*_ids(tokenizer, "Once upon a time. The cat sat"), EOS])
 
     assert state.finish_reason == "stop"
-    assert [e.text for e in events] == ["Once", " upon", " a", " time", ".", " ", "The cat", " sat", ""]
+    assert [e.text for e in events] == ["Once", " upon", " a", " time", ".", " ", "The cat", " sat"]
     assert "".join(e.text for e in events) == state.text == "Once upon a time. The cat sat"
 
 
@@ -135,7 +137,7 @@ def test_a_character_split_over_tokens_is_streamed_only_once_complete(tokenizer)
 
     events = _run(state, [*_ids(tokenizer, "Hi 🦙!"), EOS])
 
-    assert [e.text for e in events] == ["Hi", " ", "", "🦙", "!", ""]
+    assert [e.text for e in events] == ["Hi", " ", "", "🦙", "!"]
     assert "".join(e.text for e in events) == state.text == "Hi 🦙!"
 
 
@@ -173,3 +175,13 @@ def test_token_times_come_from_the_injected_clock(tokenizer):
 def test_refuses_a_bad_request(request_args):
     with pytest.raises(ValueError):
         GenerationRequest(**request_args)
+
+
+def test_eos_releases_text_held_back_for_a_stop_string(tokenizer):
+    state = _state(tokenizer, stop=("The end",))
+
+    events = _run(state, [*_ids(tokenizer, "Once upon a time. The"), EOS])
+
+    assert state.finish_reason == "stop"
+    assert (events[-1].token_id, events[-1].text) == (None, "The")
+    assert "".join(e.text for e in events) == state.text == "Once upon a time. The"

@@ -250,11 +250,14 @@ class StageServer:
                         job=prepared.forward.job,
                     )
                 continue
-            for (conn, prepared), outputs in zip(batch, results, strict=True):
-                output = self.stage.finish(prepared, outputs)
-                await self._send_on(conn, prepared.forward.job, output)
+            finished = [
+                (prepared.forward.job, self.stage.finish(prepared, outputs))
+                for (_, prepared), outputs in zip(batch, results, strict=True)
+            ]
+            for job, output in merge_outputs(finished):
+                await self._send_on(job, output)
 
-    async def _send_on(self, source: Conn, job: str, output: Output) -> None:
+    async def _send_on(self, job: str, output: Output) -> None:
         route = self.jobs.get(job)
         if route is None:  # the coordinator left while this was computing
             return
@@ -334,3 +337,23 @@ def _first_session(message: wire.Message) -> str | None:
     if isinstance(message, wire.Open | wire.Close) and message.sessions:
         return message.sessions[0]
     return None
+
+
+def merge_outputs(finished: list[tuple[str, Output]]) -> list[tuple[str, Output]]:
+    """One frame per job and dtype for a batch's outputs, so that what was computed together
+    travels on together (a session never appears twice in one frame)."""
+    merged: dict[tuple[str, str], list[list[Output]]] = {}
+    for job, output in finished:
+        groups = merged.setdefault((job, output.dtype), [[]])
+        sessions = {item.session for out in groups[-1] for item in out.items}
+        if sessions & {item.session for item in output.items}:
+            groups.append([])
+        groups[-1].append(output)
+    frames = []
+    for (job, dtype), groups in merged.items():
+        for group in groups:
+            items = tuple(item for out in group for item in out.items)
+            rows = sum(out.shape[0] for out in group)
+            payload = b"".join(out.payload for out in group)
+            frames.append((job, Output(items, dtype, (rows, group[0].shape[1]), payload)))
+    return frames

@@ -15,20 +15,17 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from worker_agent import model as models
+from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import GenerationRequest, GenerationState, TokenEvent
-from worker_agent.errors import ReceiptError, StageError
+from worker_agent.errors import StageError
 from worker_agent.keys import node_id
 from worker_agent.receipts import JobVerification, Receipt, SessionTranscript, StageAssignment, verify_job
 from worker_agent.wan import WanProfile
-from worker_agent.wire import DTYPES, tensor_payload
 
 
 @dataclass
@@ -89,8 +86,7 @@ class Coordinator:
         self.tokenizer = models.load_tokenizer(model)
         self.n_layers = models.n_layers(model)
         self.receipts: list[Receipt] = []
-        self._head_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="head")
-        self._row_bytes = self.head.embed.embedding_dim * DTYPES[self.pipeline.dtype].itemsize
+        self.batcher = HeadBatcher(self.head, self.pipeline.dtype)
 
     async def __aenter__(self) -> Coordinator:
         try:
@@ -106,7 +102,7 @@ class Coordinator:
 
     async def aclose(self) -> None:
         await self.pipeline.aclose()
-        self._head_thread.shutdown(wait=False)
+        self.batcher.close()
 
     def _check_stages(self, infos: list[dict]) -> None:
         """The stages must serve this model and cover its layers in order, without gap or overlap."""
@@ -160,16 +156,6 @@ class Coordinator:
             eos_ids=frozenset([eos] if eos is not None else []),
         )
 
-    async def _in_head_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._head_thread, fn, *args)
-
-    def _embed(self, token_ids: list[int]) -> bytes:
-        return tensor_payload(self.head.embed_tokens(token_ids), self.pipeline.dtype)  # (tokens, hidden)
-
-    def _last_logits(self, output: bytes) -> torch.Tensor:
-        last = torch.frombuffer(bytearray(output[-self._row_bytes :]), dtype=DTYPES[self.pipeline.dtype])
-        return self.head.logits(last.view(1, -1))[0]  # (vocab,)
-
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
         """Yield each committed token as it comes, then the verified result."""
         started = time.monotonic()
@@ -180,9 +166,9 @@ class Coordinator:
         try:
             while not state.done:
                 tokens, start = state.next_input()
-                payload = await self._in_head_thread(self._embed, tokens)
+                payload = await self.batcher.embed(tokens)
                 output = await self.pipeline.forward(session, start, len(tokens), payload)
-                logits = await self._in_head_thread(self._last_logits, output)
+                logits = await self.batcher.logits(output)
                 event = state.commit(logits)
                 if event is not None:
                     yield event
@@ -207,18 +193,16 @@ class Coordinator:
         )
 
     def _verify(self, session: str, receipts: list[Receipt]) -> JobVerification:
+        """Raises a ReceiptError subclass unless the stages' receipts prove this session's work."""
         transcript = self.pipeline.transcripts[session]
-        try:
-            verification = verify_job(
-                job=self.job,
-                model=self.model_id,
-                n_layers=self.n_layers,
-                assignments=self.assignments or [],
-                receipts=receipts,
-                transcripts=[SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received))],
-            )
-        except ReceiptError:
-            raise
+        verification = verify_job(
+            job=self.job,
+            model=self.model_id,
+            n_layers=self.n_layers,
+            assignments=self.assignments or [],
+            receipts=receipts,
+            transcripts=[SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received))],
+        )
         self.receipts.extend(receipts)
         return verification
 

@@ -35,7 +35,7 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    token_id: int
+    token_id: int | None  # None: the end of the stream released held-back text, no new token
     text: str  # the text this token made final (may be "" while a stop string is still possible)
     at: float  # seconds since the request started
 
@@ -72,7 +72,7 @@ class GenerationState:
         if token in self.request.eos_ids:
             self.finish_reason = "stop"
             self.pending = []
-            return self._flush(now, token)
+            return self._flush(now)
         self.generated.append(token)
         self.token_times.append(now)
         self.pending = [token]
@@ -98,11 +98,13 @@ class GenerationState:
                     break
         return stable if stable.startswith(self.text) else self.text
 
-    def _emit(self, token: int, text: str, now: float) -> TokenEvent:
+    def _emit(self, token: int | None, text: str, now: float) -> TokenEvent:
         delta = text[len(self.text) :] if text.startswith(self.text) else ""
         self.text = text if text.startswith(self.text) else self.text
         return TokenEvent(token, delta, now)
 
-    def _flush(self, now: float, token: int) -> TokenEvent:
+    def _flush(self, now: float) -> TokenEvent | None:
+        """At EOS: release text held back for a possible stop string, if any."""
         full = self.tokenizer.decode(self.generated, skip_special_tokens=True)
-        return self._emit(token, full, now)
+        event = self._emit(None, full, now)
+        return event if event.text else None

@@ -1,0 +1,96 @@
+"""The coordinator's share of the model, batched across sessions.
+
+Every session of a job needs the embeddings of its next tokens and the LM head over its last
+hidden state. Requests made in the same event-loop turn (sessions whose results came back
+together) run as one batch in one worker thread: one embedding lookup, one (rows x vocab)
+matrix product instead of one per session, which matters because reading the LM head's weights
+dominates a decode step's cost here. Their continuations then issue their next pipeline steps in
+the same turn, so those travel in one FORWARD frame and the stages batch them too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from worker_agent.model import Head
+from worker_agent.wire import DTYPES, tensor_payload
+
+
+class HeadBatcher:
+    def __init__(self, head: Head, dtype: str) -> None:
+        self.head = head
+        self.dtype = dtype
+        self.row_bytes = head.embed.embedding_dim * DTYPES[dtype].itemsize
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="head")
+        self._embeds: list[tuple[list[int], asyncio.Future]] = []
+        self._logits: list[tuple[bytes, asyncio.Future]] = []
+        self._scheduled = False
+        self.batches = 0  # head passes run
+        self.rows = 0  # rows they covered (embedding rows + logits rows)
+
+    async def embed(self, token_ids: list[int]) -> bytes:
+        """Wire bytes of the embeddings of ``token_ids``. (tokens, hidden)"""
+        future = asyncio.get_running_loop().create_future()
+        self._embeds.append((token_ids, future))
+        self._schedule()
+        return await future
+
+    async def logits(self, output: bytes) -> torch.Tensor:
+        """Logits of the last row of a stage output. (vocab,)"""
+        future = asyncio.get_running_loop().create_future()
+        self._logits.append((output[-self.row_bytes :], future))
+        self._schedule()
+        return await future
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        embeds, self._embeds = self._embeds, []
+        logits, self._logits = self._logits, []
+        if not (embeds or logits):
+            return
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._thread, self._run, [ids for ids, _ in embeds], [row for row, _ in logits])
+        work.add_done_callback(lambda done: self._deliver(done, embeds, logits))
+
+    def _run(self, embeds: list[list[int]], rows: list[bytes]) -> tuple[list[bytes], list[torch.Tensor]]:
+        self.batches += 1
+        self.rows += sum(len(ids) for ids in embeds) + len(rows)
+        embedded = []
+        if embeds:
+            flat = self.head.embed_tokens([token for ids in embeds for token in ids])  # (all tokens, hidden)
+            payload = tensor_payload(flat, self.dtype)
+            row = self.row_bytes
+            offset = 0
+            for ids in embeds:
+                embedded.append(payload[offset : offset + len(ids) * row])
+                offset += len(ids) * row
+        scored = []
+        if rows:
+            hidden = torch.frombuffer(bytearray(b"".join(rows)), dtype=DTYPES[self.dtype]).view(len(rows), -1)
+            scored = list(self.head.logits(hidden))  # each (vocab,)
+        return embedded, scored
+
+    @staticmethod
+    def _deliver(done: asyncio.Future, embeds, logits) -> None:
+        waiters = [future for _, future in embeds] + [future for _, future in logits]
+        if done.cancelled() or done.exception() is not None:
+            error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+            for future in waiters:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        embedded, scored = done.result()
+        for value, future in zip(embedded + scored, waiters, strict=True):
+            if not future.done():
+                future.set_result(value)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
