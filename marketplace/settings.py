@@ -162,8 +162,9 @@ SWARM_EMBEDDED_SCHEDULER = env_bool("SWARM_EMBEDDED_SCHEDULER", not REDIS_URL)
 SWARM_SWEEP_INTERVAL_S = env_float("SWARM_SWEEP_INTERVAL_S", 2.0, minimum=0.1)
 # Re-place a model automatically when nodes come and go.
 SWARM_AUTO_PLACE = env_bool("SWARM_AUTO_PLACE", True)
-# Nodes kept off the serving path, holding a warm block, per pipeline (0: every node serves).
-SWARM_SPARES_PER_PIPELINE = env_int("SWARM_SPARES_PER_PIPELINE", 0, minimum=0)
+# Nodes kept off the serving path with a warm block, per pipeline, when there are more nodes
+# than the pipelines need (0: every node serves).
+SWARM_SPARES_PER_PIPELINE = env_int("SWARM_SPARES_PER_PIPELINE", 1, minimum=0)
 SWARM_COORDINATOR_REGIONS = env_list("SWARM_COORDINATOR_REGIONS", ["local"])
 # Where agents measure their RTT to each region ("region=url,..."); a region without one is
 # probed at the control plane's own /healthz.

@@ -1,12 +1,13 @@
-"""End to end: the control plane places three joined agents over smollm2-135m's 30 layers, they
-load their blocks and report ready, a generation runs through the placed pipeline with tickets
-the control plane signed, and killing one agent re-places the model onto the two survivors."""
+"""End to end: the control plane places three joined agents (each capped at 15 layers) over
+smollm2-135m's 30 layers: two serve a two-stage pipeline and the third keeps a warm spare block.
+They load their blocks and report ready, a generation runs through the placed pipeline with
+tickets the control plane signed, and killing a serving agent re-places the model onto the two
+survivors."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import pytest
 
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.nodes.tickets import ticket_for
-from marketplace.placement.models import AssignmentState
+from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.selectors import route_request, servable_pipelines
 from tests.live import LiveServer
 from worker_agent.coordinator.job import Coordinator
@@ -130,21 +131,25 @@ def test_joined_agents_are_placed_served_and_replaced_when_one_dies(control_plan
         for i, n in enumerate(created)
     ]
     try:
-        pipelines = wait_for(
-            lambda: [p for p in servable_pipelines(MODEL) if len(p) == 3], 240, "a ready three-stage pipeline"
+        wait_for(
+            lambda: servable_pipelines(MODEL) and Assignment.objects.filter(state=AssignmentState.READY).count() == 3,
+            240,
+            "a ready pipeline and a ready spare",
         )
-        (pipeline,) = pipelines
-        # Split in proportion to each agent's measured speed, never above its 15-layer cap.
-        cuts = spans(pipeline)
-        assert cuts[0][0] == 0 and cuts[-1][1] == 30
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(cuts))
-        assert all(1 <= end - start <= 15 for start, end in cuts)
-        assert len({stage.node for stage in pipeline}) == 3
+        (pipeline,) = servable_pipelines(MODEL)
+        assert spans(pipeline) == [(0, 15), (15, 30)]  # two nodes capped at 15 layers cover the 30
+        (spare,) = Assignment.objects.filter(is_spare=True, state=AssignmentState.READY).select_related("node")
+        assert spare.node.node_id not in {stage.node for stage in pipeline}
+        assert spare.layer_end - spare.layer_start == 15
         assert Node.objects.filter(state=NodeState.ACTIVE, connected=True).count() == 3
         listed = api(control_plane, "GET", "/api/v1/nodes/", "prov", "pw-123456")["results"]
-        assert sorted(s["state"] for n in listed for s in n["layer_span"]) == ["ready"] * 3
+        assert sorted((s["state"], s["spare"]) for n in listed for s in n["layer_span"]) == [
+            ("ready", False),
+            ("ready", False),
+            ("ready", True),
+        ]
 
-        # Each placed agent measured its links to the two others and to the coordinator region.
+        # Each placed agent (the spare too) measured its links to the two others and to the region.
         links = wait_for(
             lambda: LinkMeasurement.objects.count() == 9 and list(LinkMeasurement.objects.all()),
             60,
@@ -162,7 +167,7 @@ def test_joined_agents_are_placed_served_and_replaced_when_one_dies(control_plan
         assert result.text.startswith("The capital of France is Paris")
         assert result.verification is not None
 
-        victim = next(i for i, n in enumerate(created) if Node.objects.get(pk=n["id"]).node_id == pipeline[1].node)
+        victim = next(i for i, n in enumerate(created) if Node.objects.get(pk=n["id"]).node_id == pipeline[0].node)
         agents[victim].send_signal(signal.SIGKILL)
         agents[victim].wait(timeout=10)
 
