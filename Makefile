@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/python -m worker_agent.demo
+	$(BIN)/python -m marketplace.demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

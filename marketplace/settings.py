@@ -45,6 +45,7 @@ INSTALLED_APPS = [
     "marketplace.accounts",
     "marketplace.nodes",
     "marketplace.placement",
+    "marketplace.jobs",
     "marketplace.api",
 ]
 
@@ -89,7 +90,7 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 
 # Migrations live in the top-level migrations/ package.
-MIGRATION_MODULES = {app: f"migrations.{app}" for app in ("accounts", "nodes", "placement")}
+MIGRATION_MODULES = {app: f"migrations.{app}" for app in ("accounts", "nodes", "placement", "jobs")}
 
 # --- database -----------------------------------------------------------------------------
 DATABASE_URL = env_str("DATABASE_URL", "")
@@ -175,6 +176,13 @@ SWARM_REBALANCE_CV = env_float("SWARM_REBALANCE_CV", 0.25, minimum=0.0)
 SWARM_REBALANCE_MIN_INTERVAL_S = env_float("SWARM_REBALANCE_MIN_INTERVAL_S", 60.0, minimum=0.0)
 # The control plane's ed25519 key that signs job tickets (created on first use if missing).
 SWARM_TICKET_KEY_PATH = Path(env_str("SWARM_TICKET_KEY_PATH", str(DATA_DIR / "ticket.key")))
+# Where a job's coordinator runs: "inprocess" (the web process's event loop) or "celery" (a task
+# on the queue coord.<region>, for Celery workers of that region).
+SWARM_COORDINATOR_LAUNCH = env_str("SWARM_COORDINATOR_LAUNCH", "celery" if REDIS_URL else "inprocess")
+if SWARM_COORDINATOR_LAUNCH not in ("inprocess", "celery"):
+    raise ImproperlyConfigured("SWARM_COORDINATOR_LAUNCH must be 'inprocess' or 'celery'")
+SWARM_JOB_TIMEOUT_S = env_float("SWARM_JOB_TIMEOUT_S", 300.0, minimum=1.0)
+SWARM_MAX_TOKENS_LIMIT = env_int("SWARM_MAX_TOKENS_LIMIT", 2048, minimum=1)
 SWARM_JOIN_TOKEN_TTL_S = env_int("SWARM_JOIN_TOKEN_TTL_S", 7 * 24 * 3600, minimum=60)
 
 LOGGING = {

@@ -2,12 +2,17 @@ from django.contrib import admin
 from django.http import JsonResponse
 from django.urls import include, path
 
+from marketplace.api import openai
+
 
 def health(request):
     return JsonResponse({"status": "ok"})
 
 
 urlpatterns = [
+    path("v1/models", openai.list_models, name="v1-models"),
+    path("v1/chat/completions", openai.chat_completions, name="v1-chat-completions"),
+    path("v1/completions", openai.completions, name="v1-completions"),
     path("admin/", admin.site.urls),
     path("api/", include("marketplace.api.urls")),
     path("healthz", health, name="health"),

@@ -181,7 +181,18 @@ class Agent:
             try:
                 async with connect(self.state.control_url, open_timeout=HTTP_TIMEOUT_S) as ws:
                     backoff = 1.0
-                    await self._session(ws)
+                    session = asyncio.create_task(self._session(ws))
+                    stopping = asyncio.create_task(self.stopped.wait())
+                    try:
+                        await asyncio.wait({session, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        stopping.cancel()
+                        if not session.done():
+                            session.cancel()
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await session
+                    if not session.cancelled():
+                        session.result()  # re-raise what ended the session
             except (TimeoutError, OSError, websockets.WebSocketException, SwarmError) as exc:
                 log.warning("control channel lost: %s; reconnecting in %.0fs", exc, backoff)
             if self.stopped.is_set():

@@ -81,3 +81,18 @@ class AgentRegisteredSerializer(serializers.Serializer):
     node = serializers.CharField()
     control_url = serializers.CharField()
     heartbeat_interval_s = serializers.FloatField()
+
+
+class ApiKeySerializer(serializers.Serializer):
+    id = serializers.IntegerField(read_only=True)
+    name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$", max_length=100)
+    prefix = serializers.CharField(read_only=True)
+    requests_per_minute = serializers.IntegerField(read_only=True)
+    tokens_per_minute = serializers.IntegerField(read_only=True)
+    created_at = serializers.DateTimeField(read_only=True)
+    last_used_at = serializers.DateTimeField(read_only=True)
+    revoked_at = serializers.DateTimeField(read_only=True)
+
+
+class ApiKeyCreatedSerializer(ApiKeySerializer):
+    key = serializers.CharField(read_only=True, help_text="the full key: shown once, never again")

@@ -6,6 +6,7 @@ from marketplace.api import views
 
 router = DefaultRouter()
 router.register("nodes", views.NodeViewSet, basename="node")
+router.register("keys", views.ApiKeyViewSet, basename="key")
 
 urlpatterns = [
     path("v1/", include(router.urls)),

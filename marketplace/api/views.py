@@ -11,6 +11,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from marketplace.api import serializers as s
+from marketplace.jobs import services as jobs_services
+from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services
 from marketplace.nodes.errors import NodeError
 from marketplace.nodes.models import Node
@@ -90,3 +92,35 @@ def register_agent(request: Request) -> Response:
         {"node": node.node_id, "control_url": control_url, "heartbeat_interval_s": settings.SWARM_HEARTBEAT_INTERVAL_S},
         status=status.HTTP_201_CREATED,
     )
+
+
+class IsCustomer(permissions.BasePermission):
+    message = "this endpoint is for customers"
+
+    def has_permission(self, request, view) -> bool:
+        return bool(request.user and request.user.is_authenticated and request.user.is_customer)
+
+
+class ApiKeyViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet
+):
+    """A customer's API keys: listed by prefix; the full key is shown once, at creation.
+    DELETE revokes a key (it stays listed, with revoked_at)."""
+
+    serializer_class = s.ApiKeySerializer
+    permission_classes = [permissions.IsAuthenticated, IsCustomer]
+
+    def get_queryset(self):
+        if getattr(self, "swagger_fake_view", False):
+            return ApiKey.objects.none()
+        return ApiKey.objects.filter(user=self.request.user)
+
+    @extend_schema(request=s.ApiKeySerializer, responses={201: s.ApiKeyCreatedSerializer})
+    def create(self, request: Request) -> Response:
+        data = s.ApiKeySerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        api_key, key = jobs_services.create_api_key(request.user, data.validated_data["name"])
+        return Response(s.ApiKeySerializer(api_key).data | {"key": key}, status=status.HTTP_201_CREATED)
+
+    def perform_destroy(self, instance: ApiKey) -> None:
+        jobs_services.revoke_api_key(instance)

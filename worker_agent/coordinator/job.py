@@ -22,7 +22,7 @@ from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import GenerationRequest, GenerationState, TokenEvent
-from worker_agent.errors import StageError
+from worker_agent.errors import ReceiptError, StageError
 from worker_agent.keys import node_id
 from worker_agent.receipts import JobVerification, Receipt, SessionTranscript, StageAssignment, verify_job
 from worker_agent.wan import WanProfile
@@ -40,6 +40,7 @@ class GenerationResult:
     steps: int  # forward passes through the pipeline
     receipts: list[Receipt] = field(default_factory=list)
     verification: JobVerification | None = None
+    verification_error: str = ""  # why the receipts failed verification (non-strict streams only)
 
     @property
     def completion_tokens(self) -> int:
@@ -156,8 +157,11 @@ class Coordinator:
             eos_ids=frozenset([eos] if eos is not None else []),
         )
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | GenerationResult]:
-        """Yield each committed token as it comes, then the verified result."""
+    async def stream(
+        self, request: GenerationRequest, *, strict: bool = True
+    ) -> AsyncIterator[TokenEvent | GenerationResult]:
+        """Yield each committed token as it comes, then the verified result. Receipts that fail
+        verification raise (``strict``), or are reported in the result's ``verification_error``."""
         started = time.monotonic()
         session = self.pipeline.new_session_id()
         await self.pipeline.open([session])
@@ -172,9 +176,16 @@ class Coordinator:
                 event = state.commit(logits)
                 if event is not None:
                     yield event
-            receipts = [Receipt.from_dict(r) for r in await self.pipeline.close([session])]
+            raw_receipts = await self.pipeline.close([session])
             closed = True
-            verification = self._verify(session, receipts)
+            verification, verification_error = None, ""
+            try:
+                receipts = [Receipt.from_dict(r) for r in raw_receipts]
+                verification = self._verify(session, receipts)
+            except ReceiptError as exc:
+                if strict:
+                    raise
+                receipts, verification_error = [], f"{exc} ({exc.code})"
         finally:
             if not closed:
                 with contextlib.suppress(Exception):
@@ -190,6 +201,7 @@ class Coordinator:
             steps=state.steps,
             receipts=receipts,
             verification=verification,
+            verification_error=verification_error,
         )
 
     def _verify(self, session: str, receipts: list[Receipt]) -> JobVerification:

@@ -1,0 +1,332 @@
+"""The OpenAI-compatible inference API: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+
+Async views: each request is authenticated by its bearer key, validated, rate limited, admitted
+as a job on a ready route, and answered from the job's channel-layer group while its coordinator
+runs (in-process or in a Celery worker of the job's region). Errors use OpenAI's JSON shape; an
+error after streaming began arrives as a final SSE event carrying an ``error`` object. A client
+that disconnects cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from marketplace.api import ratelimit
+from marketplace.jobs import runner, services
+from marketplace.jobs.errors import ApiError, InvalidRequest, JobFailed, ModelNotFound, RateLimited
+from marketplace.placement.selectors import servable_pipelines
+from worker_agent import model as models
+
+ROLES = {"system", "user", "assistant", "developer"}
+MAX_STOP = 4
+EVENT_TIMEOUT_S = 60.0  # longest silence from a running job before the response gives up
+
+
+def _error(exc: ApiError, request_id: str) -> JsonResponse:
+    response = JsonResponse(exc.body(), status=exc.status)
+    response["x-request-id"] = request_id
+    if exc.status == 402:
+        response["x-should-retry"] = "false"
+    if isinstance(exc, RateLimited):
+        response["Retry-After"] = str(exc.retry_after)
+        for name, value in exc.headers.items():
+            response[name] = value
+    return response
+
+
+def _json_body(request: HttpRequest) -> dict:
+    try:
+        body = json.loads(request.body or b"")
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return body
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest(f"'{name}' must be a number.", param=name)
+    if value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise InvalidRequest(f"'{name}' must be in {bracket}{low:g}, {high:g}], got {value}.", param=name)
+    return float(value)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
+    clean = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise InvalidRequest(f"messages[{index}] needs a role of {sorted(ROLES)}.", param=f"messages.{index}.role")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise InvalidRequest(
+                    f"messages[{index}].content supports text parts only.", param=f"messages.{index}.content"
+                )
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidRequest(f"messages[{index}].content must be a string.", param=f"messages.{index}.content")
+        role = "system" if message["role"] == "developer" else message["role"]
+        clean.append({"role": role, "content": content})
+    return clean
+
+
+def _params(body: dict, kind: str) -> tuple[str, dict]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required.", param="model")
+    if model not in settings.SWARM_MODELS:
+        raise ModelNotFound(f"The model '{model}' does not exist.", param="model")
+    n = body.get("n", 1)
+    if n != 1:
+        raise InvalidRequest("Only n=1 is supported.", param="n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 256))
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is None:
+        max_tokens = 256
+    if (
+        isinstance(max_tokens, bool)
+        or not isinstance(max_tokens, int)
+        or not (1 <= max_tokens <= settings.SWARM_MAX_TOKENS_LIMIT)
+    ):
+        raise InvalidRequest(f"'{name}' must be an integer in [1, {settings.SWARM_MAX_TOKENS_LIMIT}].", param=name)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (
+        not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise InvalidRequest(f"'stop' must be a string or up to {MAX_STOP} non-empty strings.", param="stop")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise InvalidRequest("'seed' must be an integer.", param="seed")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean.", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidRequest("'user' must be a string.", param="user")
+    params = {
+        "max_tokens": max_tokens,
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        "seed": seed,
+        "stop": stop or [],
+        "stream": stream,
+        "include_usage": bool(options.get("include_usage", False)),
+        "user": user,
+    }
+    if kind == "chat":
+        params["messages"] = _messages(body)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequest("'prompt' must be a non-empty string.", param="prompt")
+        params["prompt"] = prompt
+    return model, params
+
+
+def count_prompt_tokens(model: str, kind: str, params: dict) -> int:
+    tokenizer = models.load_tokenizer(model)
+    if kind == "chat":
+        return len(tokenizer.apply_chat_template(params["messages"], add_generation_prompt=True)["input_ids"])
+    return len(tokenizer(params["prompt"])["input_ids"])
+
+
+@csrf_exempt
+async def list_models(request: HttpRequest) -> JsonResponse:
+    request_id = f"req_{uuid.uuid4().hex}"
+    if request.method != "GET":
+        return _error(InvalidRequest("Use GET.", code="method_not_allowed"), request_id)
+    try:
+        await sync_to_async(services.authenticate_key)(request.headers.get("Authorization"))
+    except ApiError as exc:
+        return _error(exc, request_id)
+    servable = await sync_to_async(lambda: [m for m in settings.SWARM_MODELS if servable_pipelines(m)])()
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "swarm"} for m in servable]
+    response = JsonResponse({"object": "list", "data": data})
+    response["x-request-id"] = request_id
+    return response
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await _complete(request, "chat")
+
+
+@csrf_exempt
+async def completions(request: HttpRequest) -> HttpResponse:
+    return await _complete(request, "completion")
+
+
+async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
+    request_id = f"req_{uuid.uuid4().hex}"
+    if request.method != "POST":
+        return _error(InvalidRequest("Use POST.", code="method_not_allowed"), request_id)
+    try:
+        api_key = await sync_to_async(services.authenticate_key)(request.headers.get("Authorization"))
+        model, params = _params(_json_body(request), kind)
+        prompt_tokens = await sync_to_async(count_prompt_tokens)(model, kind, params)
+        headers = await sync_to_async(ratelimit.check)(api_key, prompt_tokens + params["max_tokens"])
+        job = await sync_to_async(services.admit_job)(
+            api_key=api_key, kind=kind, model=model, params=params, prompt_tokens=prompt_tokens
+        )
+    except ApiError as exc:
+        return _error(exc, request_id)
+    layer = get_channel_layer()
+    channel = await layer.new_channel()
+    await layer.group_add(runner.group_name(job.pk), channel)  # subscribe before the coordinator starts
+    runner.launch(job)
+    reply = _Reply(job, kind, model, prompt_tokens, layer, channel)
+    if params["stream"]:
+        response = StreamingHttpResponse(reply.sse(params["include_usage"]), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+    else:
+        try:
+            body = await reply.whole()
+        except ApiError as exc:
+            return _error(exc, request_id)
+        response = JsonResponse(body)
+    response["x-request-id"] = request_id
+    for name, value in headers.items():
+        response[name] = value
+    return response
+
+
+class _Reply:
+    """Reads a job's events from its group and shapes them as OpenAI responses."""
+
+    def __init__(self, job, kind: str, model: str, prompt_tokens: int, layer, channel: str) -> None:
+        self.job, self.kind, self.model = job, kind, model
+        self.prompt_tokens = prompt_tokens
+        self.layer, self.channel = layer, channel
+        self.created = int(time.time())
+
+    async def events(self):
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(EVENT_TIMEOUT_S):
+                        event = await self.layer.receive(self.channel)
+                except TimeoutError:
+                    yield {"type": "job.error", "code": "timeout", "message": "the job stopped answering"}
+                    return
+                yield event
+                if event["type"] in ("job.done", "job.error"):
+                    return
+        finally:
+            await self.layer.group_discard(runner.group_name(self.job.pk), self.channel)
+
+    def _usage(self, completion_tokens: int) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+    async def whole(self) -> dict:
+        text, finish, completion = [], "stop", 0
+        async for event in self.events():
+            if event["type"] == "job.token":
+                text.append(event["text"])
+            elif event["type"] == "job.done":
+                finish, completion = event["finish_reason"], event["completion_tokens"]
+            else:
+                raise _job_error(event)
+        content = "".join(text)
+        if self.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "refusal": None},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {
+            "id": self.job.public_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(completion),
+            "system_fingerprint": None,
+        }
+
+    def _chunk(self, delta_text: str | None, finish: str | None, *, first: bool = False) -> dict:
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if first else ({"content": delta_text} if delta_text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {
+            "id": self.job.public_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "system_fingerprint": None,
+        }
+
+    async def sse(self, include_usage: bool):
+        ended = False
+        try:
+            if self.kind == "chat":
+                yield _sse(self._chunk(None, None, first=True))
+            async for event in self.events():
+                if event["type"] == "job.token":
+                    if event["text"]:
+                        yield _sse(self._chunk(event["text"], None))
+                elif event["type"] == "job.done":
+                    ended = True
+                    yield _sse(self._chunk(None, event["finish_reason"]))
+                    if include_usage:
+                        usage = {
+                            **self._chunk(None, None),
+                            "choices": [],
+                            "usage": self._usage(event["completion_tokens"]),
+                        }
+                        yield _sse(usage)
+                else:
+                    ended = True
+                    yield _sse(_job_error(event).body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not ended:  # the client went away mid-stream: stop the job, keep what was done
+                await sync_to_async(services.request_cancel)(self.job.pk)
+
+
+def _job_error(event: dict) -> ApiError:
+    return JobFailed(f"The job failed: {event.get('message')}", code=event.get("code", "job_failed"))
+
+
+def _sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()

@@ -1,0 +1,222 @@
+"""``make demo``: the control plane, three agents serving SmolLM2-135M, and a request through the
+public OpenAI-compatible API, on the embedded defaults (SQLite, in-process channel layer and
+coordinator). It keeps serving until interrupted.
+
+It creates demo accounts (a provider owning the three agents, a customer with an API key, an
+admin), starts the web app on ``DEMO_PORT`` (default 8000) and three ``swarm-worker join``
+processes, waits until the model is servable, streams one chat completion with the official
+``openai`` client, and writes ``.demo/demo.env`` for other clients.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+DEMO_DIR = Path(os.environ.get("DEMO_DIR", ".demo")).resolve()
+PORT = int(os.environ.get("DEMO_PORT", "8000"))
+MODEL = "smollm2-135m"
+
+os.environ.setdefault("SWARM_DATA_DIR", str(DEMO_DIR / "data"))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
+os.environ.setdefault("SWARM_HEARTBEAT_INTERVAL_S", "2")
+os.environ.setdefault("SWARM_HEARTBEAT_TIMEOUT_S", "10")
+
+
+def _setup_django() -> None:
+    import logging
+
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the demo's own client requests
+    call_command("migrate", verbosity=0)
+
+
+def _accounts() -> dict:
+    from django.contrib.auth import get_user_model
+
+    from marketplace.jobs.models import ApiKey
+    from marketplace.jobs.services import create_api_key
+    from marketplace.nodes.models import Node
+    from marketplace.nodes.services import create_node
+
+    User = get_user_model()
+    logins = {}
+    for role, flags in (("provider", {"is_provider": True}), ("customer", {"is_customer": True}),
+                        ("admin", {"is_staff": True, "is_superuser": True})):
+        username = f"demo-{role}"
+        password = secrets.token_urlsafe(12)
+        user, _ = User.objects.update_or_create(username=username, defaults={"email": f"{username}@example.com",
+                                                                               **flags})
+        user.set_password(password)
+        user.save()
+        logins[role] = (user, password)
+    provider = logins["provider"][0]
+    tokens = []
+    for index in range(3):
+        node = Node.objects.filter(owner=provider, name=f"demo-gpu-{index}").first()
+        if node is None:
+            node, token = create_node(owner=provider, name=f"demo-gpu-{index}")
+        else:
+            from marketplace.nodes.services import rotate_join_token
+
+            token = rotate_join_token(node)
+        tokens.append(token)
+    customer = logins["customer"][0]
+    ApiKey.objects.filter(user=customer, name="demo").delete()
+    _, key = create_api_key(customer, "demo")
+    return {"logins": logins, "tokens": tokens, "key": key}
+
+
+def _serve() -> object:
+    import uvicorn
+
+    config = uvicorn.Config("marketplace.asgi:application", host="127.0.0.1", port=PORT, lifespan="on",
+                            log_level="warning", ws="websockets-sansio")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="web", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise SystemExit(f"the web app could not start on port {PORT} (set DEMO_PORT to move it)")
+        time.sleep(0.05)
+    return server
+
+
+def _join(base_url: str, tokens: list[str]) -> list[subprocess.Popen]:
+    agents = []
+    for index, token in enumerate(tokens):
+        key = DEMO_DIR / f"agent{index}.key"
+        for stale in (key, key.with_name(key.name + ".pub"), key.with_name(key.name + ".join.json")):
+            stale.unlink(missing_ok=True)  # fresh nodes each run: the tokens were just issued
+        log = open(DEMO_DIR / f"agent{index}.log", "w")  # noqa: SIM115 - owned by the child process
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "worker_agent.cli", "join", "--control-plane", base_url, "--token", token,
+             "--key", str(key), "--model", MODEL, "--max-layers", "10", "--threads", "1"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        ))
+    return agents
+
+
+def _wait_servable(agents: list[subprocess.Popen], timeout: float = 300) -> None:
+    from marketplace.placement.selectors import servable_pipelines
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if servable_pipelines(MODEL):
+            return
+        dead = [i for i, agent in enumerate(agents) if agent.poll() is not None]
+        if dead:
+            raise SystemExit(f"agent {dead[0]} exited; see {DEMO_DIR / f'agent{dead[0]}.log'}")
+        time.sleep(0.5)
+    raise SystemExit("the model did not become servable in time; see the agent logs in .demo/")
+
+
+def _stream_one(base_url: str, key: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=120)
+    prompt = "Explain in two sentences why the sky is blue."
+    print(f"\nuser> {prompt}\nassistant> ", end="", flush=True)
+    started = time.monotonic()
+    first = None
+    usage = None
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=64, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.monotonic()
+            print(chunk.choices[0].delta.content, end="", flush=True)
+        if chunk.usage:
+            usage = chunk.usage
+    elapsed = time.monotonic() - started
+    print()
+    if usage is not None:
+        rate = (usage.completion_tokens - 1) / (elapsed - (first - started)) if first and elapsed > first - started else 0
+        print(f"\n{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens; time to first token "
+              f"{(first or started) - started:.3f} s; {rate:.1f} tokens/s")
+
+
+def _report(base_url: str, accounts: dict) -> None:
+    from marketplace.jobs.models import Job
+
+    job = Job.objects.order_by("-created_at").first()
+    if job is not None:
+        route = " -> ".join(f"{s['node']}[{s['layer_start']}:{s['layer_end']}]" for s in job.route)
+        print(f"job {job.public_id}: {job.state}, coordinator region {job.coordinator_region}, route {route}")
+        print(f"receipts: {len(job.receipts)} stage receipts, verified={job.verified}")
+    logins = accounts["logins"]
+    env = {
+        "OPENAI_BASE_URL": f"{base_url}/v1",
+        "OPENAI_API_KEY": accounts["key"],
+        "DASHBOARD_URL": f"{base_url}/",
+        **{f"DEMO_{role.upper()}_USER": user.username for role, (user, _) in logins.items()},
+        **{f"DEMO_{role.upper()}_PASSWORD": password for role, (_, password) in logins.items()},
+    }
+    (DEMO_DIR / "demo.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    print(f"\ndashboard: {base_url}/   API docs: {base_url}/api/docs/")
+    for role, (user, password) in logins.items():
+        print(f"  {role:<9} login: {user.username} / {password}")
+    print(f"\nAPI key (customer): {accounts['key']}")
+    print("any OpenAI client works; for example:\n")
+    print("    from openai import OpenAI")
+    print(f'    client = OpenAI(base_url="{base_url}/v1", api_key="{accounts["key"]}")')
+    print(f'    reply = client.chat.completions.create(model="{MODEL}", '
+          'messages=[{"role": "user", "content": "Hello!"}])')
+    print("    print(reply.choices[0].message.content)")
+    print(f"\nthese values are in {DEMO_DIR / 'demo.env'}; serving until Ctrl-C ...")
+
+
+def main() -> int:
+    DEMO_DIR.mkdir(parents=True, exist_ok=True)
+    print(f"preparing {MODEL} and the database (the first run converts the GGUF weights once) ...", flush=True)
+    from worker_agent.model import load_head, load_tokenizer
+
+    load_head(MODEL)
+    load_tokenizer(MODEL)
+    _setup_django()
+    accounts = _accounts()
+    server = _serve()
+    base_url = f"http://127.0.0.1:{PORT}"
+    print(f"control plane at {base_url}; starting three agents (swarm-worker join) ...", flush=True)
+    agents = _join(base_url, accounts["tokens"])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        _wait_servable(agents)
+        from marketplace.placement.selectors import servable_pipelines
+
+        (pipeline, *_) = servable_pipelines(MODEL)
+        print("servable: " + " -> ".join(f"{s.node}[{s.layer_start}:{s.layer_end}]" for s in pipeline))
+        _stream_one(base_url, accounts["key"])
+        _report(base_url, accounts)
+        while not stop.is_set():
+            stop.wait(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("\nstopping ...", flush=True)
+        for agent in agents:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGTERM)
+        for agent in agents:
+            try:
+                agent.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+        server.should_exit = True
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""API keys and jobs: one job per inference request."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+
+class ApiKey(models.Model):
+    """A customer's API key: the full key is shown once; only its sha256 is stored."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=24, unique=True)  # shown in listings, e.g. "sk-sw-3f9a1c2b"
+    key_hash = models.CharField(max_length=64, unique=True)
+    requests_per_minute = models.PositiveIntegerField(default=60)
+    tokens_per_minute = models.PositiveIntegerField(default=100_000)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+
+class JobState(models.TextChoices):
+    QUEUED = "queued", "queued"
+    RUNNING = "running", "running"
+    SUCCEEDED = "succeeded", "succeeded"
+    FAILED = "failed", "failed"
+    CANCELLED = "cancelled", "cancelled"
+
+
+FINAL_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class Job(models.Model):
+    public_id = models.CharField(max_length=64, unique=True)  # the response id, e.g. "chatcmpl-..."
+    kind = models.CharField(max_length=16)  # "chat" or "completion"
+    customer = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    api_key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="jobs")
+    model = models.CharField(max_length=128)
+    params = models.JSONField(default=dict)  # max_tokens, temperature, top_p, seed, stop, stream, user
+    state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.QUEUED)
+    finish_reason = models.CharField(max_length=16, blank=True)  # "stop" or "length"
+    error_code = models.CharField(max_length=64, blank=True)
+    error_message = models.TextField(blank=True)
+
+    route = models.JSONField(default=list)  # [{node, node_key, url, layer_start, layer_end}] in order
+    coordinator_region = models.CharField(max_length=64, blank=True)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)  # tokens delivered to the client
+    ttft_ms = models.FloatField(null=True, blank=True)
+    tokens_per_s = models.FloatField(null=True, blank=True)  # decode rate, first to last token
+
+    receipts = models.JSONField(default=list)  # the stages' signed receipts (JSON form)
+    verified = models.BooleanField(null=True)  # None until the job ended with receipts
+    verification_error = models.TextField(blank=True)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["customer", "created_at"]), models.Index(fields=["state"])]
+
+    def __str__(self) -> str:
+        return f"{self.public_id} ({self.state})"

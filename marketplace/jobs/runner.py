@@ -1,0 +1,151 @@
+"""Runs one job's coordinator and streams its tokens to the channel layer group ``job.<pk>``.
+
+In production this runs in a Celery worker of the job's coordinator region (``coord.<region>``,
+threads pool: the model's embeddings and head are loaded once per process); in the embedded
+default it runs as a task of the web process's event loop. Either way the HTTP view that admitted
+the job reads the group and writes the response.
+
+Messages on the group: ``job.token`` (text, token_id), then exactly one of ``job.done``
+(finish_reason, usage) or ``job.error`` (code, message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+
+from marketplace.jobs import services
+from marketplace.jobs.models import Job, JobState
+from marketplace.nodes.tickets import ticket_for
+from worker_agent.coordinator.job import Coordinator, GenerationResult
+from worker_agent.coordinator.pipeline import StageSpec
+from worker_agent.coordinator.sampling import SamplingParams
+from worker_agent.errors import SwarmError
+from worker_agent.receipts import StageAssignment
+
+log = logging.getLogger("swarm.jobs")
+CANCEL_POLL_TOKENS = 1  # check the cancel flag after every token
+
+
+def group_name(job_pk: int) -> str:
+    return f"job.{job_pk}"
+
+
+async def run_job(job_pk: int) -> str:
+    """Run the job to its end; returns its final state."""
+    layer = get_channel_layer()
+    job = await sync_to_async(Job.objects.get)(pk=job_pk)
+    if not await sync_to_async(services.mark_running)(job_pk):
+        return job.state
+    group = group_name(job_pk)
+    sent_tokens = 0
+    try:
+        async with asyncio.timeout(settings.SWARM_JOB_TIMEOUT_S):
+            result, sent_tokens, cancelled = await _generate(job, layer, group)
+    except TimeoutError:
+        await _fail(job_pk, layer, group, "timeout", f"the job ran past {settings.SWARM_JOB_TIMEOUT_S:g}s", sent_tokens)
+        return JobState.FAILED
+    except (SwarmError, OSError, ValueError) as exc:
+        log.warning("job %s failed: %s", job.public_id, exc)
+        await _fail(job_pk, layer, group, getattr(exc, "code", "stage_error"), str(exc), sent_tokens)
+        return JobState.FAILED
+    if cancelled:
+        await sync_to_async(services.finish_job)(
+            job_pk,
+            state=JobState.CANCELLED,
+            completion_tokens=sent_tokens,
+            error_code="client_disconnected",
+            error_message="the client went away; partial work recorded",
+        )
+        return JobState.CANCELLED
+    decode = result.token_times[-1] - result.token_times[0] if len(result.token_times) > 1 else 0.0
+    await sync_to_async(services.finish_job)(
+        job_pk,
+        state=JobState.SUCCEEDED,
+        completion_tokens=result.completion_tokens,
+        finish_reason=result.finish_reason,
+        ttft_ms=1000 * result.ttft if result.ttft is not None else None,
+        tokens_per_s=(len(result.token_times) - 1) / decode if decode > 0 else None,
+        receipts=[r.to_json_dict() for r in result.receipts],
+        verified=result.verification is not None,
+        verification_error=result.verification_error,
+    )
+    await layer.group_send(
+        group,
+        {
+            "type": "job.done",
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+        },
+    )
+    return JobState.SUCCEEDED
+
+
+async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | None, int, bool]:
+    specs, assignments = [], []
+    for stage in job.route:
+        ticket = await sync_to_async(ticket_for)(
+            job=job.public_id,
+            node=stage["node"],
+            model=job.model,
+            layer_start=stage["layer_start"],
+            layer_end=stage["layer_end"],
+        )
+        specs.append(StageSpec(stage["url"], ticket))
+        assignments.append(
+            StageAssignment(stage["node"], bytes.fromhex(stage["node_key"]), stage["layer_start"], stage["layer_end"])
+        )
+    params = job.params
+    sampling = SamplingParams(
+        temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0), seed=params.get("seed")
+    )
+    sent = 0
+    async with Coordinator(job.model, specs, job=job.public_id, topology="ring", assignments=assignments) as coord:
+        prompt = params["messages"] if job.kind == "chat" else params["prompt"]
+        request = coord.request(
+            prompt,
+            chat=job.kind == "chat",
+            max_tokens=params["max_tokens"],
+            sampling=sampling,
+            stop=tuple(params.get("stop") or ()),
+        )
+        stream = coord.stream(request, strict=False)
+        try:
+            async for event in stream:
+                if isinstance(event, GenerationResult):
+                    return event, sent, False
+                if event.token_id is not None:
+                    sent += 1
+                await layer.group_send(group, {"type": "job.token", "text": event.text, "token_id": event.token_id})
+                if await sync_to_async(services.cancel_requested)(job.pk):
+                    return None, sent, True
+        finally:
+            await stream.aclose()  # closes the sessions on the stages when stopped early
+    raise SwarmError("the coordinator ended without a result", code="no_result")
+
+
+async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_tokens: int) -> None:
+    await sync_to_async(services.finish_job)(
+        job_pk, state=JobState.FAILED, completion_tokens=sent_tokens, error_code=code, error_message=message
+    )
+    await layer.group_send(group, {"type": "job.error", "code": code, "message": message})
+
+
+_embedded_jobs: set[asyncio.Task] = set()
+
+
+def launch(job: Job) -> None:
+    """Start the job's coordinator: a Celery task on ``coord.<region>``, or in this process."""
+    if settings.SWARM_COORDINATOR_LAUNCH == "celery":
+        from marketplace.jobs.tasks import run_job_task
+
+        run_job_task.apply_async(args=[job.pk], queue=f"coord.{job.coordinator_region}")
+        return
+    task = asyncio.get_running_loop().create_task(run_job(job.pk))
+    _embedded_jobs.add(task)
+    task.add_done_callback(_embedded_jobs.discard)

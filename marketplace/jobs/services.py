@@ -1,0 +1,141 @@
+"""API keys and the job lifecycle: admit, start, record tokens, finish, fail, cancel.
+
+Every state change is a conditional UPDATE on the job's current state, so a job ends exactly
+once even when its coordinator, a client disconnect and a timeout race.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+
+from django.core.cache import cache
+from django.db import transaction
+from django.utils import timezone
+
+from marketplace.jobs.errors import AuthenticationFailed, InvalidRequest, NoCapacity
+from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
+from marketplace.placement.selectors import route_request
+
+KEY_PREFIX = "sk-sw-"
+CANCEL_KEY = "job-cancel:{}"  # cache flag a coordinator polls between steps
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@transaction.atomic
+def create_api_key(user, name: str) -> tuple[ApiKey, str]:
+    """A new key for a customer; the plaintext is returned once and never stored."""
+    if not user.is_customer:
+        raise InvalidRequest("only customers can create API keys", code="not_a_customer")
+    secret = secrets.token_urlsafe(32)
+    key = f"{KEY_PREFIX}{secret}"
+    api_key = ApiKey.objects.create(user=user, name=name, prefix=key[: len(KEY_PREFIX) + 8], key_hash=_hash(key))
+    return api_key, key
+
+
+def revoke_api_key(api_key: ApiKey) -> ApiKey:
+    ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    api_key.refresh_from_db()
+    return api_key
+
+
+def authenticate_key(header: str | None) -> ApiKey:
+    """The active key of an ``Authorization: Bearer <key>`` header; raises AuthenticationFailed."""
+    if not header or not header.startswith("Bearer "):
+        raise AuthenticationFailed("You didn't provide an API key: send 'Authorization: Bearer <key>'.")
+    key = header.removeprefix("Bearer ").strip()
+    api_key = ApiKey.objects.select_related("user").filter(key_hash=_hash(key)).first()
+    if api_key is None or not key.startswith(KEY_PREFIX):
+        raise AuthenticationFailed(f"Incorrect API key provided: {key[:10]}***.")
+    if api_key.revoked_at is not None:
+        raise AuthenticationFailed("This API key was revoked.", code="revoked_api_key")
+    if not api_key.user.is_active:
+        raise AuthenticationFailed("This account is disabled.", code="account_disabled")
+    ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=timezone.now())
+    return api_key
+
+
+@transaction.atomic
+def admit_job(*, api_key: ApiKey, kind: str, model: str, params: dict, prompt_tokens: int) -> Job:
+    """Create a queued job on the lowest-latency ready route; 503 when the model has none."""
+    chosen = route_request(model)
+    if chosen is None:
+        raise NoCapacity(f"No capacity for model {model!r} right now: no complete pipeline is ready.")
+    region, stages, _ = chosen
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return Job.objects.create(
+        public_id=f"{prefix}-{uuid.uuid4().hex}",
+        kind=kind,
+        customer=api_key.user,
+        api_key=api_key,
+        model=model,
+        params=params,
+        prompt_tokens=prompt_tokens,
+        coordinator_region=region,
+        route=[
+            {
+                "node": s.node,
+                "node_key": s.node_key,
+                "url": s.data_url,
+                "layer_start": s.layer_start,
+                "layer_end": s.layer_end,
+            }
+            for s in stages
+        ],
+    )
+
+
+def mark_running(job_pk: int) -> bool:
+    return bool(
+        Job.objects.filter(pk=job_pk, state=JobState.QUEUED).update(state=JobState.RUNNING, started_at=timezone.now())
+    )
+
+
+def finish_job(
+    job_pk: int,
+    *,
+    state: str,
+    completion_tokens: int,
+    finish_reason: str = "",
+    ttft_ms=None,
+    tokens_per_s=None,
+    receipts=None,
+    verified=None,
+    verification_error: str = "",
+    error_code: str = "",
+    error_message: str = "",
+) -> bool:
+    """End a job once (conditional on it not having ended); False if it had already ended."""
+    assert state in FINAL_STATES
+    updated = (
+        Job.objects.filter(pk=job_pk)
+        .exclude(state__in=FINAL_STATES)
+        .update(
+            state=state,
+            completion_tokens=completion_tokens,
+            finish_reason=finish_reason,
+            ttft_ms=ttft_ms,
+            tokens_per_s=tokens_per_s,
+            receipts=receipts or [],
+            verified=verified,
+            verification_error=verification_error[:2000],
+            error_code=error_code,
+            error_message=error_message[:2000],
+            finished_at=timezone.now(),
+        )
+    )
+    cache.delete(CANCEL_KEY.format(job_pk))
+    return bool(updated)
+
+
+def request_cancel(job_pk: int) -> None:
+    """Ask the job's coordinator to stop (the client went away); it records what was done."""
+    cache.set(CANCEL_KEY.format(job_pk), 1, timeout=3600)
+
+
+def cancel_requested(job_pk: int) -> bool:
+    return bool(cache.get(CANCEL_KEY.format(job_pk)))
