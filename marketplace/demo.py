@@ -22,6 +22,7 @@ from pathlib import Path
 DEMO_DIR = Path(os.environ.get("DEMO_DIR", ".demo")).resolve()
 PORT = int(os.environ.get("DEMO_PORT", "8000"))
 MODEL = "smollm2-135m"
+NANO_PER_DOLLAR = 1_000_000_000
 
 os.environ.setdefault("SWARM_DATA_DIR", str(DEMO_DIR / "data"))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
@@ -50,12 +51,16 @@ def _accounts() -> dict:
 
     User = get_user_model()
     logins = {}
-    for role, flags in (("provider", {"is_provider": True}), ("customer", {"is_customer": True}),
-                        ("admin", {"is_staff": True, "is_superuser": True})):
+    for role, flags in (
+        ("provider", {"is_provider": True}),
+        ("customer", {"is_customer": True}),
+        ("admin", {"is_staff": True, "is_superuser": True}),
+    ):
         username = f"demo-{role}"
         password = secrets.token_urlsafe(12)
-        user, _ = User.objects.update_or_create(username=username, defaults={"email": f"{username}@example.com",
-                                                                               **flags})
+        user, _ = User.objects.update_or_create(
+            username=username, defaults={"email": f"{username}@example.com", **flags}
+        )
         user.set_password(password)
         user.save()
         logins[role] = (user, password)
@@ -73,14 +78,24 @@ def _accounts() -> dict:
     customer = logins["customer"][0]
     ApiKey.objects.filter(user=customer, name="demo").delete()
     _, key = create_api_key(customer, "demo")
+    from marketplace.billing.services import credits, grant
+
+    if credits(customer) < 5 * NANO_PER_DOLLAR:
+        grant(customer, 5, memo="demo credits")
     return {"logins": logins, "tokens": tokens, "key": key}
 
 
 def _serve() -> object:
     import uvicorn
 
-    config = uvicorn.Config("marketplace.asgi:application", host="127.0.0.1", port=PORT, lifespan="on",
-                            log_level="warning", ws="websockets-sansio")
+    config = uvicorn.Config(
+        "marketplace.asgi:application",
+        host="127.0.0.1",
+        port=PORT,
+        lifespan="on",
+        log_level="warning",
+        ws="websockets-sansio",
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="web", daemon=True)
     thread.start()
@@ -99,11 +114,31 @@ def _join(base_url: str, tokens: list[str]) -> list[subprocess.Popen]:
         for stale in (key, key.with_name(key.name + ".pub"), key.with_name(key.name + ".join.json")):
             stale.unlink(missing_ok=True)  # fresh nodes each run: the tokens were just issued
         log = open(DEMO_DIR / f"agent{index}.log", "w")  # noqa: SIM115 - owned by the child process
-        agents.append(subprocess.Popen(
-            [sys.executable, "-m", "worker_agent.cli", "join", "--control-plane", base_url, "--token", token,
-             "--key", str(key), "--model", MODEL, "--max-layers", "10", "--threads", "1"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        ))
+        agents.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "worker_agent.cli",
+                    "join",
+                    "--control-plane",
+                    base_url,
+                    "--token",
+                    token,
+                    "--key",
+                    str(key),
+                    "--model",
+                    MODEL,
+                    "--max-layers",
+                    "10",
+                    "--threads",
+                    "1",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        )
     return agents
 
 
@@ -130,9 +165,14 @@ def _stream_one(base_url: str, key: str) -> None:
     started = time.monotonic()
     first = None
     usage = None
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=64, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.monotonic()
@@ -142,16 +182,23 @@ def _stream_one(base_url: str, key: str) -> None:
     elapsed = time.monotonic() - started
     print()
     if usage is not None:
-        rate = (usage.completion_tokens - 1) / (elapsed - (first - started)) if first and elapsed > first - started else 0
-        print(f"\n{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens; time to first token "
-              f"{(first or started) - started:.3f} s; {rate:.1f} tokens/s")
+        rate = (
+            (usage.completion_tokens - 1) / (elapsed - (first - started)) if first and elapsed > first - started else 0
+        )
+        print(
+            f"\n{usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens; time to first token "
+            f"{(first or started) - started:.3f} s; {rate:.1f} tokens/s"
+        )
 
 
 def _report(base_url: str, accounts: dict) -> None:
+    from marketplace.billing.services import credits
     from marketplace.jobs.models import Job
 
     job = Job.objects.order_by("-created_at").first()
     if job is not None:
+        print(f"charged ${job.charged_amount / NANO_PER_DOLLAR:.9f} (hold ${job.hold_amount / NANO_PER_DOLLAR:.9f}); "
+              f"customer balance ${credits(job.customer) / NANO_PER_DOLLAR:.6f}")
         route = " -> ".join(f"{s['node']}[{s['layer_start']}:{s['layer_end']}]" for s in job.route)
         print(f"job {job.public_id}: {job.state}, coordinator region {job.coordinator_region}, route {route}")
         print(f"receipts: {len(job.receipts)} stage receipts, verified={job.verified}")
@@ -171,8 +218,10 @@ def _report(base_url: str, accounts: dict) -> None:
     print("any OpenAI client works; for example:\n")
     print("    from openai import OpenAI")
     print(f'    client = OpenAI(base_url="{base_url}/v1", api_key="{accounts["key"]}")')
-    print(f'    reply = client.chat.completions.create(model="{MODEL}", '
-          'messages=[{"role": "user", "content": "Hello!"}])')
+    print(
+        f'    reply = client.chat.completions.create(model="{MODEL}", '
+        'messages=[{"role": "user", "content": "Hello!"}])'
+    )
     print("    print(reply.choices[0].message.content)")
     print(f"\nthese values are in {DEMO_DIR / 'demo.env'}; serving until Ctrl-C ...")
 

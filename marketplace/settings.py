@@ -46,6 +46,7 @@ INSTALLED_APPS = [
     "marketplace.nodes",
     "marketplace.placement",
     "marketplace.jobs",
+    "marketplace.billing",
     "marketplace.api",
 ]
 
@@ -90,7 +91,7 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 
 # Migrations live in the top-level migrations/ package.
-MIGRATION_MODULES = {app: f"migrations.{app}" for app in ("accounts", "nodes", "placement", "jobs")}
+MIGRATION_MODULES = {app: f"migrations.{app}" for app in ("accounts", "nodes", "placement", "jobs", "billing")}
 
 # --- database -----------------------------------------------------------------------------
 DATABASE_URL = env_str("DATABASE_URL", "")
@@ -183,6 +184,11 @@ if SWARM_COORDINATOR_LAUNCH not in ("inprocess", "celery"):
     raise ImproperlyConfigured("SWARM_COORDINATOR_LAUNCH must be 'inprocess' or 'celery'")
 SWARM_JOB_TIMEOUT_S = env_float("SWARM_JOB_TIMEOUT_S", 300.0, minimum=1.0)
 SWARM_MAX_TOKENS_LIMIT = env_int("SWARM_MAX_TOKENS_LIMIT", 2048, minimum=1)
+# Prices when an admin set none for a model: nano-dollars per million (prompt, completion) tokens.
+SWARM_DEFAULT_PRICES = (
+    env_int("SWARM_PRICE_PROMPT_PER_MILLION", 100_000_000, minimum=0),  # $0.10 per million
+    env_int("SWARM_PRICE_COMPLETION_PER_MILLION", 200_000_000, minimum=0),  # $0.20 per million
+)
 SWARM_JOIN_TOKEN_TTL_S = env_int("SWARM_JOIN_TOKEN_TTL_S", 7 * 24 * 3600, minimum=60)
 
 LOGGING = {

@@ -15,6 +15,7 @@ import pytest
 from django.db import connection
 from openai import OpenAI
 
+from marketplace.billing.services import grant
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import create_api_key
 from marketplace.nodes.services import create_node
@@ -71,6 +72,7 @@ def test_a_job_runs_in_a_celery_worker_of_its_region(celery_control_plane, djang
     customer = django_user_model.objects.create_user(username="c", email="c@e.com", password="x", is_customer=True)
     tokens = [create_node(owner=provider, name=f"n{i}")[1] for i in range(3)]
     _, key = create_api_key(customer, "k")
+    grant(customer, 1)
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",

@@ -57,6 +57,14 @@ class Job(models.Model):
     ttft_ms = models.FloatField(null=True, blank=True)
     tokens_per_s = models.FloatField(null=True, blank=True)  # decode rate, first to last token
 
+    # Billing: the price in force at admission (nano-dollars per million tokens), the hold placed
+    # then, and the charge it settled to (nano-dollars).
+    price_prompt_per_million = models.BigIntegerField(default=0)
+    price_completion_per_million = models.BigIntegerField(default=0)
+    hold_amount = models.BigIntegerField(default=0)
+    charged_amount = models.BigIntegerField(default=0)
+    settled_at = models.DateTimeField(null=True, blank=True)
+
     receipts = models.JSONField(default=list)  # the stages' signed receipts (JSON form)
     verified = models.BooleanField(null=True)  # None until the job ended with receipts
     verification_error = models.TextField(blank=True)

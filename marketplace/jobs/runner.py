@@ -36,7 +36,16 @@ def group_name(job_pk: int) -> str:
 
 
 async def run_job(job_pk: int) -> str:
-    """Run the job to its end; returns its final state."""
+    """Run the job to its end and settle its hold; returns its final state."""
+    try:
+        return await _run(job_pk)
+    finally:
+        from marketplace.billing.services import settle
+
+        await sync_to_async(settle)(job_pk)
+
+
+async def _run(job_pk: int) -> str:
     layer = get_channel_layer()
     job = await sync_to_async(Job.objects.get)(pk=job_pk)
     if not await sync_to_async(services.mark_running)(job_pk):

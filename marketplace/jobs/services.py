@@ -67,7 +67,7 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: dict, prompt_to
         raise NoCapacity(f"No capacity for model {model!r} right now: no complete pipeline is ready.")
     region, stages, _ = chosen
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    return Job.objects.create(
+    job = Job.objects.create(
         public_id=f"{prefix}-{uuid.uuid4().hex}",
         kind=kind,
         customer=api_key.user,
@@ -87,6 +87,10 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: dict, prompt_to
             for s in stages
         ],
     )
+    from marketplace.billing.services import place_hold
+
+    place_hold(job)  # 402 here rolls the whole admission back
+    return job
 
 
 def mark_running(job_pk: int) -> bool:

@@ -1,0 +1,212 @@
+"""A job's coordinator verifies the stages' receipts before the job is recorded.
+
+The job is admitted through the jobs service onto a route of in-process StageServers (tiny-llama)
+that trust the control plane's ticket key, and run by ``runner.run_job`` as a coordinator
+process would. A stage that sends other bytes than it signed for does not take the customer's
+tokens away (they were delivered), but the job is recorded unverified, naming the broken link."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import re
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+
+from marketplace.api.openai import count_prompt_tokens
+from marketplace.jobs import runner, services
+from marketplace.jobs.models import Job, JobState
+from marketplace.nodes.tickets import issuer_key, issuer_public_key
+from marketplace.placement.selectors import PipelineStage
+from worker_agent import model as models
+from worker_agent.block import Block
+from worker_agent.keys import generate_signing_key, public_key_bytes
+from worker_agent.server import StageServer
+from worker_agent.stage import Output, Stage
+
+pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]
+pytest_plugins = ["tests.factories"]
+
+MODEL = "tiny-llama"
+SPANS = [(0, 2), (2, 4), (4, 6)]
+MAX_TOKENS = 5
+PARAMS = {
+    "max_tokens": MAX_TOKENS,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "seed": None,
+    "stop": [],
+    "stream": False,
+    "include_usage": False,
+    "user": None,
+    "prompt": "Hello there",
+}
+
+
+class TamperingStage(Stage):
+    """Signs a receipt for its real output, then sends something else."""
+
+    def finish(self, prepared, outputs) -> Output:
+        output = super().finish(prepared, outputs)
+        flipped = bytes([output.payload[0] ^ 0x01]) + output.payload[1:]
+        return dataclasses.replace(output, payload=flipped)
+
+
+@pytest.fixture
+def control_plane(settings, tmp_path):
+    """In-memory channel layer (whatever REDIS_URL says), a ticket key of this test's own, free tokens."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    settings.SWARM_TICKET_KEY_PATH = tmp_path / "ticket.key"
+    settings.SWARM_JOB_TIMEOUT_S = 120.0
+    settings.SWARM_DEFAULT_PRICES = (0, 0)  # free: these jobs are about receipts, not credits
+    issuer_key.cache_clear()
+    yield settings
+    issuer_key.cache_clear()
+
+
+@pytest.fixture
+def api_key(customer):
+    api_key, _ = services.create_api_key(customer, "verification")
+    return api_key
+
+
+@contextlib.asynccontextmanager
+async def stage_servers(*, rogue: int | None = None, trusted: bytes | None = None):
+    """In-process stages over SPANS trusting the control plane's tickets; yields the route."""
+    trusted = trusted if trusted is not None else issuer_public_key()
+    tasks, route = [], []
+    for index, (start, end) in enumerate(SPANS):
+        cls = TamperingStage if index == rogue else Stage
+        stage = cls(
+            Block(models.load_block(MODEL, start, end)),
+            model=MODEL,
+            signing_key=generate_signing_key(),
+            trusted_keys=[trusted],
+        )
+        bound = asyncio.get_running_loop().create_future()
+        tasks.append(asyncio.create_task(StageServer(stage).serve("127.0.0.1", 0, ready=bound.set_result)))
+        port = await asyncio.wait_for(bound, 30)
+        route.append(PipelineStage(stage.node, stage.node_key.hex(), f"ws://127.0.0.1:{port}", start, end, "local"))
+    try:
+        yield route
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def admit(api_key, route: list[PipelineStage], monkeypatch) -> Job:
+    monkeypatch.setattr(services, "route_request", lambda model: ("local", route, 1.0))
+    params = dict(PARAMS)
+    return services.admit_job(
+        api_key=api_key,
+        kind="completion",
+        model=MODEL,
+        params=params,
+        prompt_tokens=count_prompt_tokens(MODEL, "completion", params),
+    )
+
+
+def run_admitted_job(api_key, monkeypatch, **stage_options) -> tuple[str, Job, list[dict]]:
+    """Admit a job on a fresh route of in-process stages, run it; (final state, job, group events)."""
+
+    async def scenario():
+        async with stage_servers(**stage_options) as route:
+            job = await sync_to_async(admit)(api_key, route, monkeypatch)
+            layer = get_channel_layer()
+            channel = await layer.new_channel()
+            await layer.group_add(runner.group_name(job.pk), channel)
+            state = await runner.run_job(job.pk)
+            events = []
+            while not events or events[-1]["type"] not in ("job.done", "job.error"):
+                events.append(await asyncio.wait_for(layer.receive(channel), 30))
+            return state, job.pk, events
+
+    state, job_pk, events = asyncio.run(scenario())
+    return state, Job.objects.get(pk=job_pk), events
+
+
+def tokens_of(events: list[dict]) -> list[int]:
+    return [event["token_id"] for event in events if event["type"] == "job.token" and event["token_id"] is not None]
+
+
+def test_honest_route_ends_succeeded_and_verified(control_plane, api_key, monkeypatch):
+    state, job, events = run_admitted_job(api_key, monkeypatch)
+
+    assert state == JobState.SUCCEEDED
+    assert job.state == JobState.SUCCEEDED
+    assert job.verified is True
+    assert job.verification_error == ""
+    delivered = tokens_of(events)
+    assert 1 <= len(delivered) <= MAX_TOKENS
+    assert events[-1] == {
+        "type": "job.done",
+        "finish_reason": job.finish_reason,
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": len(delivered),
+    }
+    assert job.completion_tokens == len(delivered)
+    assert job.finish_reason == ("length" if len(delivered) == MAX_TOKENS else "stop")
+    assert [(r["job"], r["node"], r["node_key"], r["layer_start"], r["layer_end"]) for r in job.receipts] == [
+        (job.public_id, stage["node"], stage["node_key"], stage["layer_start"], stage["layer_end"])
+        for stage in job.route
+    ]
+    assert job.error_code == ""
+
+
+@pytest.mark.parametrize("rogue", [0, 1])
+def test_stage_sending_other_bytes_than_it_signed_ends_succeeded_unverified_naming_the_link(
+    control_plane, api_key, monkeypatch, rogue
+):
+    state, job, events = run_admitted_job(api_key, monkeypatch, rogue=rogue)
+
+    assert state == JobState.SUCCEEDED
+    assert job.state == JobState.SUCCEEDED  # the tokens were delivered to the customer
+    delivered = tokens_of(events)
+    assert len(delivered) >= 1
+    assert job.completion_tokens == len(delivered)
+    assert events[-1]["type"] == "job.done"
+    assert job.verified is False
+    assert job.receipts == []
+    upstream, downstream = job.route[rogue]["node"], job.route[rogue + 1]["node"]
+    assert re.fullmatch(
+        rf"session '[^']+' step 0: stage {rogue} \(node {upstream}\) output [0-9a-f]{{16}} "
+        rf"!= stage {rogue + 1} \(node {downstream}\) input [0-9a-f]{{16}} \(receipt_broken_link\)",
+        job.verification_error,
+    ), job.verification_error
+
+
+def test_last_stage_returning_other_bytes_than_it_signed_ends_unverified_naming_the_endpoint(
+    control_plane, api_key, monkeypatch
+):
+    state, job, events = run_admitted_job(api_key, monkeypatch, rogue=2)
+
+    assert state == JobState.SUCCEEDED
+    assert job.state == JobState.SUCCEEDED
+    assert job.completion_tokens == len(tokens_of(events)) >= 1
+    assert job.verified is False
+    assert job.receipts == []
+    last = job.route[2]["node"]
+    assert re.fullmatch(
+        rf"session '[^']+' step 0: stage 2 \(node {last}\) output differs from what the coordinator received "
+        r"\(receipt_endpoint_mismatch\)",
+        job.verification_error,
+    ), job.verification_error
+
+
+def test_route_whose_stage_does_not_trust_the_control_plane_fails_before_any_token(
+    control_plane, api_key, monkeypatch
+):
+    stranger_key = public_key_bytes(generate_signing_key())
+
+    state, job, events = run_admitted_job(api_key, monkeypatch, trusted=stranger_key)
+
+    assert state == JobState.FAILED
+    assert job.state == JobState.FAILED
+    assert job.error_code == "ticket_untrusted"
+    assert job.error_message.startswith(f"stage 0 ({job.route[0]['url']}) refused HELLO: ticket is signed by an ")
+    assert (job.completion_tokens, job.verified, job.receipts) == (0, None, [])
+    assert events == [{"type": "job.error", "code": "ticket_untrusted", "message": job.error_message}]

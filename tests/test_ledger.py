@@ -1,0 +1,164 @@
+"""The ledger: balanced, immutable transfers; holds at admission; settlement on delivered tokens."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import DatabaseError, transaction
+from django.db.models import Sum
+
+from marketplace.billing import services
+from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, ModelPrice, Transfer
+from marketplace.jobs.errors import InsufficientCredits
+from marketplace.jobs.models import Job, JobState
+from marketplace.jobs.services import create_api_key, finish_job
+
+pytestmark = [pytest.mark.billing, pytest.mark.django_db]
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture
+def customer(django_user_model):
+    return django_user_model.objects.create_user(username="cust", email="c@example.com", password="x", is_customer=True)
+
+
+@pytest.fixture
+def price(settings):
+    from django.utils import timezone
+
+    settings.SWARM_MODELS = [MODEL]
+    return ModelPrice.objects.create(
+        model=MODEL,
+        prompt_per_million=1_000_000_000,
+        completion_per_million=3_000_000_000,
+        effective_from=timezone.now(),
+    )
+
+
+def make_job(customer, *, max_tokens=100, prompt_tokens=40):
+    api_key, _ = create_api_key(customer, "k")
+    return Job.objects.create(
+        public_id=f"chatcmpl-{Job.objects.count()}",
+        kind="chat",
+        customer=customer,
+        api_key=api_key,
+        model=MODEL,
+        params={"max_tokens": max_tokens},
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def test_every_balance_is_the_sum_of_its_transfers(customer, price):
+    services.grant(customer, "2.5")
+    job = make_job(customer)
+    services.place_hold(job)
+    finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=10)
+    services.settle(job.pk)
+
+    for account in LedgerAccount.objects.all():
+        credits = Transfer.objects.filter(credit=account).aggregate(s=Sum("amount"))["s"] or 0
+        debits = Transfer.objects.filter(debit=account).aggregate(s=Sum("amount"))["s"] or 0
+        assert account.balance == credits - debits
+    assert sum(a.balance for a in LedgerAccount.objects.all()) == 0
+
+
+def test_a_hold_reserves_the_worst_case_and_settles_to_the_delivered_tokens(customer, price):
+    services.grant(customer, 1)
+    job = make_job(customer, max_tokens=100, prompt_tokens=40)
+
+    services.place_hold(job)
+    job.refresh_from_db()
+    # 40 prompt x $1/M + 100 completion x $3/M = 340e-6 dollars = 340_000 nano-dollars
+    assert job.hold_amount == 340_000
+    assert services.credits(customer) == NANO_PER_DOLLAR - 340_000
+    assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 340_000
+
+    finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=7)
+    charge = services.settle(job.pk)
+
+    assert charge == 40_000 + 21_000
+    assert services.credits(customer) == NANO_PER_DOLLAR - 61_000
+    assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 0
+    assert services.account(AccountKind.PLATFORM_REVENUE).balance == 61_000
+    assert [(t.kind, t.amount) for t in Transfer.objects.filter(job=job)] == [
+        ("hold", 340_000),
+        ("charge", 61_000),
+        ("release", 279_000),
+    ]
+
+
+def test_settling_twice_charges_once(customer, price):
+    services.grant(customer, 1)
+    job = make_job(customer)
+    services.place_hold(job)
+    finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=3)
+
+    first = services.settle(job.pk)
+    second = services.settle(job.pk)
+
+    assert first == second == 49_000
+    assert Transfer.objects.filter(job=job, kind="charge").count() == 1
+
+
+def test_a_job_that_delivered_nothing_is_not_charged(customer, price):
+    services.grant(customer, 1)
+    job = make_job(customer)
+    services.place_hold(job)
+    finish_job(job.pk, state=JobState.CANCELLED, completion_tokens=0)
+
+    assert services.settle(job.pk) == 0
+    assert services.credits(customer) == NANO_PER_DOLLAR
+    assert not Transfer.objects.filter(job=job, kind="charge").exists()
+
+
+def test_a_running_job_is_not_settled(customer, price):
+    services.grant(customer, 1)
+    job = make_job(customer)
+    services.place_hold(job)
+
+    assert services.settle(job.pk) == 0
+    assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 340_000
+
+
+def test_a_hold_beyond_the_credits_is_refused_and_changes_nothing(customer, price):
+    services.grant(customer, "0.0003")  # 300_000 nano-dollars, less than the 340_000 hold
+    job = make_job(customer)
+
+    with pytest.raises(InsufficientCredits), transaction.atomic():
+        services.place_hold(job)
+
+    assert services.credits(customer) == 300_000
+    assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 0
+    assert Transfer.objects.filter(job=job).count() == 0
+
+
+def test_transfers_cannot_be_changed_or_deleted(customer, price):
+    services.grant(customer, 1)
+    transfer = Transfer.objects.get()
+
+    with pytest.raises(ValueError):
+        transfer.save()
+    with pytest.raises(ValueError):
+        transfer.delete()
+    with pytest.raises(DatabaseError), transaction.atomic():
+        Transfer.objects.filter(pk=transfer.pk).update(amount=1)
+    with pytest.raises(DatabaseError), transaction.atomic():
+        Transfer.objects.filter(pk=transfer.pk).delete()
+    assert Transfer.objects.get().amount == NANO_PER_DOLLAR
+
+
+def test_transfers_move_only_positive_whole_amounts(customer, price):
+    credit = services.account(AccountKind.CUSTOMER_CREDIT, customer)
+    grants = services.account(AccountKind.GRANTS)
+
+    for amount in (0, -5, 1.5):
+        with pytest.raises(ValueError):
+            services.transfer(grants, credit, amount, kind="grant")
+    assert Transfer.objects.count() == 0
+
+
+def test_default_prices_apply_without_a_price_row(customer, settings):
+    settings.SWARM_DEFAULT_PRICES = (100_000_000, 200_000_000)
+
+    assert services.prices_for("some-model") == (100_000_000, 200_000_000)
+    assert services.cost(1, 1, (100_000_000, 200_000_000)) == 300
