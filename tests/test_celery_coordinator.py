@@ -156,10 +156,10 @@ def test_a_job_runs_in_a_celery_worker_of_its_region(celery_control_plane, djang
         assert job.completion_tokens == 6
         assert job.verified is True
         assert len(job.receipts) == 3
-        worker_output = (tmp_path / "worker.log").read_text()
-        assert re.search(
-            r"Task marketplace\.jobs\.tasks\.run_job\[[0-9a-f-]+\] succeeded in [0-9.]+s: 'succeeded'", worker_output
-        )
+        done = re.compile(r"Task marketplace\.jobs\.tasks\.run_job\[[0-9a-f-]+\] succeeded in [0-9.]+s: 'succeeded'")
+        wait_for(lambda: done.search((tmp_path / "worker.log").read_text()), 30, "the task to finish in the worker")
+        job.refresh_from_db()
+        assert job.charged_amount > 0
     finally:
         for process in [*agents, worker]:
             if process.poll() is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Sum
 
 from marketplace.billing import services
@@ -142,8 +142,9 @@ def test_transfers_cannot_be_changed_or_deleted(customer, price):
         transfer.delete()
     with pytest.raises(DatabaseError), transaction.atomic():
         Transfer.objects.filter(pk=transfer.pk).update(amount=1)
-    with pytest.raises(DatabaseError), transaction.atomic():
-        Transfer.objects.filter(pk=transfer.pk).delete()
+    if connection.vendor == "postgresql":  # SQLite keeps DELETE for the test flush (see the migration)
+        with pytest.raises(DatabaseError), transaction.atomic():
+            Transfer.objects.filter(pk=transfer.pk).delete()
     assert Transfer.objects.get().amount == NANO_PER_DOLLAR
 
 
