@@ -22,6 +22,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from marketplace.api import ratelimit
+from marketplace.billing.selectors import per_token
+from marketplace.billing.services import prices_for
 from marketplace.jobs import runner, services
 from marketplace.jobs.errors import ApiError, InvalidRequest, JobFailed, ModelNotFound, RateLimited
 from marketplace.placement.selectors import servable_pipelines
@@ -166,8 +168,24 @@ async def list_models(request: HttpRequest) -> JsonResponse:
         await sync_to_async(services.authenticate_key)(request.headers.get("Authorization"))
     except ApiError as exc:
         return _error(exc, request_id)
-    servable = await sync_to_async(lambda: [m for m in settings.SWARM_MODELS if servable_pipelines(m)])()
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "swarm"} for m in servable]
+
+    def listing() -> list[dict]:
+        entries = []
+        for model in settings.SWARM_MODELS:
+            if servable_pipelines(model):
+                prompt, completion = prices_for(model)
+                entries.append(
+                    {
+                        "id": model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "swarm",
+                        "pricing": {"prompt": per_token(prompt), "completion": per_token(completion)},
+                    }
+                )
+        return entries
+
+    data = await sync_to_async(listing)()
     response = JsonResponse({"object": "list", "data": data})
     response["x-request-id"] = request_id
     return response

@@ -1,0 +1,126 @@
+"""Customer-facing billing: balance, transactions, usage (JSON and CSV), and the
+OpenRouter-style key endpoints `GET /api/v1/credits` and `GET /api/v1/generation?id=`."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from rest_framework import permissions
+from rest_framework.decorators import api_view, permission_classes
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from marketplace.api.views import IsCustomer
+from marketplace.billing import selectors
+from marketplace.jobs import services as jobs_services
+from marketplace.jobs.errors import ApiError, InvalidRequest
+from marketplace.jobs.models import Job
+
+GROUPS = ("day", "model", "key")
+
+
+@api_view(["GET"])
+@permission_classes([permissions.IsAuthenticated, IsCustomer])
+def balance(request: Request) -> Response:
+    values = {**selectors.balance(request.user), **selectors.totals(request.user)}
+    return Response({name: format(value, "f") for name, value in values.items()})
+
+
+@api_view(["GET"])
+@permission_classes([permissions.IsAuthenticated, IsCustomer])
+def transactions(request: Request) -> Response:
+    return Response({"data": selectors.transactions(request.user)})
+
+
+def _group(request) -> str:
+    group = request.GET.get("group", "day")
+    if group not in GROUPS:
+        raise InvalidRequest(f"group must be one of {', '.join(GROUPS)}", param="group")
+    return group
+
+
+@api_view(["GET"])
+@permission_classes([permissions.IsAuthenticated, IsCustomer])
+def usage(request: Request) -> Response:
+    try:
+        group = _group(request)
+    except ApiError as exc:
+        return Response(exc.body(), status=exc.status)
+    return Response({"group": group, "data": selectors.usage(request.user, group)})
+
+
+@api_view(["GET"])
+@permission_classes([permissions.IsAuthenticated, IsCustomer])
+def usage_csv(request: Request) -> HttpResponse:
+    try:
+        group = _group(request)
+    except ApiError as exc:
+        return JsonResponse(exc.body(), status=exc.status)
+    rows = selectors.usage(request.user, group)
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow([group, "requests", "prompt_tokens", "completion_tokens", "cost_usd"])
+    for row in rows:
+        writer.writerow([row[group], row["requests"], row["prompt_tokens"], row["completion_tokens"], row["cost"]])
+    response = HttpResponse(out.getvalue(), content_type="text/csv")
+    response["Content-Disposition"] = f'attachment; filename="usage-by-{group}.csv"'
+    return response
+
+
+async def _key_user(request: HttpRequest):
+    api_key = await sync_to_async(jobs_services.authenticate_key)(request.headers.get("Authorization"))
+    return api_key.user
+
+
+async def credits(request: HttpRequest) -> JsonResponse:
+    """`{"data": {"total_credits", "total_usage"}}` in dollars for the calling key's account."""
+    try:
+        user = await _key_user(request)
+    except ApiError as exc:
+        return JsonResponse(exc.body(), status=exc.status)
+    totals = await sync_to_async(selectors.totals)(user)
+    return JsonResponse({"data": {k: float(v) for k, v in totals.items()}})
+
+
+async def generation(request: HttpRequest) -> JsonResponse:
+    """One request's model, token counts, cost and state, by its completion id."""
+    try:
+        user = await _key_user(request)
+        public_id = request.GET.get("id", "")
+        if not public_id:
+            raise InvalidRequest("give the completion id as ?id=", param="id")
+    except ApiError as exc:
+        return JsonResponse(exc.body(), status=exc.status)
+    job = await sync_to_async(Job.objects.filter(customer=user, public_id=public_id).first)()
+    if job is None:
+        return JsonResponse(
+            {
+                "error": {
+                    "message": f"no generation {public_id!r}",
+                    "type": "invalid_request_error",
+                    "param": "id",
+                    "code": "not_found",
+                }
+            },
+            status=404,
+        )
+    return JsonResponse(
+        {
+            "data": {
+                "id": job.public_id,
+                "model": job.model,
+                "state": job.state,
+                "finish_reason": job.finish_reason or None,
+                "tokens_prompt": job.prompt_tokens,
+                "tokens_completion": job.completion_tokens,
+                "total_cost": float(selectors.dollars(job.charged_amount)),
+                "created_at": job.created_at.isoformat(),
+                "latency_ms": job.ttft_ms,
+                "tokens_per_second": job.tokens_per_s,
+                "verified": job.verified,
+            }
+        }
+    )

@@ -1,0 +1,98 @@
+"""Read queries for customers: balance, transactions, usage, per-request cost."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.db.models import Count, F, Q, Sum
+from django.db.models.functions import TruncDay
+
+from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, Transfer
+from marketplace.jobs.models import Job
+
+CREDIT_KINDS = ("grant", "topup")
+
+
+def dollars(nano: int | None) -> Decimal:
+    return (Decimal(nano or 0) / NANO_PER_DOLLAR).quantize(Decimal("0.000000001"))
+
+
+def money(nano: int | None) -> str:
+    """Dollars as a fixed-point string with nine decimals, e.g. "0.000061000"."""
+    return format(dollars(nano), "f")
+
+
+def per_token(per_million: int) -> str:
+    """A per-million-tokens price in nano-dollars as dollars per token, a decimal string."""
+    return format((Decimal(per_million) / NANO_PER_DOLLAR / 1_000_000).normalize(), "f")
+
+
+def balance(user) -> dict:
+    accounts = {a.kind: a.balance for a in LedgerAccount.objects.filter(owner=user)}
+    return {
+        "available": dollars(accounts.get(AccountKind.CUSTOMER_CREDIT, 0)),
+        "on_hold": dollars(accounts.get(AccountKind.CUSTOMER_HOLD, 0)),
+    }
+
+
+def totals(user) -> dict:
+    """All credits ever added, and all usage ever charged, in dollars."""
+    credited = Transfer.objects.filter(
+        credit__owner=user, credit__kind=AccountKind.CUSTOMER_CREDIT, kind__in=CREDIT_KINDS
+    ).aggregate(s=Sum("amount"))["s"]
+    charged = Transfer.objects.filter(
+        debit__owner=user, debit__kind=AccountKind.CUSTOMER_HOLD, kind="charge"
+    ).aggregate(s=Sum("amount"))["s"]
+    return {"total_credits": dollars(credited), "total_usage": dollars(charged)}
+
+
+def transactions(user, limit: int = 100) -> list[dict]:
+    """The customer's ledger movements, newest first, signed from their point of view."""
+    rows = (
+        Transfer.objects.filter(Q(credit__owner=user) | Q(debit__owner=user))
+        .select_related("credit", "debit", "job")
+        .order_by("-id")[:limit]
+    )
+    result = []
+    for t in rows:
+        mine_in = t.credit.owner_id == user.pk
+        if mine_in and t.debit.owner_id == user.pk:  # between their own accounts: as spendable credit sees it
+            mine_in = t.credit.kind == AccountKind.CUSTOMER_CREDIT
+        result.append(
+            {
+                "id": t.pk,
+                "at": t.created_at.isoformat(),
+                "kind": t.kind,
+                "account": (t.credit if mine_in else t.debit).kind,
+                "amount": money(t.amount if mine_in else -t.amount),
+                "job": t.job.public_id if t.job else None,
+                "memo": t.memo,
+            }
+        )
+    return result
+
+
+def usage(user, group: str) -> list[dict]:
+    """Tokens and cost of the customer's jobs, grouped by day, model or key."""
+    expression = {"day": TruncDay("created_at"), "model": F("model"), "key": F("api_key__prefix")}[group]
+    rows = Job.objects.filter(customer=user).annotate(group=expression)
+    rows = (
+        rows.values("group")
+        .annotate(
+            requests=Count("id"),
+            prompt_tokens=Sum("prompt_tokens"),
+            completion_tokens=Sum("completion_tokens"),
+            cost=Sum("charged_amount"),
+        )
+        .order_by("group")
+    )
+    return [
+        {
+            group: row["group"].date().isoformat() if group == "day" and row["group"] else row["group"],
+            "requests": row["requests"],
+            "prompt_tokens": row["prompt_tokens"] or 0,
+            "completion_tokens": row["completion_tokens"] or 0,
+            "cost": money(row["cost"]),
+        }
+        for row in rows
+    ]
