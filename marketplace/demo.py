@@ -197,8 +197,10 @@ def _report(base_url: str, accounts: dict) -> None:
 
     job = Job.objects.order_by("-created_at").first()
     if job is not None:
-        print(f"charged ${job.charged_amount / NANO_PER_DOLLAR:.9f} (hold ${job.hold_amount / NANO_PER_DOLLAR:.9f}); "
-              f"customer balance ${credits(job.customer) / NANO_PER_DOLLAR:.6f}")
+        print(
+            f"charged ${job.charged_amount / NANO_PER_DOLLAR:.9f} (hold ${job.hold_amount / NANO_PER_DOLLAR:.9f}); "
+            f"customer balance ${credits(job.customer) / NANO_PER_DOLLAR:.6f}"
+        )
         route = " -> ".join(f"{s['node']}[{s['layer_start']}:{s['layer_end']}]" for s in job.route)
         print(f"job {job.public_id}: {job.state}, coordinator region {job.coordinator_region}, route {route}")
         print(f"receipts: {len(job.receipts)} stage receipts, verified={job.verified}")

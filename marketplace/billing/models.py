@@ -39,10 +39,11 @@ class LedgerAccount(models.Model):
             models.UniqueConstraint(
                 fields=["kind"], condition=models.Q(owner__isnull=True), name="one_platform_account_per_kind"
             ),
-            # Customers can never spend more than they hold.
+            # Holds never exceed what was reserved. (Spendable credit may go negative, but only
+            # through a refund or dispute of money already spent; spending checks it first.)
             models.CheckConstraint(
-                condition=~models.Q(kind__in=["customer_credit", "customer_hold"]) | models.Q(balance__gte=0),
-                name="customer_balances_not_negative",
+                condition=~models.Q(kind="customer_hold") | models.Q(balance__gte=0),
+                name="customer_hold_not_negative",
             ),
         ]
 

@@ -33,18 +33,25 @@ def transfer(
     job=None,
     reference: str = "",
     memo: str = "",
+    allow_negative: bool = False,
 ) -> Transfer:
-    """Move ``amount`` nano-dollars; raises InsufficientCredits if a customer balance would go negative."""
-    if not isinstance(amount, int) or amount <= 0:
+    """Move ``amount`` nano-dollars. A customer's credit may not go below zero (InsufficientCredits)
+    unless ``allow_negative``: a refund or dispute of money already spent."""
+    if not isinstance(amount, int) or isinstance(amount, bool) or amount <= 0:
         raise ValueError(f"a transfer moves a positive whole number of nano-dollars, got {amount!r}")
     # Lock both rows in primary-key order, so concurrent transfers cannot deadlock.
-    list(LedgerAccount.objects.select_for_update().filter(pk__in=[debit.pk, credit.pk]).order_by("pk"))
+    locked = {
+        a.pk: a for a in LedgerAccount.objects.select_for_update().filter(pk__in=[debit.pk, credit.pk]).order_by("pk")
+    }
+    source = locked[debit.pk]
+    if source.kind == AccountKind.CUSTOMER_CREDIT and not allow_negative and source.balance < amount:
+        raise InsufficientCredits("Insufficient credits: top up your balance to continue.")
     try:
         with transaction.atomic():
             LedgerAccount.objects.filter(pk=debit.pk).update(balance=F("balance") - amount)
             LedgerAccount.objects.filter(pk=credit.pk).update(balance=F("balance") + amount)
-    except IntegrityError as exc:  # customer_balances_not_negative
-        raise InsufficientCredits("Insufficient credits: top up your balance to continue.") from exc
+    except IntegrityError as exc:  # customer_hold_not_negative: a bug, never a customer's doing
+        raise ValueError(f"transfer of {amount} would take a hold below zero") from exc
     return Transfer.objects.create(
         debit=debit, credit=credit, amount=amount, kind=kind, job=job, reference=reference, memo=memo
     )

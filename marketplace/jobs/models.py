@@ -72,6 +72,9 @@ class Job(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # A running job's coordinator writes its progress (completion_tokens so far) at least every
+    # PROGRESS_INTERVAL_S; a job silent past SWARM_JOB_STALE_S is reconciled from this record.
+    progress_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
@@ -28,7 +29,7 @@ from worker_agent.errors import SwarmError
 from worker_agent.receipts import StageAssignment
 
 log = logging.getLogger("swarm.jobs")
-CANCEL_POLL_TOKENS = 1  # check the cancel flag after every token
+PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered
 
 
 def group_name(job_pk: int) -> str:
@@ -114,6 +115,7 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
         temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0), seed=params.get("seed")
     )
     sent = 0
+    last_progress = time.monotonic()
     async with Coordinator(job.model, specs, job=job.public_id, topology="ring", assignments=assignments) as coord:
         prompt = params["messages"] if job.kind == "chat" else params["prompt"]
         request = coord.request(
@@ -130,6 +132,10 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
                     return event, sent, False
                 if event.token_id is not None:
                     sent += 1
+                now = time.monotonic()
+                if now - last_progress >= PROGRESS_INTERVAL_S:
+                    last_progress = now
+                    await sync_to_async(services.record_progress)(job.pk, sent)
                 await layer.group_send(group, {"type": "job.token", "text": event.text, "token_id": event.token_id})
                 if await sync_to_async(services.cancel_requested)(job.pk):
                     return None, sent, True

@@ -143,3 +143,45 @@ def request_cancel(job_pk: int) -> None:
 
 def cancel_requested(job_pk: int) -> bool:
     return bool(cache.get(CANCEL_KEY.format(job_pk)))
+
+
+def record_progress(job_pk: int, completion_tokens: int) -> None:
+    """Tokens delivered so far by a running job, so that a lost coordinator can be settled."""
+    Job.objects.filter(pk=job_pk, state=JobState.RUNNING).update(
+        completion_tokens=completion_tokens, progress_at=timezone.now()
+    )
+
+
+def reconcile_jobs(now=None) -> list[str]:
+    """End jobs whose coordinator went silent (its process died) as failed, keeping the tokens their
+    record shows delivered, and settle every ended job whose hold is still open. Returns job ids."""
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.db.models import Q
+    from django.db.models.functions import Coalesce
+
+    from marketplace.billing.services import settle
+
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.SWARM_JOB_STALE_S)
+    stale = (
+        Job.objects.exclude(state__in=FINAL_STATES)
+        .annotate(last=Coalesce("progress_at", "started_at", "created_at"))
+        .filter(last__lt=cutoff)
+    )
+    touched = []
+    for job in stale:
+        if finish_job(
+            job.pk,
+            state=JobState.FAILED,
+            completion_tokens=job.completion_tokens,
+            error_code="coordinator_lost",
+            error_message="the job's coordinator stopped reporting",
+        ):
+            touched.append(job.public_id)
+    for job in Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True):
+        settle(job.pk)
+        if job.public_id not in touched:
+            touched.append(job.public_id)
+    return touched

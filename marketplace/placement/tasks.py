@@ -9,11 +9,15 @@ from marketplace.placement.services import place_dirty_models, rebalance_if_need
 
 
 def run_periodic() -> dict:
-    """Take silent nodes offline, look for unbalanced load, then re-place what needs it."""
+    """Take silent nodes offline, look for unbalanced load, re-place what needs it, and settle
+    jobs whose coordinator was lost."""
+    from marketplace.jobs.services import reconcile_jobs
+
     offline = sweep_heartbeats()
     rebalanced = rebalance_if_needed()
     placed = place_dirty_models()
-    return {"offline": offline, "rebalanced": rebalanced, "placed": placed}
+    reconciled = reconcile_jobs()
+    return {"offline": offline, "rebalanced": rebalanced, "placed": placed, "reconciled": reconciled}
 
 
 @shared_task(name="marketplace.placement.tasks.sweep")

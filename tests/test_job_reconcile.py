@@ -1,0 +1,106 @@
+"""A job whose coordinator process died is settled from its own record by the periodic task,
+and nothing is ever charged twice."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from marketplace.billing import services
+from marketplace.billing.models import AccountKind, ModelPrice, Transfer
+from marketplace.jobs.models import Job, JobState
+from marketplace.jobs.services import create_api_key, finish_job, mark_running, reconcile_jobs, record_progress
+
+pytestmark = [pytest.mark.billing, pytest.mark.django_db]
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture
+def customer(django_user_model, settings):
+    settings.SWARM_JOB_STALE_S = 60
+    ModelPrice.objects.create(
+        model=MODEL,
+        prompt_per_million=1_000_000_000,
+        completion_per_million=3_000_000_000,
+        effective_from=timezone.now(),
+    )
+    user = django_user_model.objects.create_user(username="c", email="c@example.com", password="x", is_customer=True)
+    services.grant(user, 1)
+    return user
+
+
+def running_job(customer, public_id: str) -> Job:
+    api_key, _ = create_api_key(customer, public_id)
+    job = Job.objects.create(
+        public_id=public_id,
+        kind="chat",
+        customer=customer,
+        api_key=api_key,
+        model=MODEL,
+        params={"max_tokens": 100},
+        prompt_tokens=40,
+    )
+    services.place_hold(job)
+    mark_running(job.pk)
+    return job
+
+
+def test_a_job_whose_coordinator_went_silent_is_failed_and_charged_for_what_it_delivered(customer):
+    job = running_job(customer, "chatcmpl-lost")
+    record_progress(job.pk, 5)
+    later = timezone.now() + timedelta(seconds=61)
+
+    reconciled = reconcile_jobs(now=later)
+
+    job.refresh_from_db()
+    assert reconciled == ["chatcmpl-lost"]
+    assert (job.state, job.error_code, job.completion_tokens) == (JobState.FAILED, "coordinator_lost", 5)
+    assert job.charged_amount == 40_000 + 15_000
+    assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 0
+    assert services.credits(customer) == 1_000_000_000 - 55_000
+
+
+def test_reconciling_again_charges_nothing_more(customer):
+    job = running_job(customer, "chatcmpl-lost")
+    record_progress(job.pk, 5)
+    later = timezone.now() + timedelta(seconds=61)
+    reconcile_jobs(now=later)
+
+    assert reconcile_jobs(now=later + timedelta(seconds=61)) == []
+    assert Transfer.objects.filter(job=job, kind="charge").count() == 1
+    assert services.credits(customer) == 1_000_000_000 - 55_000
+
+
+def test_a_job_that_is_still_reporting_is_left_alone(customer):
+    job = running_job(customer, "chatcmpl-alive")
+    record_progress(job.pk, 3)
+
+    assert reconcile_jobs(now=timezone.now() + timedelta(seconds=30)) == []
+    job.refresh_from_db()
+    assert job.state == JobState.RUNNING
+    assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 340_000
+
+
+def test_an_ended_job_whose_settlement_was_lost_is_settled(customer):
+    job = running_job(customer, "chatcmpl-ended")
+    finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=2, finish_reason="stop")
+
+    assert reconcile_jobs() == ["chatcmpl-ended"]
+    job.refresh_from_db()
+    assert job.charged_amount == 40_000 + 6_000
+    assert job.settled_at is not None
+
+
+def test_a_job_that_failed_before_the_first_token_charges_nothing(customer):
+    job = running_job(customer, "chatcmpl-failed")
+    finish_job(job.pk, state=JobState.FAILED, completion_tokens=0, error_code="stage_lost")
+
+    reconcile_jobs()
+
+    job.refresh_from_db()
+    assert job.charged_amount == 0
+    assert services.credits(customer) == 1_000_000_000
+    assert not Transfer.objects.filter(job=job, kind="charge").exists()
