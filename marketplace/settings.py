@@ -8,6 +8,7 @@ periodic sweeps run in the web process. Production: DATABASE_URL (PostgreSQL) an
 from __future__ import annotations
 
 import os
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import dj_database_url
@@ -100,6 +101,14 @@ if DATABASE_URL:
         DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
     except Exception as exc:
         raise ImproperlyConfigured(f"DATABASE_URL is not a database URL: {exc}") from exc
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+        # Every concurrent request (and streaming response) runs its ORM calls in a thread of its
+        # own: a pool bounds the connections a process opens, the rest wait their turn.
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+            "min_size": 1,
+            "max_size": env_int("SWARM_DB_POOL_SIZE", 20, minimum=1),
+            "timeout": env_float("SWARM_DB_POOL_TIMEOUT_S", 60.0, minimum=1.0),
+        }
 else:
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {
@@ -116,7 +125,14 @@ else:
 # --- redis: channel layer, Celery broker, cache -------------------------------------------------
 REDIS_URL = env_str("REDIS_URL", "")
 if REDIS_URL:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+    # A receive blocks in BZPOPMIN for up to 5 s: the socket timeout must be longer than that, or
+    # an idle stream's read times out before Redis answers.
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 1000},
+        }
+    }
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
@@ -191,6 +207,42 @@ SWARM_DEFAULT_PRICES = (
     env_int("SWARM_PRICE_COMPLETION_PER_MILLION", 200_000_000, minimum=0),  # $0.20 per million
 )
 SWARM_JOIN_TOKEN_TTL_S = env_int("SWARM_JOIN_TOKEN_TTL_S", 7 * 24 * 3600, minimum=60)
+
+# --- stripe -------------------------------------------------------------------------------------
+# Customers top up credits through Stripe Checkout; credits arrive only with Stripe's signed webhook
+# (POST /stripe/webhook). Without a secret key top-ups are off; without a webhook secret the webhook
+# answers 503.
+STRIPE_SECRET_KEY = env_str("STRIPE_SECRET_KEY", "")
+STRIPE_WEBHOOK_SECRET = env_str("STRIPE_WEBHOOK_SECRET", "")
+# The API the SDK calls (stripe.api_base); tests and offline runs point it at a local Stripe-compatible server.
+STRIPE_API_BASE = env_str("STRIPE_API_BASE", "https://api.stripe.com")
+STRIPE_TIMEOUT_S = env_float("STRIPE_TIMEOUT_S", 10.0, minimum=0.1)
+# A transient failure (no connection, timeout, rate limit, 5xx) is retried this many times, with the
+# same idempotency key, waiting STRIPE_RETRY_BACKOFF_S before the first retry and twice as long each time after.
+STRIPE_MAX_RETRIES = env_int("STRIPE_MAX_RETRIES", 2, minimum=0)
+STRIPE_RETRY_BACKOFF_S = env_float("STRIPE_RETRY_BACKOFF_S", 0.5, minimum=0.0)
+# A webhook whose signature timestamp is older than this is refused (replay protection).
+STRIPE_WEBHOOK_TOLERANCE_S = env_int("STRIPE_WEBHOOK_TOLERANCE_S", 300, minimum=1)
+# Where Checkout sends the customer back; Stripe fills in {CHECKOUT_SESSION_ID}.
+STRIPE_TOPUP_SUCCESS_URL = env_str(
+    "STRIPE_TOPUP_SUCCESS_URL", "http://localhost:8000/?top_up=success&session={CHECKOUT_SESSION_ID}"
+)
+STRIPE_TOPUP_CANCEL_URL = env_str("STRIPE_TOPUP_CANCEL_URL", "http://localhost:8000/?top_up=cancelled")
+try:
+    STRIPE_TOPUP_MIN_DOLLARS = Decimal(env_str("STRIPE_TOPUP_MIN_DOLLARS", "5.00"))
+    STRIPE_TOPUP_MAX_DOLLARS = Decimal(env_str("STRIPE_TOPUP_MAX_DOLLARS", "1000.00"))
+except InvalidOperation:
+    raise ImproperlyConfigured("STRIPE_TOPUP_MIN_DOLLARS and STRIPE_TOPUP_MAX_DOLLARS must be dollar amounts") from None
+# Stripe charges at least $0.50 and at most $999,999.99 in USD.
+if not (
+    STRIPE_TOPUP_MIN_DOLLARS.is_finite()
+    and STRIPE_TOPUP_MAX_DOLLARS.is_finite()
+    and Decimal("0.50") <= STRIPE_TOPUP_MIN_DOLLARS <= STRIPE_TOPUP_MAX_DOLLARS <= Decimal("999999.99")
+):
+    raise ImproperlyConfigured(
+        "STRIPE_TOPUP_MIN_DOLLARS and STRIPE_TOPUP_MAX_DOLLARS must satisfy 0.50 <= min <= max <= 999999.99, "
+        f"got {STRIPE_TOPUP_MIN_DOLLARS} and {STRIPE_TOPUP_MAX_DOLLARS}"
+    )
 
 LOGGING = {
     "version": 1,

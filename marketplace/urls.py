@@ -15,6 +15,7 @@ urlpatterns = [
     path("v1/completions", openai.completions, name="v1-completions"),
     path("admin/", admin.site.urls),
     path("api/", include("marketplace.api.urls")),
+    path("", include("marketplace.billing.urls")),
     path("healthz", health, name="health"),
     path("", include("marketplace.accounts.urls")),
 ]

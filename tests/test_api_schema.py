@@ -30,8 +30,15 @@ def test_schema_is_an_openapi_3_document_about_the_marketplace(schema):
     }
 
 
-def test_schema_lists_the_node_paths_and_the_join_endpoint(schema):
+def test_schema_lists_every_endpoint(schema):
     assert {path: sorted(operations) for path, operations in schema["paths"].items()} == {
+        "/api/v1/billing/balance": ["get"],
+        "/api/v1/billing/top-ups": ["post"],
+        "/api/v1/billing/transactions": ["get"],
+        "/api/v1/billing/usage": ["get"],
+        "/api/v1/billing/usage.csv": ["get"],
+        "/api/v1/keys/": ["get", "post"],
+        "/api/v1/keys/{id}/": ["delete", "get"],
         "/api/v1/nodes/": ["get", "post"],
         "/api/v1/nodes/{id}/": ["delete", "get"],
         "/api/v1/nodes/{id}/drain/": ["post"],

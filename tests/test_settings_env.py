@@ -225,7 +225,7 @@ def test_settings_switch_to_postgres_and_redis_from_their_urls(load_settings):
     assert values["CHANNEL_LAYERS"] == {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": ["redis://cache.internal:6379/0"]},
+            "CONFIG": {"hosts": [{"address": "redis://cache.internal:6379/0", "socket_timeout": 30}], "capacity": 1000},
         }
     }
     assert values["CELERY_BROKER_URL"] == "redis://cache.internal:6379/0"

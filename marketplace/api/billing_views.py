@@ -8,6 +8,8 @@ import io
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
 from rest_framework import permissions
 from rest_framework.decorators import api_view, permission_classes
 from rest_framework.request import Request
@@ -22,6 +24,7 @@ from marketplace.jobs.models import Job
 GROUPS = ("day", "model", "key")
 
 
+@extend_schema(responses=OpenApiTypes.OBJECT)
 @api_view(["GET"])
 @permission_classes([permissions.IsAuthenticated, IsCustomer])
 def balance(request: Request) -> Response:
@@ -29,6 +32,7 @@ def balance(request: Request) -> Response:
     return Response({name: format(value, "f") for name, value in values.items()})
 
 
+@extend_schema(responses=OpenApiTypes.OBJECT)
 @api_view(["GET"])
 @permission_classes([permissions.IsAuthenticated, IsCustomer])
 def transactions(request: Request) -> Response:
@@ -42,6 +46,7 @@ def _group(request) -> str:
     return group
 
 
+@extend_schema(responses=OpenApiTypes.OBJECT)
 @api_view(["GET"])
 @permission_classes([permissions.IsAuthenticated, IsCustomer])
 def usage(request: Request) -> Response:
@@ -52,6 +57,7 @@ def usage(request: Request) -> Response:
     return Response({"group": group, "data": selectors.usage(request.user, group)})
 
 
+@extend_schema(responses={(200, "text/csv"): OpenApiTypes.STR})
 @api_view(["GET"])
 @permission_classes([permissions.IsAuthenticated, IsCustomer])
 def usage_csv(request: Request) -> HttpResponse:

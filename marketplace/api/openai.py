@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
@@ -18,6 +19,7 @@ import uuid
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.db import connections
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -29,6 +31,7 @@ from marketplace.jobs.errors import ApiError, InvalidRequest, JobFailed, ModelNo
 from marketplace.placement.selectors import servable_pipelines
 from worker_agent import model as models
 
+log = logging.getLogger("swarm.api")
 ROLES = {"system", "user", "assistant", "developer"}
 MAX_STOP = 4
 EVENT_TIMEOUT_S = 60.0  # longest silence from a running job before the response gives up
@@ -215,6 +218,9 @@ async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
         )
     except ApiError as exc:
         return _error(exc, request_id)
+    # The rest of the response only waits on the channel layer: hand this request's database
+    # connection back now, not when a long stream ends, so streams cannot starve the jobs.
+    await sync_to_async(connections.close_all)()
     layer = get_channel_layer()
     channel = await layer.new_channel()
     await layer.group_add(runner.group_name(job.pk), channel)  # subscribe before the coordinator starts
@@ -250,7 +256,8 @@ class _Reply:
                 try:
                     async with asyncio.timeout(EVENT_TIMEOUT_S):
                         event = await self.layer.receive(self.channel)
-                except TimeoutError:
+                except Exception as exc:  # a timeout, or the channel layer's own (e.g. Redis) error
+                    log.warning("job %s: no event: %r", self.job.public_id, exc)
                     yield {"type": "job.error", "code": "timeout", "message": "the job stopped answering"}
                     return
                 yield event

@@ -24,6 +24,7 @@ class AccountKind(models.TextChoices):
     STRIPE_CLEARING = "stripe_clearing", "Stripe clearing"  # money on its way in from Stripe
     PAYOUTS = "payouts", "payouts"  # money sent out to providers
     GRANTS = "grants", "grants"  # credits given by the platform (trials, the demo)
+    CUSTOMER_FROZEN = "customer_frozen", "customer frozen"  # paid-in credit held while a payment is disputed
 
 
 class LedgerAccount(models.Model):
@@ -93,3 +94,65 @@ class ModelPrice(models.Model):
                 name="prices_not_negative",
             ),
         ]
+
+
+class TopUpState(models.TextChoices):
+    PENDING = "pending"  # a Checkout Session is open, or Stripe has not yet confirmed the payment
+    PAID = "paid"  # Stripe confirmed it; the credits are on the customer's account
+    FAILED = "failed"  # Stripe refused to start it, or the (asynchronous) payment failed
+    EXPIRED = "expired"  # the Checkout Session expired unpaid
+    REFUNDED = "refunded"  # some or all of it was refunded
+    DISPUTED = "disputed"  # the payment is disputed: its credit is frozen
+
+
+class TopUp(models.Model):
+    """A customer's purchase of credits through a Stripe Checkout Session.
+
+    Amounts are in cents, as Stripe counts them (the ledger gets 1 cent = 10_000_000 nano-dollars).
+    Credits arrive only with Stripe's signed webhook, never with the customer's return from Checkout.
+    """
+
+    customer = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="top_ups")
+    amount_cents = models.PositiveIntegerField()
+    currency = models.CharField(max_length=3, default="usd")
+    state = models.CharField(max_length=16, choices=TopUpState.choices, default=TopUpState.PENDING)
+    stripe_session_id = models.CharField(max_length=255, unique=True, null=True, blank=True)
+    payment_intent = models.CharField(max_length=255, blank=True, db_index=True)  # set when Stripe reports payment
+    charge = models.CharField(max_length=255, blank=True)  # set by a refund or a dispute
+    refunded_cents = models.PositiveIntegerField(default=0)  # the charge's amount_refunded as Stripe last reported it
+    frozen = models.BigIntegerField(default=0)  # nano-dollars moved to customer_frozen by a dispute
+    # Nano-dollars a refund or dispute could not take back because the customer had already spent them.
+    shortfall = models.BigIntegerField(default=0)
+    needs_review = models.BooleanField(default=False)  # a shortfall, a dispute or an unexpected payment
+    failure = models.CharField(max_length=255, blank=True)  # why Stripe refused it or the payment failed
+    created_at = models.DateTimeField(auto_now_add=True)
+    paid_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(amount_cents__gt=0), name="top_up_amount_positive"),
+            models.CheckConstraint(
+                condition=models.Q(frozen__gte=0) & models.Q(shortfall__gte=0), name="top_up_amounts_not_negative"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"top-up {self.pk} ({self.amount_cents} {self.currency}, {self.state})"
+
+
+class StripeEvent(models.Model):
+    """A Stripe webhook event, recorded once by its id in the transaction that acts on it, so a
+    replayed event changes nothing."""
+
+    event_id = models.CharField(max_length=255, unique=True)
+    type = models.CharField(max_length=128)
+    top_up = models.ForeignKey(TopUp, on_delete=models.PROTECT, null=True, blank=True, related_name="events")
+    processed = models.BooleanField(default=False)  # False: recorded and ignored (a type or top-up not ours)
+    received_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+
+    def __str__(self) -> str:
+        return f"{self.type} {self.event_id}"

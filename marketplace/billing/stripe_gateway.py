@@ -1,0 +1,345 @@
+"""Stripe top-ups: a Checkout Session out, signed webhook events in.
+
+``start_top_up(user, dollars)`` records a pending ``TopUp`` and asks Stripe for a Checkout Session;
+the customer pays on Stripe's page. Credits move only in ``handle_event``, which applies one
+verified webhook event in one transaction: the event id is inserted in that transaction, so a
+replayed event changes nothing, and a top-up is claimed by a conditional update from pending, so two
+events about one payment credit it once.
+
+Calls to Stripe carry an explicit timeout. Transient failures (no connection, timeout, rate limit,
+5xx) are retried a bounded number of times with the same idempotency key, so a retry can never
+open a second session, and end in ``PaymentProviderUnavailable``; permanent ones (invalid request,
+card, authentication, permission) mark the top-up failed and raise ``TopUpRefused``.
+
+Refunds and disputes take back only the credit the customer still has: what was already spent is
+recorded on the top-up as a shortfall and flagged for review, and the balance never goes negative.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from decimal import Decimal, InvalidOperation
+
+import stripe
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from marketplace.accounts.errors import RoleRequired
+from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, StripeEvent, TopUp, TopUpState
+from marketplace.billing.services import account, transfer
+from marketplace.jobs.errors import ApiError, InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+NANO_PER_CENT = NANO_PER_DOLLAR // 100
+CENT = Decimal("0.01")
+PERMANENT_ERRORS = (
+    stripe.InvalidRequestError,
+    stripe.CardError,
+    stripe.AuthenticationError,
+    stripe.PermissionError,
+    stripe.IdempotencyError,
+)
+
+
+class PaymentProviderUnavailable(ApiError):
+    status = 503
+    type = "service_unavailable"
+    code = "payment_provider_unavailable"
+
+
+class TopUpRefused(ApiError):
+    status = 402
+    type = "payment_error"
+    code = "top_up_refused"
+
+
+# --- calling Stripe -------------------------------------------------------------------------------
+
+
+@functools.cache
+def _http_client(timeout_s: float) -> stripe.HTTPClient:
+    return stripe.RequestsClient(timeout=timeout_s)
+
+
+def configure() -> None:
+    """Point the SDK at the configured API, with this project's timeout; retries are ours, not the SDK's."""
+    stripe.api_key = settings.STRIPE_SECRET_KEY
+    stripe.api_base = settings.STRIPE_API_BASE
+    stripe.max_network_retries = 0
+    stripe.default_http_client = _http_client(settings.STRIPE_TIMEOUT_S)
+
+
+def is_transient(exc: stripe.StripeError) -> bool:
+    """Worth retrying with the same idempotency key: the request may not have been processed."""
+    if isinstance(exc, PERMANENT_ERRORS):
+        return False
+    if isinstance(exc, (stripe.APIConnectionError, stripe.RateLimitError)):
+        return True
+    return exc.http_status is None or exc.http_status >= 500
+
+
+def call_stripe(operation: Callable[[], stripe.StripeObject], *, what: str) -> stripe.StripeObject:
+    """Run one Stripe request, retrying transient failures; the caller passes the idempotency key."""
+    configure()
+    attempts = settings.STRIPE_MAX_RETRIES + 1
+    last_error: stripe.StripeError | None = None
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(settings.STRIPE_RETRY_BACKOFF_S * 2 ** (attempt - 1))
+        try:
+            return operation()
+        except stripe.StripeError as exc:
+            if not is_transient(exc):
+                raise
+            logger.warning("Stripe %s failed (attempt %d of %d): %r", what, attempt + 1, attempts, exc)
+            last_error = exc
+    raise PaymentProviderUnavailable(
+        "The payment provider is unavailable; nothing was charged. Please try again in a minute."
+    ) from last_error
+
+
+# --- top-ups --------------------------------------------------------------------------------------
+
+
+def top_up_cents(dollars: object) -> int:
+    """A requested amount in dollars ("10.00"), checked against the configured bounds, in cents."""
+    low, high = settings.STRIPE_TOPUP_MIN_DOLLARS, settings.STRIPE_TOPUP_MAX_DOLLARS
+    if dollars is None:
+        raise InvalidRequest('amount is required: a number of dollars such as "10.00"', param="amount")
+    malformed = InvalidRequest(f"amount must be a number of dollars, got {dollars!r}", param="amount")
+    if isinstance(dollars, bool) or not isinstance(dollars, (str, int, float, Decimal)):
+        raise malformed
+    try:
+        amount = Decimal(str(dollars).strip())
+    except InvalidOperation:
+        raise malformed from None
+    if not amount.is_finite() or not low <= amount <= high:
+        raise InvalidRequest(f"amount must be between ${low} and ${high}", param="amount")
+    if amount != amount.quantize(CENT):
+        raise InvalidRequest("amount must be in whole cents (at most two decimals)", param="amount")
+    return int(amount * 100)
+
+
+def start_top_up(user, dollars: object) -> tuple[TopUp, str]:
+    """Open a Stripe Checkout Session for a customer's top-up; returns the top-up and the page to pay on.
+
+    No credit moves here: the webhook adds it once Stripe reports the payment.
+    """
+    if not user.is_customer:
+        raise RoleRequired("only customers can top up credits")
+    cents = top_up_cents(dollars)
+    if not settings.STRIPE_SECRET_KEY:
+        raise PaymentProviderUnavailable("Top-ups are not available: this server has no payment provider configured.")
+    top_up = TopUp.objects.create(customer=user, amount_cents=cents, currency="usd")
+
+    def create_session() -> stripe.StripeObject:
+        return stripe.checkout.Session.create(
+            mode="payment",
+            line_items=[
+                {
+                    "price_data": {
+                        "currency": top_up.currency,
+                        "unit_amount": cents,
+                        "product_data": {"name": "Swarm credits"},
+                    },
+                    "quantity": 1,
+                }
+            ],
+            success_url=settings.STRIPE_TOPUP_SUCCESS_URL,
+            cancel_url=settings.STRIPE_TOPUP_CANCEL_URL,
+            client_reference_id=str(top_up.pk),
+            metadata={"top_up": str(top_up.pk), "account": str(user.pk)},
+            idempotency_key=f"topup-{top_up.pk}",
+        )
+
+    try:
+        session = call_stripe(create_session, what=f"checkout session for top-up {top_up.pk}")
+    except stripe.StripeError as exc:
+        failure = f"{type(exc).__name__}: {exc.user_message or exc}"
+        TopUp.objects.filter(pk=top_up.pk, state=TopUpState.PENDING).update(
+            state=TopUpState.FAILED, failure=failure[:255]
+        )
+        logger.error("Stripe refused top-up %s: %s", top_up.pk, failure)
+        reason = exc.code or type(exc).__name__
+        raise TopUpRefused(f"The payment provider refused this top-up ({reason}); nothing was charged.") from exc
+    TopUp.objects.filter(pk=top_up.pk).update(stripe_session_id=session.id)
+    top_up.refresh_from_db()
+    return top_up, session.url
+
+
+# --- webhook events -------------------------------------------------------------------------------
+
+
+def _top_up_for_session(session: Mapping) -> TopUp | None:
+    found = TopUp.objects.filter(stripe_session_id=session["id"]).first()
+    if found is not None:
+        return found
+    # The session's id never reached us (its creation timed out after Stripe made it): use the metadata.
+    reference = str((session.get("metadata") or {}).get("top_up", ""))
+    if not reference.isdigit():
+        return None
+    return TopUp.objects.filter(pk=int(reference), stripe_session_id__isnull=True).first()
+
+
+def _top_up_for_charge(charge_or_dispute: Mapping) -> TopUp | None:
+    payment_intent = charge_or_dispute.get("payment_intent")
+    if not payment_intent:
+        return None
+    return TopUp.objects.select_for_update().filter(payment_intent=payment_intent).first()
+
+
+def _credit(top_up: TopUp, session: Mapping, event_id: str) -> str:
+    """Credit a paid session's amount once: only the event that moves the top-up out of pending credits."""
+    if session.get("currency") != top_up.currency:
+        TopUp.objects.filter(pk=top_up.pk).update(needs_review=True)
+        logger.error(
+            "Top-up %s was paid in %r, not %r: not credited", top_up.pk, session.get("currency"), top_up.currency
+        )
+        return "needs_review"
+    claimed = TopUp.objects.filter(pk=top_up.pk, state=TopUpState.PENDING).update(
+        state=TopUpState.PAID,
+        paid_at=timezone.now(),
+        stripe_session_id=session["id"],
+        payment_intent=session.get("payment_intent") or "",
+    )
+    if claimed != 1:
+        return "already_handled"
+    transfer(
+        account(AccountKind.STRIPE_CLEARING),
+        account(AccountKind.CUSTOMER_CREDIT, top_up.customer),
+        int(session["amount_total"]) * NANO_PER_CENT,
+        kind="topup",
+        reference=event_id,
+        memo=f"top-up {top_up.pk}",
+    )
+    return "credited"
+
+
+def _take_back(top_up: TopUp, amount: int, to: LedgerAccount, *, kind: str, event_id: str) -> tuple[int, int]:
+    """Move ``amount`` nano-dollars out of the customer's spendable credit, into the negative if they
+    already spent it: a visible debt that blocks new requests (402) until topped up. Returns
+    (taken, shortfall), the shortfall being the part that was already spent."""
+    credit = account(AccountKind.CUSTOMER_CREDIT, top_up.customer)
+    # Lock both accounts in primary-key order (as transfer does) before reading what is there.
+    locked = {
+        a.pk: a for a in LedgerAccount.objects.select_for_update().filter(pk__in=[credit.pk, to.pk]).order_by("pk")
+    }
+    shortfall = max(0, amount - max(locked[credit.pk].balance, 0))
+    transfer(credit, to, amount, kind=kind, reference=event_id, memo=f"top-up {top_up.pk}", allow_negative=True)
+    if shortfall:
+        logger.warning("%s of top-up %s leaves a debt of %d nano-dollars: already spent", kind, top_up.pk, shortfall)
+    return amount, shortfall
+
+
+def _session_completed(event_id: str, session: Mapping) -> tuple[TopUp | None, str]:
+    top_up = _top_up_for_session(session)
+    if top_up is None:
+        return None, "ignored"
+    if session.get("payment_status") != "paid":  # a delayed payment method: async_payment_* follows
+        return top_up, "pending"
+    return top_up, _credit(top_up, session, event_id)
+
+
+def _async_payment_succeeded(event_id: str, session: Mapping) -> tuple[TopUp | None, str]:
+    top_up = _top_up_for_session(session)
+    if top_up is None:
+        return None, "ignored"
+    return top_up, _credit(top_up, session, event_id)
+
+
+def _close_pending(session: Mapping, state: str, failure: str = "") -> tuple[TopUp | None, str]:
+    top_up = _top_up_for_session(session)
+    if top_up is None:
+        return None, "ignored"
+    changed = TopUp.objects.filter(pk=top_up.pk, state=TopUpState.PENDING).update(state=state, failure=failure)
+    return top_up, state if changed else "already_handled"
+
+
+def _async_payment_failed(event_id: str, session: Mapping) -> tuple[TopUp | None, str]:
+    return _close_pending(session, TopUpState.FAILED, "the payment failed")
+
+
+def _session_expired(event_id: str, session: Mapping) -> tuple[TopUp | None, str]:
+    return _close_pending(session, TopUpState.EXPIRED)
+
+
+def _charge_refunded(event_id: str, charge: Mapping) -> tuple[TopUp | None, str]:
+    """Debit what was newly refunded: ``amount_refunded`` is the charge's running total."""
+    top_up = _top_up_for_charge(charge)
+    if top_up is None:
+        return None, "ignored"
+    refunded = int(charge.get("amount_refunded") or 0)
+    new_cents = refunded - top_up.refunded_cents
+    if new_cents <= 0:
+        return top_up, "already_handled"
+    _, short = _take_back(
+        top_up, new_cents * NANO_PER_CENT, account(AccountKind.STRIPE_CLEARING), kind="refund", event_id=event_id
+    )
+    TopUp.objects.filter(pk=top_up.pk).update(
+        state=TopUpState.REFUNDED,
+        refunded_cents=refunded,
+        charge=charge["id"],
+        shortfall=F("shortfall") + short,
+        needs_review=top_up.needs_review or short > 0,
+    )
+    return top_up, "refunded"
+
+
+def _dispute_created(event_id: str, dispute: Mapping) -> tuple[TopUp | None, str]:
+    """Freeze the disputed amount until the dispute is decided; a dispute always wants a reply."""
+    top_up = _top_up_for_charge(dispute)
+    if top_up is None:
+        return None, "ignored"
+    frozen, short = _take_back(
+        top_up,
+        int(dispute["amount"]) * NANO_PER_CENT,
+        account(AccountKind.CUSTOMER_FROZEN, top_up.customer),
+        kind="dispute_freeze",
+        event_id=event_id,
+    )
+    TopUp.objects.filter(pk=top_up.pk).update(
+        state=TopUpState.DISPUTED,
+        charge=dispute.get("charge") or top_up.charge,
+        frozen=F("frozen") + frozen,
+        shortfall=F("shortfall") + short,
+        needs_review=True,
+    )
+    return top_up, "frozen"
+
+
+HANDLERS: dict[str, Callable[[str, Mapping], tuple[TopUp | None, str]]] = {
+    "checkout.session.completed": _session_completed,
+    "checkout.session.async_payment_succeeded": _async_payment_succeeded,
+    "checkout.session.async_payment_failed": _async_payment_failed,
+    "checkout.session.expired": _session_expired,
+    "charge.refunded": _charge_refunded,
+    "charge.dispute.created": _dispute_created,
+}
+
+
+@transaction.atomic
+def handle_event(event: Mapping) -> str:
+    """Apply one verified Stripe event exactly once; returns what it did ("credited", "duplicate", ...).
+
+    An event of another type, or about a payment that is not a top-up, is recorded and ignored.
+    """
+    try:
+        with transaction.atomic():
+            record = StripeEvent.objects.create(event_id=event["id"], type=event["type"])
+    except IntegrityError:
+        return "duplicate"
+    handler = HANDLERS.get(record.type)
+    if handler is None:
+        return "ignored"
+    top_up, outcome = handler(record.event_id, event["data"]["object"])
+    if top_up is None:
+        logger.warning("Stripe event %s (%s) is about no top-up of ours: ignored", record.event_id, record.type)
+        return outcome
+    StripeEvent.objects.filter(pk=record.pk).update(top_up=top_up, processed=True)
+    return outcome
