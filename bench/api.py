@@ -279,8 +279,9 @@ def setup_django() -> None:
 
 async def api_stream(client, model: str, text: str, max_tokens: int) -> dict:
     """One streamed chat completion: client-side TTFT and what came back."""
+    sent_at = time.time()  # the server's clock too (same machine): for the split by job row timestamps
     started = time.perf_counter()
-    first = None
+    first = first_at = None
     deltas = 0
     finish = usage = job_id = None
     stream = await client.chat.completions.create(
@@ -297,7 +298,8 @@ async def api_stream(client, model: str, text: str, max_tokens: int) -> dict:
         if chunk.choices:
             choice = chunk.choices[0]
             if choice.delta.content:
-                first = first or time.perf_counter()
+                if first is None:
+                    first, first_at = time.perf_counter(), time.time()
                 deltas += 1
                 parts.append(choice.delta.content)
             finish = choice.finish_reason or finish
@@ -306,6 +308,8 @@ async def api_stream(client, model: str, text: str, max_tokens: int) -> dict:
     ended = time.perf_counter()
     return {
         "job": job_id,
+        "sent_at": sent_at,
+        "first_at": first_at,
         "started": started,
         "ttft_s": None if first is None else first - started,
         "total_s": ended - started,
@@ -358,6 +362,80 @@ async def direct_stream(model: str, stages: list, index: int, max_tokens: int, t
     }
 
 
+def thread_group(name: str) -> str:
+    """Threads by role: the clients (main), the web server's event loop (web), the coordinators'
+    LM heads (head_N), Django's sync_to_async and other pools."""
+    if name == "MainThread":
+        return "main (clients; direct coordinators)"
+    if name == "web":
+        return "web (event loop: HTTP, jobs' coordinators, SSE)"
+    if name.startswith("head"):
+        return "head (embeddings, LM head)"
+    if name == "cpu-meter":
+        return "cpu-meter (this measurement)"
+    return "other threads (ORM via sync_to_async, pools)"
+
+
+class CpuMeter:
+    """CPU seconds of this process by thread role, and of each agent, over a window. Threads come and
+    go (each job's head thread ends with its coordinator; Django runs a request's ORM calls on a
+    thread of its own), so every thread is sampled every ``interval`` seconds and counted up to its
+    last sample; what ended threads used after it is 'unattributed'."""
+
+    def __init__(self, agents: list[subprocess.Popen], interval: float = 0.05) -> None:
+        import psutil
+
+        self.me = psutil.Process()
+        self.agents = [psutil.Process(a.pid) for a in agents]
+        self.interval = interval
+        self.seen: dict[int, tuple[str, float, float]] = {}  # thread id: (role, CPU at start, CPU last seen)
+        self.stopped = threading.Event()
+        self.measuring = False
+
+    def _sample(self) -> None:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        for t in self.me.threads():
+            spent = t.user_time + t.system_time
+            # A thread that was there at the start counts from there; one born since, from zero.
+            start = 0.0 if self.measuring else spent
+            role, first, _ = self.seen.get(t.id, (thread_group(names.get(t.id, "?")), start, spent))
+            self.seen[t.id] = (role, first, spent)
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> CpuMeter:
+        self._sample()
+        self.start = sum(self.me.cpu_times()[:2]), [sum(a.cpu_times()[:2]) for a in self.agents]
+        self.measuring = True
+        self.thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stopped.set()
+        self.thread.join()
+        self._sample()
+        self.process = sum(self.me.cpu_times()[:2]) - self.start[0]
+        self.agent_seconds = [sum(a.cpu_times()[:2]) - s for a, s in zip(self.agents, self.start[1], strict=True)]
+
+    def report(self, tokens: int) -> dict:
+        groups: dict[str, float] = {}
+        for role, first, last in self.seen.values():
+            groups[role] = groups.get(role, 0.0) + last - first
+        groups["unattributed"] = self.process - sum(groups.values())
+        return {
+            "control_plane_process_s": round(self.process, 3),
+            "by_thread_s": {name: round(value, 3) for name, value in groups.items()},
+            "agents_s": [round(value, 3) for value in self.agent_seconds],
+            "ms_per_token": {
+                "control_plane_process": round(1000 * self.process / tokens, 3) if tokens else None,
+                "agents": round(1000 * sum(self.agent_seconds) / tokens, 3) if tokens else None,
+            },
+        }
+
+
 def job_rows(ids: list[str]) -> dict[str, dict]:
     from marketplace.jobs.models import Job
 
@@ -371,6 +449,8 @@ def job_rows(ids: list[str]) -> dict[str, dict]:
             "ttft_ms": job.ttft_ms,
             "verified": job.verified,
             "queued_ms": (job.started_at - job.created_at).total_seconds() * 1000 if job.started_at else None,
+            "created_at": job.created_at.timestamp(),
+            "started_at": job.started_at.timestamp() if job.started_at else None,
             "error": f"{job.error_code}: {job.error_message}" if job.error_code else "",
         }
         for job in rows
@@ -427,9 +507,10 @@ def part_a(plane: ControlPlane, key: str, stages: list, args: argparse.Namespace
         a["ttft_s"] - d["ttft_s"] for a, d in zip(api_runs, direct_runs, strict=True) if a["ttft_s"] and d["ttft_s"]
     ]
     job_ttft = [rows[r["job"]]["ttft_ms"] / 1000 for r in api_runs if rows.get(r["job"], {}).get("ttft_ms")]
-    queued = [rows[r["job"]]["queued_ms"] / 1000 for r in api_runs if rows.get(r["job"], {}).get("queued_ms")]
     api = summary_ms(api_ttft)
     direct = summary_ms(direct_ttft)
+    # The API's TTFT split by the job row's timestamps (one clock: client and server share the machine).
+    split = [(r, rows[r["job"]]) for r in api_runs if r["first_at"] and rows.get(r["job"], {}).get("started_at")]
     return {
         "model": model,
         "stages": [f"{s.node}[{s.layer_start}:{s.layer_end}]" for s in stages],
@@ -446,7 +527,11 @@ def part_a(plane: ControlPlane, key: str, stages: list, args: argparse.Namespace
         "direct_coordinator_ttft": summary_ms(
             [r["coordinator_ttft_s"] for r in direct_runs if r["coordinator_ttft_s"]]
         ),
-        "api_admitted_to_running": summary_ms(queued),
+        "api_split": {
+            "request_to_job_row": summary_ms([row["created_at"] - r["sent_at"] for r, row in split]),
+            "job_row_to_running": summary_ms([row["started_at"] - row["created_at"] for r, row in split]),
+            "running_to_first_content": summary_ms([r["first_at"] - row["started_at"] for r, row in split]),
+        },
         "same_text": sum(a["text"] == d["text"] for a, d in zip(api_runs, direct_runs, strict=True)),
         "api_jobs_succeeded": sum(rows.get(r["job"], {}).get("state") == "succeeded" for r in api_runs),
         "per_request": [
@@ -512,15 +597,37 @@ def part_b(plane: ControlPlane, key: str, stages: list, args: argparse.Namespace
         except Exception as exc:  # a failed request is a result to report, not a reason to stop
             return {"error": f"{type(exc).__name__}: {exc}", "job": None, "started": None, "ended": None}
 
-    async def run() -> tuple[list[dict], list[dict], float, float]:
+    async def run() -> tuple[list[dict], list[dict], float, float, dict, list[dict], dict]:
         api = client(plane.base_url, key)
         async with api:
             lone = [await api_stream(api, model, prompt(i), args.max_tokens_b) for i in range(args.warmup)]
-            started = time.perf_counter()
-            runs = await asyncio.gather(*(one(api, text) for text in texts))
-            return lone, list(runs), started, time.perf_counter()
+            with CpuMeter(plane.agents) as cpu_api:
+                started = time.perf_counter()
+                runs = await asyncio.gather(*(one(api, text) for text in texts))
+                ended = time.perf_counter()
+        # The same load without the API: one fresh coordinator per request, all at once, as the jobs run.
+        with CpuMeter(plane.agents) as cpu_direct:
+            direct_started = time.perf_counter()
+            direct = await asyncio.gather(
+                *(direct_stream(model, stages, i, args.max_tokens_b, text) for i, text in enumerate(texts))
+            )
+            direct_wall = time.perf_counter() - direct_started
+        direct_tokens = sum(d["completion_tokens"] for d in direct)
+        direct_load = {
+            "wall_s": round(direct_wall, 3),
+            "completion_tokens": direct_tokens,
+            "aggregate_tok_s": round(direct_tokens / direct_wall, 1),
+            "ttft": summary_ms([d["ttft_s"] for d in direct if d["ttft_s"] is not None]),
+            "latency": summary_ms([d["total_s"] for d in direct]),
+            "cpu": cpu_direct.report(direct_tokens),
+        }
+        # The same prompts one at a time on the coordinator called directly: what each stream should
+        # have carried, found without the API and without concurrency (greedy, so the same tokens).
+        alone = [await direct_stream(model, stages, i, args.max_tokens_b, text) for i, text in enumerate(texts)]
+        api_tokens = sum(r["usage"]["completion_tokens"] for r in runs if r.get("usage"))
+        return lone, list(runs), started, ended, direct_load, alone, cpu_api.report(api_tokens)
 
-    lone, runs, started, ended = asyncio.run(run())
+    lone, runs, started, ended, direct_load, alone, cpu = asyncio.run(run())
     rows = job_rows([r["job"] for r in runs])
     problems = [check_request(r, rows.get(r["job"]), want[i], args.max_tokens_b) for i, r in enumerate(runs)]
     completed = [r for r in runs if not r.get("error") and r["finish_reason"] is not None and r["usage"]]
@@ -546,6 +653,15 @@ def part_b(plane: ControlPlane, key: str, stages: list, args: argparse.Namespace
         ),
         "job_row_ttft": summary_ms([row["ttft_ms"] / 1000 for row in rows.values() if row["ttft_ms"] is not None]),
         "jobs_verified": sum(bool(row["verified"]) for row in rows.values()),
+        "content_deltas": sum(r.get("content_deltas") or 0 for r in runs),
+        "same_as_direct": sum(
+            bool(r.get("usage"))
+            and r["text"] == d["text"]
+            and r["usage"]["completion_tokens"] == d["completion_tokens"]
+            for r, d in zip(runs, alone, strict=True)
+        ),
+        "cpu": cpu,
+        "direct_same_load": direct_load,
         "lone_request_ttft": summary_ms([r["ttft_s"] for r in lone if r["ttft_s"] is not None]),
         "lone_request_latency": summary_ms([r["total_s"] for r in lone]),
         "problems": {texts[i]: p for i, p in enumerate(problems) if p},
@@ -558,6 +674,8 @@ def part_b(plane: ControlPlane, key: str, stages: list, args: argparse.Namespace
                 "expected_prompt_tokens": want[i],
                 "job_row_completion_tokens": rows.get(r["job"], {}).get("completion_tokens"),
                 "content_deltas": r.get("content_deltas"),
+                "direct_completion_tokens": alone[i]["completion_tokens"],
+                "same_text_as_direct": r.get("text") == alone[i]["text"],
                 "ok": not problems[i],
             }
             for i, r in enumerate(runs)
@@ -668,7 +786,9 @@ def print_summary(a: dict, b: dict, checks: list[dict]) -> None:
         ("API - direct, paired per prompt", a["paired_difference"]),
         ("  API job row ttft_ms (OPEN..1st)", a["api_job_row_ttft"]),
         ("  direct, OPEN..1st token", a["direct_coordinator_ttft"]),
-        ("  API job admitted -> running", a["api_admitted_to_running"]),
+        ("  API: request -> job row", a["api_split"]["request_to_job_row"]),
+        ("  API: job row -> running", a["api_split"]["job_row_to_running"]),
+        ("  API: running -> 1st content", a["api_split"]["running_to_first_content"]),
         ("API whole request", a["api_total"]),
         ("direct whole request", a["direct_total"]),
     ):
@@ -685,19 +805,37 @@ def print_summary(a: dict, b: dict, checks: list[dict]) -> None:
         f"\nB. {b['concurrency']} concurrent streams, {b['model']} ({' -> '.join(b['stages'])}), max_tokens "
         f"{b['max_tokens']}, greedy"
     )
+    n = b["concurrency"]
     print(
-        f"{'completed':>9} {'usage ok':>8} {'wall s':>7} {'tokens':>6} {'agg tok/s':>9} {'ttft p50':>8} "
-        f"{'ttft p90':>8} {'lat p50':>8} {'lat p90':>8} {'lone ttft':>9}"
+        f"{'path':<22} {'completed':>9} {'usage ok':>8} {'wall s':>7} {'tokens':>6} {'agg tok/s':>9} "
+        f"{'ttft p50':>8} {'ttft p90':>8} {'lat p50':>8} {'lat p90':>8}"
     )
+    direct = b["direct_same_load"]
+    for label, done, ok, entry in (
+        ("API (openai client)", f"{b['completed']}/{n}", f"{b['correct_usage']}/{n}", b),
+        (f"direct, {n} coordinators", "", "", direct),
+    ):
+        print(
+            f"{label:<22} {done:>9} {ok:>8} {entry['wall_s']:>7.2f} {entry['completion_tokens']:>6} "
+            f"{_f(entry['aggregate_tok_s'], 9)} {_f(entry['ttft']['p50_ms'], 8)} {_f(entry['ttft']['p90_ms'], 8)} "
+            f"{_f(entry['latency']['p50_ms'], 8)} {_f(entry['latency']['p90_ms'], 8)}"
+        )
+    for label, entry in (("API", b["cpu"]), ("direct", direct["cpu"])):
+        threads = ", ".join(f"{name.split(' (')[0]} {value:.2f}" for name, value in entry["by_thread_s"].items())
+        print(
+            f"CPU {label}: control-plane process {entry['control_plane_process_s']:.2f} s ({threads}), agents "
+            f"{sum(entry['agents_s']):.2f} s; per token {entry['ms_per_token']['control_plane_process']} ms and "
+            f"{entry['ms_per_token']['agents']} ms"
+        )
     print(
-        f"{b['completed']:>5}/{b['concurrency']:<3} {b['correct_usage']:>4}/{b['concurrency']:<3} {b['wall_s']:>7.2f} "
-        f"{b['completion_tokens']:>6} {_f(b['aggregate_tok_s'], 9)} {_f(b['ttft']['p50_ms'], 8)} "
-        f"{_f(b['ttft']['p90_ms'], 8)} {_f(b['latency']['p50_ms'], 8)} {_f(b['latency']['p90_ms'], 8)} "
-        f"{_f(b['lone_request_ttft']['p50_ms'], 9)}"
+        f"one request at a time through the API (the warm-up): ttft p50 {b['lone_request_ttft']['p50_ms']} ms, "
+        f"latency p50 {b['lone_request_latency']['p50_ms']} ms"
     )
     reasons = ", ".join(f"{k}: {v}" for k, v in b["finish_reasons"].items() if v)
     print(
-        f"finish reasons {reasons}; jobs verified {b['jobs_verified']}/{b['concurrency']}; job admitted -> running "
+        f"finish reasons {reasons}; jobs verified {b['jobs_verified']}/{b['concurrency']}; {b['content_deltas']} "
+        f"content deltas for {b['completion_tokens']} tokens; text and token count equal to the same prompt run "
+        f"alone on the coordinator directly: {b['same_as_direct']}/{b['concurrency']}; job admitted -> running "
         f"p50 {b['admitted_to_running']['p50_ms']} ms, p90 {b['admitted_to_running']['p90_ms']} ms"
     )
     for text, problems in b["problems"].items():
@@ -712,10 +850,25 @@ def print_summary(a: dict, b: dict, checks: list[dict]) -> None:
 LEGEND = """\
 ttft         API: create() called -> first chunk with content; direct: Coordinator() -> first TokenEvent with text
 job row      the job's coordinator's own TTFT (its stream's start, after connecting, to the first token)
-lone ttft    p50 TTFT of the warm-up requests of part B, sent one at a time before the concurrent ones
+API: split   request sent -> job row created (HTTP, key, tokenization, rate limit, route) -> job running (credit
+             hold, commit, coordinator task started) -> first content at the client (tickets, coordinator, SSE)
+direct, N    the same prompts on N fresh coordinators at once, called directly (after the API's run)
 agg tok/s    completion tokens of every completed request / (first request sent .. last stream ended)
 usage ok     finish_reason set; usage.prompt_tokens = tokenizer's count; completion_tokens = job row's,
              = max_tokens when the finish is 'length'; content deltas <= completion_tokens"""
+
+
+def definitions(legend: str) -> dict[str, str]:
+    """The legend as a dict: a name in the first 12 columns, its text after; indented lines continue it."""
+    entries: dict[str, str] = {}
+    name = ""
+    for line in legend.splitlines():
+        if line[:12].strip():
+            name = line[:12].strip()
+            entries[name] = line[13:].strip()
+        else:
+            entries[name] += " " + line.strip()
+    return entries
 
 
 def targets(a: dict, b: dict) -> list[dict]:
@@ -832,7 +985,7 @@ def main() -> int:
                 "concurrency": args.concurrency,
                 "client": "one openai.AsyncOpenAI (its default pool: 1000 connections), stream_options.include_usage",
             },
-            "definitions": {line[:12].strip(): line[13:] for line in LEGEND.splitlines() if line[:12].strip()},
+            "definitions": definitions(LEGEND),
             "rate_limits": "the API key's limits are lifted (1e6 requests/min, 1e9 tokens/min); the customer is "
             "granted $1000 of credits where billing exists",
             "environment": {

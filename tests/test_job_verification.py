@@ -197,9 +197,7 @@ def test_last_stage_returning_other_bytes_than_it_signed_ends_unverified_naming_
     ), job.verification_error
 
 
-def test_route_whose_stage_does_not_trust_the_control_plane_fails_before_any_token(
-    control_plane, api_key, monkeypatch
-):
+def test_route_whose_stage_does_not_trust_the_control_plane_fails_before_any_token(control_plane, api_key, monkeypatch):
     stranger_key = public_key_bytes(generate_signing_key())
 
     state, job, events = run_admitted_job(api_key, monkeypatch, trusted=stranger_key)
