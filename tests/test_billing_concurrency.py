@@ -224,3 +224,33 @@ def test_credits_usage_grows_by_the_listed_prices_and_generations_agree_with_usa
             Decimal(response.usage.prompt_tokens) * Decimal(pricing["prompt"])
             + Decimal(response.usage.completion_tokens) * Decimal(pricing["completion"])
         )
+
+
+def test_a_client_that_disconnects_mid_stream_pays_exactly_the_tokens_it_was_sent(tiny_api):
+    server, customer, key = tiny_api
+    services.grant(customer, 1)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as response,
+    ):
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+            if len(events) == 3:
+                break  # leaving the block closes the connection mid-stream
+
+    job = wait_for(
+        lambda: Job.objects.filter(state=JobState.CANCELLED, settled_at__isnull=False).first(),
+        60,
+        "the job to end as cancelled and settle",
+    )
+    assert job.error_code == "client_disconnected"
+    assert 3 <= job.completion_tokens < 200
+    assert job.charged_amount == services.cost(
+        job.prompt_tokens, job.completion_tokens, (PROMPT_PRICE, COMPLETION_PRICE)
+    )
+    assert services.credits(customer) == 1_000_000_000 - job.charged_amount
+    assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 0
