@@ -29,6 +29,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/placement.py
 	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/api.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

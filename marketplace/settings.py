@@ -115,7 +115,12 @@ else:
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": DATA_DIR / "swarm.sqlite3",
-            "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+            # WAL lets readers run beside the one writer, which concurrent requests need.
+            "OPTIONS": {
+                "timeout": 20,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
             # A file, not memory, so a live server thread and the tests share it; one per process,
             # so that two test runs on one machine do not clash.
             "TEST": {"NAME": DATA_DIR / f"test-{os.getpid()}.sqlite3"},
@@ -124,18 +129,23 @@ else:
 
 # --- redis: channel layer, Celery broker, cache -------------------------------------------------
 REDIS_URL = env_str("REDIS_URL", "")
+# A job sends one channel message per token: a response channel must hold a whole completion,
+# or a slow reader would lose tokens (channel layers drop what passes capacity).
+CHANNEL_CAPACITY = env_int("SWARM_MAX_TOKENS_LIMIT", 2048, minimum=1) + 64
 if REDIS_URL:
     # A receive blocks in BZPOPMIN for up to 5 s: the socket timeout must be longer than that, or
     # an idle stream's read times out before Redis answers.
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 1000},
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": CHANNEL_CAPACITY},
         }
     }
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
 else:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": CHANNEL_CAPACITY}}
+    }
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 # --- celery -------------------------------------------------------------------------------

@@ -200,7 +200,9 @@ def test_settings_default_to_the_embedded_services(load_settings, tmp_path):
 
     assert values["DATABASES"]["default"]["ENGINE"] == "django.db.backends.sqlite3"
     assert values["DATABASES"]["default"]["NAME"] == tmp_path / "data" / "swarm.sqlite3"
-    assert values["CHANNEL_LAYERS"] == {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    assert values["CHANNEL_LAYERS"] == {
+        "default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 2112}}
+    }
     assert values["CELERY_TASK_ALWAYS_EAGER"] is True
     assert values["SWARM_EMBEDDED_SCHEDULER"] is True
     assert values["SWARM_MODELS"] == ["smollm2-135m"]
@@ -225,7 +227,7 @@ def test_settings_switch_to_postgres_and_redis_from_their_urls(load_settings):
     assert values["CHANNEL_LAYERS"] == {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [{"address": "redis://cache.internal:6379/0", "socket_timeout": 30}], "capacity": 1000},
+            "CONFIG": {"hosts": [{"address": "redis://cache.internal:6379/0", "socket_timeout": 30}], "capacity": 2112},
         }
     }
     assert values["CELERY_BROKER_URL"] == "redis://cache.internal:6379/0"

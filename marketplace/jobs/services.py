@@ -19,7 +19,10 @@ from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.placement.selectors import route_request
 
 KEY_PREFIX = "sk-sw-"
-CANCEL_KEY = "job-cancel:{}"  # cache flag a coordinator polls between steps
+CANCEL_KEY = "job-cancel:{}"
+LAST_USED_RESOLUTION_S = (
+    60  # how precisely a key's last_used_at is kept  # cache flag a coordinator polls between steps
+)
 
 
 def _hash(key: str) -> str:
@@ -55,7 +58,9 @@ def authenticate_key(header: str | None) -> ApiKey:
         raise AuthenticationFailed("This API key was revoked.", code="revoked_api_key")
     if not api_key.user.is_active:
         raise AuthenticationFailed("This account is disabled.", code="account_disabled")
-    ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=timezone.now())
+    now = timezone.now()
+    if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > LAST_USED_RESOLUTION_S:
+        ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)  # at most one write a minute per key
     return api_key
 
 

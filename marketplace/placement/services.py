@@ -61,9 +61,13 @@ def place_dirty_models() -> list[str]:
 def place_model(model: str) -> list[Assignment]:
     """Compute and apply a placement of ``model`` over the active nodes; returns live assignments."""
     state, _ = PlacementState.objects.select_for_update().get_or_create(model=model)
+    # An agent serves one block at a time: a node holding a live block of another model is not
+    # available to this one (the first model placed keeps its nodes until they are released).
+    busy = Assignment.objects.filter(state__in=LIVE_STATES).exclude(model=model).values("node_id")
     nodes = list(
         Node.objects.select_for_update()
         .filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False)
+        .exclude(pk__in=busy)
         .order_by("pk")
     )
     n_layers = models.n_layers(model)
