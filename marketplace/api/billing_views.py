@@ -15,6 +15,7 @@ from rest_framework.decorators import api_view, permission_classes
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from marketplace.api.openai import releases_db
 from marketplace.api.views import IsCustomer
 from marketplace.billing import selectors
 from marketplace.jobs import services as jobs_services
@@ -81,6 +82,7 @@ async def _key_user(request: HttpRequest):
     return api_key.user
 
 
+@releases_db
 async def credits(request: HttpRequest) -> JsonResponse:
     """`{"data": {"total_credits", "total_usage"}}` in dollars for the calling key's account."""
     try:
@@ -91,6 +93,7 @@ async def credits(request: HttpRequest) -> JsonResponse:
     return JsonResponse({"data": {k: float(v) for k, v in totals.items()}})
 
 
+@releases_db
 async def generation(request: HttpRequest) -> JsonResponse:
     """One request's model, token counts, cost and state, by its completion id."""
     try:

@@ -10,6 +10,7 @@ that disconnects cancels its job.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -162,7 +163,23 @@ def count_prompt_tokens(model: str, kind: str, params: dict) -> int:
     return len(tokenizer(params["prompt"])["input_ids"])
 
 
+def releases_db(view):
+    """Async views run their ORM calls in a thread of the request's; Django's end-of-request
+    cleanup runs elsewhere and would leave that thread's connection checked out of the pool, so
+    close it here, on every way out."""
+
+    @functools.wraps(view)
+    async def wrapped(request, *args, **kwargs):
+        try:
+            return await view(request, *args, **kwargs)
+        finally:
+            await sync_to_async(connections.close_all)()
+
+    return wrapped
+
+
 @csrf_exempt
+@releases_db
 async def list_models(request: HttpRequest) -> JsonResponse:
     request_id = f"req_{uuid.uuid4().hex}"
     if request.method != "GET":
@@ -195,11 +212,13 @@ async def list_models(request: HttpRequest) -> JsonResponse:
 
 
 @csrf_exempt
+@releases_db
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     return await _complete(request, "chat")
 
 
 @csrf_exempt
+@releases_db
 async def completions(request: HttpRequest) -> HttpResponse:
     return await _complete(request, "completion")
 
@@ -234,6 +253,9 @@ async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
             body = await reply.whole()
         except ApiError as exc:
             return _error(exc, request_id)
+        except asyncio.CancelledError:  # the client went away before the whole response
+            await asyncio.shield(sync_to_async(services.request_cancel)(job.pk))
+            raise
         response = JsonResponse(body)
     response["x-request-id"] = request_id
     for name, value in headers.items():

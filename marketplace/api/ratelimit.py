@@ -31,6 +31,11 @@ def check(api_key: ApiKey, tokens: int, *, now: float | None = None) -> dict:
     tokens_key = f"rl:tok:{api_key.pk}:{window}"
     used_requests = _incr(requests_key, 1)
     used_tokens = _incr(tokens_key, tokens)
+    over_requests = used_requests > api_key.requests_per_minute
+    over_tokens = used_tokens > api_key.tokens_per_minute
+    if over_requests or over_tokens:  # a refused request is not counted
+        used_requests = cache.decr(requests_key, 1)
+        used_tokens = cache.decr(tokens_key, tokens)
     headers = {
         "x-ratelimit-limit-requests": str(api_key.requests_per_minute),
         "x-ratelimit-remaining-requests": str(max(0, api_key.requests_per_minute - used_requests)),
@@ -39,11 +44,7 @@ def check(api_key: ApiKey, tokens: int, *, now: float | None = None) -> dict:
         "x-ratelimit-remaining-tokens": str(max(0, api_key.tokens_per_minute - used_tokens)),
         "x-ratelimit-reset-tokens": f"{reset}s",
     }
-    over_requests = used_requests > api_key.requests_per_minute
-    over_tokens = used_tokens > api_key.tokens_per_minute
     if over_requests or over_tokens:
-        cache.decr(requests_key, 1)
-        cache.decr(tokens_key, tokens)
         what = "requests" if over_requests else "tokens"
         limit = api_key.requests_per_minute if over_requests else api_key.tokens_per_minute
         raise RateLimited(

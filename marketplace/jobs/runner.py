@@ -12,6 +12,7 @@ Messages on the group: ``job.token`` (text, token_id), then exactly one of ``job
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 
@@ -32,6 +33,23 @@ log = logging.getLogger("swarm.jobs")
 PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered
 
 
+async def in_thread(fn, *args, **kwargs):
+    """Run blocking ORM or cache work in a worker thread of its own: jobs do not queue behind
+    one another (or behind the web requests) on a single database thread."""
+    return await sync_to_async(fn, thread_sensitive=False)(*args, **kwargs)
+
+
+def _settle_and_release(job_pk: int) -> None:
+    from django.db import connections
+
+    from marketplace.billing.services import settle
+
+    try:
+        settle(job_pk)
+    finally:
+        connections.close_all()  # this worker thread hands its connection back to the pool
+
+
 def group_name(job_pk: int) -> str:
     return f"job.{job_pk}"
 
@@ -41,15 +59,13 @@ async def run_job(job_pk: int) -> str:
     try:
         return await _run(job_pk)
     finally:
-        from marketplace.billing.services import settle
-
-        await sync_to_async(settle)(job_pk)
+        await in_thread(_settle_and_release, job_pk)
 
 
 async def _run(job_pk: int) -> str:
     layer = get_channel_layer()
-    job = await sync_to_async(Job.objects.get)(pk=job_pk)
-    if not await sync_to_async(services.mark_running)(job_pk):
+    job = await in_thread(Job.objects.get, pk=job_pk)
+    if not await in_thread(services.mark_running, job_pk):
         return job.state
     group = group_name(job_pk)
     sent_tokens = 0
@@ -64,7 +80,8 @@ async def _run(job_pk: int) -> str:
         await _fail(job_pk, layer, group, getattr(exc, "code", "stage_error"), str(exc), sent_tokens)
         return JobState.FAILED
     if cancelled:
-        await sync_to_async(services.finish_job)(
+        await in_thread(
+            services.finish_job,
             job_pk,
             state=JobState.CANCELLED,
             completion_tokens=sent_tokens,
@@ -73,7 +90,8 @@ async def _run(job_pk: int) -> str:
         )
         return JobState.CANCELLED
     decode = result.token_times[-1] - result.token_times[0] if len(result.token_times) > 1 else 0.0
-    await sync_to_async(services.finish_job)(
+    await in_thread(
+        services.finish_job,
         job_pk,
         state=JobState.SUCCEEDED,
         completion_tokens=result.completion_tokens,
@@ -99,7 +117,8 @@ async def _run(job_pk: int) -> str:
 async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | None, int, bool]:
     specs, assignments = [], []
     for stage in job.route:
-        ticket = await sync_to_async(ticket_for)(
+        ticket = await in_thread(
+            ticket_for,
             job=job.public_id,
             node=stage["node"],
             model=job.model,
@@ -135,9 +154,9 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
                 now = time.monotonic()
                 if now - last_progress >= PROGRESS_INTERVAL_S:
                     last_progress = now
-                    await sync_to_async(services.record_progress)(job.pk, sent)
+                    await in_thread(services.record_progress, job.pk, sent)
                 await layer.group_send(group, {"type": "job.token", "text": event.text, "token_id": event.token_id})
-                if await sync_to_async(services.cancel_requested)(job.pk):
+                if await in_thread(services.cancel_requested, job.pk):
                     return None, sent, True
         finally:
             await stream.aclose()  # closes the sessions on the stages when stopped early
@@ -145,8 +164,13 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
 
 
 async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_tokens: int) -> None:
-    await sync_to_async(services.finish_job)(
-        job_pk, state=JobState.FAILED, completion_tokens=sent_tokens, error_code=code, error_message=message
+    await in_thread(
+        services.finish_job,
+        job_pk,
+        state=JobState.FAILED,
+        completion_tokens=sent_tokens,
+        error_code=code,
+        error_message=message,
     )
     await layer.group_send(group, {"type": "job.error", "code": code, "message": message})
 
@@ -161,6 +185,8 @@ def launch(job: Job) -> None:
 
         run_job_task.apply_async(args=[job.pk], queue=f"coord.{job.coordinator_region}")
         return
-    task = asyncio.get_running_loop().create_task(run_job(job.pk))
+    # A fresh context: the job must not inherit the request's (and so its per-request database
+    # thread and connection), since it outlives the request.
+    task = asyncio.get_running_loop().create_task(run_job(job.pk), context=contextvars.Context())
     _embedded_jobs.add(task)
     task.add_done_callback(_embedded_jobs.discard)

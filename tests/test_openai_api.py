@@ -1,0 +1,564 @@
+"""The OpenAI-compatible API end to end, through the official ``openai`` client: /v1/models,
+/v1/chat/completions and /v1/completions (plain and streamed), its errors, and the job each
+request leaves behind. A live control plane serves smollm2-135m over three joined agents
+(layers 0:10, 10:20, 20:30); answers are compared with single-process greedy ``generate``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx2
+import openai
+import pytest
+from django.db import connection
+from openai import OpenAI
+
+from marketplace.api import ratelimit
+from marketplace.jobs import services as jobs_services
+from marketplace.jobs.models import ApiKey, Job, JobState
+from tests.api_fixtures import MODEL, forget_rate_counts, greedy_chat, greedy_text, module_db, wait_for
+from worker_agent import model as models
+from worker_agent.coordinator.cli import probe_stage
+
+# The module's tests share one live swarm, whose rows must outlive each test: instead of
+# django_db(transaction=True), which flushes after every test, the database is the module's.
+pytestmark = [pytest.mark.api]
+pytest_plugins = ["tests.api_fixtures"]
+db = module_db
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT_MAX_TOKENS = 16
+PROMPT = "The capital of France is"
+TEXT_MAX_TOKENS = 8
+STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
+REQUEST_ID = re.compile(r"req_[0-9a-f]{32}")
+
+
+@pytest.fixture
+def client(live_swarm) -> OpenAI:
+    return openai_client(live_swarm, live_swarm.key)
+
+
+def openai_client(swarm, key: str) -> OpenAI:
+    return OpenAI(base_url=f"{swarm.url}/v1", api_key=key, max_retries=0, timeout=180)
+
+
+def chat_prompt_tokens(messages: list[dict]) -> int:
+    tokenizer = models.load_tokenizer(MODEL)
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+
+
+def text_prompt_tokens(prompt: str) -> int:
+    return len(models.load_tokenizer(MODEL)(prompt)["input_ids"])
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def jobs_snapshot() -> list[dict]:
+    return list(Job.objects.order_by("pk").values())
+
+
+def keys_snapshot() -> list[dict]:
+    return list(ApiKey.objects.order_by("pk").values())
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def assert_job_recorded(
+    swarm, public_id: str, usage: dict, finish_reason: str, kind: str, *, at_eos: bool | None = None
+) -> None:
+    """The job of a finished request: succeeded on the pipeline, metered as billed, verified.
+    ``at_eos``: the generation stopped at an EOS token (the default for finish_reason "stop")."""
+    job = Job.objects.get(public_id=public_id)
+    assert job.state == JobState.SUCCEEDED
+    assert (job.kind, job.model, job.customer, job.api_key) == (kind, MODEL, swarm.customer, swarm.api_key)
+    assert job.finish_reason == finish_reason
+    assert job.route == swarm.route
+    assert job.coordinator_region == "local"
+    assert (job.prompt_tokens, job.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert job.ttft_ms > 0
+    assert job.started_at is not None
+    assert job.finished_at >= job.started_at
+    assert (job.error_code, job.error_message) == ("", "")
+    # One forward pass per committed token, plus the one that produced the EOS when it stopped there.
+    at_eos = finish_reason == "stop" if at_eos is None else at_eos
+    steps = job.completion_tokens + (1 if at_eos else 0)
+    rows = job.prompt_tokens + steps - 1  # the prompt in the first pass, then one token a pass
+    assert [
+        (r["job"], r["model"], r["node"], r["node_key"], r["layer_start"], r["layer_end"], r["steps"], r["tokens"])
+        for r in job.receipts
+    ] == [
+        (public_id, MODEL, s["node"], s["node_key"], s["layer_start"], s["layer_end"], steps, rows) for s in swarm.route
+    ]
+    assert job.verified is True
+    assert job.verification_error == ""
+
+
+def stage_sessions(url: str) -> int:
+    return asyncio.run(probe_stage(url))["sessions"]
+
+
+def test_models_lists_the_servable_model(client):
+    listed = client.models.list()
+
+    assert [model.id for model in listed.data] == [MODEL]
+    assert [(m.object, m.created, m.owned_by) for m in listed.data] == [("model", 0, "swarm")]
+
+
+def test_models_leaves_out_a_configured_model_without_a_ready_pipeline(client, settings):
+    settings.SWARM_MODELS = [MODEL, "tiny-llama"]
+
+    listed = client.models.list()
+
+    assert [model.id for model in listed.data] == [MODEL]
+
+
+def test_chat_completion_matches_single_process_greedy_generate(live_swarm, client):
+    reference = greedy_chat(CHAT, CHAT_MAX_TOKENS)
+
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, max_tokens=CHAT_MAX_TOKENS, temperature=0
+    )
+
+    completion = raw.parse()
+    assert REQUEST_ID.fullmatch(raw.headers["x-request-id"])
+    assert raw.headers["x-ratelimit-limit-requests"] == "1000"
+    assert completion.object == "chat.completion"
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", completion.id)
+    assert completion.model == MODEL
+    assert len(completion.choices) == 1
+    choice = completion.choices[0]
+    assert (choice.index, choice.message.role, choice.finish_reason) == (0, "assistant", reference.finish_reason)
+    assert choice.finish_reason in ("stop", "length")
+    assert choice.message.content == reference.text
+    assert reference.text.startswith("The capital of France is Paris")
+    usage = usage_of(chat_prompt_tokens(CHAT), len(reference.token_ids))
+    assert completion.usage.model_dump(include=set(usage)) == usage
+    assert usage["prompt_tokens"] == reference.prompt_tokens
+    assert_job_recorded(live_swarm, completion.id, usage, reference.finish_reason, "chat")
+
+
+def test_text_completion_matches_single_process_greedy_generate(live_swarm, client):
+    reference = greedy_text(PROMPT, TEXT_MAX_TOKENS)
+
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT, max_tokens=TEXT_MAX_TOKENS, temperature=0
+    )
+
+    completion = raw.parse()
+    assert REQUEST_ID.fullmatch(raw.headers["x-request-id"])
+    assert completion.object == "text_completion"
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", completion.id)
+    assert completion.model == MODEL
+    assert len(completion.choices) == 1
+    choice = completion.choices[0]
+    assert (choice.index, choice.finish_reason) == (0, reference.finish_reason)
+    assert choice.finish_reason in ("stop", "length")
+    assert choice.text == reference.text
+    assert choice.text != ""
+    usage = usage_of(text_prompt_tokens(PROMPT), len(reference.token_ids))
+    assert completion.usage.model_dump(include=set(usage)) == usage
+    assert_job_recorded(live_swarm, completion.id, usage, reference.finish_reason, "completion")
+
+
+def test_streamed_chat_deltas_add_up_to_the_greedy_text_then_usage(live_swarm, client):
+    reference = greedy_chat(CHAT, CHAT_MAX_TOKENS)
+
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=CHAT_MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(raw.parse())
+
+    assert REQUEST_ID.fullmatch(raw.headers["x-request-id"])
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    first, *deltas, last_choice, usage_chunk = chunks
+    assert {chunk.id for chunk in chunks} == {first.id}
+    assert {chunk.object for chunk in chunks} == {"chat.completion.chunk"}
+    assert {chunk.model for chunk in chunks} == {MODEL}
+    assert (first.choices[0].delta.role, first.choices[0].delta.content, first.choices[0].finish_reason) == (
+        "assistant",
+        "",
+        None,
+    )
+    assert all(d.choices[0].delta.content and d.choices[0].finish_reason is None for d in deltas)
+    assert "".join(d.choices[0].delta.content for d in deltas) == reference.text
+    assert last_choice.choices[0].finish_reason == reference.finish_reason
+    assert last_choice.choices[0].delta.content is None
+    assert usage_chunk.choices == []
+    usage = usage_of(chat_prompt_tokens(CHAT), len(reference.token_ids))
+    assert usage_chunk.usage.model_dump(include=set(usage)) == usage
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    assert_job_recorded(live_swarm, first.id, usage, reference.finish_reason, "chat")
+
+
+def test_streamed_text_completion_adds_up_to_the_greedy_text_without_usage(live_swarm, client):
+    reference = greedy_text(PROMPT, TEXT_MAX_TOKENS)
+
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TEXT_MAX_TOKENS, temperature=0, stream=True)
+    )
+
+    *deltas, last = chunks
+    assert {chunk.id for chunk in chunks} == {last.id}
+    assert {chunk.object for chunk in chunks} == {"text_completion"}
+    assert all(d.choices[0].text and d.choices[0].finish_reason is None for d in deltas)
+    assert "".join(d.choices[0].text for d in deltas) == reference.text
+    assert (last.choices[0].text, last.choices[0].finish_reason) == ("", reference.finish_reason)
+    assert all(chunk.usage is None for chunk in chunks)
+    usage = usage_of(text_prompt_tokens(PROMPT), len(reference.token_ids))
+    assert_job_recorded(live_swarm, last.id, usage, reference.finish_reason, "completion")
+
+
+def test_chat_completion_ends_before_a_stop_string(live_swarm, client):
+    reference = greedy_chat(CHAT, CHAT_MAX_TOKENS)
+    # the completion counts every token generated until the stop string appeared
+    tokenizer = models.load_tokenizer(MODEL)
+    needed = next(
+        k
+        for k in range(1, len(reference.token_ids) + 1)
+        if "Paris" in tokenizer.decode(reference.token_ids[:k], skip_special_tokens=True)
+    )
+
+    completion = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=CHAT_MAX_TOKENS, temperature=0, stop=["Paris"]
+    )
+
+    assert completion.choices[0].message.content == "The capital of France is "
+    assert completion.choices[0].finish_reason == "stop"
+    usage = usage_of(chat_prompt_tokens(CHAT), needed)
+    assert completion.usage.model_dump(include=set(usage)) == usage
+    assert_job_recorded(live_swarm, completion.id, usage, "stop", "chat", at_eos=False)
+
+
+def test_seeded_sampling_gives_the_same_completion_twice(live_swarm, client):
+    def sample():
+        return client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=TEXT_MAX_TOKENS, temperature=1.0, seed=1234
+        )
+
+    first, second = sample(), sample()
+
+    assert first.choices[0].text == second.choices[0].text
+    assert first.usage == second.usage
+    assert first.id != second.id
+    assert Job.objects.get(public_id=first.id).params["seed"] == 1234
+
+
+def test_stream_ends_with_the_usage_event_then_done_on_the_wire(live_swarm):
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {live_swarm.key}"}
+
+    with httpx2.Client(base_url=live_swarm.url, timeout=180) as http:
+        response = http.post("/v1/completions", json=body, headers=headers)
+
+    assert response.status_code == 200
+    assert response.headers["cache-control"] == "no-cache"
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in response.text.split("\n\n") if line)
+    assert events[-1] == "[DONE]"
+    usage_event = json.loads(events[-2])
+    reference = greedy_text(PROMPT, 3)
+    assert usage_event["choices"] == []
+    assert usage_event["usage"] == usage_of(text_prompt_tokens(PROMPT), len(reference.token_ids))
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == reference.finish_reason
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message", "param"),
+    [
+        ({"n": 2}, "Only n=1 is supported.", "n"),
+        ({"max_tokens": 0}, "'max_tokens' must be an integer in [1, 2048].", "max_tokens"),
+        ({"temperature": 3}, "'temperature' must be in [0, 2], got 3.", "temperature"),
+        ({"messages": []}, "'messages' must be a non-empty array.", "messages"),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            "messages[0] needs a role of ['assistant', 'developer', 'system', 'user'].",
+            "messages.0.role",
+        ),
+    ],
+    ids=["n", "max_tokens", "temperature", "empty-messages", "bad-role"],
+)
+def test_invalid_chat_request_is_refused_400_in_openai_shape(client, settings, overrides, message, param):
+    settings.SWARM_MAX_TOKENS_LIMIT = 2048
+    before = jobs_snapshot()
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**({"model": MODEL, "messages": CHAT, "max_tokens": 4} | overrides))
+
+    exc = caught.value
+    assert exc.status_code == 400
+    assert exc.response.json() == error_body(message, "invalid_request_error", param, None)
+    assert (exc.type, exc.param, exc.code) == ("invalid_request_error", param, None)
+    assert REQUEST_ID.fullmatch(exc.response.headers["x-request-id"])
+    assert jobs_snapshot() == before
+
+
+def test_a_body_that_is_not_json_is_refused_400(live_swarm):
+    before = jobs_snapshot()
+
+    response = httpx2.post(
+        f"{live_swarm.url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {live_swarm.key}", "Content-Type": "application/json"},
+        timeout=60,
+    )
+
+    assert response.status_code == 400
+    assert response.json() == error_body("The request body is not valid JSON.", "invalid_request_error", None, None)
+    assert jobs_snapshot() == before
+
+
+def test_a_wrong_key_is_refused_401(live_swarm):
+    before = (jobs_snapshot(), keys_snapshot())
+    stranger = openai_client(live_swarm, "sk-sw-not-a-real-key")
+
+    with pytest.raises(openai.AuthenticationError) as caught:
+        stranger.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+
+    exc = caught.value
+    assert exc.status_code == 401
+    assert exc.response.json() == error_body(
+        "Incorrect API key provided: sk-sw-not-***.", "authentication_error", None, "invalid_api_key"
+    )
+    assert (jobs_snapshot(), keys_snapshot()) == before
+
+
+def test_a_wrong_key_cannot_list_models(live_swarm):
+    with pytest.raises(openai.AuthenticationError) as caught:
+        openai_client(live_swarm, "sk-sw-not-a-real-key").models.list()
+
+    assert caught.value.response.json() == error_body(
+        "Incorrect API key provided: sk-sw-not-***.", "authentication_error", None, "invalid_api_key"
+    )
+
+
+def test_a_request_without_a_key_is_refused_401(live_swarm):
+    response = httpx2.post(
+        f"{live_swarm.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}, timeout=60
+    )
+
+    assert response.status_code == 401
+    assert response.json() == error_body(
+        "You didn't provide an API key: send 'Authorization: Bearer <key>'.",
+        "authentication_error",
+        None,
+        "invalid_api_key",
+    )
+
+
+def test_a_revoked_key_is_refused_401(live_swarm):
+    api_key, key = jobs_services.create_api_key(live_swarm.customer, "old laptop")
+    jobs_services.revoke_api_key(api_key)
+    before = (jobs_snapshot(), keys_snapshot())
+
+    with pytest.raises(openai.AuthenticationError) as caught:
+        openai_client(live_swarm, key).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+
+    exc = caught.value
+    assert exc.status_code == 401
+    assert exc.response.json() == error_body(
+        "This API key was revoked.", "authentication_error", None, "revoked_api_key"
+    )
+    assert (jobs_snapshot(), keys_snapshot()) == before
+
+
+def test_an_unknown_model_is_refused_404(client):
+    before = jobs_snapshot()
+
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
+
+    exc = caught.value
+    assert exc.status_code == 404
+    assert exc.response.json() == error_body(
+        "The model 'gpt-4o' does not exist.", "invalid_request_error", "model", "model_not_found"
+    )
+    assert jobs_snapshot() == before
+
+
+def test_a_configured_model_without_a_ready_pipeline_is_refused_503(client, settings):
+    settings.SWARM_MODELS = [MODEL, "tiny-llama"]
+    before = jobs_snapshot()
+
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=4)
+
+    exc = caught.value
+    assert exc.status_code == 503
+    assert exc.response.json() == error_body(
+        "No capacity for model 'tiny-llama' right now: no complete pipeline is ready.",
+        "service_unavailable",
+        None,
+        "no_capacity",
+    )
+    assert jobs_snapshot() == before
+
+
+def one_request_per_minute_key(swarm) -> tuple[ApiKey, OpenAI]:
+    """A fresh key allowed one request a minute, used early in a window so both requests share it."""
+    api_key, key = jobs_services.create_api_key(swarm.customer, "one a minute")
+    ApiKey.objects.filter(pk=api_key.pk).update(requests_per_minute=1)
+    api_key.refresh_from_db()
+    forget_rate_counts(api_key)
+    if time.time() % ratelimit.WINDOW_S > ratelimit.WINDOW_S - 20:
+        time.sleep(ratelimit.WINDOW_S - time.time() % ratelimit.WINDOW_S + 0.5)
+    return api_key, openai_client(swarm, key)
+
+
+def test_a_key_over_its_requests_per_minute_is_refused_429_with_retry_after(live_swarm):
+    api_key, limited = one_request_per_minute_key(live_swarm)
+    first = limited.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0)
+    cost = chat_prompt_tokens(CHAT) + 1
+    assert first.headers["x-ratelimit-limit-requests"] == "1"
+    assert first.headers["x-ratelimit-remaining-requests"] == "0"
+    assert first.headers["x-ratelimit-remaining-tokens"] == str(100_000 - cost)
+    before = jobs_snapshot()
+
+    with pytest.raises(openai.RateLimitError) as caught:
+        limited.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0)
+
+    exc = caught.value
+    assert exc.status_code == 429
+    headers = exc.response.headers
+    retry_after = int(headers["retry-after"])
+    assert 1 <= retry_after <= ratelimit.WINDOW_S
+    assert exc.response.json() == error_body(
+        f"Rate limit reached for requests per minute (limit 1); retry in {retry_after}s.",
+        "rate_limit_error",
+        None,
+        "rate_limit_exceeded",
+    )
+    assert headers["x-ratelimit-limit-requests"] == "1"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"] == f"{retry_after}s"
+    assert headers["x-ratelimit-limit-tokens"] == "100000"
+    assert headers["x-ratelimit-reset-tokens"] == f"{retry_after}s"
+    assert REQUEST_ID.fullmatch(headers["x-request-id"])
+    assert jobs_snapshot() == before
+    assert Job.objects.filter(api_key=api_key).count() == 1
+
+
+def test_a_refused_request_is_not_reported_as_spending_the_keys_tokens(live_swarm):
+    _, limited = one_request_per_minute_key(live_swarm)
+    limited.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0)
+    cost = chat_prompt_tokens(CHAT) + 1
+
+    with pytest.raises(openai.RateLimitError) as caught:
+        limited.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1, temperature=0)
+
+    # The refused request is not counted, so the tokens left are those after the first request.
+    assert caught.value.response.headers["x-ratelimit-remaining-tokens"] == str(100_000 - cost)
+
+
+def test_a_client_leaving_before_a_whole_response_cancels_its_job(live_swarm):
+    body = {
+        "model": MODEL,
+        "messages": STORY,
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    earlier = set(Job.objects.values_list("pk", flat=True))
+
+    with pytest.raises(httpx2.ReadTimeout):
+        httpx2.post(
+            f"{live_swarm.url}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {live_swarm.key}"},
+            timeout=httpx2.Timeout(60, read=3),  # gives up long before 200 tokens can be ready
+        )
+
+    job = wait_for(
+        lambda: Job.objects.exclude(pk__in=earlier).filter(finished_at__isnull=False).first(),
+        180,
+        "the abandoned job to end",
+    )
+    assert job.state == JobState.CANCELLED
+    assert (job.error_code, job.finish_reason) == ("client_disconnected", "")
+    assert 1 <= job.completion_tokens < 200
+
+
+def abandon_stream(swarm, events: int = 3) -> list[dict]:
+    """Start a long streamed chat completion, read its first ``events`` SSE events, hang up."""
+    body = {"model": MODEL, "messages": STORY, "max_tokens": 200, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {swarm.key}"}
+    read = []
+    with (
+        httpx2.Client(base_url=swarm.url, timeout=180) as http,
+        http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response,
+    ):
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                read.append(json.loads(line.removeprefix("data: ")))
+            if len(read) == events:
+                break
+    return read
+
+
+def test_a_client_leaving_mid_stream_cancels_its_job_and_frees_the_stages(live_swarm):
+    events = abandon_stream(live_swarm)  # the role chunk and two tokens, then hang up
+
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(event["choices"][0]["delta"]["content"] for event in events[1:])
+    job = wait_for(
+        lambda: Job.objects.filter(public_id=events[0]["id"], state=JobState.CANCELLED).first(),
+        120,
+        "the job to be cancelled",
+    )
+    assert 2 <= job.completion_tokens < 200
+    assert (job.error_code, job.error_message) == ("client_disconnected", "the client went away; partial work recorded")
+    assert (job.finish_reason, job.verified, job.receipts) == ("", None, [])
+    assert job.route == live_swarm.route
+    assert job.finished_at is not None
+    for stage in live_swarm.route:
+        wait_for(lambda url=stage["url"]: stage_sessions(url) == 0, 60, f"the sessions on {stage['url']} to close")
+
+
+def checked_out_connections() -> int:
+    stats = connection.pool.get_stats()
+    return stats["pool_size"] - stats["pool_available"]
+
+
+def test_abandoned_streams_give_their_database_connections_back(live_swarm):
+    if getattr(connection, "pool", None) is None:
+        pytest.skip("only PostgreSQL runs with a connection pool (SWARM_DB_POOL_SIZE) that can run dry")
+    connection.ensure_connection()
+    baseline = checked_out_connections()  # this test's own, and any a periodic sweep holds now
+
+    for _ in range(3):
+        job_id = abandon_stream(live_swarm)[0]["id"]
+        wait_for(
+            lambda job_id=job_id: Job.objects.filter(public_id=job_id, state=JobState.CANCELLED).exists(),
+            120,
+            "the abandoned job to be cancelled",
+        )
+
+    # A web process has SWARM_DB_POOL_SIZE connections: if each abandoned stream kept one, the
+    # API could not reach its database any more after that many disconnects.
+    deadline = time.monotonic() + 30
+    while checked_out_connections() > baseline and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert checked_out_connections() <= baseline
