@@ -11,11 +11,13 @@ import subprocess
 import sys
 import time
 
+import httpx2 as httpx
 import pytest
 from django.db import connection
 from openai import OpenAI
 
-from marketplace.billing.services import grant
+from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, Transfer
+from marketplace.billing.services import account, cost, credits, grant
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import create_api_key
 from marketplace.nodes.services import create_node
@@ -67,105 +69,147 @@ def celery_control_plane(settings):
     app.conf.update(task_always_eager=True, **previous)
 
 
-def test_a_job_runs_in_a_celery_worker_of_its_region(celery_control_plane, django_user_model, tmp_path):
-    provider = django_user_model.objects.create_user(username="p", email="p@e.com", password="x", is_provider=True)
-    customer = django_user_model.objects.create_user(username="c", email="c@e.com", password="x", is_customer=True)
-    tokens = [create_node(owner=provider, name=f"n{i}")[1] for i in range(3)]
-    _, key = create_api_key(customer, "k")
-    grant(customer, 1)
+def start_worker(tmp_path, model: str) -> subprocess.Popen:
+    """A real `celery worker` for the region "local", on the test database."""
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "DATABASE_URL": database_url(),
         "REDIS_URL": REDIS_URL,
-        "SWARM_MODELS": MODEL,
+        "SWARM_MODELS": model,
     }
-    worker_log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 - owned by the child process
-    worker = subprocess.Popen(
-        [
+    log = open(tmp_path / "worker.log", "w")  # noqa: SIM115 - owned by the child process
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "marketplace",
+        "worker",
+        "-Q",
+        "coord.local",
+        "--pool",
+        "threads",
+        "--concurrency",
+        "2",
+        "--loglevel",
+        "info",
+        "--without-mingle",
+        "--without-gossip",
+    ]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def start_agents(server, tokens, tmp_path) -> list[subprocess.Popen]:
+    agents = []
+    for i, token in enumerate(tokens):
+        log = open(tmp_path / f"agent{i}.log", "w")  # noqa: SIM115 - owned by the child process
+        command = [
             sys.executable,
             "-m",
-            "celery",
-            "-A",
-            "marketplace",
-            "worker",
-            "-Q",
-            "coord.local",
-            "--pool",
-            "threads",
-            "--concurrency",
+            "worker_agent.cli",
+            "join",
+            "--control-plane",
+            server.url,
+            "--token",
+            token,
+            "--key",
+            str(tmp_path / f"n{i}.key"),
+            "--model",
+            MODEL,
+            "--max-layers",
             "2",
-            "--loglevel",
-            "info",
-            "--without-mingle",
-            "--without-gossip",
-        ],
-        stdout=worker_log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    agents = []
+            "--threads",
+            "1",
+        ]
+        agents.append(
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        )
+    return agents
+
+
+def stop(processes) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture
+def swarm_with_worker(celery_control_plane, django_user_model, tmp_path):
+    """Three joined tiny-llama agents, a celery worker of region "local", a customer with $1 and a key."""
+    provider = django_user_model.objects.create_user(username="p", email="p@e.com", password="x", is_provider=True)
+    customer = django_user_model.objects.create_user(username="c", email="c@e.com", password="x", is_customer=True)
+    tokens = [create_node(owner=provider, name=f"n{i}")[1] for i in range(3)]
+    _, key = create_api_key(customer, "k")
+    grant(customer, 1)
+    worker = start_worker(tmp_path, MODEL)
+    agents = start_agents(celery_control_plane, tokens, tmp_path)
     try:
-        for i, token in enumerate(tokens):
-            log = open(tmp_path / f"agent{i}.log", "w")  # noqa: SIM115 - owned by the child process
-            agents.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "worker_agent.cli",
-                        "join",
-                        "--control-plane",
-                        celery_control_plane.url,
-                        "--token",
-                        token,
-                        "--key",
-                        str(tmp_path / f"n{i}.key"),
-                        "--model",
-                        MODEL,
-                        "--max-layers",
-                        "2",
-                        "--threads",
-                        "1",
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                )
-            )
         wait_for(lambda: servable_pipelines(MODEL), 180, "a ready tiny-llama pipeline")
         wait_for(lambda: "ready" in (tmp_path / "worker.log").read_text(), 60, "the celery worker")
-        client = OpenAI(base_url=celery_control_plane.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-        stream = client.completions.create(
-            model=MODEL,
-            prompt="Hello there",
-            max_tokens=6,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = list(stream)
-
-        usage = chunks[-1].usage
-        assert usage.completion_tokens == 6
-        assert chunks[-2].choices[0].finish_reason == "length"
-        job = Job.objects.get()
-        assert job.state == JobState.SUCCEEDED
-        assert job.coordinator_region == "local"
-        assert job.completion_tokens == 6
-        assert job.verified is True
-        assert len(job.receipts) == 3
-        done = re.compile(r"Task marketplace\.jobs\.tasks\.run_job\[[0-9a-f-]+\] succeeded in [0-9.]+s: 'succeeded'")
-        wait_for(lambda: done.search((tmp_path / "worker.log").read_text()), 30, "the task to finish in the worker")
-        job.refresh_from_db()
-        assert job.charged_amount > 0
+        yield celery_control_plane, customer, key, worker
     finally:
-        for process in [*agents, worker]:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in [*agents, worker]:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop([*agents, worker])
+
+
+def test_a_job_runs_in_a_celery_worker_of_its_region(swarm_with_worker, tmp_path):
+    server, _, key, _ = swarm_with_worker
+    client = OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Hello there",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 6
+    assert chunks[-2].choices[0].finish_reason == "length"
+    job = Job.objects.get()
+    assert job.state == JobState.SUCCEEDED
+    assert job.coordinator_region == "local"
+    assert job.completion_tokens == 6
+    assert job.verified is True
+    assert len(job.receipts) == 3
+    done = re.compile(r"Task marketplace\.jobs\.tasks\.run_job\[[0-9a-f-]+\] succeeded in [0-9.]+s: 'succeeded'")
+    wait_for(lambda: done.search((tmp_path / "worker.log").read_text()), 30, "the task to finish in the worker")
+    job.refresh_from_db()
+    assert job.charged_amount > 0
+
+
+def test_a_job_whose_worker_is_killed_is_settled_from_its_record(swarm_with_worker, settings):
+    server, customer, key, worker = swarm_with_worker
+    settings.SWARM_JOB_STALE_S = 3.0
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": True}
+
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as response,
+    ):
+        wait_for(lambda: Job.objects.filter(completion_tokens__gt=0).exists(), 60, "recorded progress")
+        worker.send_signal(signal.SIGKILL)  # the process running the coordinator dies mid-stream
+        worker.wait(timeout=10)
+        assert response.status_code == 200
+
+    job = wait_for(
+        lambda: Job.objects.filter(state=JobState.FAILED, settled_at__isnull=False).first(),
+        60,
+        "the periodic task to reconcile the job",
+    )
+    assert job.error_code == "coordinator_lost"
+    assert 0 < job.completion_tokens < 2000
+    assert job.charged_amount == cost(
+        job.prompt_tokens, job.completion_tokens, (job.price_prompt_per_million, job.price_completion_per_million)
+    )
+    assert account(AccountKind.CUSTOMER_HOLD, customer).balance == 0
+    assert credits(customer) == NANO_PER_DOLLAR - job.charged_amount
+    assert Transfer.objects.filter(job=job, kind="charge").count() == (1 if job.charged_amount else 0)

@@ -20,13 +20,13 @@ import uuid
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import connections
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from marketplace.api import ratelimit
 from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
+from marketplace.db import release_connections
 from marketplace.jobs import runner, services
 from marketplace.jobs.errors import ApiError, InvalidRequest, JobFailed, ModelNotFound, RateLimited
 from marketplace.placement.selectors import servable_pipelines
@@ -173,7 +173,7 @@ def releases_db(view):
         try:
             return await view(request, *args, **kwargs)
         finally:
-            await sync_to_async(connections.close_all)()
+            await sync_to_async(release_connections)()
 
     return wrapped
 
@@ -239,7 +239,7 @@ async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
         return _error(exc, request_id)
     # The rest of the response only waits on the channel layer: hand this request's database
     # connection back now, not when a long stream ends, so streams cannot starve the jobs.
-    await sync_to_async(connections.close_all)()
+    await sync_to_async(release_connections)()
     layer = get_channel_layer()
     channel = await layer.new_channel()
     await layer.group_add(runner.group_name(job.pk), channel)  # subscribe before the coordinator starts

@@ -40,14 +40,13 @@ async def in_thread(fn, *args, **kwargs):
 
 
 def _settle_and_release(job_pk: int) -> None:
-    from django.db import connections
-
     from marketplace.billing.services import settle
+    from marketplace.db import release_connections
 
     try:
         settle(job_pk)
     finally:
-        connections.close_all()  # this worker thread hands its connection back to the pool
+        release_connections()  # this worker thread hands its connection back to the pool
 
 
 def group_name(job_pk: int) -> str:
