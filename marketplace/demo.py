@@ -37,7 +37,8 @@ def _setup_django() -> None:
     from django.core.management import call_command
 
     django.setup()
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # the demo's own client requests
+    for name in ("httpx", "httpx2"):  # the demo's own client requests
+        logging.getLogger(name).setLevel(logging.WARNING)
     call_command("migrate", verbosity=0)
 
 
@@ -196,6 +197,10 @@ def _report(base_url: str, accounts: dict) -> None:
     from marketplace.jobs.models import Job
 
     job = Job.objects.order_by("-created_at").first()
+    deadline = time.monotonic() + 10
+    while job is not None and job.settled_at is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # the job settles right after its last token
+        job.refresh_from_db()
     if job is not None:
         print(
             f"charged ${job.charged_amount / NANO_PER_DOLLAR:.9f} (hold ${job.hold_amount / NANO_PER_DOLLAR:.9f}); "
@@ -256,6 +261,7 @@ def main() -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         print("\nstopping ...", flush=True)
         for agent in agents:
             if agent.poll() is None:
