@@ -30,6 +30,9 @@ os.environ.setdefault("SWARM_HEARTBEAT_INTERVAL_S", "2")
 os.environ.setdefault("SWARM_HEARTBEAT_TIMEOUT_S", "10")
 
 
+from worker_agent.local import join_agent, stop_processes  # noqa: E402 - after the environment is set
+
+
 def _setup_django() -> None:
     import logging
 
@@ -114,32 +117,7 @@ def _join(base_url: str, tokens: list[str]) -> list[subprocess.Popen]:
         key = DEMO_DIR / f"agent{index}.key"
         for stale in (key, key.with_name(key.name + ".pub"), key.with_name(key.name + ".join.json")):
             stale.unlink(missing_ok=True)  # fresh nodes each run: the tokens were just issued
-        log = open(DEMO_DIR / f"agent{index}.log", "w")  # noqa: SIM115 - owned by the child process
-        agents.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "worker_agent.cli",
-                    "join",
-                    "--control-plane",
-                    base_url,
-                    "--token",
-                    token,
-                    "--key",
-                    str(key),
-                    "--model",
-                    MODEL,
-                    "--max-layers",
-                    "10",
-                    "--threads",
-                    "1",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        )
+        agents.append(join_agent(base_url, token, key, DEMO_DIR / f"agent{index}.log", model=MODEL, max_layers=10))
     return agents
 
 
@@ -263,14 +241,7 @@ def main() -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         print("\nstopping ...", flush=True)
-        for agent in agents:
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM)
-        for agent in agents:
-            try:
-                agent.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                agent.kill()
+        stop_processes(agents, timeout_s=10)
         server.should_exit = True
     return 0
 

@@ -4,11 +4,6 @@ requests from one customer whose credits cover only some of them, on three real 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
 from decimal import Decimal
 
 import httpx2 as httpx
@@ -23,7 +18,8 @@ from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.jobs.services import create_api_key
 from marketplace.nodes.services import create_node
 from marketplace.placement.selectors import servable_pipelines
-from tests.live import LiveServer
+from tests.live import LiveServer, wait_for
+from worker_agent.local import join_agent, stop_processes
 from worker_agent.model import load_tokenizer
 
 pytestmark = [pytest.mark.billing, pytest.mark.django_db(transaction=True)]
@@ -34,16 +30,6 @@ COMPLETION_PRICE = 13_000_000_000  # $13.00
 MAX_TOKENS = 8
 REQUESTS = 100
 PROMPT = "Tell me a story."
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture
@@ -77,42 +63,15 @@ def tiny_api(settings, django_user_model, tmp_path):
     try:
         for i in range(3):
             _, token = create_node(owner=provider, name=f"n{i}")
-            log = open(tmp_path / f"agent{i}.log", "w")  # noqa: SIM115 - owned by the child process
             agents.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "worker_agent.cli",
-                        "join",
-                        "--control-plane",
-                        server.url,
-                        "--token",
-                        token,
-                        "--key",
-                        str(tmp_path / f"n{i}.key"),
-                        "--model",
-                        MODEL,
-                        "--max-layers",
-                        "2",
-                        "--threads",
-                        "1",
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                join_agent(
+                    server.url, token, tmp_path / f"n{i}.key", tmp_path / f"agent{i}.log", model=MODEL, max_layers=2
                 )
             )
         wait_for(lambda: servable_pipelines(MODEL), 180, "a ready tiny-llama pipeline")
         yield server, customer, key
     finally:
-        for agent in agents:
-            agent.send_signal(signal.SIGTERM)
-        for agent in agents:
-            try:
-                agent.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                agent.kill()
+        stop_processes(agents)
         server.stop()
 
 

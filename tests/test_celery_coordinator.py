@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx2 as httpx
 import pytest
@@ -22,7 +21,8 @@ from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import create_api_key
 from marketplace.nodes.services import create_node
 from marketplace.placement.selectors import servable_pipelines
-from tests.live import LiveServer
+from tests.live import LiveServer, wait_for
+from worker_agent.local import join_agent, stop_processes
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]
 
@@ -36,16 +36,6 @@ def database_url() -> str:
     if connection.vendor == "sqlite":
         return f"sqlite:///{params['NAME']}"
     return f"postgres://{params['USER']}@{params['HOST'] or '127.0.0.1'}:{params['PORT'] or 5432}/{params['NAME']}"
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture
@@ -101,42 +91,10 @@ def start_worker(tmp_path, model: str) -> subprocess.Popen:
 
 
 def start_agents(server, tokens, tmp_path) -> list[subprocess.Popen]:
-    agents = []
-    for i, token in enumerate(tokens):
-        log = open(tmp_path / f"agent{i}.log", "w")  # noqa: SIM115 - owned by the child process
-        command = [
-            sys.executable,
-            "-m",
-            "worker_agent.cli",
-            "join",
-            "--control-plane",
-            server.url,
-            "--token",
-            token,
-            "--key",
-            str(tmp_path / f"n{i}.key"),
-            "--model",
-            MODEL,
-            "--max-layers",
-            "2",
-            "--threads",
-            "1",
-        ]
-        agents.append(
-            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        )
-    return agents
-
-
-def stop(processes) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    for process in processes:
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    return [
+        join_agent(server.url, token, tmp_path / f"n{i}.key", tmp_path / f"agent{i}.log", model=MODEL, max_layers=2)
+        for i, token in enumerate(tokens)
+    ]
 
 
 @pytest.fixture
@@ -154,7 +112,7 @@ def swarm_with_worker(celery_control_plane, django_user_model, tmp_path):
         wait_for(lambda: "ready" in (tmp_path / "worker.log").read_text(), 60, "the celery worker")
         yield celery_control_plane, customer, key, worker
     finally:
-        stop([*agents, worker])
+        stop_processes([*agents, worker], timeout_s=20)
 
 
 def test_a_job_runs_in_a_celery_worker_of_its_region(swarm_with_worker, tmp_path):

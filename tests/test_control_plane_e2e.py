@@ -9,11 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
@@ -22,9 +18,10 @@ from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.nodes.tickets import ticket_for
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.selectors import route_request, servable_pipelines
-from tests.live import LiveServer
+from tests.live import LiveServer, wait_for
 from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import StageSpec
+from worker_agent.local import join_agent, stop_processes
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
 
@@ -53,41 +50,6 @@ def api(server, method: str, path: str, user: str, password: str, body: dict | N
     )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def join(server, token: str, key_path, log_path) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "worker_agent.cli",
-        "join",
-        "--control-plane",
-        server.url,
-        "--token",
-        token,
-        "--key",
-        str(key_path),
-        "--model",
-        MODEL,
-        "--max-layers",
-        "15",
-        "--threads",
-        "1",
-        "--log-level",
-        "info",
-    ]
-    log = open(log_path, "w")  # noqa: SIM115 - owned by the child process
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def generate_through(pipeline, job: str) -> list[int]:
@@ -127,7 +89,14 @@ def test_joined_agents_are_placed_served_and_replaced_when_one_dies(control_plan
     )
 
     agents = [
-        join(control_plane, n["join_token"], tmp_path / f"n{i}.key", tmp_path / f"agent{i}.log")
+        join_agent(
+            control_plane.url,
+            n["join_token"],
+            tmp_path / f"n{i}.key",
+            tmp_path / f"agent{i}.log",
+            model=MODEL,
+            max_layers=15,
+        )
         for i, n in enumerate(created)
     ]
     try:
@@ -190,11 +159,4 @@ def test_joined_agents_are_placed_served_and_replaced_when_one_dies(control_plan
         result = generate_through(pipeline, "job-e2e-2")
         assert result.text.startswith("The capital of France is Paris")
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM)
-        for agent in agents:
-            try:
-                agent.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                agent.kill()
+        stop_processes(agents)

@@ -178,3 +178,49 @@ class LocalSwarm:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def join_agent(
+    control_plane: str,
+    token: str,
+    key_path: str | Path,
+    log_path: str | Path,
+    *,
+    model: str,
+    max_layers: int | None = None,
+    threads: int = 1,
+) -> subprocess.Popen:
+    """Start ``swarm-worker join`` as a process that logs to ``log_path``."""
+    command = [
+        sys.executable,
+        "-m",
+        "worker_agent.cli",
+        "join",
+        "--control-plane",
+        control_plane,
+        "--token",
+        token,
+        "--key",
+        str(key_path),
+        "--model",
+        model,
+        "--threads",
+        str(threads),
+    ]
+    if max_layers is not None:
+        command += ["--max-layers", str(max_layers)]
+    log = open(log_path, "w")  # noqa: SIM115 - the child process owns it
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def stop_processes(processes: list[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """SIGTERM every process still running, then wait for each (killing a laggard)."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
