@@ -64,6 +64,9 @@ def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def jobs_snapshot() -> list[dict]:
+    """Every job, once the earlier ones have finished settling (a job settles just after its
+    response is sent, so a snapshot taken sooner could see that settlement as a change)."""
+    wait_for(lambda: not Job.objects.filter(settled_at__isnull=True).exists(), 30, "earlier jobs to settle")
     return list(Job.objects.order_by("pk").values())
 
 
