@@ -49,7 +49,6 @@ import os
 import platform
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -116,7 +115,6 @@ class ControlPlane:
     def __init__(self, model: str, max_layers: int, workdir: Path, threads: int) -> None:
         self.model, self.max_layers, self.workdir, self.threads = model, max_layers, workdir, threads
         self.server = None
-        self.thread: threading.Thread | None = None
         self.agents: list[subprocess.Popen] = []
         self.port = 0
 
@@ -148,58 +146,26 @@ class ControlPlane:
         return tokens, key
 
     def serve(self) -> None:
-        import uvicorn
+        from marketplace.embedded import EmbeddedServer
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            "marketplace.asgi:application",
-            host="127.0.0.1",
-            port=self.port,
-            lifespan="on",
-            log_level="warning",
-            ws="websockets-sansio",
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="web", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the web app did not start on port {self.port}")
-            time.sleep(0.05)
+        self.server = EmbeddedServer().start()
+        self.port = self.server.port
 
     def join(self, tokens: list[str]) -> None:
+        from worker_agent.local import join_agent
+
         for index, token in enumerate(tokens):
-            log = open(self.workdir / f"agent{index}.log", "w")  # noqa: SIM115 - owned by the child process
             self.agents.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "worker_agent.cli",
-                        "join",
-                        "--control-plane",
-                        self.base_url,
-                        "--token",
-                        token,
-                        "--key",
-                        str(self.workdir / f"agent{index}.key"),
-                        "--model",
-                        self.model,
-                        "--max-layers",
-                        str(self.max_layers),
-                        "--threads",
-                        str(self.threads),
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                    cwd=ROOT,
+                join_agent(
+                    self.base_url,
+                    token,
+                    self.workdir / f"agent{index}.key",
+                    self.workdir / f"agent{index}.log",
+                    model=self.model,
+                    max_layers=self.max_layers,
+                    threads=self.threads,
                 )
             )
-            log.close()
 
     def wait_servable(self, timeout: float = 600, probes_timeout: float = 30) -> list:
         """The ready pipeline, once every stage is up and (for at most ``probes_timeout``) its nodes
@@ -231,19 +197,11 @@ class ControlPlane:
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else "(no log)"
 
     def stop(self) -> None:
-        for agent in self.agents:
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM)
-        for agent in self.agents:
-            try:
-                agent.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait(timeout=5)
+        from worker_agent.local import stop_processes
+
+        stop_processes(self.agents)
         if self.server is not None:
-            self.server.should_exit = True
-        if self.thread is not None:
-            self.thread.join(timeout=15)
+            self.server.stop()
 
 
 def setup_django() -> None:

@@ -30,7 +30,8 @@ os.environ.setdefault("SWARM_HEARTBEAT_INTERVAL_S", "2")
 os.environ.setdefault("SWARM_HEARTBEAT_TIMEOUT_S", "10")
 
 
-from worker_agent.local import join_agent, stop_processes  # noqa: E402 - after the environment is set
+from marketplace.embedded import EmbeddedServer  # noqa: E402 - after the environment is set
+from worker_agent.local import join_agent, stop_processes  # noqa: E402
 
 
 def _setup_django() -> None:
@@ -87,28 +88,6 @@ def _accounts() -> dict:
     if credits(customer) < 5 * NANO_PER_DOLLAR:
         grant(customer, 5, memo="demo credits")
     return {"logins": logins, "tokens": tokens, "key": key}
-
-
-def _serve() -> object:
-    import uvicorn
-
-    config = uvicorn.Config(
-        "marketplace.asgi:application",
-        host="127.0.0.1",
-        port=PORT,
-        lifespan="on",
-        log_level="warning",
-        ws="websockets-sansio",
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="web", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise SystemExit(f"the web app could not start on port {PORT} (set DEMO_PORT to move it)")
-        time.sleep(0.05)
-    return server
 
 
 def _join(base_url: str, tokens: list[str]) -> list[subprocess.Popen]:
@@ -220,7 +199,10 @@ def main() -> int:
     load_tokenizer(MODEL)
     _setup_django()
     accounts = _accounts()
-    server = _serve()
+    try:
+        server = EmbeddedServer(PORT).start()
+    except RuntimeError:
+        raise SystemExit(f"the web app could not start on port {PORT} (set DEMO_PORT to move it)") from None
     base_url = f"http://127.0.0.1:{PORT}"
     print(f"control plane at {base_url}; starting three agents (swarm-worker join) ...", flush=True)
     agents = _join(base_url, accounts["tokens"])
@@ -242,7 +224,7 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         print("\nstopping ...", flush=True)
         stop_processes(agents, timeout_s=10)
-        server.should_exit = True
+        server.stop()
     return 0
 
 

@@ -1,0 +1,45 @@
+"""The whole ASGI app (HTTP, Channels WebSockets, lifespan) on uvicorn in a thread of this process:
+the embedded control plane of `make demo`, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedServer:
+    def __init__(self, port: int = 0) -> None:
+        import uvicorn
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            "marketplace.asgi:application",
+            host="127.0.0.1",
+            port=self.port,
+            lifespan="on",
+            log_level="warning",
+            ws="websockets-sansio",
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="web", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> EmbeddedServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the web app could not start on port {self.port}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout_s)
