@@ -166,6 +166,12 @@ def _report(base_url: str, accounts: dict) -> None:
         route = " -> ".join(f"{s['node']}[{s['layer_start']}:{s['layer_end']}]" for s in job.route)
         print(f"job {job.public_id}: {job.state}, coordinator region {job.coordinator_region}, route {route}")
         print(f"receipts: {len(job.receipts)} stage receipts, verified={job.verified}")
+        from marketplace.payouts.models import Earning
+
+        earned = Earning.objects.filter(job=job).select_related("node")
+        if earned:
+            shares = ", ".join(f"{e.node.name} ${e.amount / NANO_PER_DOLLAR:.9f}" for e in earned)
+            print(f"provider earnings (pending through the challenge window): {shares}")
     logins = accounts["logins"]
     env = {
         "OPENAI_BASE_URL": f"{base_url}/v1",

@@ -32,6 +32,11 @@ class EmbeddedServer:
         self.thread = threading.Thread(target=self.server.run, name="web", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> EmbeddedServer:
+        from channels.layers import channel_layers
+
+        # A channel layer receives on the event loop it first received on; a server started after
+        # another one stopped in this process (tests) runs a new loop and needs fresh layers.
+        channel_layers.backends.clear()
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:

@@ -49,6 +49,9 @@ INSTALLED_APPS = [
     "marketplace.jobs",
     "marketplace.billing",
     "marketplace.api",
+    "marketplace.web",
+    "marketplace.verification",
+    "marketplace.payouts",
 ]
 
 MIDDLEWARE = [
@@ -87,12 +90,18 @@ TEMPLATES = [
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "frontend" / "static"]
 STATIC_ROOT = DATA_DIR / "static"
+# The ASGI app serves /static/ itself (from the apps' and frontend's folders, no collectstatic
+# needed), so the dashboards work under uvicorn with DEBUG off; turn it off where a proxy or CDN
+# serves the collected files from STATIC_ROOT instead.
+SWARM_SERVE_STATIC = env_bool("SWARM_SERVE_STATIC", True)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 USE_TZ = True
 TIME_ZONE = "UTC"
 
 # Migrations live in the top-level migrations/ package.
-MIGRATION_MODULES = {app: f"migrations.{app}" for app in ("accounts", "nodes", "placement", "jobs", "billing")}
+MIGRATION_MODULES = {
+    app: f"migrations.{app}" for app in ("accounts", "nodes", "placement", "jobs", "billing", "verification", "payouts")
+}
 
 # --- database -----------------------------------------------------------------------------
 DATABASE_URL = env_str("DATABASE_URL", "")
@@ -156,6 +165,11 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_BEAT_SCHEDULE = {
     "sweep": {"task": "marketplace.placement.tasks.sweep", "schedule": 5.0},
+    "challenges": {"task": "marketplace.verification.tasks.send_challenges", "schedule": 10.0},
+    "trust": {"task": "marketplace.verification.tasks.review", "schedule": 60.0},
+    "earnings": {"task": "marketplace.payouts.tasks.release_earnings", "schedule": 300.0},
+    "payout-batches": {"task": "marketplace.payouts.tasks.build_batch", "schedule": 24 * 3600.0},
+    "payouts": {"task": "marketplace.payouts.tasks.send_payouts", "schedule": 300.0},
 }
 
 # --- REST API -----------------------------------------------------------------------------
@@ -188,6 +202,8 @@ SWARM_HEARTBEAT_TIMEOUT_S = env_float("SWARM_HEARTBEAT_TIMEOUT_S", 20.0, minimum
 # Run the periodic sweeps inside the web process (embedded default) instead of Celery beat.
 SWARM_EMBEDDED_SCHEDULER = env_bool("SWARM_EMBEDDED_SCHEDULER", not REDIS_URL)
 SWARM_SWEEP_INTERVAL_S = env_float("SWARM_SWEEP_INTERVAL_S", 2.0, minimum=0.1)
+# How often the embedded scheduler runs the trust work (challenges, strikes, reputation, earnings).
+SWARM_TRUST_INTERVAL_S = env_float("SWARM_TRUST_INTERVAL_S", 10.0, minimum=0.1)
 # Re-place a model automatically when nodes come and go.
 SWARM_AUTO_PLACE = env_bool("SWARM_AUTO_PLACE", True)
 # Nodes kept off the serving path with a warm block, per pipeline, when there are more nodes
@@ -217,6 +233,52 @@ SWARM_DEFAULT_PRICES = (
     env_int("SWARM_PRICE_COMPLETION_PER_MILLION", 200_000_000, minimum=0),  # $0.20 per million
 )
 SWARM_JOIN_TOKEN_TTL_S = env_int("SWARM_JOIN_TOKEN_TTL_S", 7 * 24 * 3600, minimum=60)
+
+# --- trust: challenges, audits, strikes, reputation ---------------------------------------------
+# Where challenge answers and audits are checked against the trusted float32 blocks: "inline" (the
+# process that received them; the embedded default) or "celery" (tasks on the queue "verify").
+SWARM_VERIFIER = env_str("SWARM_VERIFIER", "celery" if REDIS_URL else "inline")
+if SWARM_VERIFIER not in ("inline", "celery"):
+    raise ImproperlyConfigured("SWARM_VERIFIER must be 'inline' or 'celery'")
+# A token passes when its cosine similarity to the trusted output is at least this and the relative
+# difference of their norms is below SWARM_CHECK_MAX_REL_NORM.
+SWARM_CHECK_MIN_COSINE = env_float("SWARM_CHECK_MIN_COSINE", 0.99, minimum=0.0)
+SWARM_CHECK_MAX_REL_NORM = env_float("SWARM_CHECK_MAX_REL_NORM", 0.05, minimum=0.0)
+SWARM_CHALLENGE_TOKENS = env_int("SWARM_CHALLENGE_TOKENS", 8, minimum=1)
+SWARM_CHALLENGE_DEADLINE_S = env_float("SWARM_CHALLENGE_DEADLINE_S", 30.0, minimum=0.1)
+# The check-rate formula (README "Trust"): a node is checked often enough that cheating loses it more
+# than it gains. SAFETY is the factor k by which the expected loss must exceed the gain; HORIZON is the
+# days of future income an ejected node forfeits (scaled by its age and reputation).
+SWARM_CHECK_SAFETY = env_float("SWARM_CHECK_SAFETY", 2.0, minimum=1.0)
+SWARM_CHECK_HORIZON_DAYS = env_float("SWARM_CHECK_HORIZON_DAYS", 30.0, minimum=0.0)
+SWARM_CHALLENGES_MIN_PER_DAY = env_float("SWARM_CHALLENGES_MIN_PER_DAY", 24.0, minimum=0.0)
+SWARM_CHALLENGES_MAX_PER_DAY = env_float("SWARM_CHALLENGES_MAX_PER_DAY", 1440.0, minimum=0.0)
+SWARM_AUDIT_MIN_FRACTION = env_float("SWARM_AUDIT_MIN_FRACTION", 0.02, minimum=0.0)
+SWARM_AUDIT_NEW_NODE_FRACTION = env_float("SWARM_AUDIT_NEW_NODE_FRACTION", 0.25, minimum=0.0)
+SWARM_NEW_NODE_DAYS = env_float("SWARM_NEW_NODE_DAYS", 7.0, minimum=0.0)
+# Strikes: open ones withhold the node's pending pay; unreviewed ones are upheld after
+# SWARM_STRIKE_REVIEW_S; SWARM_STRIKES_TO_EJECT upheld strikes within SWARM_STRIKE_PERIOD_DAYS eject it.
+SWARM_STRIKE_REVIEW_S = env_float("SWARM_STRIKE_REVIEW_S", 24 * 3600.0, minimum=0.0)
+SWARM_STRIKES_TO_EJECT = env_int("SWARM_STRIKES_TO_EJECT", 3, minimum=1)
+SWARM_STRIKE_PERIOD_DAYS = env_float("SWARM_STRIKE_PERIOD_DAYS", 30.0, minimum=0.0)
+
+# --- payouts ------------------------------------------------------------------------------------
+# The platform keeps this share of each verified job's charge (basis points); the rest is split
+# across its stages in proportion to layers x tokens each processed.
+SWARM_PLATFORM_FEE_BPS = env_int("SWARM_PLATFORM_FEE_BPS", 2000, minimum=0)
+if SWARM_PLATFORM_FEE_BPS > 10_000:
+    raise ImproperlyConfigured("SWARM_PLATFORM_FEE_BPS must be at most 10000")
+# Earnings stay pending (and can be clawed back by an upheld strike) this long after their job.
+SWARM_CHALLENGE_WINDOW_S = env_float("SWARM_CHALLENGE_WINDOW_S", 24 * 3600.0, minimum=0.0)
+# A payout batch includes providers whose available earnings reach this (nano-dollars; $1).
+SWARM_PAYOUT_MINIMUM = env_int("SWARM_PAYOUT_MINIMUM", 1_000_000_000, minimum=1)
+SWARM_PAYOUT_BATCH_INTERVAL_S = env_float("SWARM_PAYOUT_BATCH_INTERVAL_S", 24 * 3600.0, minimum=1.0)
+SWARM_PAYOUT_MAX_ATTEMPTS = env_int("SWARM_PAYOUT_MAX_ATTEMPTS", 5, minimum=1)
+# Where Stripe sends a provider back after Connect onboarding (Account Links).
+STRIPE_CONNECT_RETURN_URL = env_str("STRIPE_CONNECT_RETURN_URL", "http://localhost:8000/provider/earnings?connect=done")
+STRIPE_CONNECT_REFRESH_URL = env_str(
+    "STRIPE_CONNECT_REFRESH_URL", "http://localhost:8000/provider/earnings?connect=refresh"
+)
 
 # --- stripe -------------------------------------------------------------------------------------
 # Customers top up credits through Stripe Checkout; credits arrive only with Stripe's signed webhook

@@ -18,4 +18,5 @@ urlpatterns = [
     path("", include("marketplace.billing.urls")),
     path("healthz", health, name="health"),
     path("", include("marketplace.accounts.urls")),
+    path("", include("marketplace.web.urls")),
 ]

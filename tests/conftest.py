@@ -21,3 +21,20 @@ def tiny_swarm():
     """Three agents serving the seeded random tiny-llama (6 layers), for fast protocol tests."""
     with LocalSwarm("tiny-llama", even_spans(6, 3), threads=1) as swarm:
         yield swarm
+
+
+def pytest_report_header(config) -> str | None:
+    """Say up front when the browser tests of the dashboards cannot run here."""
+    from tests.browser import missing_browser_reason
+
+    return missing_browser_reason()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Repeat it at the end, where nobody misses it: skipped web tests are untested dashboards."""
+    from tests.browser import missing_browser_reason
+
+    reason = missing_browser_reason()
+    if reason:
+        terminalreporter.write_sep("!", "WEB DASHBOARD TESTS SKIPPED", red=True, bold=True)
+        terminalreporter.write_line(reason, red=True, bold=True)

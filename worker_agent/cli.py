@@ -74,6 +74,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+    cheat = _cheat(args)
+    if cheat is not None:
+        from worker_agent.cheat import warning_banner
+
+        print(warning_banner(cheat), file=sys.stderr, flush=True)
     signing_key = _load_or_create_key(Path(args.key))
     trusted = [load_verify_key(key) for key in args.trust_key]
     start, end = args.layers
@@ -86,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         trusted_keys=trusted,
         insecure_open=args.insecure_open,
         limits=limits,
+        cheat=cheat,
     )
     server = StageServer(
         stage, wan=WanProfile.parse(args.wan), max_frame=args.max_frame_mb * 1024 * 1024, max_batch=args.max_batch
@@ -102,6 +108,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cheat(args: argparse.Namespace):
+    """The test-only cheat ``--cheat`` asks for; refused without SWARM_ALLOW_CHEAT=1."""
+    from worker_agent.cheat import cheat_from_option
+
+    return cheat_from_option(args.cheat)
+
+
 def _free_port(host: str) -> int:
     import socket
 
@@ -116,6 +129,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _set_threads(args.threads)
+    cheat = _cheat(args)  # the Agent announces it
     key_path = Path(args.key)
     signing_key = _load_or_create_key(key_path)
     state_path = key_path.with_name(key_path.name + ".join.json")
@@ -159,6 +173,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         wan=args.wan,
+        cheat=cheat,
     )
 
     async def main() -> None:
@@ -253,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-frame-mb", type=int, default=64)
     serve.add_argument("--wan", default="", help='emulated WAN on outgoing frames, e.g. "rtt=50ms"')
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # tests only: see worker_agent/cheat.py
     serve.set_defaults(func=cmd_serve)
 
     join = sub.add_parser("join", help="join a control plane and serve the blocks it assigns")
@@ -269,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--threads", type=int, default=None)
     join.add_argument("--wan", default="", help='emulated WAN on outgoing data-plane frames, e.g. "rtt=50ms"')
     join.add_argument("--log-level", default="info")
+    join.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # tests only: see worker_agent/cheat.py
     join.set_defaults(func=cmd_join)
 
     bench = sub.add_parser("bench", help="measure this block's throughput (layer-tokens/s)")

@@ -7,7 +7,32 @@ token), the hardware and a measured benchmark, and saves ``<key>.join.json`` so 
 restarted agent reconnects without a token. The control channel (a WebSocket) opens with a
 signed answer to the server's fresh nonce; over it the agent sends heartbeats with its load and
 receives assignments (model + layer span: it loads that block and serves it on its data-plane
-port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers).
+port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers), and
+seeded spot-challenges (``challenge.py``) of the block it serves.
+
+A challenge, from the control plane::
+
+    {"type": "challenge",
+     "challenge": 17,                # the control plane's id for it, echoed in the answer
+     "seed": 123456789,              # 0 <= seed < 2**63: the input is challenge_input(seed, ...)
+     "tokens": 8,                    # 1..MAX_CHALLENGE_TOKENS token rows (positions 0..tokens-1)
+     "model": "smollm2-135m",        # the block the challenge is for: the agent must be serving
+     "layer_start": 0, "layer_end": 10}  # exactly this model and span
+
+and the agent's answer (``answer_challenge``), computed on a worker thread so heartbeats and
+live traffic go on::
+
+    {"type": "challenge_result", "challenge": 17,
+     "output": "<base64>",           # encode_output: (tokens, hidden) float32 little-endian
+     "tokens": 8, "hidden_size": 576,
+     "elapsed_ms": 41.2}             # wall time of the block's run, milliseconds
+
+or, when the request is invalid or the agent is not serving exactly that block::
+
+    {"type": "challenge_result", "challenge": 17, "error": "<message>", "code": "<code>"}
+
+with code ``challenge_invalid`` (a malformed request), ``not_serving`` (no block loaded),
+``wrong_block`` (another model or span) or ``compute_failed``.
 """
 
 from __future__ import annotations
@@ -21,14 +46,20 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import websockets
 from websockets.asyncio.client import connect
 
 from worker_agent import __version__, wire
+from worker_agent.challenge import check_challenge, encode_output, run_challenge
+from worker_agent.cheat import Cheat, warning_banner
 from worker_agent.errors import SwarmError
 from worker_agent.keys import node_id, public_key_bytes
+
+if TYPE_CHECKING:
+    from worker_agent.stage import Stage
 
 log = logging.getLogger("swarm.agent")
 
@@ -163,16 +194,23 @@ class Agent:
         dtype: str = "float32",
         device: str = "cpu",
         wan: str = "",
+        cheat: Cheat | None = None,
     ) -> None:
         self.signing_key = signing_key
         self.state = state
         self.host, self.port, self.advertise_url = host, port, advertise_url
         self.dtype, self.device, self.wan = dtype, device, wan
+        self.cheat = cheat  # tests only: wrong results on purpose, on live traffic and challenges
         self.trusted_key: bytes | None = None
         self.serving = None  # (assignment id, Stage, stop future, serve task)
         self.draining = False
         self.stopped = asyncio.Event()
         self._lock = asyncio.Lock()
+        # One challenge at a time: each competes with live traffic for the same CPU or GPU.
+        self._challenge_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        if cheat is not None:
+            log.warning("\n%s", warning_banner(cheat))
 
     async def run(self) -> None:
         """Stay connected (reconnecting with backoff) until told to stop."""
@@ -260,6 +298,10 @@ class Agent:
             case "probe":
                 results = await self._probe(message.get("targets", []))
                 await ws.send(json.dumps({"type": "probe_result", "results": results}))
+            case "challenge":
+                task = asyncio.create_task(self._challenge(ws, message))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
             case "error":
                 log.warning("control plane says: %s (%s)", message.get("message"), message.get("code"))
 
@@ -290,6 +332,7 @@ class Agent:
                 model=models.model_name(model),
                 signing_key=self.signing_key,
                 trusted_keys=[self.trusted_key] if self.trusted_key else [],
+                cheat=self.cheat,
             )
             server = StageServer(stage, wan=WanProfile.parse(self.wan))
             stop = asyncio.get_running_loop().create_future()
@@ -310,6 +353,18 @@ class Agent:
             self.serving = (assignment, stage, stop, task)
             await ws.send(json.dumps({"type": "ready", "assignment": assignment, "url": self.advertise_url}))
             log.info("serving %s layers %d:%d at %s", model, start, end, self.advertise_url)
+
+    async def _challenge(self, ws, message: dict) -> None:
+        async with self._challenge_lock:
+            stage = self.serving[1] if self.serving is not None else None
+            reply = await asyncio.to_thread(answer_challenge, stage, message, self.cheat)
+        if "error" in reply:
+            log.warning("challenge %s refused: %s (%s)", reply["challenge"], reply["error"], reply["code"])
+        else:
+            log.info("challenge %s answered in %.1f ms", reply["challenge"], reply["elapsed_ms"])
+        # The channel may have dropped meanwhile; the control plane then counts it unanswered.
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await ws.send(json.dumps(reply))
 
     async def _stop_serving(self) -> None:
         if self.serving is None:
@@ -337,6 +392,57 @@ class Agent:
             results.append({"target": target["target"][:64], **measured})
         log.info("probed %d of %d targets", len(results), len(targets))
         return results
+
+
+def answer_challenge(stage: Stage | None, message: dict, cheat: Cheat | None = None) -> dict:
+    """The ``challenge_result`` for a ``challenge`` message, given the Stage being served (or
+    None). Blocking: runs the block, so call it off the event loop."""
+    challenge = message.get("challenge")
+
+    def refuse(error: str, code: str) -> dict:
+        return {"type": "challenge_result", "challenge": challenge, "error": error, "code": code}
+
+    if isinstance(challenge, bool) or not isinstance(challenge, int):
+        return refuse(f"challenge id must be an integer, got {challenge!r}", "challenge_invalid")
+    model, start, end = message.get("model"), message.get("layer_start"), message.get("layer_end")
+    if not isinstance(model, str) or not all(
+        isinstance(value, int) and not isinstance(value, bool) for value in (start, end)
+    ):
+        return refuse(
+            f"a challenge names a model (string) and a layer span (integers), got "
+            f"model={model!r} layer_start={start!r} layer_end={end!r}",
+            "challenge_invalid",
+        )
+    seed, tokens = message.get("seed"), message.get("tokens")
+    try:
+        check_challenge(seed, tokens)
+    except SwarmError as exc:
+        return refuse(str(exc), exc.code)
+    if stage is None:
+        return refuse(
+            f"this agent serves no block, so it cannot answer for {model} layers {start}:{end}", "not_serving"
+        )
+    if (stage.model, stage.layer_start, stage.layer_end) != (model, start, end):
+        return refuse(
+            f"this agent serves {stage.model} layers {stage.layer_start}:{stage.layer_end}, "
+            f"not {model} layers {start}:{end}",
+            "wrong_block",
+        )
+    started = time.perf_counter()
+    try:
+        output = run_challenge(stage.block, seed, tokens, cheat=cheat)  # (tokens, hidden)
+    except Exception as exc:
+        log.exception("challenge %s failed", challenge)
+        return refuse(f"the block failed on this challenge: {exc}", "compute_failed")
+    elapsed_ms = 1000 * (time.perf_counter() - started)
+    return {
+        "type": "challenge_result",
+        "challenge": challenge,
+        "output": encode_output(output),
+        "tokens": tokens,
+        "hidden_size": int(output.shape[1]),
+        "elapsed_ms": round(elapsed_ms, 3),
+    }
 
 
 def probe_http(url: str, timeout: float = 10.0, tries: int = 3) -> dict:

@@ -9,9 +9,12 @@ carries a stable machine-readable ``code`` (sent in ERROR frames) next to its hu
     ├── SessionError    an unknown, evicted or over-limit session
     ├── TicketError     a job ticket is missing, forged, untrusted, expired or for someone else
     ├── ReceiptError    a receipt or a job's set of receipts fails verification
-    └── StageError      a stage answered with an ERROR frame, or did not answer in time
+    ├── StageError      a stage answered with an ERROR frame, or did not answer in time
+    ├── AuditError      live-audit material is malformed, or a stage's traffic fails its audit
+    └── ChallengeError  a spot-challenge is invalid, or its answer is malformed
+        └── ChallengeFailed  a well-formed answer disagrees with the trusted recompute
 
-Trust code (tickets, receipts) fails closed: it raises, it never returns False.
+Trust code (tickets, receipts, challenges) fails closed: it raises, it never returns False.
 """
 
 from __future__ import annotations
@@ -54,3 +57,23 @@ class ReceiptError(SwarmError):
 
 class StageError(SwarmError):
     code = "stage"
+
+
+class AuditError(SwarmError):
+    code = "audit_malformed"
+
+
+class ChallengeError(SwarmError):
+    """``challenge_invalid`` (a bad request) or ``challenge_malformed`` (a bad answer)."""
+
+    code = "challenge_invalid"
+
+
+class ChallengeFailed(ChallengeError):
+    """The node's answer disagrees with the trusted recompute; ``comparison`` says by how much."""
+
+    code = "challenge_failed"
+
+    def __init__(self, message: str, *, comparison) -> None:
+        super().__init__(message)
+        self.comparison = comparison

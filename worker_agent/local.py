@@ -189,8 +189,11 @@ def join_agent(
     model: str,
     max_layers: int | None = None,
     threads: int = 1,
+    dtype: str = "float32",
+    cheat: str | None = None,
 ) -> subprocess.Popen:
-    """Start ``swarm-worker join`` as a process that logs to ``log_path``."""
+    """Start ``swarm-worker join`` as a process that logs to ``log_path``. ``cheat`` (tests
+    only) is a mode of ``worker_agent.cheat`` that the agent then runs with."""
     command = [
         sys.executable,
         "-m",
@@ -206,11 +209,17 @@ def join_agent(
         model,
         "--threads",
         str(threads),
+        "--dtype",
+        dtype,
     ]
     if max_layers is not None:
         command += ["--max-layers", str(max_layers)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if cheat is not None:
+        command += ["--cheat", cheat]
+        env["SWARM_ALLOW_CHEAT"] = "1"  # cheat.ALLOW_ENV, named here to keep torch out of this import
     log = open(log_path, "w")  # noqa: SIM115 - the child process owns it
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def stop_processes(processes: list[subprocess.Popen], timeout_s: float = 15.0) -> None:

@@ -6,6 +6,11 @@ everything that has arrived since its last pass and runs it as one batch (contin
 of concurrent sessions), then sends each output on: to the successor stage (ring), or back to
 the coordinator (the last ring stage, or every stage in star topology).
 
+A ring stage that is not the last also sends each output it forwarded to its coordinator, as a
+RESULT with the same bytes (a tap), right after the successor send so the critical path is not
+delayed. Every session is tapped, so a stage cannot tell which sessions the coordinator keeps for
+a live audit (``audit.py``); in star topology the coordinator sees every output anyway.
+
 Bad frames are answered with an ERROR frame (code, message, ref = the frame's seq) and the
 connection stays open; only a failed HELLO closes it.
 """
@@ -262,8 +267,9 @@ class StageServer:
         if route is None:  # the coordinator left while this was computing
             return
         frame_args = dict(job=job, items=output.items, dtype=output.dtype, shape=output.shape, payload=output.payload)
+        tap = route.topology == "ring" and bool(route.next_url)
         try:
-            if route.topology == "ring" and route.next_url:
+            if tap:
                 peer = await self._peer(job, route)
                 await peer.send(wire.Forward(**frame_args))
             else:
@@ -275,6 +281,11 @@ class StageServer:
                 else SwarmError(f"cannot reach the next stage {route.next_url}: {exc}", code="next_unreachable")
             )
             await self._error(route.coordinator, error, ref=None, job=job)
+            return
+        if tap:
+            # A coordinator that went away is _end_job's business, not an error to report.
+            with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
+                await route.coordinator.send(wire.Result(**frame_args))
 
     async def _peer(self, job: str, route: JobRoute) -> Conn:
         """The connection to this job's ring successor, opened on first use."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from worker_agent.kvcache import KVSession, SessionLimits, SessionStore
 from worker_agent.receipts import ReceiptBuilder, digest
 from worker_agent.tickets import verify_ticket
 from worker_agent.wire import Forward, Hello, Item, tensor_payload
+
+if TYPE_CHECKING:
+    from worker_agent.cheat import Cheat
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Stage:
         trusted_keys: Collection[bytes] = (),
         insecure_open: bool = False,
         limits: SessionLimits | None = None,
+        cheat: Cheat | None = None,
     ) -> None:
         self.block = block
         self.model = model
@@ -68,6 +73,7 @@ class Stage:
         self.node = node_id(self.node_key)
         self.trusted_keys = frozenset(trusted_keys)
         self.insecure_open = insecure_open
+        self.cheat = cheat  # tests only: makes this stage misbehave on purpose (cheat.py)
         self.store = SessionStore(limits or SessionLimits())
         self._sessions: dict[tuple[str, str], _StageSession] = {}
         self.started = time.time()
@@ -162,7 +168,8 @@ class Stage:
         """Run the block over every item of every prepared frame at once (worker thread)."""
         flat = [work for prepared in batch for work in prepared.work]
         started = time.perf_counter()
-        outputs = self.block.forward(flat)
+        cheat = self.cheat
+        outputs = self.block.forward(flat) if cheat is None else cheat.forward(self.block, flat, live=True)
         self.compute_seconds += time.perf_counter() - started
         grouped, index = [], 0
         for prepared in batch:

@@ -11,7 +11,8 @@ Frame types (``MsgType``) and their replies:
             A stage also says HELLO to its ring successor (role ``peer``) with that stage's ticket.
 - OPEN      open sessions (KV caches) for the job; answered with OPEN.
 - FORWARD   hidden states of one or many tokens of one or many sessions.
-- RESULT    the last stage's output, back to the coordinator.
+- RESULT    a stage's output, to the coordinator: the last stage's (the step's answer) and, in
+            ring topology, every other stage's too (a tap, so live audits can replay any stage).
 - CLOSE     close sessions; answered with CLOSE carrying the stage's signed receipts.
 - PING/PONG liveness and the stage's identity and load.
 - ERROR     code + message, referring to the frame (``ref``) that caused it.

@@ -2,6 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from marketplace.accounts import views
+from marketplace.web.views import home
 
 app_name = "accounts"
 
@@ -9,5 +10,6 @@ urlpatterns = [
     path("signup/", views.sign_up, name="signup"),
     path("login/", auth_views.LoginView.as_view(template_name="accounts/login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("", views.home, name="home"),
+    # The dashboard home (per-role overview) lives with the dashboards; sign-in lands on it.
+    path("", home, name="home"),
 ]

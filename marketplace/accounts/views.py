@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from django.contrib.auth import login
-from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods
@@ -25,8 +24,3 @@ def sign_up(request: HttpRequest) -> HttpResponse:
         login(request, user, backend="django.contrib.auth.backends.ModelBackend")
         return redirect("accounts:home")
     return render(request, "accounts/signup.html", {"form": form}, status=400 if form.errors else 200)
-
-
-@login_required
-def home(request: HttpRequest) -> HttpResponse:
-    return render(request, "accounts/home.html", {"user": request.user})

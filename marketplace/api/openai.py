@@ -29,6 +29,7 @@ from marketplace.billing.services import prices_for
 from marketplace.db import release_connections
 from marketplace.jobs import runner, services
 from marketplace.jobs.errors import ApiError, InvalidRequest, JobFailed, ModelNotFound, RateLimited
+from marketplace.jobs.models import ApiKey
 from marketplace.placement.selectors import servable_pipelines
 from worker_agent import model as models
 
@@ -229,7 +230,18 @@ async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
         return _error(InvalidRequest("Use POST.", code="method_not_allowed"), request_id)
     try:
         api_key = await sync_to_async(services.authenticate_key)(request.headers.get("Authorization"))
-        model, params = _params(_json_body(request), kind)
+        body = _json_body(request)
+    except ApiError as exc:
+        return _error(exc, request_id)
+    return await complete_for_key(api_key, body, kind, request_id)
+
+
+async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: str) -> HttpResponse:
+    """Validate a request ``body``, rate limit and admit it as a job of ``api_key``, and answer it
+    in OpenAI's shapes (SSE when streamed). The public API calls it with the bearer key; the
+    dashboard's playground with the signed-in customer's playground key."""
+    try:
+        model, params = _params(body, kind)
         prompt_tokens = await sync_to_async(count_prompt_tokens)(model, kind, params)
         headers = await sync_to_async(ratelimit.check)(api_key, prompt_tokens + params["max_tokens"])
         job = await sync_to_async(services.admit_job)(
@@ -250,13 +262,13 @@ async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
         response["Cache-Control"] = "no-cache"
     else:
         try:
-            body = await reply.whole()
+            answer = await reply.whole()
         except ApiError as exc:
             return _error(exc, request_id)
         except asyncio.CancelledError:  # the client went away before the whole response
             await asyncio.shield(sync_to_async(services.request_cancel)(job.pk))
             raise
-        response = JsonResponse(body)
+        response = JsonResponse(answer)
     response["x-request-id"] = request_id
     for name, value in headers.items():
         response[name] = value

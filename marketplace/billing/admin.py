@@ -1,5 +1,6 @@
 from django.contrib import admin
 
+from marketplace.admin_actions import ReadOnlyAdmin
 from marketplace.billing.models import LedgerAccount, ModelPrice, Transfer
 
 
@@ -13,18 +14,9 @@ class ModelPriceAdmin(admin.ModelAdmin):
 
 
 @admin.register(LedgerAccount)
-class LedgerAccountAdmin(admin.ModelAdmin):
+class LedgerAccountAdmin(ReadOnlyAdmin):
     list_display = ("kind", "owner", "balance")
     list_filter = ("kind",)
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(Transfer)

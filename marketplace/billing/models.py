@@ -22,6 +22,7 @@ class AccountKind(models.TextChoices):
     PROVIDER_AVAILABLE = "provider_available", "provider available"  # earned, payable
     PLATFORM_REVENUE = "platform_revenue", "platform revenue"
     STRIPE_CLEARING = "stripe_clearing", "Stripe clearing"  # money on its way in from Stripe
+    PROVIDER_PAYOUT = "provider_payout", "provider payout"  # earned, in a payout batch being sent
     PAYOUTS = "payouts", "payouts"  # money sent out to providers
     GRANTS = "grants", "grants"  # credits given by the platform (trials, the demo)
     CUSTOMER_FROZEN = "customer_frozen", "customer frozen"  # paid-in credit held while a payment is disputed

@@ -3,7 +3,8 @@
 A job's hold is price x (prompt tokens + max tokens), moved from the customer's credit to their
 hold account before any agent is touched; at the end it settles exactly once: the charge for the
 tokens delivered goes to platform revenue and the rest returns to credit. A job that delivered
-no tokens is charged nothing.
+no tokens is charged nothing. In the same transaction a verified job's stages are credited their
+share of the charge (``payouts.services.credit_earnings``).
 """
 
 from __future__ import annotations
@@ -126,4 +127,7 @@ def settle(job_pk: int) -> int:
     job.charged_amount = charge
     job.settled_at = timezone.now()
     job.save(update_fields=["charged_amount", "settled_at"])
+    from marketplace.payouts.services import credit_earnings
+
+    credit_earnings(job)  # in this transaction: the charge and the providers' shares land together
     return charge

@@ -66,6 +66,10 @@ class Job(models.Model):
     settled_at = models.DateTimeField(null=True, blank=True)
 
     receipts = models.JSONField(default=list)  # the stages' signed receipts (JSON form)
+    # The coordinator's own record of each session: sha256 (hex) of the bytes it sent to the first
+    # stage and received from the last, per step: [{session, sent: [...], received: [...]}].
+    transcripts = models.JSONField(default=list)
+    audit_stages = models.JSONField(default=list)  # pipeline positions whose sessions are audited (secret)
     verified = models.BooleanField(null=True)  # None until the job ended with receipts
     verification_error = models.TextField(blank=True)
 

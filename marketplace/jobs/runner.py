@@ -70,7 +70,7 @@ async def _run(job_pk: int) -> str:
     sent_tokens = 0
     try:
         async with asyncio.timeout(settings.SWARM_JOB_TIMEOUT_S):
-            result, sent_tokens, cancelled = await _generate(job, layer, group)
+            result, sent_tokens, cancelled, transcripts = await _generate(job, layer, group)
     except TimeoutError:
         await _fail(job_pk, layer, group, "timeout", f"the job ran past {settings.SWARM_JOB_TIMEOUT_S:g}s", sent_tokens)
         return JobState.FAILED
@@ -89,6 +89,10 @@ async def _run(job_pk: int) -> str:
         )
         return JobState.CANCELLED
     decode = result.token_times[-1] - result.token_times[0] if len(result.token_times) > 1 else 0.0
+    result_transcripts = [
+        {"session": session, "sent": [h.hex() for h in t.sent], "received": [h.hex() for h in t.received]}
+        for session, t in transcripts.items()
+    ]
     await in_thread(
         services.finish_job,
         job_pk,
@@ -98,9 +102,14 @@ async def _run(job_pk: int) -> str:
         ttft_ms=1000 * result.ttft if result.ttft is not None else None,
         tokens_per_s=(len(result.token_times) - 1) / decode if decode > 0 else None,
         receipts=[r.to_json_dict() for r in result.receipts],
+        transcripts=result_transcripts,
         verified=result.verification is not None,
         verification_error=result.verification_error,
     )
+    if result.audits:
+        from marketplace.verification.services import record_audits
+
+        await in_thread(record_audits, job_pk, result.audits)
     await layer.group_send(
         group,
         {
@@ -113,7 +122,9 @@ async def _run(job_pk: int) -> str:
     return JobState.SUCCEEDED
 
 
-async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | None, int, bool]:
+async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | None, int, bool, dict]:
+    """Stream the job's tokens to its group; returns (result, tokens sent, cancelled, the
+    coordinator's transcripts by session)."""
     specs, assignments = [], []
     for stage in job.route:
         ticket = await in_thread(
@@ -134,7 +145,14 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
     )
     sent = 0
     last_progress = time.monotonic()
-    async with Coordinator(job.model, specs, job=job.public_id, topology="ring", assignments=assignments) as coord:
+    async with Coordinator(
+        job.model,
+        specs,
+        job=job.public_id,
+        topology="ring",
+        assignments=assignments,
+        audit_stages=tuple(job.audit_stages),
+    ) as coord:
         prompt = params["messages"] if job.kind == "chat" else params["prompt"]
         request = coord.request(
             prompt,
@@ -147,7 +165,7 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
         try:
             async for event in stream:
                 if isinstance(event, GenerationResult):
-                    return event, sent, False
+                    return event, sent, False, dict(coord.pipeline.transcripts)
                 if event.token_id is not None:
                     sent += 1
                 now = time.monotonic()
@@ -156,7 +174,7 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
                     await in_thread(services.record_progress, job.pk, sent)
                 await layer.group_send(group, {"type": "job.token", "text": event.text, "token_id": event.token_id})
                 if await in_thread(services.cancel_requested, job.pk):
-                    return None, sent, True
+                    return None, sent, True, {}
         finally:
             await stream.aclose()  # closes the sessions on the stages when stopped early
     raise SwarmError("the coordinator ended without a result", code="no_result")

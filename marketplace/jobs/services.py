@@ -17,6 +17,7 @@ from django.utils import timezone
 from marketplace.jobs.errors import AuthenticationFailed, InvalidRequest, NoCapacity
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.placement.selectors import route_request
+from marketplace.verification.services import choose_audit_stages
 
 KEY_PREFIX = "sk-sw-"
 CANCEL_KEY = "job-cancel:{}"
@@ -72,6 +73,16 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: dict, prompt_to
         raise NoCapacity(f"No capacity for model {model!r} right now: no complete pipeline is ready.")
     region, stages, _ = chosen
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    route = [
+        {
+            "node": s.node,
+            "node_key": s.node_key,
+            "url": s.data_url,
+            "layer_start": s.layer_start,
+            "layer_end": s.layer_end,
+        }
+        for s in stages
+    ]
     job = Job.objects.create(
         public_id=f"{prefix}-{uuid.uuid4().hex}",
         kind=kind,
@@ -81,16 +92,8 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: dict, prompt_to
         params=params,
         prompt_tokens=prompt_tokens,
         coordinator_region=region,
-        route=[
-            {
-                "node": s.node,
-                "node_key": s.node_key,
-                "url": s.data_url,
-                "layer_start": s.layer_start,
-                "layer_end": s.layer_end,
-            }
-            for s in stages
-        ],
+        route=route,
+        audit_stages=choose_audit_stages(route),
     )
     from marketplace.billing.services import place_hold
 
@@ -113,6 +116,7 @@ def finish_job(
     ttft_ms=None,
     tokens_per_s=None,
     receipts=None,
+    transcripts=None,
     verified=None,
     verification_error: str = "",
     error_code: str = "",
@@ -130,6 +134,7 @@ def finish_job(
             ttft_ms=ttft_ms,
             tokens_per_s=tokens_per_s,
             receipts=receipts or [],
+            transcripts=transcripts or [],
             verified=verified,
             verification_error=verification_error[:2000],
             error_code=error_code,

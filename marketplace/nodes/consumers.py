@@ -3,8 +3,8 @@
 Handshake: the server sends a fresh random nonce; the agent answers with its node id and an
 ed25519 signature over ``swarm-control-v1\\0 || nonce || node id``. A forged signature, an unknown
 node or a replayed answer (signed over another connection's nonce) closes the channel with code
-4401. Then: heartbeats (with load) from the agent; assignments, drain, stop and probe requests
-from the control plane; ready / failed / probe results from the agent.
+4401. Then: heartbeats (with load) from the agent; assignments, drain, stop, probe and challenge
+requests from the control plane; ready / failed / probe and challenge results from the agent.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from marketplace.nodes.errors import NodeError
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement
 from marketplace.placement.selectors import assignments_of_node
+from marketplace.verification import services as verification
+from marketplace.verification.errors import VerificationError
 
 log = logging.getLogger("swarm.control")
 
@@ -107,6 +109,11 @@ class AgentControlConsumer(AsyncJsonWebsocketConsumer):
                 )
             case "probe_result":
                 await database_sync_to_async(services.record_links)(self.node_pk, content.get("results"))
+            case "challenge_result":
+                try:
+                    await database_sync_to_async(verification.record_challenge_answer)(self.node_pk, content)
+                except VerificationError as exc:
+                    await self.send_json({"type": "error", "code": exc.code, "message": str(exc)})
             case _:
                 await self.send_json({"type": "error", "code": "unknown_type", "message": f"unknown type {kind!r}"})
 

@@ -39,7 +39,15 @@ class Node(models.Model):
     data_url = models.CharField(max_length=255, blank=True)  # ws://host:port of its data plane
     agent_version = models.CharField(max_length=32, blank=True)
 
-    reputation = models.FloatField(default=1.0)
+    reputation = models.FloatField(default=1.0)  # 0..1, see marketplace.verification.reputation
+    reputation_detail = models.JSONField(default=dict)  # its components and their explanation
+    # How often it is spot-checked (marketplace.verification.rates), refreshed with its reputation;
+    # None until first computed (a new node's defaults apply).
+    audit_fraction = models.FloatField(null=True, blank=True)
+    challenges_per_day = models.FloatField(null=True, blank=True)
+    online_s = models.FloatField(default=0.0)  # seconds heartbeating since it joined (uptime's numerator)
+    ejected_at = models.DateTimeField(null=True, blank=True)
+    ejection_reason = models.TextField(blank=True)
     connected = models.BooleanField(default=False)
     connected_since = models.DateTimeField(null=True, blank=True)  # when the current control channel opened
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)

@@ -16,6 +16,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import F
 from django.utils import timezone
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
@@ -27,6 +28,7 @@ from marketplace.nodes.errors import (
     KeyAlreadyRegistered,
     NodeNotAllowed,
 )
+from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from worker_agent.control import CONTROL_CONTEXT, JOIN_CONTEXT
 from worker_agent.keys import node_id as node_id_of
@@ -162,6 +164,7 @@ def register_agent(
             node.save()
     except IntegrityError as exc:
         raise KeyAlreadyRegistered("this key is already registered to another node") from exc
+    notify_node_changed(node.pk)
     return node
 
 
@@ -184,13 +187,15 @@ def node_connected(node_pk: int) -> Node:
     Node.objects.filter(pk=node_pk, state__in=[NodeState.PENDING, NodeState.OFFLINE]).update(state=NodeState.ACTIVE)
     node = Node.objects.get(pk=node_pk)
     _placement_changed()
+    notify_node_changed(node_pk)
     return node
 
 
 def node_disconnected(node_pk: int, connected_at) -> None:
     """A channel opened at ``connected_at`` closed; the node stays as it is until its heartbeats
     time out. A newer channel (the agent reconnected first) keeps the node connected."""
-    Node.objects.filter(pk=node_pk, connected_since__lte=connected_at).update(connected=False)
+    if Node.objects.filter(pk=node_pk, connected_since__lte=connected_at).update(connected=False):
+        notify_node_changed(node_pk)
 
 
 @transaction.atomic
@@ -205,10 +210,15 @@ def record_heartbeat(node_pk: int, load: dict) -> None:
         if key in load:
             clean[key] = str(load[key])[:64]
     now = timezone.now()
+    node = Node.objects.only("compute_layer_tokens_per_s", "last_heartbeat_at").get(pk=node_pk)
     updates = {"last_heartbeat_at": now, "load": clean, "connected": True}
+    if node.last_heartbeat_at is not None:
+        # Uptime: the time since the previous heartbeat counts as online, up to two intervals
+        # (a longer gap means the node was away for the rest of it).
+        gap = (now - node.last_heartbeat_at).total_seconds()
+        updates["online_s"] = F("online_s") + max(0.0, min(gap, 2 * settings.SWARM_HEARTBEAT_INTERVAL_S))
     if clean.get("layer_ms"):
         # The measured speed under real traffic replaces the join-time benchmark, smoothed.
-        node = Node.objects.only("compute_layer_tokens_per_s").get(pk=node_pk)
         measured = 1000.0 / clean["layer_ms"]
         updates["compute_layer_tokens_per_s"] = SPEED_SMOOTHING * measured + (1 - SPEED_SMOOTHING) * (
             node.compute_layer_tokens_per_s or measured
@@ -216,6 +226,7 @@ def record_heartbeat(node_pk: int, load: dict) -> None:
     Node.objects.filter(pk=node_pk).update(**updates)
     if Node.objects.filter(pk=node_pk, state=NodeState.OFFLINE).update(state=NodeState.ACTIVE):
         _placement_changed()
+    notify_node_changed(node_pk)
 
 
 def sweep_heartbeats(now=None) -> list[str]:
@@ -237,6 +248,7 @@ def sweep_heartbeats(now=None) -> list[str]:
                 from marketplace.placement.services import release_node
 
                 release_node(pk)
+                notify_node_changed(pk)
                 gone.append(node_id)
                 log.info("node %s went offline (no heartbeat since %s)", node_id, cutoff.isoformat())
     if gone:
@@ -252,6 +264,44 @@ def drain_node(node: Node) -> Node:
         if node.node_id:
             push(node.node_id, {"type": "drain"})
         _placement_changed()
+        notify_node_changed(node.pk)
+    node.refresh_from_db()
+    return node
+
+
+@transaction.atomic
+def eject_node(node: Node, *, reason: str, by=None) -> Node:
+    """Remove a node from the swarm (upheld strikes past the threshold, or an admin): its blocks are
+    released, its agent is told to stop, and it cannot come back by itself."""
+    if by is not None and not by.is_staff:
+        raise NodeNotAllowed("only admins eject nodes")
+    if (
+        Node.objects.filter(pk=node.pk)
+        .exclude(state=NodeState.EJECTED)
+        .update(state=NodeState.EJECTED, ejected_at=timezone.now(), ejection_reason=reason[:2000], connected=False)
+    ):
+        from marketplace.placement.services import release_node
+
+        release_node(node.pk)
+        if node.node_id:
+            push(node.node_id, {"type": "stop", "reason": f"ejected: {reason}"})
+        log.warning("node %s ejected: %s", node.node_id, reason)
+        _placement_changed()
+        notify_node_changed(node.pk)
+    node.refresh_from_db()
+    return node
+
+
+@transaction.atomic
+def reinstate_node(node: Node, *, by) -> Node:
+    """An admin lets an ejected node back: it rejoins as offline and becomes active when its agent
+    reconnects (restarted by its owner)."""
+    if by is None or not by.is_staff:
+        raise NodeNotAllowed("only admins reinstate nodes")
+    if Node.objects.filter(pk=node.pk, state=NodeState.EJECTED).update(
+        state=NodeState.OFFLINE, ejected_at=None, ejection_reason=""
+    ):
+        notify_node_changed(node.pk)
     node.refresh_from_db()
     return node
 
@@ -263,6 +313,7 @@ def delete_node(node: Node) -> None:
     from marketplace.placement.services import release_node
 
     release_node(node.pk)
+    notify_node_changed(node.pk)
     node.delete()
     _placement_changed()
 

@@ -14,6 +14,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import push
 from marketplace.placement.allocation import NodeCapacity, Stage, needs_rebalance, per_layer_load, place, spans_for
@@ -44,9 +45,12 @@ def mark_dirty(model: str | None = None) -> None:
 @transaction.atomic
 def release_node(node_pk: int) -> int:
     now = timezone.now()
-    return Assignment.objects.filter(node_id=node_pk, state__in=LIVE_STATES).update(
+    released = Assignment.objects.filter(node_id=node_pk, state__in=LIVE_STATES).update(
         state=AssignmentState.RELEASED, released_at=now
     )
+    if released:
+        notify_node_changed(node_pk)
+    return released
 
 
 def place_dirty_models() -> list[str]:
@@ -123,6 +127,7 @@ def place_model(model: str) -> list[Assignment]:
         assignment.state = AssignmentState.RELEASED
         assignment.released_at = now
         assignment.save(update_fields=["state", "released_at"])
+        notify_node_changed(assignment.node_id)
         if target is None:
             push(node_id, {"type": "release", "assignment": assignment.pk, "model": model})
     kept = {a.node.node_id for a in result}
@@ -140,6 +145,7 @@ def place_model(model: str) -> list[Assignment]:
             is_spare=spare,
         )
         push(node_id, assignment.as_message())
+        notify_node_changed(assignment.node_id)
         result.append(assignment)
     log.info(
         "placed %s (generation %d): %s",
@@ -225,6 +231,7 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
         state=AssignmentState.READY, ready_at=timezone.now(), data_url=data_url[:255]
     )
     if updated:
+        notify_node_changed(node_pk)
         model = Assignment.objects.get(pk=assignment_pk).model
         live = Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
         if all(a.state == AssignmentState.READY for a in live):
@@ -238,5 +245,6 @@ def assignment_failed(node_pk: int, assignment_pk: int, error: str) -> bool:
         state=AssignmentState.FAILED, error=error[:2000], released_at=timezone.now()
     )
     if updated:
+        notify_node_changed(node_pk)
         mark_dirty(Assignment.objects.get(pk=assignment_pk).model)
     return bool(updated)

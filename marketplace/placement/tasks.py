@@ -20,6 +20,27 @@ def run_periodic() -> dict:
     return {"offline": offline, "rebalanced": rebalanced, "placed": placed, "reconciled": reconciled}
 
 
+def run_trust_periodic() -> dict:
+    """The embedded stand-in for the trust schedules of Celery beat: send due challenges, expire
+    unanswered ones, uphold unreviewed strikes, refresh reputations, release earnings whose window
+    passed, build the day's payout batch, send approved payouts."""
+    from marketplace.payouts import services as payouts
+    from marketplace.verification import services as verification
+
+    challenged = verification.send_due_challenges()
+    reviewed = verification.review()
+    released = payouts.release_earnings()
+    batch = payouts.build_batch_if_due()
+    sent = payouts.send_payouts()
+    return {
+        "challenged": challenged,
+        "reviewed": reviewed,
+        "released": released,
+        "batch": batch.pk if batch else None,
+        "payouts": sent,
+    }
+
+
 @shared_task(name="marketplace.placement.tasks.sweep")
 def sweep() -> dict:
     return run_periodic()

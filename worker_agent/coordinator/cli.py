@@ -6,6 +6,10 @@
 
 With ``--ticket-key`` the coordinator acts as its own ticket issuer (the agents must trust that
 key's public half); without it the agents must run with ``--insecure-open``.
+
+``--audit-stage N`` (repeatable) keeps stage N's traffic of every session and, after the run,
+replays it through a trusted copy of that stage's layers loaded here; with ``--json`` each
+result's ``audits`` entries carry the verdict and the per-token report (``audit.py``).
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ import json
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import websockets
 from websockets.asyncio.client import connect
 
 from worker_agent import wire
 from worker_agent.errors import StageError, SwarmError
+
+if TYPE_CHECKING:
+    from worker_agent.coordinator.job import GenerationResult
 
 
 async def probe_stage(url: str, timeout: float = 10.0) -> dict:
@@ -70,7 +78,12 @@ async def run_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt * args.concurrency
     started = time.monotonic()
     async with Coordinator(
-        args.model, specs, job=job, topology=args.topology, wan=WanProfile.parse(args.wan)
+        args.model,
+        specs,
+        job=job,
+        topology=args.topology,
+        wan=WanProfile.parse(args.wan),
+        audit_stages=args.audit_stage,
     ) as coordinator:
         requests = [
             coordinator.request(p, chat=args.chat, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
@@ -90,15 +103,17 @@ async def run_generate(args: argparse.Namespace) -> int:
 
         results = await asyncio.gather(*(run(r) for r in requests))
     wall = time.monotonic() - started
+    audits = audit_results(args.model, results)
     if args.json:
+        reports = []
+        for result, audited in zip(results, audits, strict=True):
+            report = result.to_json()
+            for entry, (verdict, replayed) in zip(report["audits"], audited, strict=True):
+                entry.update(verdict=verdict, replay=replayed)
+            reports.append(report)
         print(
             json.dumps(
-                {
-                    "job": job,
-                    "topology": args.topology,
-                    "wall_s": round(wall, 4),
-                    "results": [r.to_json() for r in results],
-                },
+                {"job": job, "topology": args.topology, "wall_s": round(wall, 4), "results": reports},
                 indent=2,
             )
         )
@@ -127,7 +142,38 @@ async def run_generate(args: argparse.Namespace) -> int:
             f"[{index}] receipts verified: spans tile 0:{coordinator.n_layers}, links and endpoints match",
             file=sys.stderr,
         )
+        for material, (verdict, replayed) in zip(result.audits, audits[index], strict=True):
+            worst = f", worst cosine {replayed['worst_cosine']}" if replayed else ""
+            print(f"    audit stage {material.stage} node={material.node}: {verdict}{worst}", file=sys.stderr)
     return 0
+
+
+def audit_results(model: str, results: list[GenerationResult]) -> list[list[tuple[str, dict | None]]]:
+    """Per result, each of its audits replayed on a trusted block loaded here: ("passed" or the
+    failure's code, the replay's report when there was one)."""
+    from worker_agent.audit import AuditFailed, verify_audit
+    from worker_agent.block import Block
+    from worker_agent.model import load_block
+
+    blocks: dict[tuple[int, int], Block] = {}
+    outcomes = []
+    for result in results:
+        audited = []
+        for material in result.audits:
+            receipt = next((r for r in result.receipts if r.node == material.node), None)
+            span = (material.layer_start, material.layer_end)
+            if span not in blocks:
+                blocks[span] = Block(load_block(model, *span))
+            try:
+                if receipt is None:
+                    raise AuditFailed(f"no receipt from node {material.node}")
+                report = verify_audit(material, receipt, blocks[span])
+            except AuditFailed as exc:
+                audited.append((exc.code, exc.report.to_dict() if exc.report else None))
+            else:
+                audited.append(("passed", report.to_dict()))
+        outcomes.append(audited)
+    return outcomes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--wan", default="", help='emulated WAN on outgoing frames, e.g. "rtt=50ms"')
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.add_argument("--json", action="store_true", help="print text, token ids, timings and receipts as JSON")
+    gen.add_argument(
+        "--audit-stage",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="keep stage N's traffic and replay it on a trusted local copy of its layers; repeatable",
+    )
     return parser
 
 

@@ -6,6 +6,10 @@
 Each session opens a KV cache on every stage, prefills, decodes token by token, closes, and
 collects the stages' signed receipts, which are verified (``verify_job``) against the stages'
 assigned spans and this coordinator's own transcript before the result is reported.
+
+With ``audit_stages`` (stage indices, chosen by the control plane) every session's result also
+carries those stages' exact traffic as ``AuditMaterial``, for a trusted replay (``audit.py``);
+the coordinator itself keeps none of it once the session ends.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 
 from worker_agent import model as models
+from worker_agent.audit import AuditMaterial
 from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
@@ -41,6 +46,8 @@ class GenerationResult:
     receipts: list[Receipt] = field(default_factory=list)
     verification: JobVerification | None = None
     verification_error: str = ""  # why the receipts failed verification (non-strict streams only)
+    audits: list[AuditMaterial] = field(default_factory=list)  # one per audited stage, in stage order
+    audit_missing: list[int] = field(default_factory=list)  # audited stages whose traffic did not all arrive
 
     @property
     def completion_tokens(self) -> int:
@@ -64,6 +71,18 @@ class GenerationResult:
             "steps": self.steps,
             "verified": self.verification is not None,
             "receipts": [receipt.to_json_dict() for receipt in self.receipts],
+            "audits": [
+                {
+                    "stage": audit.stage,
+                    "node": audit.node,
+                    "layer_start": audit.layer_start,
+                    "layer_end": audit.layer_end,
+                    "steps": len(audit.steps),
+                    "tokens": audit.tokens,
+                }
+                for audit in self.audits
+            ],
+            "audit_missing": self.audit_missing,
         }
 
 
@@ -77,11 +96,12 @@ class Coordinator:
         topology: str = "ring",
         wan: WanProfile | None = None,
         assignments: list[StageAssignment] | None = None,
+        audit_stages: Collection[int] = (),
     ) -> None:
         self.model = model
         self.model_id = models.model_name(model)
         self.job = job or f"job-{uuid.uuid4().hex[:16]}"
-        self.pipeline = Pipeline(self.job, stages, topology=topology, wan=wan)
+        self.pipeline = Pipeline(self.job, stages, topology=topology, wan=wan, audit_stages=audit_stages)
         self.assignments = assignments
         self.head = models.load_head(model)
         self.tokenizer = models.load_tokenizer(model)
@@ -178,6 +198,7 @@ class Coordinator:
                     yield event
             raw_receipts = await self.pipeline.close([session])
             closed = True
+            audits, audit_missing = await self.pipeline.take_audits(session)
             verification, verification_error = None, ""
             try:
                 receipts = [Receipt.from_dict(r) for r in raw_receipts]
@@ -187,6 +208,7 @@ class Coordinator:
                     raise
                 receipts, verification_error = [], f"{exc} ({exc.code})"
         finally:
+            self.pipeline.forget(session)
             if not closed:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.pipeline.close([session]), 5)
@@ -202,6 +224,8 @@ class Coordinator:
             receipts=receipts,
             verification=verification,
             verification_error=verification_error,
+            audits=audits,
+            audit_missing=audit_missing,
         )
 
     def _verify(self, session: str, receipts: list[Receipt]) -> JobVerification:

@@ -6,12 +6,20 @@ coalesced into one FORWARD frame, so stages see them together and batch them.
 
 - ``ring``: the coordinator sends to the first stage; each stage forwards to its successor
   (with a ticket the coordinator handed it in HELLO); the last returns RESULT straight to the
-  coordinator over the coordinator's own connection to it.
+  coordinator over the coordinator's own connection to it. Every other stage also sends the
+  coordinator a copy of each output it forwarded, as a RESULT (a tap): it never completes a
+  step, and is kept only for audited stages.
 - ``star``: the coordinator relays each stage's RESULT to the next stage itself (works when
   agents cannot reach each other).
 
 Hashes of exactly the bytes sent to the first stage and received from the last are kept per
 session: they are the transcript that the stages' receipts must match.
+
+Live audits (``audit.py``): for the stage indices in ``audit_stages`` the pipeline keeps, for
+every session, each step's exact input and output bytes of those stages: the bytes sent to
+stage 0, the taps (ring) or relayed RESULTs (star) in between, and the bytes received from the
+last stage. Every session of every job is tapped alike, so a stage cannot tell which sessions
+are kept. ``take_audits`` hands a closed session's material over and forgets it.
 """
 
 from __future__ import annotations
@@ -19,19 +27,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from worker_agent import wire
-from worker_agent.errors import StageError, WireError
+from worker_agent.audit import AuditMaterial
+from worker_agent.errors import AuditError, StageError, WireError
 from worker_agent.receipts import digest
 from worker_agent.wan import WanLink, WanProfile
 
 CONNECT_TIMEOUT_S = 10.0
 REPLY_TIMEOUT_S = 30.0  # HELLO/OPEN/CLOSE answers
 STEP_TIMEOUT_S = 120.0  # one step through the whole pipeline
+# A stage sends its tap before it can see the CLOSE that follows the step, and on the same
+# connection as its answer to that CLOSE, so taps are nearly always in by then; this covers a
+# tap still in flight behind a slow send.
+TAP_GRACE_S = 2.0
+
+log = logging.getLogger("swarm.coordinator")
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,29 @@ class StageSpec:
 class Transcript:
     sent: list[bytes] = field(default_factory=list)  # per step: digest of bytes sent to the first stage
     received: list[bytes] = field(default_factory=list)  # per step: digest of bytes from the last stage
+
+
+@dataclass
+class _Capture:
+    """One audited session's traffic at the boundaries its audited stages need: boundary ``b``
+    is what stage ``b`` received, boundary ``len(stages)`` what the last stage returned."""
+
+    boundaries: dict[int, dict[int, bytes]]  # boundary -> step -> tensor bytes of that step
+    steps: list[tuple[int, int]] = field(default_factory=list)  # per step issued: (start, count)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set on every new chunk
+
+    def put(self, boundary: int, step: int, chunk: bytes) -> None:
+        by_step = self.boundaries.get(boundary)
+        # The first copy of a step counts, as it is the one that completed the step or was tapped.
+        if by_step is not None and 0 <= step < len(self.steps) and step not in by_step:
+            by_step[step] = chunk
+            self.arrived.set()
+
+    def has(self, boundary: int) -> bool:
+        return all(step in self.boundaries[boundary] for step in range(len(self.steps)))
+
+    def complete(self) -> bool:
+        return all(self.has(boundary) for boundary in self.boundaries)
 
 
 class StageLink:
@@ -158,11 +198,15 @@ class Pipeline:
         topology: str = "ring",
         wan: WanProfile | None = None,
         dtype: str = "f32",
+        audit_stages: Collection[int] = (),
     ) -> None:
         if topology not in ("ring", "star"):
             raise ValueError(f"topology must be 'ring' or 'star', got {topology!r}")
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
+        for index in audit_stages:
+            if isinstance(index, bool) or not (isinstance(index, int) and 0 <= index < len(stages)):
+                raise ValueError(f"audit stage {index!r} is not a stage index in 0..{len(stages) - 1}")
         self.job = job
         self.topology = topology
         self.wan = wan or WanProfile()
@@ -176,6 +220,8 @@ class Pipeline:
         self._steps: dict[str, int] = {}
         self._session_ids = itertools.count()
         self._tasks: set[asyncio.Task] = set()
+        self.audit_stages = tuple(sorted(set(audit_stages)))  # stage indices whose traffic is kept
+        self._captures: dict[str, _Capture] = {}  # audited session -> its traffic so far
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -200,6 +246,9 @@ class Pipeline:
         for session in sessions:
             self.transcripts[session] = Transcript()
             self._steps[session] = 0
+            if self.audit_stages:
+                needed = {b for stage in self.audit_stages for b in (stage, stage + 1)}
+                self._captures[session] = _Capture({b: {} for b in sorted(needed)})
 
     async def close(self, sessions: list[str]) -> list[dict]:
         """Close sessions everywhere; returns all stages' receipts (wire dicts)."""
@@ -216,6 +265,10 @@ class Pipeline:
         future = asyncio.get_running_loop().create_future()
         self._waiting[(session, step)] = future
         self.transcripts[session].sent.append(digest(payload))
+        capture = self._captures.get(session)
+        if capture is not None:
+            capture.steps.append((start, count))
+            capture.put(0, step, payload)
         self._outbox.append((wire.Item(session, step, start, count), payload))
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -244,15 +297,77 @@ class Pipeline:
             self.fail_all(StageError(f"cannot send to stage 0: {exc}", code="stage_lost"))
 
     def on_result(self, index: int, result: wire.Result) -> None:
-        if self.topology == "star" and index + 1 < len(self.links):
-            relay = wire.Forward(result.job, result.items, result.dtype, result.shape, result.payload)
-            self._spawn(self._relay(index + 1, relay))
+        """Stage ``index``'s output: the step's answer from the last stage, otherwise a ring tap
+        (kept for audits only, never an answer) or a star output to relay on."""
+        if index + 1 < len(self.links):
+            if self._captures:
+                for item, chunk in zip(result.items, result.item_bytes(), strict=True):
+                    self._capture(item, index + 1, chunk)
+            if self.topology == "star":
+                relay = wire.Forward(result.job, result.items, result.dtype, result.shape, result.payload)
+                self._spawn(self._relay(index + 1, relay))
             return
         for item, chunk in zip(result.items, result.item_bytes(), strict=True):
             future = self._waiting.get((item.session, item.step))
             if future is not None and not future.done():
                 self.transcripts[item.session].received.append(digest(chunk))
+                self._capture(item, index + 1, chunk)
                 future.set_result(chunk)
+
+    def _capture(self, item: wire.Item, boundary: int, chunk: bytes) -> None:
+        capture = self._captures.get(item.session)
+        if capture is not None:
+            capture.put(boundary, item.step, chunk)
+
+    async def take_audits(self, session: str, *, grace_s: float = TAP_GRACE_S) -> tuple[list[AuditMaterial], list[int]]:
+        """A closed session's audit material, one per audited stage, and the audited stages whose
+        traffic did not all arrive (within ``grace_s``) or does not make valid material. The
+        pipeline forgets the session's traffic either way."""
+        capture = self._captures.get(session)
+        if capture is None or not capture.steps:
+            self.forget(session)
+            return [], []
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace_s
+            while not capture.complete() and (left := deadline - loop.time()) > 0:
+                capture.arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(capture.arrived.wait(), left)
+            materials, missing = [], []
+            for stage in self.audit_stages:
+                try:
+                    materials.append(self._material(session, stage, capture))
+                except AuditError as exc:
+                    log.warning("session %s: no audit material for stage %d: %s", session, stage, exc)
+                    missing.append(stage)
+            return materials, missing
+        finally:
+            self.forget(session)
+
+    def _material(self, session: str, stage: int, capture: _Capture) -> AuditMaterial:
+        if not (capture.has(stage) and capture.has(stage + 1)):
+            raise AuditError(f"its traffic of {len(capture.steps)} steps did not all arrive")
+        info = self.links[stage].info
+        steps = range(len(capture.steps))
+        return AuditMaterial(
+            job=self.job,
+            session=session,
+            stage=stage,
+            node=info.get("node"),
+            model=info.get("model"),
+            layer_start=info.get("layer_start"),
+            layer_end=info.get("layer_end"),
+            dtype=self.dtype,
+            hidden_size=info.get("hidden_size"),
+            steps=tuple(capture.steps),
+            inputs=tuple(capture.boundaries[stage][step] for step in steps),
+            outputs=tuple(capture.boundaries[stage + 1][step] for step in steps),
+        )
+
+    def forget(self, session: str) -> None:
+        """Drop whatever audit traffic is kept for ``session``."""
+        self._captures.pop(session, None)
 
     async def _relay(self, index: int, frame: wire.Forward) -> None:
         try:

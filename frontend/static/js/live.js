@@ -1,0 +1,112 @@
+// Live dashboard updates. The page holds one WebSocket to /ws/dashboard/ (signed in by the session
+// cookie) that carries notices such as {"topic": "node", "node": 12}. On a notice, every element
+// marked data-live-node="12" (or data-live-topic="node") is fetched again from its data-live-url
+// and replaced in place: the server renders it, with the same permission checks as a page load.
+(function () {
+  "use strict";
+  const path = document.body.dataset.liveSocket;
+  if (!path || !("WebSocket" in window)) return;
+
+  const TOPIC_DELAY_MS = 500; // a burst of notices about many nodes refreshes a shared view once
+  const inFlight = new Map(); // element id -> {again: bool}
+  const topicTimers = new Map(); // element id -> timer
+
+  async function refresh(id) {
+    const state = inFlight.get(id);
+    if (state) {
+      state.again = true; // one more fetch once this one lands, so the last change is never missed
+      return;
+    }
+    const element = document.getElementById(id);
+    if (!element || !element.dataset.liveUrl) return;
+    inFlight.set(id, { again: false });
+    try {
+      const response = await fetch(element.dataset.liveUrl, {
+        headers: { "HX-Request": "true" },
+        credentials: "same-origin",
+        cache: "no-store",
+      });
+      if (response.redirected) {
+        window.location.reload(); // signed out meanwhile: the page itself goes to the sign-in form
+        return;
+      }
+      const current = document.getElementById(id);
+      if (response.ok && current) {
+        const template = document.createElement("template");
+        template.innerHTML = (await response.text()).trim();
+        const fresh = template.content.firstElementChild;
+        if (fresh && fresh.id === id) {
+          current.replaceWith(fresh);
+          if (window.htmx) window.htmx.process(fresh);
+          fresh.dispatchEvent(new CustomEvent("live:updated", { bubbles: true }));
+        }
+      } else if (response.status === 404 && current) {
+        current.remove(); // it is gone (a deleted node)
+      }
+    } catch (error) {
+      // Offline for a moment: the next notice, or the reconnection, fetches it again.
+    } finally {
+      const done = inFlight.get(id);
+      inFlight.delete(id);
+      if (done && done.again) refresh(id);
+    }
+  }
+
+  function refreshLater(id) {
+    if (topicTimers.has(id)) return;
+    topicTimers.set(
+      id,
+      window.setTimeout(function () {
+        topicTimers.delete(id);
+        refresh(id);
+      }, TOPIC_DELAY_MS),
+    );
+  }
+
+  function onNotice(notice) {
+    if (notice.node !== undefined && notice.node !== null) {
+      document.querySelectorAll('[data-live-node="' + Number(notice.node) + '"]').forEach(function (element) {
+        refresh(element.id);
+      });
+    }
+    document.querySelectorAll('[data-live-topic="' + CSS.escape(String(notice.topic)) + '"]').forEach(function (element) {
+      refreshLater(element.id);
+    });
+  }
+
+  let delay = 1000;
+  let connectedBefore = false;
+
+  function connect() {
+    const scheme = window.location.protocol === "https:" ? "wss:" : "ws:";
+    const socket = new WebSocket(scheme + "//" + window.location.host + path);
+    socket.addEventListener("open", function () {
+      if (connectedBefore) {
+        // Notices sent while the connection was down are lost: fetch everything live once.
+        document.querySelectorAll("[data-live-url]").forEach(function (element) {
+          refresh(element.id);
+        });
+      }
+      connectedBefore = true;
+      delay = 1000;
+      document.body.dataset.live = "on";
+    });
+    socket.addEventListener("message", function (event) {
+      let notice;
+      try {
+        notice = JSON.parse(event.data);
+      } catch (error) {
+        return;
+      }
+      onNotice(notice);
+    });
+    socket.addEventListener("close", function (event) {
+      document.body.dataset.live = "off";
+      if (event.code === 4401) return; // signed out: nothing to listen to
+      window.setTimeout(connect, delay);
+      delay = Math.min(delay * 2, 15000);
+    });
+  }
+
+  connect();
+})();

@@ -1,0 +1,64 @@
+"""Admin: payout batches (build, review, approve), payouts (flagged failures), earnings, accounts."""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+
+from marketplace.admin_actions import ReadOnlyAdmin
+from marketplace.payouts import services
+from marketplace.payouts.errors import PayoutError
+from marketplace.payouts.models import ConnectAccount, Earning, Payout, PayoutBatch
+
+
+class PayoutInline(admin.TabularInline):
+    model = Payout
+    fields = ("provider", "amount", "cents", "state", "stripe_transfer_id", "attempts", "last_error", "flagged")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(PayoutBatch)
+class PayoutBatchAdmin(admin.ModelAdmin):
+    list_display = ("id", "state", "total", "created_at", "approved_by", "approved_at")
+    list_filter = ("state",)
+    readonly_fields = ("state", "total", "created_at", "approved_by", "approved_at")
+    inlines = [PayoutInline]
+    actions = ["approve"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    @admin.action(description="Approve: send these payouts")
+    def approve(self, request, queryset):
+        done = 0
+        for batch in queryset:
+            try:
+                services.approve_batch(batch, by=request.user)
+                done += 1
+            except PayoutError as exc:
+                self.message_user(request, f"{batch}: {exc}", messages.ERROR)
+        self.message_user(request, f"Approved {done} batch(es)")
+
+
+@admin.register(Payout)
+class PayoutAdmin(ReadOnlyAdmin):
+    list_display = ("id", "batch", "provider", "amount", "state", "attempts", "flagged", "stripe_transfer_id")
+    list_filter = ("state", "flagged")
+
+
+@admin.register(Earning)
+class EarningAdmin(ReadOnlyAdmin):
+    list_display = ("id", "provider", "node", "job", "amount", "layer_tokens", "state", "available_at")
+    list_filter = ("state",)
+
+
+@admin.register(ConnectAccount)
+class ConnectAccountAdmin(ReadOnlyAdmin):
+    list_display = ("provider", "stripe_account_id", "payouts_enabled", "details_submitted", "refreshed_at")

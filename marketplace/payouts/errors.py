@@ -1,0 +1,13 @@
+"""Error codes of the payouts app."""
+
+from __future__ import annotations
+
+
+class PayoutError(Exception):
+    code = "payout_error"
+
+
+class PayoutRefused(PayoutError):
+    """Not allowed: not an admin, not a provider, or a batch not awaiting approval."""
+
+    code = "payout_refused"

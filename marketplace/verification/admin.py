@@ -1,0 +1,57 @@
+"""Admin review of strikes (uphold / overturn with a reason) and of the checks behind them."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+
+from marketplace.admin_actions import ReadOnlyAdmin, with_reason
+from marketplace.verification import services
+from marketplace.verification.models import Audit, Challenge, Strike, StrikeState
+
+
+@admin.register(Strike)
+class StrikeAdmin(admin.ModelAdmin):
+    list_display = ("id", "node", "kind", "state", "created_at", "decided_by", "clawed_back")
+    list_filter = ("state", "kind")
+    readonly_fields = [f.name for f in Strike._meta.fields]
+    actions = ["uphold", "overturn"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+    @admin.action(description="Uphold: claw back pending pay (ejects past the threshold)")
+    def uphold(self, request, queryset):
+        return with_reason(
+            self,
+            request,
+            queryset.filter(state=StrikeState.OPEN),
+            title="Uphold strikes",
+            apply=lambda strike, reason: services.uphold_strike(strike, by=request.user, reason=reason),
+        )
+
+    @admin.action(description="Overturn (a reason is required)")
+    def overturn(self, request, queryset):
+        return with_reason(
+            self,
+            request,
+            queryset.filter(state=StrikeState.OPEN),
+            title="Overturn strikes",
+            apply=lambda strike, reason: services.overturn_strike(strike, by=request.user, reason=reason),
+        )
+
+
+@admin.register(Challenge)
+class ChallengeAdmin(ReadOnlyAdmin):
+    list_display = ("id", "node", "model", "layer_start", "layer_end", "state", "sent_at", "elapsed_ms")
+    list_filter = ("state",)
+    exclude = ("output",)
+
+
+@admin.register(Audit)
+class AuditAdmin(ReadOnlyAdmin):
+    list_display = ("id", "node", "job", "session", "stage", "state", "created_at")
+    list_filter = ("state",)
+    exclude = ("material",)

@@ -1,0 +1,25 @@
+"""Error codes of the verification app (challenges, audits, strikes)."""
+
+from __future__ import annotations
+
+
+class VerificationError(Exception):
+    code = "verification_error"
+
+
+class InvalidAnswer(VerificationError):
+    """A challenge answer that is malformed, late, or not for a challenge this node was sent."""
+
+    code = "invalid_challenge_answer"
+
+
+class NotChallengeable(VerificationError):
+    """The node serves no ready block to challenge."""
+
+    code = "not_challengeable"
+
+
+class StrikeDecisionRefused(VerificationError):
+    """An admin decision that is not allowed: not staff, no reason for an overturn, already decided."""
+
+    code = "strike_decision_refused"

@@ -1,0 +1,95 @@
+"""Forms of the dashboards: they validate and label what the services take."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django import forms
+from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
+
+from marketplace.jobs.models import ApiKey
+from marketplace.nodes.models import Node
+from marketplace.web.selectors import PLAYGROUND_KEY_NAME
+
+NAME = RegexValidator(
+    r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$",
+    "Use letters, digits, spaces, dots, dashes or underscores, starting with a letter or digit.",
+)
+REGION = RegexValidator(r"^[a-z0-9-]{1,64}$", "Use lower-case letters, digits and dashes.")
+
+
+class NodeForm(forms.Form):
+    name = forms.CharField(label="Node name", max_length=100, validators=[NAME], help_text="e.g. gpu-1")
+    region = forms.CharField(
+        label="Region", max_length=64, initial="local", validators=[REGION], help_text="where the machine is"
+    )
+
+    def __init__(self, *args, owner, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.owner = owner
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"]
+        if Node.objects.filter(owner=self.owner, name=name).exists():
+            raise forms.ValidationError("You already have a node with this name.")
+        return name
+
+
+class ApiKeyForm(forms.Form):
+    name = forms.CharField(label="Key name", max_length=100, validators=[NAME], help_text="e.g. my-app")
+
+    def __init__(self, *args, user, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.user = user
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"]
+        if name == PLAYGROUND_KEY_NAME:
+            raise forms.ValidationError("This name is kept for the playground's own key.")
+        if ApiKey.objects.filter(user=self.user, name=name, revoked_at__isnull=True).exists():
+            raise forms.ValidationError("You already have an active key with this name.")
+        return name
+
+
+class TopUpForm(forms.Form):
+    amount = forms.DecimalField(label="Amount (USD)", max_digits=9, decimal_places=2, initial=Decimal("10.00"))
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        low, high = settings.STRIPE_TOPUP_MIN_DOLLARS, settings.STRIPE_TOPUP_MAX_DOLLARS
+        field = self.fields["amount"]
+        field.validators += [MinValueValidator(low), MaxValueValidator(high)]
+        field.widget.attrs.update(min=str(low), max=str(high), step="0.01")
+        field.help_text = f"between ${low} and ${high}"
+
+
+class StrikeDecisionForm(forms.Form):
+    """An admin's decision on one strike; several sit on one page, so each takes the strike's prefix."""
+
+    reason = forms.CharField(
+        label="Reason",
+        max_length=2000,
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        help_text="Kept with the decision and shown to the node's owner. Required to overturn.",
+    )
+
+    def __init__(self, *args, strike_pk: int, require_reason: bool = False, **kwargs) -> None:
+        super().__init__(*args, prefix=f"strike-{strike_pk}", **kwargs)
+        self.require_reason = require_reason
+
+    def clean_reason(self) -> str:
+        reason = self.cleaned_data["reason"].strip()
+        if self.require_reason and not reason:
+            raise forms.ValidationError("Overturning a strike needs a reason.")
+        return reason
+
+
+class EjectForm(forms.Form):
+    reason = forms.CharField(
+        label="Reason",
+        max_length=2000,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        help_text="Kept on the node and shown to its owner.",
+    )

@@ -1,0 +1,393 @@
+"""Read queries of the dashboards that the other apps' selectors do not already answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db.models import Avg, Count, Sum
+from django.utils import timezone
+
+from marketplace.billing import selectors as billing
+from marketplace.billing.models import TopUp
+from marketplace.billing.services import prices_for
+from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
+from marketplace.nodes.models import LinkMeasurement, Node, NodeState
+from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
+from marketplace.placement.selectors import servable_pipelines
+from marketplace.web import charts
+from worker_agent import model as models
+
+PLAYGROUND_KEY_NAME = "Playground (dashboard)"
+THROUGHPUT_WINDOW_S = 60
+THROUGHPUT_MINUTES = 30
+
+
+# --- providers ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    model: str
+    layer_start: int
+    layer_end: int
+    state: str  # the assignment's: assigned (loading) or ready
+    spare: bool
+    pipeline: int
+    position: int
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    node: Node
+    blocks: tuple[Block, ...]
+    tokens_served: int | None  # by the block it serves now, as its agent last reported
+    sessions: int | None
+    agent_state: str  # what the agent says it does: serving, idle, draining ("" before a heartbeat)
+    connected_for_s: float | None  # how long its current control channel has been up
+    heartbeat_age_s: float | None
+
+
+def node_status(node: Node, now: datetime | None = None) -> NodeStatus:
+    now = now or timezone.now()
+    blocks = tuple(
+        Block(a.model, a.layer_start, a.layer_end, a.state, a.is_spare, a.pipeline, a.position)
+        for a in Assignment.objects.filter(node=node, state__in=LIVE_STATES).order_by("model")
+    )
+    load = node.load or {}
+    connected_for = (
+        (now - node.connected_since).total_seconds() if node.connected and node.connected_since is not None else None
+    )
+    heartbeat_age = (now - node.last_heartbeat_at).total_seconds() if node.last_heartbeat_at else None
+    tokens = load.get("tokens_served")
+    sessions = load.get("sessions")
+    return NodeStatus(
+        node=node,
+        blocks=blocks,
+        tokens_served=int(tokens) if tokens is not None else None,
+        sessions=int(sessions) if sessions is not None else None,
+        agent_state=str(load.get("state", "")),
+        connected_for_s=max(0.0, connected_for) if connected_for is not None else None,
+        heartbeat_age_s=max(0.0, heartbeat_age) if heartbeat_age is not None else None,
+    )
+
+
+def provider_nodes(user) -> list[NodeStatus]:
+    now = timezone.now()
+    return [node_status(node, now) for node in Node.objects.filter(owner=user).order_by("id")]
+
+
+def node_of(user, pk: int) -> Node | None:
+    """The provider's own node; None for another provider's (which must look absent)."""
+    return Node.objects.filter(owner=user, pk=pk).first()
+
+
+def node_counts(user) -> dict[str, int]:
+    counts = dict(Node.objects.filter(owner=user).values_list("state").annotate(n=Count("id")))
+    return {state: counts.get(state, 0) for state in NodeState.values}
+
+
+# --- customers ------------------------------------------------------------------------------------
+
+
+def api_keys(user) -> list[ApiKey]:
+    return list(ApiKey.objects.filter(user=user).order_by("revoked_at", "-created_at"))
+
+
+def key_of(user, pk: int) -> ApiKey | None:
+    return ApiKey.objects.filter(user=user, pk=pk).first()
+
+
+def playground_key(user) -> ApiKey | None:
+    return ApiKey.objects.filter(user=user, name=PLAYGROUND_KEY_NAME, revoked_at__isnull=True).order_by("pk").first()
+
+
+def top_ups(user, limit: int = 10) -> list[TopUp]:
+    return list(TopUp.objects.filter(customer=user).order_by("-id")[:limit])
+
+
+def job_of(user, public_id: str) -> Job | None:
+    return Job.objects.filter(customer=user, public_id=public_id).first()
+
+
+@dataclass(frozen=True)
+class ServableModel:
+    id: str
+    prompt_per_token: str  # dollars
+    completion_per_token: str
+
+
+def servable_models() -> list[ServableModel]:
+    found = []
+    for model in settings.SWARM_MODELS:
+        if servable_pipelines(model):
+            prompt, completion = prices_for(model)
+            found.append(ServableModel(model, billing.per_token(prompt), billing.per_token(completion)))
+    return found
+
+
+@dataclass(frozen=True)
+class UsageView:
+    group: str
+    rows: list[dict]
+    tokens_chart: charts.BarChart
+    cost_chart: charts.BarChart
+    total_requests: int
+    total_tokens: int
+    total_cost: str
+
+
+GROUP_TITLES = {"day": "day", "model": "model", "key": "API key"}
+
+
+def usage_view(user, group: str) -> UsageView:
+    rows = billing.usage(user, group)
+    for row in rows:
+        row["label"] = row[group] if row[group] is not None else "(deleted key)"
+        row["tokens"] = row["prompt_tokens"] + row["completion_tokens"]
+    tokens_chart = charts.bar_chart(
+        f"Tokens by {GROUP_TITLES[group]}", [(r["label"], r["tokens"], f"{r['tokens']:,}") for r in rows]
+    )
+    cost_chart = charts.bar_chart(
+        f"Cost by {GROUP_TITLES[group]} (USD)", [(r["label"], float(r["cost"]), f"${r['cost']}") for r in rows]
+    )
+    total_nano = Job.objects.filter(customer=user).aggregate(s=Sum("charged_amount"))["s"]
+    return UsageView(
+        group=group,
+        rows=rows,
+        tokens_chart=tokens_chart,
+        cost_chart=cost_chart,
+        total_requests=sum(r["requests"] for r in rows),
+        total_tokens=sum(r["tokens"] for r in rows),
+        total_cost=billing.money(total_nano),
+    )
+
+
+# --- admins ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    node_name: str
+    node_id: str
+    layer_start: int
+    layer_end: int
+    region: str
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    region: str  # where its coordinator runs
+    stages: list[Stage]
+
+
+@dataclass
+class ModelHealth:
+    model: str
+    n_layers: int
+    generation: int
+    note: str
+    coordinator_regions: list[str]
+    ready_nodes: int  # nodes whose block of this model is loaded, on an active node
+    loading_nodes: int  # nodes still loading their block
+    layers_covered: int  # layers held by a ready stage of a serving pipeline
+    pipelines: list[Pipeline]  # servable, end to end
+    coverage: charts.CoverageMap
+
+
+def model_health(model: str) -> ModelHealth:
+    n_layers = models.n_layers(model)
+    state = PlacementState.objects.filter(model=model).first()
+    live = list(
+        Assignment.objects.filter(model=model, state__in=LIVE_STATES)
+        .select_related("node")
+        .order_by("is_spare", "pipeline", "position")
+    )
+    ready = [a for a in live if a.state == AssignmentState.READY and a.node.state == NodeState.ACTIVE]
+    covered = [False] * n_layers
+    for a in ready:
+        if not a.is_spare:
+            for layer in range(a.layer_start, min(a.layer_end, n_layers)):
+                covered[layer] = True
+    spans = [
+        {
+            "label": a.node.name,
+            "detail": (
+                f"{a.node.name} ({a.node.node_id}): layers {a.layer_start}–{a.layer_end}, {a.state}"
+                f"{', spare' if a.is_spare else f', pipeline {a.pipeline + 1} stage {a.position + 1}'}"
+                f", node {a.node.state}"
+            ),
+            "state": a.state,
+            "spare": a.is_spare,
+            "node_state": a.node.state,
+            "layer_start": a.layer_start,
+            "layer_end": a.layer_end,
+        }
+        for a in live
+    ]
+    names = dict(Node.objects.filter(node_id__isnull=False).values_list("node_id", "name"))
+    regions = list(state.coordinator_regions) if state else []
+    pipeline_of = {a.node.node_id: a.pipeline for a in live if not a.is_spare}
+    pipelines = []
+    for servable in servable_pipelines(model):
+        index = pipeline_of.get(servable[0].node, -1)
+        pipelines.append(
+            Pipeline(
+                region=regions[index] if 0 <= index < len(regions) else "",
+                stages=[
+                    Stage(names.get(s.node, s.node), s.node, s.layer_start, s.layer_end, s.region) for s in servable
+                ],
+            )
+        )
+    return ModelHealth(
+        model=model,
+        n_layers=n_layers,
+        generation=state.generation if state else 0,
+        note=state.note if state else "",
+        coordinator_regions=regions,
+        ready_nodes=len({a.node_id for a in ready}),
+        loading_nodes=len({a.node_id for a in live if a.state == AssignmentState.ASSIGNED}),
+        layers_covered=sum(covered),
+        pipelines=pipelines,
+        coverage=charts.coverage_map(n_layers, spans, covered),
+    )
+
+
+def swarm_health() -> list[ModelHealth]:
+    return [model_health(model) for model in settings.SWARM_MODELS]
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    node: Node
+    owner: str
+    heartbeat_age_s: float | None
+
+
+def all_nodes() -> tuple[dict[str, int], list[NodeRow]]:
+    """Nodes per state, and every node with its owner's name."""
+    now = timezone.now()
+    counts = dict(Node.objects.values_list("state").annotate(n=Count("id")))
+    rows = [
+        NodeRow(
+            node,
+            node.owner.username,
+            max(0.0, (now - node.last_heartbeat_at).total_seconds()) if node.last_heartbeat_at else None,
+        )
+        for node in Node.objects.select_related("owner").order_by("state", "name", "id")
+    ]
+    return {state: counts.get(state, 0) for state in NodeState.values}, rows
+
+
+def node_by_pk(pk: int) -> Node | None:
+    return Node.objects.select_related("owner").filter(pk=pk).first()
+
+
+@dataclass(frozen=True)
+class HeatCell:
+    rtt_ms: float | None
+    colour: str
+    title: str
+
+
+@dataclass(frozen=True)
+class HeatRow:
+    node_id: str
+    name: str
+    cells: list[HeatCell]
+
+
+@dataclass(frozen=True)
+class Heatmap:
+    targets: list[tuple[str, str]]  # (target id, label): nodes, then coordinator regions
+    rows: list[HeatRow]  # one per measuring node
+    highest_ms: float
+
+
+def latency_heatmap() -> Heatmap:
+    """Measured round trips from each node (rows) to peers and coordinator regions (columns)."""
+    links = list(LinkMeasurement.objects.select_related("source"))
+    names = dict(Node.objects.filter(node_id__isnull=False).values_list("node_id", "name"))
+    sources = sorted({(link.source.node_id, link.source.name) for link in links}, key=lambda s: (s[1], s[0]))
+    node_targets = sorted({link.target for link in links if not link.target.startswith("region:")})
+    node_targets.sort(key=lambda t: (names.get(t, t), t))
+    region_targets = sorted({link.target for link in links if link.target.startswith("region:")})
+    targets = [(t, names.get(t, t)) for t in node_targets]
+    targets += [(t, t.removeprefix("region:") + " (region)") for t in region_targets]
+    rtt = {(link.source.node_id, link.target): link.rtt_ms for link in links}
+    highest = max(rtt.values(), default=0.0)
+    rows = []
+    for source, source_name in sources:
+        cells = []
+        for target, label in targets:
+            value = rtt.get((source, target))
+            if value is None:
+                title = f"{source_name} to {label}: " + ("itself" if target == source else "not measured")
+                cells.append(HeatCell(None, "#f2f4f7", title))
+            else:
+                title = f"{source_name} to {label}: {value:.1f} ms"
+                cells.append(HeatCell(value, charts.heat_colour(value, highest), title))
+        rows.append(HeatRow(source, source_name, cells))
+    return Heatmap(targets, rows, highest)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    window_s: int
+    tokens: int  # completion tokens of jobs that ended in the window
+    jobs: int
+    tokens_per_s: float
+    running: int
+    mean_decode_tokens_per_s: float | None  # of the jobs that ended in the window
+    chart: charts.BarChart
+    minutes: list[tuple[str, int]]
+
+
+def throughput(now: datetime | None = None) -> Throughput:
+    now = now or timezone.now()
+    ended = Job.objects.filter(state__in=FINAL_STATES, finished_at__isnull=False)
+    recent = ended.filter(finished_at__gt=now - timedelta(seconds=THROUGHPUT_WINDOW_S)).aggregate(
+        tokens=Sum("completion_tokens"), jobs=Count("id"), decode=Avg("tokens_per_s")
+    )
+    start = (now - timedelta(minutes=THROUGHPUT_MINUTES - 1)).replace(second=0, microsecond=0)
+    per_minute = [0] * THROUGHPUT_MINUTES
+    for finished_at, tokens in ended.filter(finished_at__gte=start).values_list("finished_at", "completion_tokens"):
+        index = int((finished_at - start).total_seconds() // 60)
+        if 0 <= index < THROUGHPUT_MINUTES:
+            per_minute[index] += tokens
+    minutes = [((start + timedelta(minutes=i)).strftime("%H:%M"), tokens) for i, tokens in enumerate(per_minute)]
+    chart = charts.bar_chart(
+        "Tokens per second, per minute (UTC)",
+        [(label, tokens / 60, f"{tokens / 60:.2f} tokens/s") for label, tokens in minutes],
+        width=900,
+        height=240,
+    )
+    tokens = recent["tokens"] or 0
+    return Throughput(
+        window_s=THROUGHPUT_WINDOW_S,
+        tokens=tokens,
+        jobs=recent["jobs"],
+        tokens_per_s=tokens / THROUGHPUT_WINDOW_S,
+        running=Job.objects.filter(state=JobState.RUNNING).count(),
+        mean_decode_tokens_per_s=recent["decode"],
+        chart=chart,
+        minutes=minutes,
+    )
+
+
+# --- everyone -------------------------------------------------------------------------------------
+
+
+def home_overview(user) -> dict:
+    overview: dict = {}
+    if user.is_provider:
+        overview["node_counts"] = node_counts(user)
+        overview["node_total"] = sum(overview["node_counts"].values())
+    if user.is_customer:
+        overview["balance"] = billing.balance(user)
+        overview["active_keys"] = ApiKey.objects.filter(user=user, revoked_at__isnull=True).count()
+    if user.is_staff:
+        overview["servable_models"] = [m.id for m in servable_models()]
+        overview["active_nodes"] = Node.objects.filter(state=NodeState.ACTIVE).count()
+    return overview

@@ -1,0 +1,557 @@
+"""The dashboards: server-rendered pages and the HTMX fragments they swap in.
+
+Each view checks who may see it, validates its form and calls one service of the app that owns
+the data (nodes, jobs, billing, verification, payouts); reads go through selectors. A user without
+the page's role gets 403; another provider's node or another customer's key or job answers 404, as
+if it did not exist. Admin actions (deciding strikes, approving payouts, ejecting nodes) are POST
+forms with CSRF, for staff only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import uuid
+from collections.abc import Callable
+
+import stripe
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.contrib.auth.views import redirect_to_login
+from django.core.exceptions import PermissionDenied
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+from django_htmx.http import HttpResponseClientRedirect
+
+from marketplace.api.openai import complete_for_key, releases_db
+from marketplace.api.views import join_command
+from marketplace.billing import selectors as billing
+from marketplace.billing.models import TopUpState
+from marketplace.billing.stripe_gateway import PaymentProviderUnavailable, start_top_up
+from marketplace.jobs import services as jobs_services
+from marketplace.jobs.errors import ApiError
+from marketplace.nodes import services as node_services
+from marketplace.nodes.errors import NodeError
+from marketplace.nodes.models import Node, NodeState
+from marketplace.payouts import services as payout_services
+from marketplace.payouts.errors import PayoutRefused
+from marketplace.payouts.models import PayoutState
+from marketplace.verification import services as verification
+from marketplace.verification.errors import StrikeDecisionRefused
+from marketplace.verification.models import StrikeState
+from marketplace.web import selectors, trust_selectors
+from marketplace.web.forms import ApiKeyForm, EjectForm, NodeForm, StrikeDecisionForm, TopUpForm
+from marketplace.web.services import ensure_playground_key
+
+USAGE_GROUPS = ("day", "model", "key")
+WORKER_PACKAGE = "swarm-marketplace[worker]"
+DEFAULT_AGENT_MODEL = "smollm2-135m"  # what `swarm-worker join --model` benchmarks when not told
+
+
+def role_required(check: Callable) -> Callable:
+    """Sign-in first (a redirect to the login page), then the role: 403 without it."""
+
+    def decorator(view):
+        @functools.wraps(view)
+        def wrapped(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+            if not request.user.is_authenticated:
+                return redirect_to_login(request.get_full_path())
+            if not check(request.user):
+                raise PermissionDenied("this page is not for your account's role")
+            return view(request, *args, **kwargs)
+
+        return wrapped
+
+    return decorator
+
+
+provider_required = role_required(lambda user: user.is_provider)
+customer_required = role_required(lambda user: user.is_customer)
+staff_required = role_required(lambda user: user.is_staff)
+
+
+# --- home -----------------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def home(request: HttpRequest) -> HttpResponse:
+    user = request.user
+    if user.is_customer and request.GET.get("top_up"):  # back from Stripe Checkout
+        return redirect(f"{reverse('web:billing')}?{request.GET.urlencode()}")
+    return render(request, "web/home.html", {"overview": selectors.home_overview(user)})
+
+
+# --- providers ------------------------------------------------------------------------------------
+
+
+def _install_command(request: HttpRequest, token: str) -> str:
+    """The one line a provider pastes on the machine: install the agent, then join with the token."""
+    command = f"pip install '{WORKER_PACKAGE}' && {join_command(request, token)}"
+    model = settings.SWARM_MODELS[0] if settings.SWARM_MODELS else DEFAULT_AGENT_MODEL
+    if model != DEFAULT_AGENT_MODEL:
+        command += f" --model {model}"
+    return command
+
+
+def _nodes_panel(request: HttpRequest, form: NodeForm, *, added=None, token: str = "") -> HttpResponse:
+    context = {
+        "form": form,
+        "nodes": selectors.provider_nodes(request.user),
+        "added": added,
+        "command": _install_command(request, token) if token else "",
+    }
+    page = "web/partials/nodes_panel.html" if request.htmx else "web/provider_nodes.html"
+    status = 400 if form.errors and not request.htmx else 200
+    return render(request, page, context, status=status)
+
+
+@provider_required
+@require_http_methods(["GET", "POST"])
+def nodes(request: HttpRequest) -> HttpResponse:
+    if request.method == "GET":
+        return _nodes_panel(request, NodeForm(owner=request.user))
+    form = NodeForm(request.POST, owner=request.user)
+    if not form.is_valid():
+        return _nodes_panel(request, form)
+    try:
+        node, token = node_services.create_node(owner=request.user, **form.cleaned_data)
+    except NodeError as exc:
+        raise PermissionDenied(str(exc)) from exc
+    return _nodes_panel(request, NodeForm(owner=request.user), added=node, token=token)
+
+
+def _own_node(request: HttpRequest, pk: int):
+    node = selectors.node_of(request.user, pk)
+    if node is None:
+        raise Http404("no such node")
+    return node
+
+
+def _node_page(node) -> dict:
+    return {"status": selectors.node_status(node), "node": node, "trust": trust_selectors.node_trust(node)}
+
+
+@provider_required
+@require_GET
+def node_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    return render(request, "web/provider_node.html", _node_page(_own_node(request, pk)))
+
+
+@provider_required
+@require_GET
+def node_trust_fragment(request: HttpRequest, pk: int) -> HttpResponse:
+    trust = trust_selectors.node_trust(_own_node(request, pk))
+    return render(request, "web/partials/node_trust.html", {"trust": trust})
+
+
+@provider_required
+@require_GET
+def node_status_fragment(request: HttpRequest, pk: int) -> HttpResponse:
+    return render(request, "web/partials/node_status.html", {"status": selectors.node_status(_own_node(request, pk))})
+
+
+@provider_required
+@require_GET
+def node_row_fragment(request: HttpRequest, pk: int) -> HttpResponse:
+    return render(request, "web/partials/node_row.html", {"status": selectors.node_status(_own_node(request, pk))})
+
+
+@provider_required
+@require_POST
+def node_rotate_token(request: HttpRequest, pk: int) -> HttpResponse:
+    node = _own_node(request, pk)
+    token = node_services.rotate_join_token(node)
+    context = {"node": node, "command": _install_command(request, token)}
+    if request.htmx:
+        return render(request, "web/partials/join_command.html", context)
+    return render(request, "web/provider_node.html", _node_page(node) | context)
+
+
+@provider_required
+@require_POST
+def node_drain(request: HttpRequest, pk: int) -> HttpResponse:
+    node = node_services.drain_node(_own_node(request, pk))
+    if request.htmx:
+        return render(request, "web/partials/node_status.html", {"status": selectors.node_status(node)})
+    return redirect("web:node", pk=node.pk)
+
+
+def _earnings_page(request: HttpRequest, *, connect_error: str = "", status: int = 200) -> HttpResponse:
+    context = {
+        "earnings": trust_selectors.earnings_view(request.user),
+        "returned": request.GET.get("connect", ""),
+        "connect_error": connect_error,
+    }
+    return render(request, "web/provider_earnings.html", context, status=status)
+
+
+@provider_required
+@require_GET
+def earnings(request: HttpRequest) -> HttpResponse:
+    if request.GET.get("connect") != "done":
+        return _earnings_page(request)
+    # Back from Stripe's onboarding: ask Stripe what the account can do now.
+    try:
+        payout_services.refresh_connect(request.user)
+    except (PaymentProviderUnavailable, stripe.StripeError) as exc:
+        return _earnings_page(request, connect_error=f"Could not ask Stripe about your account: {exc}")
+    return _earnings_page(request)
+
+
+@provider_required
+@require_POST
+def connect_stripe(request: HttpRequest) -> HttpResponse:
+    """Off to Stripe's onboarding for the provider's Connect account; Stripe sends them back to
+    the earnings page with ``?connect=done`` (or ``?connect=refresh`` when the link expired)."""
+    try:
+        url = payout_services.start_onboarding(request.user)
+    except PayoutRefused as exc:
+        raise PermissionDenied(str(exc)) from exc
+    except PaymentProviderUnavailable as exc:
+        return _earnings_page(request, connect_error=str(exc), status=503)
+    except stripe.StripeError as exc:
+        return _earnings_page(request, connect_error=f"Stripe refused: {exc.user_message or exc}", status=502)
+    return redirect(url)
+
+
+# --- customers ------------------------------------------------------------------------------------
+
+
+def _keys_panel(request: HttpRequest, form: ApiKeyForm, *, created=None, key: str = "") -> HttpResponse:
+    context = {"form": form, "keys": selectors.api_keys(request.user), "created": created, "full_key": key}
+    page = "web/partials/keys_panel.html" if request.htmx else "web/customer_keys.html"
+    status = 400 if form.errors and not request.htmx else 200
+    return render(request, page, context, status=status)
+
+
+@customer_required
+@require_http_methods(["GET", "POST"])
+def keys(request: HttpRequest) -> HttpResponse:
+    if request.method == "GET":
+        return _keys_panel(request, ApiKeyForm(user=request.user))
+    form = ApiKeyForm(request.POST, user=request.user)
+    if not form.is_valid():
+        return _keys_panel(request, form)
+    api_key, key = jobs_services.create_api_key(request.user, form.cleaned_data["name"])
+    return _keys_panel(request, ApiKeyForm(user=request.user), created=api_key, key=key)
+
+
+@customer_required
+@require_POST
+def key_revoke(request: HttpRequest, pk: int) -> HttpResponse:
+    api_key = selectors.key_of(request.user, pk)
+    if api_key is None:
+        raise Http404("no such key")
+    jobs_services.revoke_api_key(api_key)
+    if request.htmx:
+        return _keys_panel(request, ApiKeyForm(user=request.user))
+    return redirect("web:keys")
+
+
+def _billing_context(request: HttpRequest) -> dict:
+    user = request.user
+    top_ups = selectors.top_ups(user)
+    return {
+        "balance": billing.balance(user),
+        "totals": billing.totals(user),
+        "transactions": billing.transactions(user, limit=50),
+        "top_ups": top_ups,
+        "pending": any(t.state == TopUpState.PENDING for t in top_ups),
+        "returned": request.GET.get("top_up", ""),
+    }
+
+
+@customer_required
+@require_GET
+def billing_page(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/customer_billing.html", _billing_context(request) | {"form": TopUpForm()})
+
+
+@customer_required
+@require_GET
+def balance_fragment(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/partials/balance.html", _billing_context(request))
+
+
+@customer_required
+@require_POST
+def top_up(request: HttpRequest) -> HttpResponse:
+    form = TopUpForm(request.POST)
+    if form.is_valid():
+        try:
+            _, checkout_url = start_top_up(request.user, str(form.cleaned_data["amount"]))
+        except ApiError as exc:
+            form.add_error("amount" if exc.param == "amount" else None, str(exc))
+        else:
+            # Off to Stripe's page; the credits arrive with Stripe's signed webhook, not with the return.
+            if request.htmx:
+                return HttpResponseClientRedirect(checkout_url)
+            return redirect(checkout_url)
+    if request.htmx:
+        return render(request, "web/partials/top_up_form.html", {"form": form})
+    return render(request, "web/customer_billing.html", _billing_context(request) | {"form": form}, status=400)
+
+
+@customer_required
+@require_GET
+def usage(request: HttpRequest) -> HttpResponse:
+    group = request.GET.get("group", "day")
+    if group not in USAGE_GROUPS:
+        group = "day"
+    return render(
+        request,
+        "web/customer_usage.html",
+        {"usage": selectors.usage_view(request.user, group), "groups": USAGE_GROUPS},
+    )
+
+
+@customer_required
+@require_GET
+def playground(request: HttpRequest) -> HttpResponse:
+    return render(
+        request,
+        "web/customer_playground.html",
+        {
+            "models": selectors.servable_models(),
+            "balance": billing.balance(request.user),
+            "max_tokens_limit": settings.SWARM_MAX_TOKENS_LIMIT,
+        },
+    )
+
+
+def _json_error(status: int, message: str, code: str) -> JsonResponse:
+    return JsonResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}, status=status
+    )
+
+
+@releases_db
+async def playground_chat(request: HttpRequest) -> HttpResponse:
+    """A chat completion for the signed-in customer, streamed, admitted exactly as the public API
+    admits one (validation, rate limits, credits, capacity) on their playground key."""
+    if request.method != "POST":
+        return _json_error(405, "Use POST.", "method_not_allowed")
+    user = await request.auser()
+    if not user.is_authenticated:
+        return _json_error(401, "Sign in to use the playground.", "not_signed_in")
+    if not user.is_customer:
+        return _json_error(403, "The playground is for customers.", "not_a_customer")
+    try:
+        data = json.loads(request.body or b"")
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    if not isinstance(data, dict):
+        return _json_error(400, "The request body must be a JSON object.", "invalid_json")
+    body = {
+        "model": data.get("model"),
+        "messages": data.get("messages"),
+        "max_tokens": data.get("max_tokens"),
+        "temperature": data.get("temperature"),
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    api_key = await sync_to_async(ensure_playground_key)(user)
+    return await complete_for_key(api_key, body, "chat", f"req_{uuid.uuid4().hex}")
+
+
+@customer_required
+@require_GET
+def playground_job(request: HttpRequest, public_id: str) -> HttpResponse:
+    job = selectors.job_of(request.user, public_id)
+    if job is None:
+        raise Http404("no such job")
+    return render(
+        request,
+        "web/partials/playground_stats.html",
+        {"job": job, "cost": billing.money(job.charged_amount), "settled": job.settled_at is not None},
+    )
+
+
+# --- admins ---------------------------------------------------------------------------------------
+
+
+def _swarm_context() -> dict:
+    counts, nodes = selectors.all_nodes()
+    return {"health": selectors.swarm_health(), "state_counts": counts, "nodes": nodes}
+
+
+def _swarm_page_context() -> dict:
+    return _swarm_context() | {"heatmap": selectors.latency_heatmap(), "throughput": selectors.throughput()}
+
+
+@staff_required
+@require_GET
+def swarm(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/admin_swarm.html", _swarm_page_context())
+
+
+@staff_required
+@require_GET
+def swarm_health_fragment(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/partials/swarm_health.html", _swarm_context())
+
+
+@staff_required
+@require_GET
+def latency_fragment(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/partials/latency.html", {"heatmap": selectors.latency_heatmap()})
+
+
+@staff_required
+@require_GET
+def throughput_fragment(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/partials/throughput.html", {"throughput": selectors.throughput()})
+
+
+def _strike_page(request: HttpRequest, *, form: StrikeDecisionForm | None = None, status: int = 200) -> HttpResponse:
+    """The strike queue; ``form`` is a refused decision, shown with its errors on its strike."""
+    open_strikes, decided = trust_selectors.strike_queue()
+    refused = {form.prefix: form} if form is not None else {}
+    rows = [
+        (v, refused.get(f"strike-{v.strike.pk}") or StrikeDecisionForm(strike_pk=v.strike.pk)) for v in open_strikes
+    ]
+    context = {"open_strikes": rows, "decided": decided}
+    page = "web/partials/strike_queue.html" if request.htmx else "web/admin_strikes.html"
+    return render(request, page, context, status=status)
+
+
+@staff_required
+@require_GET
+def strikes(request: HttpRequest) -> HttpResponse:
+    return _strike_page(request)
+
+
+def _decide_strike(request: HttpRequest, pk: int, *, overturn: bool) -> HttpResponse:
+    strike = trust_selectors.strike_by_pk(pk)
+    if strike is None:
+        raise Http404("no such strike")
+    form = StrikeDecisionForm(request.POST, strike_pk=pk, require_reason=overturn)
+    if form.is_valid():
+        reason = form.cleaned_data["reason"]
+        try:
+            if overturn:
+                strike = verification.overturn_strike(strike, by=request.user, reason=reason)
+            else:
+                strike = verification.uphold_strike(strike, by=request.user, reason=reason)
+        except StrikeDecisionRefused as exc:
+            form.add_error(None, str(exc))
+        else:
+            done = "overturned" if strike.state == StrikeState.OVERTURNED else "upheld"
+            node = strike.node
+            ejected = f" {node.name} was ejected: {node.ejection_reason}." if node.state == NodeState.EJECTED else ""
+            messages.success(request, f"Strike {strike.pk} on {node.name} {done}.{ejected}")
+            return _strike_page(request) if request.htmx else redirect("web:strikes")
+    # HTMX swaps only successful answers: the form with its errors comes back as a 200 there.
+    return _strike_page(request, form=form, status=200 if request.htmx else 400)
+
+
+@staff_required
+@require_POST
+def strike_uphold(request: HttpRequest, pk: int) -> HttpResponse:
+    return _decide_strike(request, pk, overturn=False)
+
+
+@staff_required
+@require_POST
+def strike_overturn(request: HttpRequest, pk: int) -> HttpResponse:
+    return _decide_strike(request, pk, overturn=True)
+
+
+def _payouts_page(request: HttpRequest) -> HttpResponse:
+    page = "web/partials/payouts_panel.html" if request.htmx else "web/admin_payouts.html"
+    return render(request, page, {"payouts": trust_selectors.payouts_view()})
+
+
+@staff_required
+@require_GET
+def payouts(request: HttpRequest) -> HttpResponse:
+    return _payouts_page(request)
+
+
+@staff_required
+@require_POST
+def payouts_build(request: HttpRequest) -> HttpResponse:
+    batch = payout_services.build_batch()
+    if batch is None:
+        messages.info(request, "Nobody is due a payout: no provider with a payout-ready account is above the minimum.")
+    else:
+        count = batch.payouts.count()
+        plural = "s" if count != 1 else ""
+        messages.success(request, f"Batch {batch.pk} built: {count} payout{plural}, awaiting approval.")
+    return _payouts_page(request) if request.htmx else redirect("web:payouts")
+
+
+@staff_required
+@require_POST
+def payouts_approve(request: HttpRequest, pk: int) -> HttpResponse:
+    batch = trust_selectors.batch_by_pk(pk)
+    if batch is None:
+        raise Http404("no such batch")
+    try:
+        batch = payout_services.approve_batch(batch, by=request.user)
+    except PayoutRefused as exc:
+        messages.error(request, str(exc))
+    else:
+        # The transfers went out when the approval committed; say how they went.
+        states = list(batch.payouts.values_list("state", flat=True))
+        sent, failed = states.count(PayoutState.SENT), states.count(PayoutState.FAILED)
+        messages.success(
+            request,
+            f"Batch {batch.pk} approved: {sent} sent, {failed} failed, {len(states) - sent - failed} still sending.",
+        )
+    return _payouts_page(request) if request.htmx else redirect("web:payouts")
+
+
+def _node_action(request: HttpRequest, node: Node | None = None, form: EjectForm | None = None, status: int = 200):
+    """The swarm page's action panel (an eject form, or what the last action did)."""
+    context = {"action_node": node, "form": form}
+    if request.htmx:
+        return render(request, "web/partials/node_action.html", context, status=status)
+    return render(request, "web/admin_swarm.html", context | _swarm_page_context(), status=status)
+
+
+def _any_node(pk: int) -> Node:
+    node = selectors.node_by_pk(pk)
+    if node is None:
+        raise Http404("no such node")
+    return node
+
+
+@staff_required
+@require_http_methods(["GET", "POST"])
+def node_eject(request: HttpRequest, pk: int) -> HttpResponse:
+    node = _any_node(pk)
+    if request.method == "GET":
+        return _node_action(request, node, EjectForm())
+    form = EjectForm(request.POST)
+    if not form.is_valid():
+        return _node_action(request, node, form, status=200 if request.htmx else 400)
+    if node.state == NodeState.EJECTED:
+        messages.info(request, f"{node.name} was already ejected: {node.ejection_reason}")
+        return _node_action(request) if request.htmx else redirect("web:swarm")
+    try:
+        node = node_services.eject_node(node, reason=form.cleaned_data["reason"], by=request.user)
+    except NodeError as exc:
+        raise PermissionDenied(str(exc)) from exc
+    messages.success(request, f"{node.name} ejected: {node.ejection_reason}")
+    return _node_action(request) if request.htmx else redirect("web:swarm")
+
+
+@staff_required
+@require_POST
+def node_reinstate(request: HttpRequest, pk: int) -> HttpResponse:
+    node = _any_node(pk)
+    if node.state != NodeState.EJECTED:
+        messages.info(request, f"{node.name} is not ejected (it is {node.state}).")
+        return _node_action(request) if request.htmx else redirect("web:swarm")
+    try:
+        node = node_services.reinstate_node(node, by=request.user)
+    except NodeError as exc:
+        raise PermissionDenied(str(exc)) from exc
+    messages.success(request, f"{node.name} reinstated: it is {node.state} until its agent reconnects.")
+    return _node_action(request) if request.htmx else redirect("web:swarm")

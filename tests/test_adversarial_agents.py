@@ -1,0 +1,137 @@
+"""Adversarial agents, as real processes, against the live control plane.
+
+Three providers each join one `swarm-worker join` agent serving tiny-llama (capped at 2 of its 6
+layers, so the model is placed as one 3-stage pipeline); mallory's agent runs a test-only cheat mode.
+Customers' jobs go through the OpenAI-compatible API with every stage audited (a new node's audit
+fraction is set to 1 here), and the test sends seeded challenges. Each cheater must be caught, struck,
+its pending pay clawed back when a strike is upheld, and ejected at the threshold, while the honest
+nodes get no strike and keep their pay.
+
+The point of the design: a node that lies about its output still passes the receipt coverage check
+(its job is recorded verified and paid pending), and it is the audit that catches it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from django.contrib.auth import get_user_model
+
+from marketplace.nodes.models import Node, NodeState
+from marketplace.payouts.models import Earning, EarningState
+from marketplace.verification import services as verification
+from marketplace.verification.models import Audit, CheckState, Strike, StrikeKind, StrikeState
+from tests.live import wait_for
+from tests.trust_fixtures import PROVIDERS, STRIKES_TO_EJECT, Swarm
+
+pytest_plugins = ["tests.trust_fixtures"]
+pytestmark = [pytest.mark.trust, pytest.mark.django_db(transaction=True)]
+
+
+def uphold_all_open(swarm: Swarm, admin) -> list[Strike]:
+    upheld = []
+    for strike in Strike.objects.filter(node=swarm.cheater, state=StrikeState.OPEN).order_by("pk"):
+        if swarm.cheater.state == NodeState.EJECTED:
+            break
+        upheld.append(verification.uphold_strike(strike, by=admin, reason="evidence reviewed"))
+    return upheld
+
+
+@pytest.mark.parametrize("cheat", ["garbage", "identity", "other-weights"])
+def test_cheater_is_caught_struck_clawed_back_and_ejected(make_swarm, cheat):
+    swarm = make_swarm(cheat=cheat)
+    admin = get_user_model().objects.create_user("dave", "dave@example.test", None, is_staff=True)
+
+    # Live traffic: the cheater's receipts still prove coverage, so its jobs are verified and paid
+    # pending, but every audit of its stage fails.
+    jobs = [swarm.run_job(f"Tell me about bees, take {i}") for i in range(2)]
+    for job in jobs:
+        assert job.verified is True, job.verification_error
+        assert len(job.audit_stages) == 3
+    cheater_audits = Audit.objects.filter(node=swarm.cheater)
+    assert [a.state for a in cheater_audits] == [CheckState.FAILED] * 2
+    assert all(a.state == CheckState.PASSED for a in Audit.objects.exclude(node=swarm.cheater))
+    pending_before = swarm.pending("mallory")
+    assert pending_before == sum(e.amount for e in Earning.objects.filter(node=swarm.cheater))
+    assert pending_before > 0
+
+    # Challenges: the cheater fails each one; an honest node passes.
+    for _ in range(2):
+        assert swarm.challenge(swarm.cheater).state == CheckState.FAILED
+    assert swarm.challenge(swarm.honest[0]).state == CheckState.PASSED
+
+    strikes = Strike.objects.filter(node=swarm.cheater)
+    assert sorted(s.kind for s in strikes) == [StrikeKind.AUDIT] * 2 + [StrikeKind.CHALLENGE] * 2
+    assert all(s.evidence["min_cosine"] < 0.99 for s in strikes)
+    assert Strike.objects.exclude(node=swarm.cheater).count() == 0
+
+    # Upholding: the first claws back all its pending pay; the third ejects it.
+    first, *rest = uphold_all_open(swarm, admin)
+    assert first.clawed_back == pending_before
+    assert swarm.pending("mallory") == 0
+    assert set(Earning.objects.filter(node=swarm.cheater).values_list("state", flat=True)) == {EarningState.CLAWED_BACK}
+    assert len(rest) == STRIKES_TO_EJECT - 1
+    cheater = swarm.cheater
+    assert cheater.state == NodeState.EJECTED
+    assert cheater.ejection_reason.startswith(f"{STRIKES_TO_EJECT} upheld strikes")
+    mallory_agent = swarm.agents[PROVIDERS.index("mallory")]
+    wait_for(lambda: mallory_agent.poll() is not None, 60, "the ejected agent to stop")
+
+    # The honest providers keep their pending pay and have no strike.
+    for name in ("alice", "bob"):
+        assert swarm.pending(name) == sum(
+            e.amount for e in Earning.objects.filter(provider=swarm.users[name], state=EarningState.PENDING)
+        )
+        assert swarm.pending(name) > 0
+
+
+def test_lying_node_passes_receipt_coverage_and_only_the_audit_catches_it(make_swarm):
+    swarm = make_swarm(cheat="garbage")
+
+    job = swarm.run_job("What is the capital of France?")
+
+    # Receipts: every signature valid, spans tile the model, links and endpoints match.
+    assert job.verified is True
+    assert job.verification_error == ""
+    assert Earning.objects.filter(job=job, node=swarm.cheater).get().amount > 0
+    # The audit replays the cheater's signed inputs on the trusted block and sees the lie.
+    audit = Audit.objects.get(job=job, node=swarm.cheater)
+    assert audit.state == CheckState.FAILED
+    assert audit.metrics["code"] == "audit_mismatch"
+    assert audit.metrics["min_cosine"] < 0.99
+    strike = Strike.objects.get(audit=audit)
+    assert (strike.kind, strike.state, strike.evidence["job"]) == (StrikeKind.AUDIT, StrikeState.OPEN, job.public_id)
+
+
+def test_node_honest_on_challenges_but_cheating_live_is_caught_by_audits(make_swarm):
+    swarm = make_swarm(cheat="selective:0.5")
+
+    for _ in range(3):
+        assert swarm.challenge(swarm.cheater).state == CheckState.PASSED
+    caught = None
+    for attempt in range(20):  # P(no cheated session in 20) = 2**-20
+        job = swarm.run_job(f"Count to ten, attempt {attempt}")
+        assert job.verified is True
+        if Audit.objects.filter(job=job, node=swarm.cheater, state=CheckState.FAILED).exists():
+            caught = job
+            break
+    assert caught is not None, "20 audited jobs did not catch a node cheating on half its sessions"
+    assert Strike.objects.filter(node=swarm.cheater, kind=StrikeKind.AUDIT).count() == 1
+    assert Strike.objects.filter(node=swarm.cheater, kind=StrikeKind.CHALLENGE).count() == 0
+    assert Strike.objects.exclude(node=swarm.cheater).count() == 0
+
+
+def test_honest_bfloat16_agents_get_no_strike_over_200_challenges(make_swarm):
+    swarm = make_swarm(cheat=None, dtype="bfloat16", model="smollm2-135m", max_layers=10)
+    nodes = list(Node.objects.filter(pk__in=[n.pk for n in swarm.nodes.values()]))
+
+    started = time.monotonic()
+    decided = [swarm.challenge(nodes[i % 3], seed=i) for i in range(201)]
+
+    assert [c.state for c in decided] == [CheckState.PASSED] * 201
+    # Against the float32 reference itself, not the bfloat16 fallback.
+    assert {c.metrics["reference"] for c in decided} == {"float32"}
+    assert Strike.objects.count() == 0
+    worst = min(c.metrics["min_cosine"] for c in decided)
+    print(f"201 bf16 challenges in {time.monotonic() - started:.1f}s; worst token cosine {worst:.6f}")

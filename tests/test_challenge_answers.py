@@ -1,0 +1,204 @@
+"""Challenges on the control plane: sending one to a serving node, checking its answer against the
+trusted float32 recompute, failing late, refused or wrong answers with a strike and its evidence,
+and refusing answers that are not this node's to give (nothing changes)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+from django.utils import timezone
+
+from marketplace.placement.models import Assignment, AssignmentState
+from marketplace.verification import services
+from marketplace.verification.errors import InvalidAnswer, NotChallengeable
+from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind, StrikeState
+from worker_agent import challenge as challenges
+from worker_agent import model as models
+from worker_agent.block import Block
+
+pytest_plugins = ["tests.factories"]
+pytestmark = [pytest.mark.trust, pytest.mark.django_db]
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture
+def serving(settings, provider, make_joined_node):
+    """A node serving layers 2:4 of tiny-llama (its assignment is ready)."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    settings.SWARM_VERIFIER = "inline"
+    joined = make_joined_node(provider, "gpu-1")
+    Assignment.objects.create(
+        node=joined.node,
+        model=MODEL,
+        generation=1,
+        pipeline=0,
+        position=1,
+        layer_start=2,
+        layer_end=4,
+        state=AssignmentState.READY,
+        ready_at=timezone.now(),
+    )
+    return joined.node
+
+
+def answer(challenge: Challenge, output: torch.Tensor) -> dict:
+    return {
+        "type": "challenge_result",
+        "challenge": challenge.pk,
+        "output": challenges.encode_output(output),
+        "tokens": challenge.tokens,
+        "hidden_size": output.shape[1],
+        "elapsed_ms": 3.5,
+    }
+
+
+def honest_output(challenge: Challenge, dtype: str = "float32") -> torch.Tensor:
+    block = Block(models.load_block(MODEL, challenge.layer_start, challenge.layer_end, dtype=dtype))
+    return challenges.run_challenge(block, challenge.seed, challenge.tokens)
+
+
+def test_challenge_is_sent_for_the_ready_span(serving, django_capture_on_commit_callbacks):
+    challenge = services.send_challenge(serving, tokens=4, seed=1234)
+
+    assert (challenge.model, challenge.layer_start, challenge.layer_end) == (MODEL, 2, 4)
+    assert (challenge.seed, challenge.tokens, challenge.state) == (1234, 4, CheckState.SENT)
+    assert challenge.deadline_at > challenge.sent_at
+
+
+def test_honest_answer_passes_with_per_token_metrics(serving, django_capture_on_commit_callbacks):
+    challenge = services.send_challenge(serving, tokens=4, seed=7)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
+
+    challenge.refresh_from_db()
+    assert challenge.state == CheckState.PASSED
+    assert len(challenge.metrics["cosine"]) == 4
+    assert challenge.metrics["min_cosine"] >= 0.9999
+    assert challenge.elapsed_ms == 3.5
+    assert Strike.objects.count() == 0
+
+
+def test_bfloat16_answer_passes_against_the_float32_verifier(serving, django_capture_on_commit_callbacks):
+    challenge = services.send_challenge(serving, tokens=8, seed=99)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge, "bfloat16")))
+
+    challenge.refresh_from_db()
+    assert challenge.state == CheckState.PASSED
+    assert Strike.objects.count() == 0
+
+
+def test_wrong_answer_fails_and_opens_a_strike_with_evidence(serving, django_capture_on_commit_callbacks):
+    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    inputs = challenges.challenge_input(challenge.seed, challenge.tokens, 64)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.record_challenge_answer(serving.pk, answer(challenge, inputs))  # identity: skipped its layers
+
+    challenge.refresh_from_db()
+    assert challenge.state == CheckState.FAILED
+    assert challenge.reason.startswith("output disagrees with the trusted recompute: cosine ")
+    strike = Strike.objects.get()
+    assert (strike.node_id, strike.kind, strike.state, strike.challenge_id) == (
+        serving.pk,
+        StrikeKind.CHALLENGE,
+        StrikeState.OPEN,
+        challenge.pk,
+    )
+    assert strike.evidence["seed"] == "5"
+    assert strike.evidence["cosine"] == challenge.metrics["cosine"]
+    assert strike.evidence["min_cosine"] < 0.99
+
+
+def test_answer_refused_by_the_node_fails(serving, django_capture_on_commit_callbacks):
+    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    services.record_challenge_answer(
+        serving.pk, {"type": "challenge_result", "challenge": challenge.pk, "error": "not serving", "code": "x"}
+    )
+
+    challenge.refresh_from_db()
+    assert challenge.state == CheckState.FAILED
+    assert challenge.reason == "the node refused: not serving (x)"
+    assert Strike.objects.filter(challenge=challenge).count() == 1
+
+
+def test_malformed_output_fails(serving):
+    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    services.record_challenge_answer(
+        serving.pk, {"type": "challenge_result", "challenge": challenge.pk, "output": "AAAA"}
+    )
+
+    challenge.refresh_from_db()
+    assert challenge.state == CheckState.FAILED
+    assert challenge.reason.startswith("malformed answer:")
+    assert Strike.objects.filter(challenge=challenge).count() == 1
+
+
+def test_no_answer_by_the_deadline_expires_and_strikes(serving):
+    challenge = services.send_challenge(serving, tokens=4, seed=5)
+
+    assert services.expire_challenges(challenge.deadline_at - timedelta(seconds=1)) == []
+    assert services.expire_challenges(challenge.deadline_at + timedelta(seconds=1)) == [challenge.pk]
+
+    challenge.refresh_from_db()
+    assert challenge.state == CheckState.EXPIRED
+    assert challenge.reason == "no answer within the deadline"
+    assert Strike.objects.get().evidence["state"] == CheckState.EXPIRED
+
+
+def test_late_answer_counts_as_expired(serving, django_capture_on_commit_callbacks):
+    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    Challenge.objects.filter(pk=challenge.pk).update(deadline_at=timezone.now() - timedelta(seconds=1))
+    services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
+
+    challenge.refresh_from_db()
+    assert (challenge.state, challenge.reason) == (CheckState.EXPIRED, "answered after the deadline")
+    assert Strike.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ({"challenge": "1"}, "challenge_result needs the integer id of the challenge"),
+        ({"challenge": 10_000}, "challenge 10000 was not sent to this node"),
+        ({"output": 5}, "challenge_result needs the output as a base64 string"),
+    ],
+)
+def test_invalid_answers_are_refused_and_change_nothing(serving, message, error):
+    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    before = list(Challenge.objects.values())
+
+    with pytest.raises(InvalidAnswer, match=error):
+        services.record_challenge_answer(serving.pk, {"type": "challenge_result", "challenge": challenge.pk, **message})
+
+    assert list(Challenge.objects.values()) == before
+    assert Strike.objects.count() == 0
+
+
+def test_another_nodes_answer_is_refused(serving, second_provider, make_joined_node):
+    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    other = make_joined_node(second_provider, "gpu-x").node
+
+    with pytest.raises(InvalidAnswer, match=f"challenge {challenge.pk} was not sent to this node"):
+        services.record_challenge_answer(other.pk, answer(challenge, honest_output(challenge)))
+    challenge.refresh_from_db()
+    assert challenge.state == CheckState.SENT
+
+
+def test_second_answer_is_refused(serving, django_capture_on_commit_callbacks):
+    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
+
+    with pytest.raises(InvalidAnswer, match=f"challenge {challenge.pk} is already passed"):
+        services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
+
+
+def test_node_without_a_ready_block_is_not_challenged(provider, make_joined_node):
+    node = make_joined_node(provider, "idle").node
+
+    with pytest.raises(NotChallengeable):
+        services.send_challenge(node)
+    assert Challenge.objects.count() == 0

@@ -1,0 +1,368 @@
+"""Live audits: one stage's recorded traffic, checked against its receipt and replayed.
+
+Receipts prove coverage, not correct computation: a node can sign hashes of garbage. A live
+audit catches that. For an audited session the coordinator keeps, per step, the exact wire
+bytes one stage received and sent (``AuditMaterial``), whose sha256 the stage already signed in
+its receipt. A trusted verifier then
+
+1. ``check_hashes``: the material is the traffic the receipt covers: same job, session, node,
+   model and span, the same steps and token rows, and the sha256 of every input and output equal
+   to the signed (input hash, output hash) pair of that step;
+2. ``replay``: runs the inputs, step by step, through a trusted copy of the block on a fresh
+   throwaway KV cache, and compares every output token row with the recorded one: cosine
+   similarity >= ``min_cosine`` and ``abs(|out| - |ref|) / |ref|`` < ``max_rel_norm``, in float64.
+
+``verify_audit`` does both::
+
+    material = AuditMaterial.from_bytes(blob)
+    block = Block(load_block(material.model, material.layer_start, material.layer_end))
+    report = verify_audit(material, receipt, block)      # raises AuditFailed unless honest
+    print(report.to_dict())
+
+Nodes cannot tell audited traffic apart: in ring topology every stage also sends each output to
+its coordinator (a tap), for every session, and in star topology the coordinator relays every
+output itself; which sessions and stages are kept is the coordinator's own choice.
+
+Errors (trust code fails closed: it raises, it never returns False)::
+
+    AuditError (errors.py)   code audit_malformed: material that does not parse or is inconsistent
+                             in itself; audit_wrong_block: a trusted block that cannot replay it
+    └── AuditFailed          the node is at fault: code audit_hash_mismatch, the material is not
+                             what the receipt signed; code audit_mismatch, the replay's outputs
+                             differ from the recorded ones (``.report`` says where)
+
+A receipt that does not verify raises its own ``ReceiptError``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from worker_agent import wire
+from worker_agent.block import Block, WorkItem
+from worker_agent.errors import AuditError
+from worker_agent.kvcache import KVSession
+from worker_agent.receipts import Receipt, digest
+
+AUDIT_VERSION = 1
+DEFAULT_MIN_COSINE = 0.99
+DEFAULT_MAX_REL_NORM = 0.05
+
+_STR_FIELDS = ("job", "session", "node", "model", "dtype")
+_INT_FIELDS = ("stage", "layer_start", "layer_end", "hidden_size")
+_KEYS = frozenset({"v", *_STR_FIELDS, *_INT_FIELDS, "steps", "inputs", "outputs"})
+
+
+class AuditFailed(AuditError):
+    """The node's signed traffic is not what the receipt says, or not what its block computes."""
+
+    code = "audit_hash_mismatch"
+
+    def __init__(self, message: str, *, code: str | None = None, report: AuditReport | None = None) -> None:
+        super().__init__(message, code=code)
+        self.report = report
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class AuditMaterial:
+    """One stage's exact traffic for one session; validated on construction (``AuditError``)."""
+
+    job: str  # job id
+    session: str  # session id within the job
+    stage: int  # index of the stage in the pipeline, 0-based
+    node: str  # node id of the stage, as its HELLO said
+    model: str  # model id
+    layer_start: int  # first layer of the stage's span (inclusive)
+    layer_end: int  # end of the span (exclusive)
+    dtype: str  # wire dtype of every input and output, a key of wire.DTYPES
+    hidden_size: int  # columns of every tensor
+    steps: tuple[tuple[int, int], ...]  # per step: (position of the first token, token rows)
+    inputs: tuple[bytes, ...]  # per step: the tensor bytes the stage received, rows x hidden
+    outputs: tuple[bytes, ...]  # per step: the tensor bytes the stage sent, rows x hidden
+
+    def __post_init__(self) -> None:
+        for name in _STR_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise AuditError(f"audit material {name} must be a non-empty string, got {value!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise AuditError(f"audit material {name} must be a non-negative integer, got {value!r}")
+        if self.layer_start >= self.layer_end:
+            raise AuditError(f"audit material span [{self.layer_start}, {self.layer_end}) is empty")
+        if self.dtype not in wire.DTYPES:
+            raise AuditError(f"audit material dtype {self.dtype!r} is not one of {sorted(wire.DTYPES)}")
+        if self.hidden_size < 1:
+            raise AuditError("audit material hidden_size must be positive")
+        if not isinstance(self.steps, tuple) or not self.steps:
+            raise AuditError("audit material needs a non-empty tuple of steps")
+        for step in self.steps:
+            if not (
+                isinstance(step, tuple)
+                and len(step) == 2
+                and all(_is_int(n) for n in step)
+                and step[0] >= 0
+                and step[1] >= 1
+            ):
+                raise AuditError(f"each audit step is (start >= 0, count >= 1), got {step!r}")
+        row = self.hidden_size * wire.DTYPES[self.dtype].itemsize
+        for name in ("inputs", "outputs"):
+            chunks = getattr(self, name)
+            if not isinstance(chunks, tuple) or len(chunks) != len(self.steps):
+                raise AuditError(f"audit material {name} must be a tuple of {len(self.steps)} byte strings")
+            for index, (chunk, (_, count)) in enumerate(zip(chunks, self.steps, strict=True)):
+                if not isinstance(chunk, bytes):
+                    raise AuditError(f"audit material {name}[{index}] must be bytes, got {type(chunk).__name__}")
+                if len(chunk) != count * row:
+                    raise AuditError(
+                        f"audit material {name}[{index}] has {len(chunk)} bytes; {count} rows of "
+                        f"{self.hidden_size} {self.dtype} need {count * row}"
+                    )
+                if not bool(torch.isfinite(self.tensor(chunk, count)).all()):
+                    raise AuditError(f"audit material {name}[{index}] holds NaN or Inf")
+
+    @property
+    def tokens(self) -> int:
+        """Token rows over all steps."""
+        return sum(count for _, count in self.steps)
+
+    def tensor(self, chunk: bytes, count: int) -> torch.Tensor:
+        """One step's bytes as a (count, hidden) tensor in the wire dtype."""
+        flat = torch.frombuffer(bytearray(chunk), dtype=wire.DTYPES[self.dtype])
+        return flat.view(count, self.hidden_size)
+
+    def to_bytes(self) -> bytes:
+        """Versioned msgpack, keys sorted: the same material always gives the same bytes."""
+        body: dict[str, Any] = {name: getattr(self, name) for name in (*_STR_FIELDS, *_INT_FIELDS)}
+        body |= {
+            "v": AUDIT_VERSION,
+            "steps": [list(step) for step in self.steps],
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+        }
+        return msgpack.packb(dict(sorted(body.items())), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> AuditMaterial:
+        """Parse ``to_bytes``'s output; raises ``AuditError`` on anything else."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise AuditError(f"audit material must be bytes, got {type(data).__name__}")
+        try:
+            body = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+        except Exception as exc:
+            raise AuditError(f"audit material is not valid msgpack: {exc.__class__.__name__}") from None
+        if not isinstance(body, dict) or set(body) != _KEYS:
+            raise AuditError(f"audit material must be a map with exactly the keys {sorted(_KEYS)}")
+        if not _is_int(body["v"]) or body["v"] != AUDIT_VERSION:
+            raise AuditError(f"audit material version {body['v']!r} is not supported (expected {AUDIT_VERSION})")
+        for name in ("steps", "inputs", "outputs"):
+            if not isinstance(body[name], list):
+                raise AuditError(f"audit material {name} must be a list")
+        return cls(
+            **{name: body[name] for name in (*_STR_FIELDS, *_INT_FIELDS)},
+            steps=tuple(tuple(step) if isinstance(step, list) else step for step in body["steps"]),
+            inputs=tuple(body["inputs"]),
+            outputs=tuple(body["outputs"]),
+        )
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What a replay found, per token row in step order."""
+
+    job: str
+    session: str
+    stage: int  # index of the audited stage in the pipeline
+    node: str  # node id of the audited stage
+    steps: int  # steps replayed
+    tokens: int  # token rows compared
+    cosine: tuple[float, ...]  # per row: cosine similarity of the recorded output with the replay's
+    rel_norm: tuple[float, ...]  # per row: abs(|recorded| - |replayed|) / |replayed|
+    min_cosine: float  # threshold: every row's cosine must be >= this
+    max_rel_norm: float  # threshold: every row's rel_norm must be < this
+    first_failure: tuple[int, int] | None  # (step, row within the step) of the first row out of bounds
+
+    @property
+    def passed(self) -> bool:
+        return self.first_failure is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly: floats rounded to 6 places, a non-finite value as None."""
+        step, row = self.first_failure or (None, None)
+        return {
+            "job": self.job,
+            "session": self.session,
+            "stage": self.stage,
+            "node": self.node,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "passed": self.passed,
+            "min_cosine": self.min_cosine,
+            "max_rel_norm": self.max_rel_norm,
+            "worst_cosine": _round(min(self.cosine, default=1.0)),
+            "worst_rel_norm": _round(max(self.rel_norm, default=0.0)),
+            "first_failure": None if step is None else {"step": step, "token": row},
+            "cosine": [_round(value) for value in self.cosine],
+            "rel_norm": [_round(value) for value in self.rel_norm],
+        }
+
+
+def _round(value: float) -> float | None:
+    return round(value, 6) if math.isfinite(value) else None
+
+
+def per_token_metrics(output: torch.Tensor, reference: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per row of two (rows, hidden) tensors, in float64: the cosine similarity of ``output``
+    with ``reference``, and ``abs(|output| - |reference|) / |reference|``.
+
+    A zero row is similar only to a zero row (cosine 1, relative norm 0); against a zero
+    reference any other row has relative norm inf. Raises ValueError on shapes that differ or
+    are not two-dimensional.
+    """
+    if output.dim() != 2 or tuple(output.shape) != tuple(reference.shape):
+        raise ValueError(
+            f"per-token comparison needs two (rows, hidden) tensors of one shape, got "
+            f"{tuple(output.shape)} and {tuple(reference.shape)}"
+        )
+    out = output.detach().to("cpu", torch.float64)
+    ref = reference.detach().to("cpu", torch.float64)
+    dots = (out * ref).sum(dim=-1).tolist()  # (rows,)
+    out_norms = out.norm(dim=-1).tolist()
+    ref_norms = ref.norm(dim=-1).tolist()
+    cosines, rel_norms = [], []
+    for dot, out_norm, ref_norm in zip(dots, out_norms, ref_norms, strict=True):
+        if ref_norm == 0:
+            cosines.append(1.0 if out_norm == 0 else 0.0)
+            rel_norms.append(0.0 if out_norm == 0 else math.inf)
+        elif out_norm == 0:
+            cosines.append(0.0)
+            rel_norms.append(1.0)
+        else:
+            cosines.append(max(-1.0, min(1.0, dot / (out_norm * ref_norm))))
+            rel_norms.append(abs(out_norm - ref_norm) / ref_norm)
+    return tuple(cosines), tuple(rel_norms)
+
+
+def check_hashes(material: AuditMaterial, receipt: Receipt) -> None:
+    """Raise ``AuditFailed`` (audit_hash_mismatch) unless ``material`` is exactly the traffic
+    that ``receipt`` signs for; a receipt that does not verify raises its ``ReceiptError``."""
+    if not isinstance(material, AuditMaterial) or not isinstance(receipt, Receipt):
+        raise AuditFailed("check_hashes takes an AuditMaterial and a Receipt")
+    receipt.verify_signature()
+    where = f"stage {material.stage} (node {material.node}) of session {material.session!r}"
+    for name in ("job", "session", "node", "model", "layer_start", "layer_end"):
+        if getattr(receipt, name) != getattr(material, name):
+            raise AuditFailed(
+                f"{where}: the receipt's {name} is {getattr(receipt, name)!r}, the material's "
+                f"{getattr(material, name)!r}"
+            )
+    if receipt.steps != len(material.steps) or receipt.tokens != material.tokens:
+        raise AuditFailed(
+            f"{where}: the receipt signs {receipt.steps} steps, {receipt.tokens} tokens; the material holds "
+            f"{len(material.steps)} steps, {material.tokens} tokens"
+        )
+    pairs = zip(receipt.hashes, material.inputs, material.outputs, strict=True)
+    for step, ((signed_in, signed_out), sent_in, sent_out) in enumerate(pairs):
+        if digest(sent_in) != signed_in:
+            raise AuditFailed(f"{where} step {step}: the recorded input is not what the node signed")
+        if digest(sent_out) != signed_out:
+            raise AuditFailed(f"{where} step {step}: the recorded output is not what the node signed")
+
+
+def _check_thresholds(min_cosine: float, max_rel_norm: float) -> None:
+    if not (math.isfinite(min_cosine) and -1 <= min_cosine <= 1):
+        raise ValueError(f"min_cosine must be in [-1, 1], got {min_cosine!r}")
+    if not (math.isfinite(max_rel_norm) and max_rel_norm > 0):
+        raise ValueError(f"max_rel_norm must be a positive number, got {max_rel_norm!r}")
+
+
+def _check_block(material: AuditMaterial, block: Block) -> None:
+    """A block that cannot stand for the audited stage is the verifier's mistake, not the node's."""
+    weights = block.weights
+    span = (weights.layer_start, weights.layer_end)
+    if span != (material.layer_start, material.layer_end) or block.hidden_size != material.hidden_size:
+        raise AuditError(
+            f"the trusted block runs layers [{span[0]}, {span[1]}) with hidden size {block.hidden_size}; the "
+            f"material is for [{material.layer_start}, {material.layer_end}) with hidden size {material.hidden_size}",
+            code="audit_wrong_block",
+        )
+
+
+def replay(
+    material: AuditMaterial,
+    block: Block,
+    *,
+    min_cosine: float = DEFAULT_MIN_COSINE,
+    max_rel_norm: float = DEFAULT_MAX_REL_NORM,
+) -> AuditReport:
+    """Run the material's inputs through ``block`` (trusted, same span) on a fresh KV cache and
+    compare every recorded output row with the replay's. Raises ``AuditError`` when the block
+    cannot stand for the stage or a step starts past what the cache holds."""
+    _check_thresholds(min_cosine, max_rel_norm)
+    _check_block(material, block)
+    kv = KVSession(material.job, material.session)  # throwaway: dropped when this returns
+    cosines: list[float] = []
+    rel_norms: list[float] = []
+    first_failure = None
+    for step, ((start, count), sent_in, sent_out) in enumerate(
+        zip(material.steps, material.inputs, material.outputs, strict=True)
+    ):
+        if start > kv.length:
+            raise AuditError(f"audit step {step} starts at position {start}, past the {kv.length} held")
+        (computed,) = block.forward([WorkItem(kv, start, material.tensor(sent_in, count))])  # (count, hidden)
+        # Through the wire dtype, as the stage serializes it, so that honest bytes compare equal.
+        replayed = material.tensor(wire.tensor_payload(computed, material.dtype), count)
+        step_cosines, step_rel_norms = per_token_metrics(material.tensor(sent_out, count), replayed)
+        for row, (cosine, rel_norm) in enumerate(zip(step_cosines, step_rel_norms, strict=True)):
+            if first_failure is None and not (cosine >= min_cosine and rel_norm < max_rel_norm):
+                first_failure = (step, row)
+        cosines += step_cosines
+        rel_norms += step_rel_norms
+    return AuditReport(
+        job=material.job,
+        session=material.session,
+        stage=material.stage,
+        node=material.node,
+        steps=len(material.steps),
+        tokens=material.tokens,
+        cosine=tuple(cosines),
+        rel_norm=tuple(rel_norms),
+        min_cosine=min_cosine,
+        max_rel_norm=max_rel_norm,
+        first_failure=first_failure,
+    )
+
+
+def verify_audit(
+    material: AuditMaterial,
+    receipt: Receipt,
+    block: Block,
+    *,
+    min_cosine: float = DEFAULT_MIN_COSINE,
+    max_rel_norm: float = DEFAULT_MAX_REL_NORM,
+) -> AuditReport:
+    """``check_hashes``, then ``replay``; raises ``AuditFailed`` (audit_mismatch, with ``.report``)
+    when any output row is out of bounds, and returns the report when every row passes."""
+    check_hashes(material, receipt)
+    report = replay(material, block, min_cosine=min_cosine, max_rel_norm=max_rel_norm)
+    if not report.passed:
+        step, row = report.first_failure
+        index = sum(count for _, count in material.steps[:step]) + row
+        raise AuditFailed(
+            f"stage {material.stage} (node {material.node}) of session {material.session!r}: step {step} token "
+            f"{row} has cosine {report.cosine[index]:.6f} (min {min_cosine}) and relative norm "
+            f"{report.rel_norm[index]:.6f} (max {max_rel_norm}) against the trusted replay",
+            code="audit_mismatch",
+            report=report,
+        )
+    return report

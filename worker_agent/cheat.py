@@ -1,0 +1,165 @@
+"""Cheat modes, for tests only: an agent that misbehaves on purpose, so tests can prove it is caught.
+
+A cheat replaces what the layer block computes, on live traffic (``Stage.compute``) and on
+seeded challenges (``challenge.run_challenge``)::
+
+    garbage             seeded random noise of the right shape and dtype (finite)
+    identity            the input hidden states, unchanged: the layers never run
+    other-weights       the same architecture and span, but seeded random weights
+    selective:FRACTION  honest on challenges; on live traffic, garbage for that fraction of
+                        sessions (0 < FRACTION <= 1), a whole session cheated or none of it
+
+It is switched on only by the hidden option ``--cheat MODE`` of ``swarm-worker serve`` and
+``swarm-worker join``, which is refused unless the environment sets ``SWARM_ALLOW_CHEAT=1``;
+an agent with a cheat logs a loud warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import torch
+from torch import nn
+
+from worker_agent.block import Block, WorkItem
+from worker_agent.errors import SwarmError
+from worker_agent.model import BlockWeights
+
+ALLOW_ENV = "SWARM_ALLOW_CHEAT"
+MODES = ("garbage", "identity", "other-weights", "selective")
+IMPOSTOR_SEED = 1  # the impostor's weights: fixed, so a failure reproduces
+
+
+class Cheat:
+    def __init__(self, mode: str, fraction: float = 1.0) -> None:
+        if mode not in MODES:
+            raise SwarmError(f"unknown cheat mode {mode!r}: use one of {', '.join(MODES)}", code="cheat_invalid")
+        if not 0.0 < fraction <= 1.0:
+            raise SwarmError(f"a cheat's fraction must be in (0, 1], got {fraction}", code="cheat_invalid")
+        if mode != "selective" and fraction != 1.0:
+            raise SwarmError(f"only selective takes a fraction, not {mode}", code="cheat_invalid")
+        self.mode = mode
+        self.fraction = fraction
+        self._impostor: tuple[tuple, Block] | None = None  # (span key, the span with other weights)
+        self._lock = threading.Lock()  # live compute and challenges run on different threads
+
+    @classmethod
+    def parse(cls, text: str) -> Cheat:
+        """``garbage``, ``identity``, ``other-weights`` or ``selective:FRACTION``."""
+        mode, _, fraction = text.partition(":")
+        if mode == "selective":
+            try:
+                return cls(mode, float(fraction))
+            except ValueError:
+                raise SwarmError(
+                    f"selective needs a fraction in (0, 1], e.g. selective:0.5, got {text!r}", code="cheat_invalid"
+                ) from None
+        if fraction:
+            raise SwarmError(f"cheat mode {mode!r} takes no argument, got {text!r}", code="cheat_invalid")
+        return cls(mode)
+
+    def __str__(self) -> str:
+        return f"selective:{self.fraction:g}" if self.mode == "selective" else self.mode
+
+    def __repr__(self) -> str:
+        return f"Cheat({str(self)!r})"
+
+    def cheats_on(self, job: str, session: str, *, live: bool) -> bool:
+        """Whether this session's outputs are faked. Selective decides per (job, session) by a
+        hash, so one session is cheated at every step or at none."""
+        if self.mode != "selective":
+            return True
+        if not live:
+            return False
+        draw = int.from_bytes(_hash(job, session)[:8], "big") / 2**64  # uniform in [0, 1)
+        return draw < self.fraction
+
+    def forward(self, block: Block, items: list[WorkItem], *, live: bool) -> list[torch.Tensor]:
+        """What this cheating node returns instead of ``block.forward(items)``."""
+        if self.mode == "other-weights":
+            return self.impostor(block).forward(items)
+        honest = [
+            i for i, item in enumerate(items) if not self.cheats_on(item.session.job, item.session.session, live=live)
+        ]
+        outputs: list[torch.Tensor | None] = [None] * len(items)
+        if honest:
+            for index, output in zip(honest, block.forward([items[i] for i in honest]), strict=True):
+                outputs[index] = output
+        for index, item in enumerate(items):
+            if outputs[index] is None:
+                outputs[index] = self._fake(block, item)
+                # A faked session never runs the layers, so its cache stays empty; only the
+                # position count advances, which is all the stage's order checks look at.
+                item.session.length = item.start + item.hidden.shape[0]
+        return outputs  # type: ignore[return-value]
+
+    def _fake(self, block: Block, item: WorkItem) -> torch.Tensor:
+        weights = block.weights
+        if self.mode == "identity":
+            return item.hidden.to(weights.device, weights.dtype).clone()  # (tokens, hidden)
+        kv = item.session
+        seed = int.from_bytes(_hash(kv.job, kv.session, str(item.start))[:8], "big") >> 1
+        noise = torch.randn(item.hidden.shape, generator=torch.Generator().manual_seed(seed))  # (tokens, hidden)
+        return noise.to(weights.device, weights.dtype)
+
+    def impostor(self, block: Block) -> Block:
+        """The block's span with other weights, built on first use."""
+        weights = block.weights
+        key = (weights.model, weights.layer_start, weights.layer_end, weights.dtype, weights.device)
+        with self._lock:
+            # One at a time: an agent reassigned to another span drops the old impostor.
+            if self._impostor is None or self._impostor[0] != key:
+                self._impostor = (key, Block(impostor_weights(weights), max_batch=block.max_batch))
+            return self._impostor[1]
+
+
+def impostor_weights(weights: BlockWeights, *, seed: int = IMPOSTOR_SEED) -> BlockWeights:
+    """Layers of the same classes, config and span as ``weights``, initialized the way a model is
+    before training (normal(0, initializer_range) matrices, unit norms) from a fixed seed."""
+    config = weights.config
+    std = float(getattr(config, "initializer_range", 0.02))
+    generator = torch.Generator().manual_seed(seed)
+    layer_cls, rotary_cls = type(weights.layers[0]), type(weights.rotary)
+    layers = nn.ModuleList()
+    with torch.no_grad():
+        for local_index in range(len(weights.layers)):
+            layer = layer_cls(config, layer_idx=local_index)
+            for name, parameter in layer.named_parameters():
+                if parameter.dim() >= 2:
+                    parameter.normal_(0.0, std, generator=generator)
+                elif name.endswith("bias"):
+                    parameter.zero_()
+                else:
+                    parameter.fill_(1.0)  # norm gains
+            layers.append(layer.to(weights.device, weights.dtype).eval())
+    rotary = rotary_cls(config=config).to(weights.device).eval()
+    return BlockWeights(
+        weights.model, config, weights.layer_start, weights.layer_end, layers, rotary, weights.dtype, weights.device
+    )
+
+
+def cheat_from_option(text: str | None, environ: dict[str, str] | None = None) -> Cheat | None:
+    """The cheat a ``--cheat`` option asks for; refused unless SWARM_ALLOW_CHEAT=1."""
+    if text is None:
+        return None
+    environ = os.environ if environ is None else environ
+    if environ.get(ALLOW_ENV) != "1":
+        raise SwarmError(
+            f"--cheat makes this agent return wrong results on purpose and exists for tests only; "
+            f"it is refused unless {ALLOW_ENV}=1 is set",
+            code="cheat_refused",
+        )
+    return Cheat.parse(text)
+
+
+def warning_banner(cheat: Cheat) -> str:
+    return (
+        "!" * 78 + f"\nWARNING: --cheat {cheat}: this agent returns WRONG RESULTS on purpose (tests only).\n"
+        "Its challenges and audits are meant to fail, and its node to be struck.\n" + "!" * 78
+    )
+
+
+def _hash(*parts: str) -> bytes:
+    return hashlib.sha256("\0".join(parts).encode()).digest()
