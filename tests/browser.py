@@ -5,7 +5,8 @@ fresh browser and page per test) and ``web_server`` (the control plane on a loop
 tiny-llama, with heartbeats fast enough that a stopped agent goes offline within seconds). In a
 ``web`` test, whose console errors and uncaught page errors fail the test,
 with ``web.shot(name)`` saving a full-page screenshot to
-``artifacts/screenshots/<test>/<name>.png``. Without Chromium (or Playwright) the test is
+``artifacts/screenshots/<test>/<name>.png`` and ``web.new_session()`` opening a second person's
+page beside the first. Without Chromium (or Playwright) the test is
 skipped with a loud reason, and the session's header and summary say so (tests/conftest.py).
 
 Playwright's sync API runs an asyncio loop on the test's thread for as long as it is started, so

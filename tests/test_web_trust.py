@@ -11,7 +11,9 @@ transfer exists on the fake. An admin ejects a node (a reason is required) and r
 
 The node has no agent here: it is joined, active and serving in the database, and the test plays
 the agent's answers through the verification services. The server's own trust schedule (random
-challenges, releases, daily batches) is switched off so that only the test acts.
+challenges, releases, daily batches) is switched off so that only the test acts. Two checks need no
+browser: connecting without Stripe configured says so, and Stripe's default return address (no
+trailing slash) reaches the earnings page.
 """
 
 from __future__ import annotations
@@ -418,8 +420,13 @@ def test_a_provider_connects_stripe_and_an_admin_approves_the_payout(earned, fak
     web.shot("earnings-paid")
 
 
-def test_an_admin_ejects_a_node_with_a_reason_and_reinstates_it(people, web):
-    node = serving_node(people[0], "gpu-7")
+@pytest.fixture
+def serving(people):
+    return serving_node(people[0], "gpu-7")
+
+
+def test_an_admin_ejects_a_node_with_a_reason_and_reinstates_it(serving, web):
+    node = serving
     page = web.page
     sign_in(page, "pat")
     page.goto(f"/provider/nodes/{node.pk}/")

@@ -97,6 +97,7 @@ def send_challenge(node: Node, *, tokens: int | None = None, seed: int | None = 
             "layer_end": challenge.layer_end,
         },
     )
+    notify_node_changed(node.pk)  # the provider's page lists the challenge as sent
     return challenge
 
 
@@ -216,6 +217,7 @@ def verify_challenge(challenge_pk: int) -> Challenge:
             challenge.state = CheckState.FAILED
             challenge.reason = "output disagrees with the trusted recompute: " + "; ".join(comparison.failures)
         challenge.save()
+        notify_node_changed(challenge.node_id)
         if challenge.state == CheckState.FAILED:
             _open_strike(
                 challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge)
@@ -374,6 +376,7 @@ def _finish_audit(audit_pk: int, state: str, reason: str, metrics: dict) -> Audi
             return audit
         audit.state, audit.reason, audit.metrics, audit.checked_at = state, reason, metrics, timezone.now()
         audit.save()
+        notify_node_changed(audit.node_id)
         if state == CheckState.FAILED:
             _open_strike(
                 audit.node,
