@@ -134,4 +134,8 @@ def test_honest_bfloat16_agents_get_no_strike_over_200_challenges(make_swarm):
     assert {c.metrics["reference"] for c in decided} == {"float32"}
     assert Strike.objects.count() == 0
     worst = min(c.metrics["min_cosine"] for c in decided)
-    print(f"201 bf16 challenges in {time.monotonic() - started:.1f}s; worst token cosine {worst:.6f}")
+    worst_norm = max(c.metrics["max_rel_norm"] for c in decided)
+    print(
+        f"201 bf16 challenges in {time.monotonic() - started:.1f}s; worst token cosine {worst:.6f}, "
+        f"worst relative norm difference {worst_norm:.6f}"
+    )

@@ -202,3 +202,51 @@ def test_node_without_a_ready_block_is_not_challenged(provider, make_joined_node
     with pytest.raises(NotChallengeable):
         services.send_challenge(node)
     assert Challenge.objects.count() == 0
+
+
+@pytest.fixture
+def serving_smollm2(settings, provider, make_joined_node):
+    """A node serving layers 20:30 of smollm2-135m."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    settings.SWARM_VERIFIER = "inline"
+    node = make_joined_node(provider, "gpu-s").node
+    Assignment.objects.create(
+        node=node, model="smollm2-135m", generation=1, pipeline=0, position=2, layer_start=20, layer_end=30,
+        state=AssignmentState.READY, ready_at=timezone.now(),
+    )  # fmt: skip
+    return node
+
+
+def smollm2_answer(challenge: Challenge, dtype: str) -> torch.Tensor:
+    block = Block(models.load_block("smollm2-135m", 20, 30, dtype=dtype))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as an agent runs (--threads 1); the seed below was measured so
+    try:
+        return challenges.run_challenge(block, challenge.seed, challenge.tokens)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_honest_bfloat16_rounding_past_a_threshold_passes_against_the_bfloat16_reference(
+    serving_smollm2, django_capture_on_commit_callbacks
+):
+    # Seed 1589 on layers 20:30: one token of the honest bfloat16 answer is 0.0534 off in norm from
+    # float32 (over 0.05); the same block in bfloat16 on the verifier agrees with it.
+    challenge = services.send_challenge(serving_smollm2, tokens=8, seed=1589)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.record_challenge_answer(serving_smollm2.pk, answer(challenge, smollm2_answer(challenge, "bfloat16")))
+
+    challenge.refresh_from_db()
+    assert (challenge.state, challenge.metrics["reference"]) == (CheckState.PASSED, "bfloat16")
+    assert Strike.objects.count() == 0
+
+
+def test_a_wrong_answer_fails_against_both_references(serving_smollm2, django_capture_on_commit_callbacks):
+    challenge = services.send_challenge(serving_smollm2, tokens=8, seed=1589)
+    skipped = challenges.challenge_input(challenge.seed, challenge.tokens, 576)
+    with django_capture_on_commit_callbacks(execute=True):
+        services.record_challenge_answer(serving_smollm2.pk, answer(challenge, skipped))
+
+    challenge.refresh_from_db()
+    assert (challenge.state, challenge.metrics["reference"]) == (CheckState.FAILED, "float32")
+    assert Strike.objects.filter(challenge=challenge).count() == 1

@@ -72,9 +72,12 @@ def test_a_perfect_month_old_node_scores_one():
 
 def test_a_new_node_starts_above_the_placement_threshold():
     rep = reputation(obs(age_days=0.0, online_s=0.0, checks_passed=0, challenges_sent=0))
+    loading = reputation(obs(age_days=600 / 86400, online_s=0.0, checks_passed=0, challenges_sent=0))
 
     assert rep.score == pytest.approx(0.35 + 0.25 + 0.25)  # full uptime and reliability by default, no age
-    assert rep.score > 0.5
+    # Ten minutes loading its block before the first heartbeat keep it well above the threshold.
+    assert loading.components["uptime"] == round(3600 / 4200, 4)
+    assert loading.score > 0.75
 
 
 def test_failed_checks_and_upheld_strikes_pull_the_score_down():
@@ -91,8 +94,9 @@ def test_late_answers_lower_reliability_and_half_uptime_lowers_the_score():
     rep = reputation(obs(challenges_sent=10, challenges_late=6, online_s=15 * 86400.0))
 
     assert rep.components["reliability"] == 0.5
-    assert rep.components["uptime"] == pytest.approx(0.5)
-    assert rep.score == pytest.approx(0.35 * 0.5 + 0.25 * 0.5 + 0.15 + 0.25)
+    uptime = (15 * 86400 + 3600) / (30 * 86400 + 3600)  # with the prior hour online
+    assert rep.components["uptime"] == round(uptime, 4)
+    assert rep.score == pytest.approx(0.35 * uptime + 0.25 * 0.5 + 0.15 + 0.25)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ explanation a provider sees. Pure functions, no ORM.
     score = pass_factor * (0.35 * uptime + 0.25 * reliability + 0.15 * age + 0.25)
     pass_factor = check_pass_rate ** 2 * 0.5 ** upheld_strikes
 
-- uptime: the share of time since joining that the node was heartbeating;
+- uptime: the share of time since joining that the node was heartbeating (from a prior of one
+  hour online);
 - check pass rate: passed challenges and audits over all decided ones, smoothed with a prior of
   two passes so that one early failure does not zero a node (squared: correctness matters most);
 - reliability: the share of challenges answered before their deadline (latency reliability);
@@ -20,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRIOR_PASSES = 2.0
+# Uptime starts from an hour of full uptime, so the minutes between joining and the first heartbeat
+# (loading the block) do not make a new node look unreliable.
+PRIOR_UPTIME_S = 3600.0
 AGE_FULL_DAYS = 30.0
 
 
@@ -45,8 +49,8 @@ class Reputation:
 
 
 def reputation(obs: Observations) -> Reputation:
-    lifetime_s = max(obs.age_days * 86400.0, 1.0)
-    uptime = min(obs.online_s / lifetime_s, 1.0) if obs.age_days > 0 else 1.0
+    lifetime_s = max(obs.age_days * 86400.0, 0.0)
+    uptime = min((obs.online_s + PRIOR_UPTIME_S) / (lifetime_s + PRIOR_UPTIME_S), 1.0)
     decided = obs.checks_passed + obs.checks_failed
     pass_rate = (obs.checks_passed + PRIOR_PASSES) / (decided + PRIOR_PASSES)
     reliability = (obs.challenges_sent - obs.challenges_late + PRIOR_PASSES) / (obs.challenges_sent + PRIOR_PASSES)
