@@ -122,7 +122,7 @@ def test_node_honest_on_challenges_but_cheating_live_is_caught_by_audits(make_sw
     assert Strike.objects.exclude(node=swarm.cheater).count() == 0
 
 
-def test_honest_bfloat16_agents_get_no_strike_over_200_challenges(make_swarm):
+def test_honest_bfloat16_agents_get_no_strike_over_200_challenges_or_their_audits(make_swarm):
     swarm = make_swarm(cheat=None, dtype="bfloat16", model="smollm2-135m", max_layers=10)
     nodes = list(Node.objects.filter(pk__in=[n.pk for n in swarm.nodes.values()]))
 
@@ -132,6 +132,13 @@ def test_honest_bfloat16_agents_get_no_strike_over_200_challenges(make_swarm):
     assert [c.state for c in decided] == [CheckState.PASSED] * 201
     # Against the float32 reference itself, not the bfloat16 fallback.
     assert {c.metrics["reference"] for c in decided} == {"float32"}
+    assert Strike.objects.count() == 0
+
+    # Live audits of real text: every stage of every job replayed, no strike.
+    jobs = [swarm.run_job(prompt) for prompt in ("What is the capital of France?", "Name three rivers.")]
+    audits = Audit.objects.filter(job__in=jobs)
+    assert audits.count() == 6
+    assert {a.state for a in audits} == {CheckState.PASSED}
     assert Strike.objects.count() == 0
     worst = min(c.metrics["min_cosine"] for c in decided)
     worst_norm = max(c.metrics["max_rel_norm"] for c in decided)

@@ -37,7 +37,8 @@ STRIKES_TO_EJECT = 3
 
 
 class Swarm:
-    def __init__(self, url, users, nodes, agents, key):
+    def __init__(self, url, users, nodes, agents, key, model=MODEL):
+        self.model = model
         self.url, self.users, self.nodes, self.agents, self.key = url, users, nodes, agents, key
         self.customer = get_user_model().objects.get(username="carol")
         self.client = OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
@@ -55,7 +56,7 @@ class Swarm:
         return account.balance if account else 0
 
     def run_job(self, prompt: str) -> Job:
-        completion = self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+        completion = self.client.completions.create(model=self.model, prompt=prompt, max_tokens=4, temperature=0)
         job = Job.objects.get(public_id=completion.id)
         # Settled, and every audit of the job replayed (verification runs inline on the server).
         wait_for(lambda: Job.objects.get(pk=job.pk).settled_at is not None, 60, "the job to settle")
@@ -139,7 +140,7 @@ def make_swarm(transactional_db, tmp_path, settings):
             return servable_pipelines(model)
 
         wait_for(servable, 180, "a servable pipeline", 0.5)
-        return Swarm(server.url, users, nodes, agents, key)
+        return Swarm(server.url, users, nodes, agents, key, model)
 
     yield make
     for overrides, server, agents in started:
