@@ -27,6 +27,8 @@ class EmbeddedServer:
             lifespan="on",
             log_level="warning",
             ws="websockets-sansio",
+            # Open WebSockets (agents' control channels, dashboards) must not hold a stop forever.
+            timeout_graceful_shutdown=5,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="web", daemon=True)
@@ -45,6 +47,6 @@ class EmbeddedServer:
             time.sleep(0.05)
         return self
 
-    def stop(self, timeout_s: float = 15.0) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=timeout_s)

@@ -35,18 +35,23 @@ PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it deliv
 
 async def in_thread(fn, *args, **kwargs):
     """Run blocking ORM or cache work in a worker thread of its own: jobs do not queue behind
-    one another (or behind the web requests) on a single database thread."""
-    return await sync_to_async(fn, thread_sensitive=False)(*args, **kwargs)
-
-
-def _settle_and_release(job_pk: int) -> None:
-    from marketplace.billing.services import settle
+    one another (or behind the web requests) on a single database thread. The thread hands its
+    database connection back when done, so idle pool threads hold none."""
     from marketplace.db import release_connections
 
-    try:
-        settle(job_pk)
-    finally:
-        release_connections()  # this worker thread hands its connection back to the pool
+    def call():
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            release_connections()
+
+    return await sync_to_async(call, thread_sensitive=False)()
+
+
+def _settle(job_pk: int) -> None:
+    from marketplace.billing.services import settle
+
+    settle(job_pk)
 
 
 def group_name(job_pk: int) -> str:
@@ -58,7 +63,7 @@ async def run_job(job_pk: int) -> str:
     try:
         return await _run(job_pk)
     finally:
-        await in_thread(_settle_and_release, job_pk)
+        await in_thread(_settle, job_pk)
 
 
 async def _run(job_pk: int) -> str:
