@@ -220,6 +220,11 @@ def main() -> int:
 
         (pipeline, *_) = servable_pipelines(MODEL)
         print("servable: " + " -> ".join(f"{s.node}[{s.layer_start}:{s.layer_end}]" for s in pipeline))
+        from marketplace.verification.verifier import trusted_block
+
+        for stage in pipeline:  # the verifier's own copies, for challenges and live audits
+            trusted_block(MODEL, stage.layer_start, stage.layer_end)
+        print("verifier ready: float32 copies of the three spans for challenges and live audits")
         _stream_one(base_url, accounts["key"])
         _report(base_url, accounts)
         while not stop.is_set():
