@@ -14,13 +14,15 @@ from marketplace.billing.models import AccountKind, LedgerAccount, Transfer
 from marketplace.billing.services import account, transfer
 from marketplace.jobs.models import Job
 from marketplace.nodes.models import Node, NodeState
-from marketplace.payouts.models import BatchState, Earning, EarningState, PayoutBatch
+from marketplace.payouts import services as payout_services
+from marketplace.payouts.models import BatchState, ConnectAccount, Earning, EarningState, PayoutBatch
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.verification import services
 from marketplace.verification.models import Strike, StrikeState
+from tests.stripe_fake import deliver
 from worker_agent import challenge as challenges
 
-pytest_plugins = ["tests.factories"]
+pytest_plugins = ["tests.factories", "tests.stripe_fake"]
 pytestmark = [pytest.mark.trust, pytest.mark.django_db]
 
 EARNED = 123_456_789
@@ -198,3 +200,19 @@ def test_admin_actions_are_denied_to_non_staff_and_change_nothing(struck, person
         assert response.status_code == 302
         assert response["Location"].startswith("/admin/login/")
     assert snapshot() == before
+
+
+def test_connect_account_updated_webhook_makes_the_account_payout_ready(provider, fake_stripe):
+    url = payout_services.start_onboarding(provider)
+    connect = ConnectAccount.objects.get(provider=provider)
+    assert url.startswith(f"https://connect.stripe.com/setup/e/{connect.stripe_account_id}/")
+    assert connect.payouts_enabled is False
+
+    onboarded = fake_stripe.complete_onboarding(connect.stripe_account_id)
+    response = deliver(fake_stripe.event("account.updated", onboarded))
+
+    assert response.status_code == 200
+    connect.refresh_from_db()
+    assert (connect.payouts_enabled, connect.details_submitted) == (True, True)
+    assert deliver(fake_stripe.event("account.updated", {**onboarded, "id": "acct_unknown"})).status_code == 200
+    assert ConnectAccount.objects.count() == 1

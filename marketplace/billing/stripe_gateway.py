@@ -334,6 +334,10 @@ def handle_event(event: Mapping) -> str:
             record = StripeEvent.objects.create(event_id=event["id"], type=event["type"])
     except IntegrityError:
         return "duplicate"
+    if record.type == "account.updated":  # a provider's Connect account (payouts), not a top-up
+        from marketplace.payouts.services import connect_account_updated
+
+        return connect_account_updated(event["data"]["object"])
     handler = HANDLERS.get(record.type)
     if handler is None:
         return "ignored"

@@ -197,12 +197,26 @@ def refresh_connect(provider) -> ConnectAccount | None:
     if connect is None:
         return None
     remote = call_stripe(lambda: stripe.Account.retrieve(connect.stripe_account_id), what="account lookup").to_dict()
+    _apply_account(connect, remote)
+    return connect
+
+
+def connect_account_updated(account: dict) -> str:
+    """Stripe's ``account.updated`` webhook (already verified): record whether the account can
+    receive transfers now. Returns "connect_updated", or "ignored" for an account not ours."""
+    connect = ConnectAccount.objects.filter(stripe_account_id=str(account.get("id", ""))).first()
+    if connect is None:
+        return "ignored"
+    _apply_account(connect, account)
+    return "connect_updated"
+
+
+def _apply_account(connect: ConnectAccount, remote: dict) -> None:
     capabilities = remote.get("capabilities") or {}
     connect.payouts_enabled = bool(remote.get("payouts_enabled")) and capabilities.get("transfers") == "active"
     connect.details_submitted = bool(remote.get("details_submitted"))
     connect.refreshed_at = timezone.now()
     connect.save(update_fields=["payouts_enabled", "details_submitted", "refreshed_at"])
-    return connect
 
 
 # --- batches and transfers ------------------------------------------------------------------------
