@@ -1,6 +1,6 @@
 from django.urls import path
 
-from marketplace.web import views
+from marketplace.web import admin_views, views
 
 app_name = "web"
 
@@ -23,16 +23,16 @@ urlpatterns = [
     path("customer/playground/", views.playground, name="playground"),
     path("customer/playground/chat/", views.playground_chat, name="playground-chat"),
     path("customer/playground/jobs/<str:public_id>/", views.playground_job, name="playground-job"),
-    path("swarm/", views.swarm, name="swarm"),
-    path("swarm/health/", views.swarm_health_fragment, name="swarm-health"),
-    path("swarm/latency/", views.latency_fragment, name="swarm-latency"),
-    path("swarm/throughput/", views.throughput_fragment, name="swarm-throughput"),
-    path("swarm/nodes/<int:pk>/eject/", views.node_eject, name="node-eject"),
-    path("swarm/nodes/<int:pk>/reinstate/", views.node_reinstate, name="node-reinstate"),
-    path("swarm/strikes/", views.strikes, name="strikes"),
-    path("swarm/strikes/<int:pk>/uphold/", views.strike_uphold, name="strike-uphold"),
-    path("swarm/strikes/<int:pk>/overturn/", views.strike_overturn, name="strike-overturn"),
-    path("swarm/payouts/", views.payouts, name="payouts"),
-    path("swarm/payouts/build/", views.payouts_build, name="payouts-build"),
-    path("swarm/payouts/<int:pk>/approve/", views.payouts_approve, name="payouts-approve"),
+    path("swarm/", admin_views.swarm, name="swarm"),
+    path("swarm/health/", admin_views.swarm_health_fragment, name="swarm-health"),
+    path("swarm/latency/", admin_views.latency_fragment, name="swarm-latency"),
+    path("swarm/throughput/", admin_views.throughput_fragment, name="swarm-throughput"),
+    path("swarm/nodes/<int:pk>/eject/", admin_views.node_eject, name="node-eject"),
+    path("swarm/nodes/<int:pk>/reinstate/", admin_views.node_reinstate, name="node-reinstate"),
+    path("swarm/strikes/", admin_views.strikes, name="strikes"),
+    path("swarm/strikes/<int:pk>/uphold/", admin_views.strike_uphold, name="strike-uphold"),
+    path("swarm/strikes/<int:pk>/overturn/", admin_views.strike_overturn, name="strike-overturn"),
+    path("swarm/payouts/", admin_views.payouts, name="payouts"),
+    path("swarm/payouts/build/", admin_views.payouts_build, name="payouts-build"),
+    path("swarm/payouts/<int:pk>/approve/", admin_views.payouts_approve, name="payouts-approve"),
 ]

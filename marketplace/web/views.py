@@ -3,8 +3,8 @@
 Each view checks who may see it, validates its form and calls one service of the app that owns
 the data (nodes, jobs, billing, verification, payouts); reads go through selectors. A user without
 the page's role gets 403; another provider's node or another customer's key or job answers 404, as
-if it did not exist. Admin actions (deciding strikes, approving payouts, ejecting nodes) are POST
-forms with CSRF, for staff only.
+if it did not exist. The admins' pages and actions (deciding strikes, approving payouts, ejecting
+nodes) live in admin_views.py: POST forms with CSRF, for staff only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Callable
 import stripe
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
@@ -36,15 +35,10 @@ from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiError
 from marketplace.nodes import services as node_services
 from marketplace.nodes.errors import NodeError
-from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts import services as payout_services
 from marketplace.payouts.errors import PayoutRefused
-from marketplace.payouts.models import PayoutState
-from marketplace.verification import services as verification
-from marketplace.verification.errors import StrikeDecisionRefused
-from marketplace.verification.models import StrikeState
 from marketplace.web import selectors, trust_selectors
-from marketplace.web.forms import ApiKeyForm, EjectForm, NodeForm, StrikeDecisionForm, TopUpForm
+from marketplace.web.forms import ApiKeyForm, NodeForm, TopUpForm
 from marketplace.web.services import ensure_playground_key
 
 USAGE_GROUPS = ("day", "model", "key")
@@ -89,6 +83,13 @@ def home(request: HttpRequest) -> HttpResponse:
 # --- providers ------------------------------------------------------------------------------------
 
 
+def _form_panel(request: HttpRequest, partial: str, page: str, form, context: dict) -> HttpResponse:
+    """A panel with a form: just the panel for HTMX (which swaps it in), else the whole page;
+    a refused form answers 400 on a full page load."""
+    status = 400 if form.errors and not request.htmx else 200
+    return render(request, partial if request.htmx else page, context, status=status)
+
+
 def _install_command(request: HttpRequest, token: str) -> str:
     """The one line a provider pastes on the machine: install the agent, then join with the token."""
     command = f"pip install '{WORKER_PACKAGE}' && {join_command(request, token)}"
@@ -105,9 +106,7 @@ def _nodes_panel(request: HttpRequest, form: NodeForm, *, added=None, token: str
         "added": added,
         "command": _install_command(request, token) if token else "",
     }
-    page = "web/partials/nodes_panel.html" if request.htmx else "web/provider_nodes.html"
-    status = 400 if form.errors and not request.htmx else 200
-    return render(request, page, context, status=status)
+    return _form_panel(request, "web/partials/nodes_panel.html", "web/provider_nodes.html", form, context)
 
 
 @provider_required
@@ -224,9 +223,7 @@ def connect_stripe(request: HttpRequest) -> HttpResponse:
 
 def _keys_panel(request: HttpRequest, form: ApiKeyForm, *, created=None, key: str = "") -> HttpResponse:
     context = {"form": form, "keys": selectors.api_keys(request.user), "created": created, "full_key": key}
-    page = "web/partials/keys_panel.html" if request.htmx else "web/customer_keys.html"
-    status = 400 if form.errors and not request.htmx else 200
-    return render(request, page, context, status=status)
+    return _form_panel(request, "web/partials/keys_panel.html", "web/customer_keys.html", form, context)
 
 
 @customer_required
@@ -370,188 +367,3 @@ def playground_job(request: HttpRequest, public_id: str) -> HttpResponse:
         "web/partials/playground_stats.html",
         {"job": job, "cost": billing.money(job.charged_amount), "settled": job.settled_at is not None},
     )
-
-
-# --- admins ---------------------------------------------------------------------------------------
-
-
-def _swarm_context() -> dict:
-    counts, nodes = selectors.all_nodes()
-    return {"health": selectors.swarm_health(), "state_counts": counts, "nodes": nodes}
-
-
-def _swarm_page_context() -> dict:
-    return _swarm_context() | {"heatmap": selectors.latency_heatmap(), "throughput": selectors.throughput()}
-
-
-@staff_required
-@require_GET
-def swarm(request: HttpRequest) -> HttpResponse:
-    return render(request, "web/admin_swarm.html", _swarm_page_context())
-
-
-@staff_required
-@require_GET
-def swarm_health_fragment(request: HttpRequest) -> HttpResponse:
-    return render(request, "web/partials/swarm_health.html", _swarm_context())
-
-
-@staff_required
-@require_GET
-def latency_fragment(request: HttpRequest) -> HttpResponse:
-    return render(request, "web/partials/latency.html", {"heatmap": selectors.latency_heatmap()})
-
-
-@staff_required
-@require_GET
-def throughput_fragment(request: HttpRequest) -> HttpResponse:
-    return render(request, "web/partials/throughput.html", {"throughput": selectors.throughput()})
-
-
-def _strike_page(request: HttpRequest, *, form: StrikeDecisionForm | None = None, status: int = 200) -> HttpResponse:
-    """The strike queue; ``form`` is a refused decision, shown with its errors on its strike."""
-    open_strikes, decided = trust_selectors.strike_queue()
-    refused = {form.prefix: form} if form is not None else {}
-    rows = [
-        (v, refused.get(f"strike-{v.strike.pk}") or StrikeDecisionForm(strike_pk=v.strike.pk)) for v in open_strikes
-    ]
-    context = {"open_strikes": rows, "decided": decided}
-    page = "web/partials/strike_queue.html" if request.htmx else "web/admin_strikes.html"
-    return render(request, page, context, status=status)
-
-
-@staff_required
-@require_GET
-def strikes(request: HttpRequest) -> HttpResponse:
-    return _strike_page(request)
-
-
-def _decide_strike(request: HttpRequest, pk: int, *, overturn: bool) -> HttpResponse:
-    strike = trust_selectors.strike_by_pk(pk)
-    if strike is None:
-        raise Http404("no such strike")
-    form = StrikeDecisionForm(request.POST, strike_pk=pk, require_reason=overturn)
-    if form.is_valid():
-        reason = form.cleaned_data["reason"]
-        try:
-            if overturn:
-                strike = verification.overturn_strike(strike, by=request.user, reason=reason)
-            else:
-                strike = verification.uphold_strike(strike, by=request.user, reason=reason)
-        except StrikeDecisionRefused as exc:
-            form.add_error(None, str(exc))
-        else:
-            done = "overturned" if strike.state == StrikeState.OVERTURNED else "upheld"
-            node = strike.node
-            ejected = f" {node.name} was ejected: {node.ejection_reason}." if node.state == NodeState.EJECTED else ""
-            messages.success(request, f"Strike {strike.pk} on {node.name} {done}.{ejected}")
-            return _strike_page(request) if request.htmx else redirect("web:strikes")
-    # HTMX swaps only successful answers: the form with its errors comes back as a 200 there.
-    return _strike_page(request, form=form, status=200 if request.htmx else 400)
-
-
-@staff_required
-@require_POST
-def strike_uphold(request: HttpRequest, pk: int) -> HttpResponse:
-    return _decide_strike(request, pk, overturn=False)
-
-
-@staff_required
-@require_POST
-def strike_overturn(request: HttpRequest, pk: int) -> HttpResponse:
-    return _decide_strike(request, pk, overturn=True)
-
-
-def _payouts_page(request: HttpRequest) -> HttpResponse:
-    page = "web/partials/payouts_panel.html" if request.htmx else "web/admin_payouts.html"
-    return render(request, page, {"payouts": trust_selectors.payouts_view()})
-
-
-@staff_required
-@require_GET
-def payouts(request: HttpRequest) -> HttpResponse:
-    return _payouts_page(request)
-
-
-@staff_required
-@require_POST
-def payouts_build(request: HttpRequest) -> HttpResponse:
-    batch = payout_services.build_batch()
-    if batch is None:
-        messages.info(request, "Nobody is due a payout: no provider with a payout-ready account is above the minimum.")
-    else:
-        count = batch.payouts.count()
-        plural = "s" if count != 1 else ""
-        messages.success(request, f"Batch {batch.pk} built: {count} payout{plural}, awaiting approval.")
-    return _payouts_page(request) if request.htmx else redirect("web:payouts")
-
-
-@staff_required
-@require_POST
-def payouts_approve(request: HttpRequest, pk: int) -> HttpResponse:
-    batch = trust_selectors.batch_by_pk(pk)
-    if batch is None:
-        raise Http404("no such batch")
-    try:
-        batch = payout_services.approve_batch(batch, by=request.user)
-    except PayoutRefused as exc:
-        messages.error(request, str(exc))
-    else:
-        # The transfers went out when the approval committed; say how they went.
-        states = list(batch.payouts.values_list("state", flat=True))
-        sent, failed = states.count(PayoutState.SENT), states.count(PayoutState.FAILED)
-        messages.success(
-            request,
-            f"Batch {batch.pk} approved: {sent} sent, {failed} failed, {len(states) - sent - failed} still sending.",
-        )
-    return _payouts_page(request) if request.htmx else redirect("web:payouts")
-
-
-def _node_action(request: HttpRequest, node: Node | None = None, form: EjectForm | None = None, status: int = 200):
-    """The swarm page's action panel (an eject form, or what the last action did)."""
-    context = {"action_node": node, "form": form}
-    if request.htmx:
-        return render(request, "web/partials/node_action.html", context, status=status)
-    return render(request, "web/admin_swarm.html", context | _swarm_page_context(), status=status)
-
-
-def _any_node(pk: int) -> Node:
-    node = selectors.node_by_pk(pk)
-    if node is None:
-        raise Http404("no such node")
-    return node
-
-
-@staff_required
-@require_http_methods(["GET", "POST"])
-def node_eject(request: HttpRequest, pk: int) -> HttpResponse:
-    node = _any_node(pk)
-    if request.method == "GET":
-        return _node_action(request, node, EjectForm())
-    form = EjectForm(request.POST)
-    if not form.is_valid():
-        return _node_action(request, node, form, status=200 if request.htmx else 400)
-    if node.state == NodeState.EJECTED:
-        messages.info(request, f"{node.name} was already ejected: {node.ejection_reason}")
-        return _node_action(request) if request.htmx else redirect("web:swarm")
-    try:
-        node = node_services.eject_node(node, reason=form.cleaned_data["reason"], by=request.user)
-    except NodeError as exc:
-        raise PermissionDenied(str(exc)) from exc
-    messages.success(request, f"{node.name} ejected: {node.ejection_reason}")
-    return _node_action(request) if request.htmx else redirect("web:swarm")
-
-
-@staff_required
-@require_POST
-def node_reinstate(request: HttpRequest, pk: int) -> HttpResponse:
-    node = _any_node(pk)
-    if node.state != NodeState.EJECTED:
-        messages.info(request, f"{node.name} is not ejected (it is {node.state}).")
-        return _node_action(request) if request.htmx else redirect("web:swarm")
-    try:
-        node = node_services.reinstate_node(node, by=request.user)
-    except NodeError as exc:
-        raise PermissionDenied(str(exc)) from exc
-    messages.success(request, f"{node.name} reinstated: it is {node.state} until its agent reconnects.")
-    return _node_action(request) if request.htmx else redirect("web:swarm")
