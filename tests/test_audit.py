@@ -123,9 +123,10 @@ def test_an_honest_job_yields_material_for_every_audited_stage_that_verifies(tin
         assert report.passed
         assert (report.steps, report.tokens) == (steps, result.prompt_tokens + steps - 1)
         assert len(report.cosine) == len(report.rel_norm) == report.tokens
-        # A lone session replays exactly as the stage ran it.
-        assert min(report.cosine) > 1 - 1e-9
-        assert max(report.rel_norm) < 1e-9
+        # A lone session replays as the stage ran it, up to float32 summation order (the agent
+        # and this process run different thread counts).
+        assert min(report.cosine) > 1 - 1e-6
+        assert max(report.rel_norm) < 1e-4
     for upstream, downstream in zip(result.audits, result.audits[1:], strict=False):
         assert upstream.outputs == downstream.inputs
 
@@ -333,8 +334,8 @@ def test_signed_outputs_that_the_trusted_block_does_not_compute_fail_the_replay(
     assert report.first_failure == (3, 0)
     failing = material.steps[0][1] + 2  # the prompt's rows, then decode steps 1 and 2
     assert report.cosine[failing] == pytest.approx(-1.0)
-    assert report.rel_norm[failing] < 1e-6  # same norm, opposite direction
-    assert min(report.cosine[:failing] + report.cosine[failing + 1 :]) > 1 - 1e-9
+    assert report.rel_norm[failing] < 1e-4  # same norm, opposite direction
+    assert min(report.cosine[:failing] + report.cosine[failing + 1 :]) > 1 - 1e-6
     assert "step 3 token 0 has cosine -1.000000 (min 0.99)" in str(caught.value)
     summary = report.to_dict()
     assert summary["passed"] is False
