@@ -1,8 +1,8 @@
 """ASGI entry point: HTTP (Django, and /static/ unless SWARM_SERVE_STATIC=0), WebSockets
 (Channels), and lifespan.
 
-On lifespan startup in the embedded default (no Redis), the periodic sweeps (heartbeat
-timeouts, re-placement) run as a task of this process; in production Celery beat runs them.
+On lifespan startup in the embedded default (no Redis), the periodic work (``marketplace.periodic``)
+runs as a task of this process; in production Celery beat runs the same table.
 
     uvicorn marketplace.asgi:application --port 8000
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 
@@ -21,11 +20,11 @@ from django.core.asgi import get_asgi_application
 
 django_app = get_asgi_application()
 
-from channels.db import database_sync_to_async  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
+from marketplace.periodic import embedded_scheduler  # noqa: E402
 from marketplace.routing import websocket_urlpatterns  # noqa: E402
 
 log = logging.getLogger("swarm.scheduler")
@@ -35,23 +34,6 @@ log = logging.getLogger("swarm.scheduler")
 # with Last-Modified and If-Modified-Since, whatever DEBUG says.
 http_app = ASGIStaticFilesHandler(django_app) if settings.SWARM_SERVE_STATIC else django_app
 router = ProtocolTypeRouter({"http": http_app, "websocket": URLRouter(websocket_urlpatterns)})
-
-
-async def embedded_scheduler(interval_s: float) -> None:
-    from marketplace.placement.tasks import run_periodic, run_trust_periodic
-
-    trust_every = max(1, round(settings.SWARM_TRUST_INTERVAL_S / interval_s))
-    for tick in itertools.count(1):
-        await asyncio.sleep(interval_s)
-        try:
-            await database_sync_to_async(run_periodic)()
-        except Exception:
-            log.exception("periodic sweep failed")
-        if tick % trust_every == 0:
-            try:
-                await database_sync_to_async(run_trust_periodic)()
-            except Exception:
-                log.exception("periodic trust work failed")
 
 
 async def application(scope, receive, send):

@@ -15,6 +15,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from marketplace.conf import env_bool, env_float, env_int, env_list, env_str
+from marketplace.periodic import beat_schedule
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("SWARM_DATA_DIR", str(BASE_DIR / ".data")))
@@ -163,14 +164,7 @@ CELERY_TASK_ALWAYS_EAGER = env_bool("SWARM_CELERY_EAGER", not REDIS_URL)
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
-CELERY_BEAT_SCHEDULE = {
-    "sweep": {"task": "marketplace.placement.tasks.sweep", "schedule": 5.0},
-    "challenges": {"task": "marketplace.verification.tasks.send_challenges", "schedule": 10.0},
-    "trust": {"task": "marketplace.verification.tasks.review", "schedule": 60.0},
-    "earnings": {"task": "marketplace.payouts.tasks.release_earnings", "schedule": 300.0},
-    "payout-batches": {"task": "marketplace.payouts.tasks.build_batch", "schedule": 24 * 3600.0},
-    "payouts": {"task": "marketplace.payouts.tasks.send_payouts", "schedule": 300.0},
-}
+# Built from the one table of periodic work, after the periods below are read (see the end).
 
 # --- REST API -----------------------------------------------------------------------------
 REST_FRAMEWORK = {
@@ -322,3 +316,6 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env_str("SWARM_LOG_LEVEL", "INFO")},
 }
+
+# --- periodic work (one table for Celery beat and the embedded scheduler) --------------------
+CELERY_BEAT_SCHEDULE = beat_schedule(globals())

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from marketplace.billing import services
 from marketplace.billing.models import ModelPrice
+from marketplace.jobs import settlement
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import create_api_key, finish_job
 
@@ -44,9 +45,9 @@ def spent(customer):
         params={"max_tokens": 100},
         prompt_tokens=40,
     )
-    services.place_hold(job)
+    settlement.place_hold(job)
     finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=7, finish_reason="stop")
-    services.settle(job.pk)
+    settlement.settle(job.pk)
     return key, job
 
 

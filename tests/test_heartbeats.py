@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from marketplace.nodes import services
 from marketplace.nodes.models import Node, NodeState
+from marketplace.placement import services
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import PipelineStage, servable_pipelines
 from marketplace.placement.services import assignment_ready, place_model

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from marketplace.billing import services
 from marketplace.billing.models import AccountKind, ModelPrice, Transfer
+from marketplace.jobs import settlement
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import create_api_key, finish_job, mark_running, reconcile_jobs, record_progress
 
@@ -43,7 +44,7 @@ def running_job(customer, public_id: str) -> Job:
         params={"max_tokens": 100},
         prompt_tokens=40,
     )
-    services.place_hold(job)
+    settlement.place_hold(job)
     mark_running(job.pk)
     return job
 

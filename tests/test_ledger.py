@@ -8,6 +8,7 @@ from django.db.models import Sum
 
 from marketplace.billing import services
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, ModelPrice, Transfer
+from marketplace.jobs import settlement
 from marketplace.jobs.errors import InsufficientCredits
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import create_api_key, finish_job
@@ -51,9 +52,9 @@ def make_job(customer, *, max_tokens=100, prompt_tokens=40):
 def test_every_balance_is_the_sum_of_its_transfers(customer, price):
     services.grant(customer, "2.5")
     job = make_job(customer)
-    services.place_hold(job)
+    settlement.place_hold(job)
     finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=10)
-    services.settle(job.pk)
+    settlement.settle(job.pk)
 
     for account in LedgerAccount.objects.all():
         credits = Transfer.objects.filter(credit=account).aggregate(s=Sum("amount"))["s"] or 0
@@ -66,7 +67,7 @@ def test_a_hold_reserves_the_worst_case_and_settles_to_the_delivered_tokens(cust
     services.grant(customer, 1)
     job = make_job(customer, max_tokens=100, prompt_tokens=40)
 
-    services.place_hold(job)
+    settlement.place_hold(job)
     job.refresh_from_db()
     # 40 prompt x $1/M + 100 completion x $3/M = 340e-6 dollars = 340_000 nano-dollars
     assert job.hold_amount == 340_000
@@ -74,7 +75,7 @@ def test_a_hold_reserves_the_worst_case_and_settles_to_the_delivered_tokens(cust
     assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 340_000
 
     finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=7)
-    charge = services.settle(job.pk)
+    charge = settlement.settle(job.pk)
 
     assert charge == 40_000 + 21_000
     assert services.credits(customer) == NANO_PER_DOLLAR - 61_000
@@ -90,11 +91,11 @@ def test_a_hold_reserves_the_worst_case_and_settles_to_the_delivered_tokens(cust
 def test_settling_twice_charges_once(customer, price):
     services.grant(customer, 1)
     job = make_job(customer)
-    services.place_hold(job)
+    settlement.place_hold(job)
     finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=3)
 
-    first = services.settle(job.pk)
-    second = services.settle(job.pk)
+    first = settlement.settle(job.pk)
+    second = settlement.settle(job.pk)
 
     assert first == second == 49_000
     assert Transfer.objects.filter(job=job, kind="charge").count() == 1
@@ -103,10 +104,10 @@ def test_settling_twice_charges_once(customer, price):
 def test_a_job_that_delivered_nothing_is_not_charged(customer, price):
     services.grant(customer, 1)
     job = make_job(customer)
-    services.place_hold(job)
+    settlement.place_hold(job)
     finish_job(job.pk, state=JobState.CANCELLED, completion_tokens=0)
 
-    assert services.settle(job.pk) == 0
+    assert settlement.settle(job.pk) == 0
     assert services.credits(customer) == NANO_PER_DOLLAR
     assert not Transfer.objects.filter(job=job, kind="charge").exists()
 
@@ -114,9 +115,9 @@ def test_a_job_that_delivered_nothing_is_not_charged(customer, price):
 def test_a_running_job_is_not_settled(customer, price):
     services.grant(customer, 1)
     job = make_job(customer)
-    services.place_hold(job)
+    settlement.place_hold(job)
 
-    assert services.settle(job.pk) == 0
+    assert settlement.settle(job.pk) == 0
     assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 340_000
 
 
@@ -125,7 +126,7 @@ def test_a_hold_beyond_the_credits_is_refused_and_changes_nothing(customer, pric
     job = make_job(customer)
 
     with pytest.raises(InsufficientCredits), transaction.atomic():
-        services.place_hold(job)
+        settlement.place_hold(job)
 
     assert services.credits(customer) == 300_000
     assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 0

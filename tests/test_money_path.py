@@ -16,7 +16,7 @@ from django.test import Client
 
 from marketplace.billing.models import LedgerAccount, Transfer
 from marketplace.billing.services import cost
-from marketplace.billing.stripe_gateway import start_top_up
+from marketplace.billing.topups import start_top_up
 from marketplace.jobs.models import Job
 from marketplace.payouts import services as payouts
 from marketplace.payouts.models import BatchState, ConnectAccount, Earning, EarningState, Payout, PayoutState

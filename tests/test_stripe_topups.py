@@ -15,7 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from marketplace.accounts.errors import RoleRequired
 from marketplace.billing import services
 from marketplace.billing.models import StripeEvent, TopUp, Transfer
-from marketplace.billing.stripe_gateway import start_top_up
+from marketplace.billing.topups import start_top_up
 from tests.stripe_fake import SECRET_KEY
 
 pytest_plugins = ["tests.factories", "tests.stripe_fake"]

@@ -13,8 +13,9 @@ from django.db import connection
 
 from marketplace.billing import services
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, StripeEvent, TopUp, Transfer
-from marketplace.billing.stripe_gateway import handle_event, start_top_up
+from marketplace.billing.topups import start_top_up
 from marketplace.jobs.errors import InsufficientCredits
+from marketplace.stripe_events import handle_event
 from tests.stripe_fake import WEBHOOK_SECRET, deliver, sign
 
 pytest_plugins = ["tests.factories", "tests.stripe_fake"]

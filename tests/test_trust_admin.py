@@ -169,9 +169,7 @@ def test_strikes_left_unreviewed_are_upheld_after_the_review_period(struck, sett
 def test_open_strike_withholds_pending_pay_past_the_window(struck, provider):
     _, strike = struck
     strike()
-    from marketplace.payouts.services import release_earnings
-
-    assert release_earnings(now=timezone.now() + timedelta(days=2)) == 0
+    assert services.release_earnings_in_good_standing(now=timezone.now() + timedelta(days=2)) == 0
     assert Earning.objects.get().state == EarningState.PENDING
 
 

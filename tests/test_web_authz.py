@@ -20,8 +20,8 @@ from marketplace.billing.models import TopUp, Transfer
 from marketplace.jobs.models import ApiKey, Job
 from marketplace.jobs.services import create_api_key
 from marketplace.nodes.live import notify_node_changed
-from marketplace.nodes.services import eject_node
 from marketplace.payouts.models import ConnectAccount, Earning, EarningState, Payout, PayoutBatch
+from marketplace.placement.services import eject_node
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind
 from tests.factories import db_snapshot
 

@@ -18,6 +18,7 @@ from rest_framework.response import Response
 from marketplace.api.openai import releases_db
 from marketplace.api.views import IsCustomer
 from marketplace.billing import selectors
+from marketplace.jobs import selectors as job_selectors
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiError, InvalidRequest
 from marketplace.jobs.models import Job
@@ -55,7 +56,7 @@ def usage(request: Request) -> Response:
         group = _group(request)
     except ApiError as exc:
         return Response(exc.body(), status=exc.status)
-    return Response({"group": group, "data": selectors.usage(request.user, group)})
+    return Response({"group": group, "data": job_selectors.usage(request.user, group)})
 
 
 @extend_schema(responses={(200, "text/csv"): OpenApiTypes.STR})
@@ -66,7 +67,7 @@ def usage_csv(request: Request) -> HttpResponse:
         group = _group(request)
     except ApiError as exc:
         return JsonResponse(exc.body(), status=exc.status)
-    rows = selectors.usage(request.user, group)
+    rows = job_selectors.usage(request.user, group)
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow([group, "requests", "prompt_tokens", "completion_tokens", "cost_usd"])

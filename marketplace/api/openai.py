@@ -27,7 +27,7 @@ from marketplace.api import ratelimit
 from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
 from marketplace.db import release_connections
-from marketplace.jobs import runner, services
+from marketplace.jobs import runner, services, tasks
 from marketplace.jobs.errors import ApiError, InvalidRequest, JobFailed, ModelNotFound, RateLimited
 from marketplace.jobs.models import ApiKey
 from marketplace.placement.selectors import servable_pipelines
@@ -255,7 +255,7 @@ async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: s
     layer = get_channel_layer()
     channel = await layer.new_channel()
     await layer.group_add(runner.group_name(job.pk), channel)  # subscribe before the coordinator starts
-    runner.launch(job)
+    tasks.launch(job)
     reply = _Reply(job, kind, model, prompt_tokens, layer, channel)
     if params["stream"]:
         response = StreamingHttpResponse(reply.sse(params["include_usage"]), content_type="text/event-stream")

@@ -16,6 +16,7 @@ from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services
 from marketplace.nodes.errors import NodeError
 from marketplace.nodes.models import Node
+from marketplace.placement import services as placement_services
 
 
 class IsProvider(permissions.BasePermission):
@@ -55,12 +56,12 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
         return Response(body, status=status.HTTP_201_CREATED)
 
     def perform_destroy(self, instance: Node) -> None:
-        services.delete_node(instance)
+        placement_services.delete_node(instance)
 
     @extend_schema(request=None, responses=s.NodeSerializer)
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk=None) -> Response:
-        node = services.drain_node(self.get_object())
+        node = placement_services.drain_node(self.get_object())
         return Response(s.NodeSerializer(node).data)
 
     @extend_schema(request=None, responses=s.JoinTokenSerializer)

@@ -1,14 +1,12 @@
-"""Read queries for customers: balance, transactions, usage, per-request cost."""
+"""Read queries for customers: balance, transactions, money as people read it (usage: ``jobs.selectors``)."""
 
 from __future__ import annotations
 
 from decimal import Decimal
 
-from django.db.models import Count, F, Q, Sum
-from django.db.models.functions import TruncDay
+from django.db.models import Q, Sum
 
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, Transfer
-from marketplace.jobs.models import Job
 
 CREDIT_KINDS = ("grant", "topup")
 
@@ -70,29 +68,3 @@ def transactions(user, limit: int = 100) -> list[dict]:
             }
         )
     return result
-
-
-def usage(user, group: str) -> list[dict]:
-    """Tokens and cost of the customer's jobs, grouped by day, model or key."""
-    expression = {"day": TruncDay("created_at"), "model": F("model"), "key": F("api_key__prefix")}[group]
-    rows = Job.objects.filter(customer=user).annotate(group=expression)
-    rows = (
-        rows.values("group")
-        .annotate(
-            requests=Count("id"),
-            prompt_tokens=Sum("prompt_tokens"),
-            completion_tokens=Sum("completion_tokens"),
-            cost=Sum("charged_amount"),
-        )
-        .order_by("group")
-    )
-    return [
-        {
-            group: row["group"].date().isoformat() if group == "day" and row["group"] else row["group"],
-            "requests": row["requests"],
-            "prompt_tokens": row["prompt_tokens"] or 0,
-            "completion_tokens": row["completion_tokens"] or 0,
-            "cost": money(row["cost"]),
-        }
-        for row in rows
-    ]

@@ -1,13 +1,12 @@
-"""Ledger use cases: transfers, prices, holds at admission, settlement on actual usage.
+"""Ledger use cases: accounts, transfers, prices, grants.
 
-A job's hold is price x (prompt tokens + max tokens), moved from the customer's credit to their
-hold account before any agent is touched; at the end it settles exactly once: the charge for the
-tokens delivered goes to platform revenue and the rest returns to credit. A job that delivered
-no tokens is charged nothing. In the same transaction a verified job's stages are credited their
-share of the charge (``payouts.services.credit_earnings``).
+Every balance change is one immutable transfer between two accounts. A job's hold and settlement
+use these from ``marketplace.jobs.settlement``, which keeps a job's money steps in one place.
 """
 
 from __future__ import annotations
+
+from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -79,55 +78,7 @@ def credits(user) -> int:
 
 @transaction.atomic
 def grant(user, dollars: int | str, *, memo: str = "granted credits") -> Transfer:
-    from decimal import Decimal
-
     amount = int(Decimal(str(dollars)) * NANO_PER_DOLLAR)
     return transfer(
         account(AccountKind.GRANTS), account(AccountKind.CUSTOMER_CREDIT, user), amount, kind="grant", memo=memo
     )
-
-
-@transaction.atomic
-def place_hold(job) -> None:
-    """Reserve the job's worst-case price; 402 when the credits do not cover it."""
-    prices = prices_for(job.model)
-    hold = cost(job.prompt_tokens, job.params["max_tokens"], prices)
-    job.price_prompt_per_million, job.price_completion_per_million = prices
-    job.hold_amount = hold
-    job.save(update_fields=["price_prompt_per_million", "price_completion_per_million", "hold_amount"])
-    if hold:
-        customer = job.customer
-        transfer(
-            account(AccountKind.CUSTOMER_CREDIT, customer),
-            account(AccountKind.CUSTOMER_HOLD, customer),
-            hold,
-            kind="hold",
-            job=job,
-        )
-
-
-@transaction.atomic
-def settle(job_pk: int) -> int:
-    """Settle an ended job's hold once: charge the delivered tokens, release the rest. Returns the charge."""
-    from marketplace.jobs.models import FINAL_STATES, Job
-
-    job = Job.objects.select_for_update().get(pk=job_pk)
-    if job.settled_at is not None or job.state not in FINAL_STATES:
-        return job.charged_amount
-    prices = (job.price_prompt_per_million, job.price_completion_per_million)
-    charge = cost(job.prompt_tokens, job.completion_tokens, prices) if job.completion_tokens else 0
-    charge = min(charge, job.hold_amount)
-    hold = account(AccountKind.CUSTOMER_HOLD, job.customer)
-    if charge:
-        transfer(hold, account(AccountKind.PLATFORM_REVENUE), charge, kind="charge", job=job)
-    if job.hold_amount - charge:
-        transfer(
-            hold, account(AccountKind.CUSTOMER_CREDIT, job.customer), job.hold_amount - charge, kind="release", job=job
-        )
-    job.charged_amount = charge
-    job.settled_at = timezone.now()
-    job.save(update_fields=["charged_amount", "settled_at"])
-    from marketplace.payouts.services import credit_earnings
-
-    credit_earnings(job)  # in this transaction: the charge and the providers' shares land together
-    return charge

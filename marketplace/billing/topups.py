@@ -1,15 +1,14 @@
 """Stripe top-ups: a Checkout Session out, signed webhook events in.
 
 ``start_top_up(user, dollars)`` records a pending ``TopUp`` and asks Stripe for a Checkout Session;
-the customer pays on Stripe's page. Credits move only in ``handle_event``, which applies one
-verified webhook event in one transaction: the event id is inserted in that transaction, so a
-replayed event changes nothing, and a top-up is claimed by a conditional update from pending, so two
-events about one payment credit it once.
+the customer pays on Stripe's page. Credits move only through ``HANDLERS``, one per webhook event
+type, which ``marketplace.stripe_events.handle_event`` runs once per verified event in one
+transaction; a top-up is claimed by a conditional update from pending, so two events about one
+payment credit it once.
 
-Calls to Stripe carry an explicit timeout. Transient failures (no connection, timeout, rate limit,
-5xx) are retried a bounded number of times with the same idempotency key, so a retry can never
-open a second session, and end in ``PaymentProviderUnavailable``; permanent ones (invalid request,
-card, authentication, permission) mark the top-up failed and raise ``TopUpRefused``.
+Stripe is called through ``billing.stripe_client`` (timeouts, bounded retries with the same
+idempotency key, so a retry can never open a second session); a permanent failure (invalid request,
+card, authentication, permission) marks the top-up failed and raises ``TopUpRefused``.
 
 Refunds and disputes take back only the credit the customer still has: what was already spent is
 recorded on the top-up as a shortfall and flagged for review, and the balance never goes negative.
@@ -17,91 +16,29 @@ recorded on the top-up as a shortfall and flagged for review, and the balance ne
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
 from collections.abc import Callable, Mapping
 from decimal import Decimal, InvalidOperation
 
 import stripe
 from django.conf import settings
-from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
 from marketplace.accounts.errors import RoleRequired
-from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, StripeEvent, TopUp, TopUpState
+from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, TopUp, TopUpState
 from marketplace.billing.services import account, transfer
+from marketplace.billing.stripe_client import PaymentProviderUnavailable, call_stripe
 from marketplace.jobs.errors import ApiError, InvalidRequest
 
 logger = logging.getLogger(__name__)
 
 NANO_PER_CENT = NANO_PER_DOLLAR // 100
 CENT = Decimal("0.01")
-PERMANENT_ERRORS = (
-    stripe.InvalidRequestError,
-    stripe.CardError,
-    stripe.AuthenticationError,
-    stripe.PermissionError,
-    stripe.IdempotencyError,
-)
-
-
-class PaymentProviderUnavailable(ApiError):
-    status = 503
-    type = "service_unavailable"
-    code = "payment_provider_unavailable"
-
-
 class TopUpRefused(ApiError):
     status = 402
     type = "payment_error"
     code = "top_up_refused"
-
-
-# --- calling Stripe -------------------------------------------------------------------------------
-
-
-@functools.cache
-def _http_client(timeout_s: float) -> stripe.HTTPClient:
-    return stripe.RequestsClient(timeout=timeout_s)
-
-
-def configure() -> None:
-    """Point the SDK at the configured API, with this project's timeout; retries are ours, not the SDK's."""
-    stripe.api_key = settings.STRIPE_SECRET_KEY
-    stripe.api_base = settings.STRIPE_API_BASE
-    stripe.max_network_retries = 0
-    stripe.default_http_client = _http_client(settings.STRIPE_TIMEOUT_S)
-
-
-def is_transient(exc: stripe.StripeError) -> bool:
-    """Worth retrying with the same idempotency key: the request may not have been processed."""
-    if isinstance(exc, PERMANENT_ERRORS):
-        return False
-    if isinstance(exc, (stripe.APIConnectionError, stripe.RateLimitError)):
-        return True
-    return exc.http_status is None or exc.http_status >= 500
-
-
-def call_stripe(operation: Callable[[], stripe.StripeObject], *, what: str) -> stripe.StripeObject:
-    """Run one Stripe request, retrying transient failures; the caller passes the idempotency key."""
-    configure()
-    attempts = settings.STRIPE_MAX_RETRIES + 1
-    last_error: stripe.StripeError | None = None
-    for attempt in range(attempts):
-        if attempt:
-            time.sleep(settings.STRIPE_RETRY_BACKOFF_S * 2 ** (attempt - 1))
-        try:
-            return operation()
-        except stripe.StripeError as exc:
-            if not is_transient(exc):
-                raise
-            logger.warning("Stripe %s failed (attempt %d of %d): %r", what, attempt + 1, attempts, exc)
-            last_error = exc
-    raise PaymentProviderUnavailable(
-        "The payment provider is unavailable; nothing was charged. Please try again in a minute."
-    ) from last_error
 
 
 # --- top-ups --------------------------------------------------------------------------------------
@@ -321,29 +258,3 @@ HANDLERS: dict[str, Callable[[str, Mapping], tuple[TopUp | None, str]]] = {
     "charge.refunded": _charge_refunded,
     "charge.dispute.created": _dispute_created,
 }
-
-
-@transaction.atomic
-def handle_event(event: Mapping) -> str:
-    """Apply one verified Stripe event exactly once; returns what it did ("credited", "duplicate", ...).
-
-    An event of another type, or about a payment that is not a top-up, is recorded and ignored.
-    """
-    try:
-        with transaction.atomic():
-            record = StripeEvent.objects.create(event_id=event["id"], type=event["type"])
-    except IntegrityError:
-        return "duplicate"
-    if record.type == "account.updated":  # a provider's Connect account (payouts), not a top-up
-        from marketplace.payouts.services import connect_account_updated
-
-        return connect_account_updated(event["data"]["object"])
-    handler = HANDLERS.get(record.type)
-    if handler is None:
-        return "ignored"
-    top_up, outcome = handler(record.event_id, event["data"]["object"])
-    if top_up is None:
-        logger.warning("Stripe event %s (%s) is about no top-up of ours: ignored", record.event_id, record.type)
-        return outcome
-    StripeEvent.objects.filter(pk=record.pk).update(top_up=top_up, processed=True)
-    return outcome

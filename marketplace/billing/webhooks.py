@@ -14,8 +14,9 @@ from rest_framework.decorators import api_view, permission_classes
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from marketplace import stripe_events
 from marketplace.api.views import IsCustomer
-from marketplace.billing import stripe_gateway
+from marketplace.billing import topups
 from marketplace.jobs.errors import ApiError
 
 TOP_UP_REQUEST = inline_serializer(
@@ -42,7 +43,7 @@ def top_ups(request: Request) -> Response:
     """Start a top-up: answers the Stripe Checkout page to pay on. Credits arrive once Stripe confirms the payment."""
     amount = request.data.get("amount") if isinstance(request.data, dict) else None
     try:
-        top_up, checkout_url = stripe_gateway.start_top_up(request.user, amount)
+        top_up, checkout_url = topups.start_top_up(request.user, amount)
     except ApiError as exc:
         return Response(exc.body(), status=exc.status)
     return Response(
@@ -68,5 +69,5 @@ def stripe_webhook(request: HttpRequest) -> JsonResponse:
         return JsonResponse({"error": "the payload is not a JSON event"}, status=400)
     except stripe.SignatureVerificationError:
         return JsonResponse({"error": "the Stripe-Signature header does not verify"}, status=400)
-    outcome = stripe_gateway.handle_event(event.to_dict())
+    outcome = stripe_events.handle_event(event.to_dict())
     return JsonResponse({"received": True, "outcome": outcome})

@@ -12,7 +12,6 @@ Messages on the group: ``job.token`` (text, token_id), then exactly one of ``job
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 
@@ -20,9 +19,12 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from marketplace.db import release_connections
 from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
+from marketplace.jobs.settlement import settle
 from marketplace.nodes.tickets import ticket_for
+from marketplace.verification.services import record_audits
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
@@ -37,8 +39,6 @@ async def in_thread(fn, *args, **kwargs):
     """Run blocking ORM or cache work in a worker thread of its own: jobs do not queue behind
     one another (or behind the web requests) on a single database thread. The thread hands its
     database connection back when done, so idle pool threads hold none."""
-    from marketplace.db import release_connections
-
     def call():
         try:
             return fn(*args, **kwargs)
@@ -46,12 +46,6 @@ async def in_thread(fn, *args, **kwargs):
             release_connections()
 
     return await sync_to_async(call, thread_sensitive=False)()
-
-
-def _settle(job_pk: int) -> None:
-    from marketplace.billing.services import settle
-
-    settle(job_pk)
 
 
 def group_name(job_pk: int) -> str:
@@ -63,7 +57,7 @@ async def run_job(job_pk: int) -> str:
     try:
         return await _run(job_pk)
     finally:
-        await in_thread(_settle, job_pk)
+        await in_thread(settle, job_pk)
 
 
 async def _run(job_pk: int) -> str:
@@ -112,9 +106,7 @@ async def _run(job_pk: int) -> str:
         verification_error=result.verification_error,
     )
     if result.audits:
-        from marketplace.verification.services import record_audits
-
-        await in_thread(record_audits, job_pk, result.audits)
+        await in_thread(_record_audits, job_pk, result.audits)
     await layer.group_send(
         group,
         {
@@ -197,18 +189,5 @@ async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_to
     await layer.group_send(group, {"type": "job.error", "code": code, "message": message})
 
 
-_embedded_jobs: set[asyncio.Task] = set()
-
-
-def launch(job: Job) -> None:
-    """Start the job's coordinator: a Celery task on ``coord.<region>``, or in this process."""
-    if settings.SWARM_COORDINATOR_LAUNCH == "celery":
-        from marketplace.jobs.tasks import run_job_task
-
-        run_job_task.apply_async(args=[job.pk], queue=f"coord.{job.coordinator_region}")
-        return
-    # A fresh context: the job must not inherit the request's (and so its per-request database
-    # thread and connection), since it outlives the request.
-    task = asyncio.get_running_loop().create_task(run_job(job.pk), context=contextvars.Context())
-    _embedded_jobs.add(task)
-    task.add_done_callback(_embedded_jobs.discard)
+def _record_audits(job_pk: int, materials: list) -> list[int]:
+    return record_audits(Job.objects.get(pk=job_pk), materials)

@@ -9,13 +9,18 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
+from datetime import timedelta
 
+from django.conf import settings
 from django.core.cache import cache
 from django.db import transaction
+from django.db.models import Q
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from marketplace.jobs.errors import AuthenticationFailed, InvalidRequest, NoCapacity
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
+from marketplace.jobs.settlement import place_hold, settle
 from marketplace.placement.selectors import route_request
 from marketplace.verification.services import choose_audit_stages
 
@@ -95,8 +100,6 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: dict, prompt_to
         route=route,
         audit_stages=choose_audit_stages(route),
     )
-    from marketplace.billing.services import place_hold
-
     place_hold(job)  # 402 here rolls the whole admission back
     return job
 
@@ -165,14 +168,6 @@ def record_progress(job_pk: int, completion_tokens: int) -> None:
 def reconcile_jobs(now=None) -> list[str]:
     """End jobs whose coordinator went silent (its process died) as failed, keeping the tokens their
     record shows delivered, and settle every ended job whose hold is still open. Returns job ids."""
-    from datetime import timedelta
-
-    from django.conf import settings
-    from django.db.models import Q
-    from django.db.models.functions import Coalesce
-
-    from marketplace.billing.services import settle
-
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.SWARM_JOB_STALE_S)
     stale = (

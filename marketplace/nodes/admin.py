@@ -7,7 +7,8 @@ from django.contrib import admin, messages
 from marketplace.admin_actions import with_reason
 from marketplace.nodes.errors import NodeError
 from marketplace.nodes.models import Node
-from marketplace.nodes.services import eject_node, reinstate_node
+from marketplace.nodes.services import reinstate_node
+from marketplace.placement.services import eject_node
 
 
 @admin.register(Node)

@@ -80,7 +80,7 @@ class AgentControlConsumer(AsyncJsonWebsocketConsumer):
             return
         self.node_pk, self.node_id = node.pk, node.node_id
         await self.channel_layer.group_add(services.node_group(node.node_id), self.channel_name)
-        node = await database_sync_to_async(services.node_connected)(node.pk)
+        node = await database_sync_to_async(placement.node_connected)(node.pk)
         self.connected_at = node.connected_since
         assignments = await database_sync_to_async(lambda: [a.as_message() for a in assignments_of_node(node.pk)])()
         await self.send_json(
@@ -98,7 +98,7 @@ class AgentControlConsumer(AsyncJsonWebsocketConsumer):
     async def _handle(self, kind: str, content: dict) -> None:
         match kind:
             case "heartbeat":
-                await database_sync_to_async(services.record_heartbeat)(self.node_pk, content.get("load", {}))
+                await database_sync_to_async(placement.record_heartbeat)(self.node_pk, content.get("load", {}))
             case "ready":
                 await database_sync_to_async(placement.assignment_ready)(
                     self.node_pk, _int(content.get("assignment")), str(content.get("url", ""))

@@ -1,7 +1,9 @@
-"""Node registry use cases: add, join, authenticate, heartbeat, sweep, drain, delete.
+"""Node registry use cases: add, join, authenticate, connect, heartbeat, drain, eject, reinstate.
 
 Agents talk to these through the join endpoint and the control channel; providers through the
 API. Every state change is an atomic, conditional write; messages to agents go out on commit.
+Changes that also move the swarm's blocks (a node connecting, coming back, going silent, draining,
+ejected or deleted) are placement's verbs (``marketplace.placement.services``), which call these.
 """
 
 from __future__ import annotations
@@ -180,13 +182,13 @@ def authenticate(*, node_id: str, nonce: bytes, signature: str) -> Node:
 
 
 @transaction.atomic
-def node_connected(node_pk: int) -> Node:
-    """The control channel is up: a pending or offline node becomes active."""
+def mark_connected(node_pk: int) -> Node:
+    """The control channel is up: a pending or offline node becomes active (placement's
+    ``node_connected`` is the verb callers use: it also asks for a new placement)."""
     now = timezone.now()
     Node.objects.filter(pk=node_pk).update(connected=True, last_heartbeat_at=now, connected_since=now)
     Node.objects.filter(pk=node_pk, state__in=[NodeState.PENDING, NodeState.OFFLINE]).update(state=NodeState.ACTIVE)
     node = Node.objects.get(pk=node_pk)
-    _placement_changed()
     notify_node_changed(node_pk)
     return node
 
@@ -199,7 +201,9 @@ def node_disconnected(node_pk: int, connected_at) -> None:
 
 
 @transaction.atomic
-def record_heartbeat(node_pk: int, load: dict) -> None:
+def apply_heartbeat(node_pk: int, load: dict) -> bool:
+    """Record a heartbeat's load; True when it brought an offline node back (placement's
+    ``record_heartbeat`` then asks for a new placement)."""
     if not isinstance(load, dict):
         raise InvalidReport("load must be an object")
     clean = {}
@@ -224,72 +228,39 @@ def record_heartbeat(node_pk: int, load: dict) -> None:
             node.compute_layer_tokens_per_s or measured
         )
     Node.objects.filter(pk=node_pk).update(**updates)
-    if Node.objects.filter(pk=node_pk, state=NodeState.OFFLINE).update(state=NodeState.ACTIVE):
-        _placement_changed()
+    back = bool(Node.objects.filter(pk=node_pk, state=NodeState.OFFLINE).update(state=NodeState.ACTIVE))
     notify_node_changed(node_pk)
+    return back
 
 
-def sweep_heartbeats(now=None) -> list[str]:
-    """Nodes silent past the timeout go offline and lose their assignments; returns their ids."""
-    now = now or timezone.now()
-    cutoff = now - timedelta(seconds=settings.SWARM_HEARTBEAT_TIMEOUT_S)
-    silent = list(
-        Node.objects.filter(state__in=[NodeState.ACTIVE, NodeState.DRAINING], last_heartbeat_at__lt=cutoff).values_list(
-            "pk", "node_id"
-        )
-    )
-    gone = []
-    for pk, node_id in silent:
-        with transaction.atomic():
-            # Conditional: a heartbeat that raced in keeps the node.
-            if Node.objects.filter(
-                pk=pk, state__in=[NodeState.ACTIVE, NodeState.DRAINING], last_heartbeat_at__lt=cutoff
-            ).update(state=NodeState.OFFLINE, connected=False):
-                from marketplace.placement.services import release_node
-
-                release_node(pk)
-                notify_node_changed(pk)
-                gone.append(node_id)
-                log.info("node %s went offline (no heartbeat since %s)", node_id, cutoff.isoformat())
-    if gone:
-        _placement_changed()
-    return gone
-
-
-@transaction.atomic
-def drain_node(node: Node) -> Node:
-    if Node.objects.filter(pk=node.pk, state__in=[NodeState.ACTIVE, NodeState.PENDING]).update(
+def mark_draining(node: Node) -> bool:
+    """An active or pending node takes no new work; its agent is told. True when it changed."""
+    if not Node.objects.filter(pk=node.pk, state__in=[NodeState.ACTIVE, NodeState.PENDING]).update(
         state=NodeState.DRAINING
     ):
-        if node.node_id:
-            push(node.node_id, {"type": "drain"})
-        _placement_changed()
-        notify_node_changed(node.pk)
-    node.refresh_from_db()
-    return node
+        return False
+    if node.node_id:
+        push(node.node_id, {"type": "drain"})
+    notify_node_changed(node.pk)
+    return True
 
 
-@transaction.atomic
-def eject_node(node: Node, *, reason: str, by=None) -> Node:
-    """Remove a node from the swarm (upheld strikes past the threshold, or an admin): its blocks are
-    released, its agent is told to stop, and it cannot come back by itself."""
+def mark_ejected(node: Node, *, reason: str, by=None) -> bool:
+    """Mark a node ejected and tell its agent to stop; it cannot come back by itself. True when it changed.
+    Placement's ``eject_node`` is the verb callers use: it also releases the node's blocks."""
     if by is not None and not by.is_staff:
         raise NodeNotAllowed("only admins eject nodes")
-    if (
+    if not (
         Node.objects.filter(pk=node.pk)
         .exclude(state=NodeState.EJECTED)
         .update(state=NodeState.EJECTED, ejected_at=timezone.now(), ejection_reason=reason[:2000], connected=False)
     ):
-        from marketplace.placement.services import release_node
-
-        release_node(node.pk)
-        if node.node_id:
-            push(node.node_id, {"type": "stop", "reason": f"ejected: {reason}"})
-        log.warning("node %s ejected: %s", node.node_id, reason)
-        _placement_changed()
-        notify_node_changed(node.pk)
-    node.refresh_from_db()
-    return node
+        return False
+    if node.node_id:
+        push(node.node_id, {"type": "stop", "reason": f"ejected: {reason}"})
+    log.warning("node %s ejected: %s", node.node_id, reason)
+    notify_node_changed(node.pk)
+    return True
 
 
 @transaction.atomic
@@ -304,18 +275,6 @@ def reinstate_node(node: Node, *, by) -> Node:
         notify_node_changed(node.pk)
     node.refresh_from_db()
     return node
-
-
-@transaction.atomic
-def delete_node(node: Node) -> None:
-    if node.node_id:
-        push(node.node_id, {"type": "stop", "reason": "the node was deleted by its owner"})
-    from marketplace.placement.services import release_node
-
-    release_node(node.pk)
-    notify_node_changed(node.pk)
-    node.delete()
-    _placement_changed()
 
 
 @transaction.atomic
@@ -337,9 +296,3 @@ def record_links(node_pk: int, results: list) -> int:
         if uplink is not None and result["target"].startswith("region:"):
             Node.objects.filter(pk=node_pk).update(uplink_mbps=uplink)
     return len(results)
-
-
-def _placement_changed() -> None:
-    from marketplace.placement.services import mark_dirty
-
-    transaction.on_commit(mark_dirty)

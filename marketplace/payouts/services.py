@@ -9,13 +9,14 @@ Every step is one atomic set of balanced ledger transfers plus the rows that exp
     transfer sent              provider_payout    -> payouts             (whole cents; sub-cent rest back)
     transfer given up          provider_payout    -> provider_available  (flagged for admins)
 
-Only a job whose receipts the control plane verifies itself (``verify_job_record``) pays anyone;
-an unverified one is flagged on the job with the reason and pays nobody.
+Only a job whose receipts the control plane verifies itself pays anyone (``jobs.settlement``
+verifies them and passes each node's layer-tokens here); an unverified one pays nobody.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from datetime import timedelta
 
 import stripe
@@ -25,7 +26,7 @@ from django.utils import timezone
 
 from marketplace.billing.models import AccountKind
 from marketplace.billing.services import account, transfer
-from marketplace.billing.stripe_gateway import PaymentProviderUnavailable, call_stripe
+from marketplace.billing.stripe_client import PaymentProviderUnavailable, call_stripe
 from marketplace.nodes.models import Node
 from marketplace.payouts.errors import PayoutRefused
 from marketplace.payouts.models import (
@@ -37,8 +38,6 @@ from marketplace.payouts.models import (
     PayoutBatch,
     PayoutState,
 )
-from marketplace.verification.receipts import verify_job_record
-from worker_agent.errors import ReceiptError
 
 log = logging.getLogger("swarm.payouts")
 
@@ -59,25 +58,13 @@ def split(pool: int, weights: dict[str, int]) -> dict[str, int]:
     return shares
 
 
-def credit_earnings(job) -> list[Earning]:
-    """Called inside the settlement's transaction: pay a settled job's stages from its charge.
-
-    The job's receipts are verified again here against the route the control plane assigned; a
-    job that fails is marked unverified with the reason and pays nobody."""
-    if job.charged_amount <= 0 or job.verified is None or Earning.objects.filter(job=job).exists():
-        return []
-    if not job.verified:
-        return []
-    try:
-        verification = verify_job_record(job)
-    except ReceiptError as exc:
-        job.verified = False
-        job.verification_error = f"control plane re-verification: {exc} ({exc.code})"[:2000]
-        job.save(update_fields=["verified", "verification_error"])
-        log.warning("job %s: receipts failed re-verification: %s", job.public_id, exc)
+def credit_earnings(job, layer_tokens_by_node: dict[str, int]) -> list[Earning]:
+    """Called inside the settlement's transaction (``jobs.settlement``): pay a settled job's stages
+    from its charge, in proportion to the layer-tokens its verified receipts show each node served."""
+    if job.charged_amount <= 0 or Earning.objects.filter(job=job).exists():
         return []
     fee = job.charged_amount * settings.SWARM_PLATFORM_FEE_BPS // 10_000
-    shares = split(job.charged_amount - fee, verification.layer_tokens_by_node)
+    shares = split(job.charged_amount - fee, layer_tokens_by_node)
     nodes = {n.node_id: n for n in Node.objects.filter(node_id__in=list(shares)).select_related("owner")}
     available_at = (job.finished_at or timezone.now()) + timedelta(seconds=settings.SWARM_CHALLENGE_WINDOW_S)
     revenue = account(AccountKind.PLATFORM_REVENUE)
@@ -89,7 +76,7 @@ def credit_earnings(job) -> list[Earning]:
             provider=node.owner,
             job=job,
             amount=amount,
-            layer_tokens=verification.layer_tokens_by_node[node_id],
+            layer_tokens=layer_tokens_by_node[node_id],
             available_at=available_at,
         )
         if amount:
@@ -105,13 +92,11 @@ def credit_earnings(job) -> list[Earning]:
     return earnings
 
 
-def release_earnings(now=None) -> int:
-    """Earnings whose challenge window has passed become available, except a node's with an open
-    strike (withheld until the strike is decided). Returns how many were released."""
-    from marketplace.verification.models import Strike, StrikeState
-
+def release_earnings(now=None, *, withheld: Iterable[int] = ()) -> int:
+    """Earnings whose challenge window has passed become available, except those of the ``withheld``
+    node pks (verification passes the nodes with an open strike:
+    ``verification.services.release_earnings_in_good_standing``). Returns how many were released."""
     now = now or timezone.now()
-    withheld = Strike.objects.filter(state=StrikeState.OPEN).values("node_id")
     due = (
         Earning.objects.filter(state=EarningState.PENDING, available_at__lte=now)
         .exclude(node_id__in=withheld)

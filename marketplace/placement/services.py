@@ -9,11 +9,13 @@ once their block is loaded; a model is servable when one pipeline is ready end t
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from marketplace.nodes import services as nodes
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import push
@@ -51,6 +53,86 @@ def release_node(node_pk: int) -> int:
     if released:
         notify_node_changed(node_pk)
     return released
+
+
+# --- node changes that move the swarm's blocks ------------------------------------------------------
+# The node registry records the change; placement releases the node's blocks and asks for a new
+# placement once the change commits.
+
+
+def _placement_changed() -> None:
+    transaction.on_commit(mark_dirty)
+
+
+@transaction.atomic
+def node_connected(node_pk: int) -> Node:
+    """The control channel is up: a pending or offline node becomes active and placement is redone."""
+    node = nodes.mark_connected(node_pk)
+    _placement_changed()
+    return node
+
+
+@transaction.atomic
+def record_heartbeat(node_pk: int, load: dict) -> None:
+    """A heartbeat: its load is recorded; a node it brings back from offline is placed again."""
+    if nodes.apply_heartbeat(node_pk, load):
+        _placement_changed()
+
+
+def sweep_heartbeats(now=None) -> list[str]:
+    """Nodes silent past the timeout go offline and lose their assignments; returns their ids."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.SWARM_HEARTBEAT_TIMEOUT_S)
+    silent = list(
+        Node.objects.filter(state__in=[NodeState.ACTIVE, NodeState.DRAINING], last_heartbeat_at__lt=cutoff).values_list(
+            "pk", "node_id"
+        )
+    )
+    gone = []
+    for pk, node_id in silent:
+        with transaction.atomic():
+            # Conditional: a heartbeat that raced in keeps the node.
+            if Node.objects.filter(
+                pk=pk, state__in=[NodeState.ACTIVE, NodeState.DRAINING], last_heartbeat_at__lt=cutoff
+            ).update(state=NodeState.OFFLINE, connected=False):
+                release_node(pk)
+                notify_node_changed(pk)
+                gone.append(node_id)
+                log.info("node %s went offline (no heartbeat since %s)", node_id, cutoff.isoformat())
+    if gone:
+        _placement_changed()
+    return gone
+
+
+@transaction.atomic
+def drain_node(node: Node) -> Node:
+    """The node takes no new work; placement is redone without it."""
+    if nodes.mark_draining(node):
+        _placement_changed()
+    node.refresh_from_db()
+    return node
+
+
+@transaction.atomic
+def eject_node(node: Node, *, reason: str, by=None) -> Node:
+    """Remove a node from the swarm (upheld strikes past the threshold, or an admin): its blocks are
+    released, its agent is told to stop, and it cannot come back by itself."""
+    if nodes.mark_ejected(node, reason=reason, by=by):
+        release_node(node.pk)
+        _placement_changed()
+    node.refresh_from_db()
+    return node
+
+
+@transaction.atomic
+def delete_node(node: Node) -> None:
+    """The owner deletes a node: its agent is told to stop and its blocks are released."""
+    if node.node_id:
+        push(node.node_id, {"type": "stop", "reason": "the node was deleted by its owner"})
+    release_node(node.pk)
+    notify_node_changed(node.pk)
+    node.delete()
+    _placement_changed()
 
 
 def place_dirty_models() -> list[str]:

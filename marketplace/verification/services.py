@@ -20,14 +20,17 @@ import random
 import secrets
 from datetime import timedelta
 
+from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
-from marketplace.nodes.services import eject_node, push
+from marketplace.nodes.services import push
+from marketplace.payouts.services import claw_back, release_earnings
 from marketplace.placement.models import Assignment, AssignmentState
+from marketplace.placement.services import eject_node
 from marketplace.verification.errors import InvalidAnswer, NotChallengeable, StrikeDecisionRefused
 from marketplace.verification.models import Audit, Challenge, CheckState, Strike, StrikeKind, StrikeState
 from marketplace.verification.receipts import job_receipts
@@ -41,6 +44,8 @@ from worker_agent.errors import SwarmError
 log = logging.getLogger("swarm.verification")
 
 MAX_ANSWER_CHARS = 4 * 1024 * 1024  # base64 of the largest answer we ask for, with room
+CHALLENGE_TASK = "marketplace.verification.tasks.verify_challenge"  # Celery task names, queue "verify"
+AUDIT_TASK = "marketplace.verification.tasks.verify_audit"
 
 
 def _thresholds() -> dict:
@@ -49,14 +54,13 @@ def _thresholds() -> dict:
 
 def _dispatch(task_name: str, pk: int) -> None:
     """Run a check after the current transaction commits: here (inline) or on the verify queue."""
-    if settings.SWARM_VERIFIER == "inline":
+    if settings.SWARM_VERIFIER == "inline" or current_app.conf.task_always_eager:
         fn = {"challenge": verify_challenge, "audit": verify_audit}[task_name]
         transaction.on_commit(lambda: fn(pk))
         return
-    from marketplace.verification import tasks
-
-    task = {"challenge": tasks.verify_challenge_task, "audit": tasks.verify_audit_task}[task_name]
-    transaction.on_commit(lambda: task.apply_async(args=[pk], queue="verify"))
+    # Sent by name: tasks.py imports this module to run the checks.
+    name = {"challenge": CHALLENGE_TASK, "audit": AUDIT_TASK}[task_name]
+    transaction.on_commit(lambda: current_app.send_task(name, args=[pk], queue="verify"))
 
 
 # --- challenges -----------------------------------------------------------------------------------
@@ -171,6 +175,7 @@ def record_challenge_answer(node_pk: int, message: dict) -> Challenge:
 
 
 def models_hidden_size(model: str) -> int:
+    # Imported here to keep torch out of the import of this module (the web process loads it lazily).
     from worker_agent import model as models
 
     return int(models.load_config(model).hidden_size)
@@ -278,11 +283,8 @@ def choose_audit_stages(route: list[dict], rng: random.Random | None = None) -> 
 
 
 @transaction.atomic
-def record_audits(job_pk: int, materials: list[AuditMaterial]) -> list[int]:
+def record_audits(job, materials: list[AuditMaterial]) -> list[int]:
     """Store the material a job's coordinator kept and queue its replay."""
-    from marketplace.jobs.models import Job
-
-    job = Job.objects.get(pk=job_pk)
     nodes = {s["node"]: index for index, s in enumerate(job.route)}
     node_pks = dict(Node.objects.filter(node_id__in=list(nodes)).values_list("node_id", "pk"))
     created = []
@@ -410,8 +412,6 @@ def _open_strike(node: Node, kind: str, *, challenge=None, audit=None, evidence:
 @transaction.atomic
 def uphold_strike(strike: Strike, *, by=None, reason: str = "") -> Strike:
     """Uphold an open strike: claw back the node's pending earnings, eject past the threshold."""
-    from marketplace.payouts.services import claw_back
-
     if by is not None and not by.is_staff:
         raise StrikeDecisionRefused("only admins decide strikes")
     strike = Strike.objects.select_for_update().get(pk=strike.pk)
@@ -464,6 +464,13 @@ def uphold_overdue_strikes(now=None) -> list[int]:
 
 
 # --- periodic ---------------------------------------------------------------------------------------
+
+
+def release_earnings_in_good_standing(now=None) -> int:
+    """Earnings past their challenge window become available, except a node's with an open strike
+    (withheld until the strike is decided). Returns how many were released."""
+    withheld = Strike.objects.filter(state=StrikeState.OPEN).values("node_id")
+    return release_earnings(now, withheld=withheld)
 
 
 def review(now=None) -> dict:

@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node
+from marketplace.payouts.selectors import sessions_per_day
 from marketplace.verification import rates
 from marketplace.verification.models import Audit, Challenge, CheckState, StrikeState
 from marketplace.verification.reputation import Observations, reputation
@@ -62,7 +63,6 @@ def rate_params() -> rates.RateParams:
 
 def refresh_reputation(node_pk: int, now=None) -> Node:
     """Recompute a node's reputation and, from it, how often it is checked."""
-    from marketplace.payouts.selectors import sessions_per_day
 
     now = now or timezone.now()
     node = Node.objects.get(pk=node_pk)

@@ -12,6 +12,7 @@ from django.utils import timezone
 from marketplace.billing import selectors as billing
 from marketplace.billing.models import TopUp
 from marketplace.billing.services import prices_for
+from marketplace.jobs import selectors as job_selectors
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
@@ -142,7 +143,7 @@ GROUP_TITLES = {"day": "day", "model": "model", "key": "API key"}
 
 
 def usage_view(user, group: str) -> UsageView:
-    rows = billing.usage(user, group)
+    rows = job_selectors.usage(user, group)
     for row in rows:
         row["label"] = row[group] if row[group] is not None else "(deleted key)"
         row["tokens"] = row["prompt_tokens"] + row["completion_tokens"]

@@ -30,13 +30,15 @@ from marketplace.api.openai import complete_for_key, releases_db
 from marketplace.api.views import join_command
 from marketplace.billing import selectors as billing
 from marketplace.billing.models import TopUpState
-from marketplace.billing.stripe_gateway import PaymentProviderUnavailable, start_top_up
+from marketplace.billing.stripe_client import PaymentProviderUnavailable
+from marketplace.billing.topups import start_top_up
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiError
 from marketplace.nodes import services as node_services
 from marketplace.nodes.errors import NodeError
 from marketplace.payouts import services as payout_services
 from marketplace.payouts.errors import PayoutRefused
+from marketplace.placement import services as placement_services
 from marketplace.web import selectors, trust_selectors
 from marketplace.web.forms import ApiKeyForm, NodeForm, TopUpForm
 from marketplace.web.services import ensure_playground_key
@@ -174,7 +176,7 @@ def node_rotate_token(request: HttpRequest, pk: int) -> HttpResponse:
 @provider_required
 @require_POST
 def node_drain(request: HttpRequest, pk: int) -> HttpResponse:
-    node = node_services.drain_node(_own_node(request, pk))
+    node = placement_services.drain_node(_own_node(request, pk))
     if request.htmx:
         return render(request, "web/partials/node_status.html", {"status": selectors.node_status(node)})
     return redirect("web:node", pk=node.pk)

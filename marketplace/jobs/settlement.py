@@ -1,0 +1,84 @@
+"""A job's money, in one place: the hold at admission, the settlement when it ends, the providers' shares.
+
+- ``place_hold(job)``: price x (prompt tokens + max tokens) moves from the customer's credit to their
+  hold account before any agent is touched (``InsufficientCredits`` when it does not fit).
+- ``settle(job_pk)``: exactly once per ended job, the charge for the tokens delivered goes from the
+  hold to platform revenue and the rest returns to credit; a job that delivered nothing is charged
+  nothing. In the same transaction the control plane verifies the job's receipts again itself, against
+  the route it assigned and the coordinator's transcripts: a verified job's stages are credited their
+  share of the charge (``payouts.services.credit_earnings``); one that fails is marked unverified with
+  the reason and pays nobody.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+from django.utils import timezone
+
+from marketplace.billing.models import AccountKind
+from marketplace.billing.services import account, cost, prices_for, transfer
+from marketplace.jobs.models import FINAL_STATES, Job
+from marketplace.payouts.services import credit_earnings
+from marketplace.verification.receipts import verify_job_record
+from worker_agent.errors import ReceiptError
+
+log = logging.getLogger("swarm.jobs")
+
+
+@transaction.atomic
+def place_hold(job: Job) -> None:
+    """Reserve the job's worst-case price; InsufficientCredits when the credits do not cover it."""
+    prices = prices_for(job.model)
+    hold = cost(job.prompt_tokens, job.params["max_tokens"], prices)
+    job.price_prompt_per_million, job.price_completion_per_million = prices
+    job.hold_amount = hold
+    job.save(update_fields=["price_prompt_per_million", "price_completion_per_million", "hold_amount"])
+    if hold:
+        customer = job.customer
+        transfer(
+            account(AccountKind.CUSTOMER_CREDIT, customer),
+            account(AccountKind.CUSTOMER_HOLD, customer),
+            hold,
+            kind="hold",
+            job=job,
+        )
+
+
+@transaction.atomic
+def settle(job_pk: int) -> int:
+    """Settle an ended job's hold once: charge the delivered tokens, release the rest, credit the
+    stages of a verified job. Returns the charge."""
+    job = Job.objects.select_for_update().get(pk=job_pk)
+    if job.settled_at is not None or job.state not in FINAL_STATES:
+        return job.charged_amount
+    prices = (job.price_prompt_per_million, job.price_completion_per_million)
+    charge = cost(job.prompt_tokens, job.completion_tokens, prices) if job.completion_tokens else 0
+    charge = min(charge, job.hold_amount)
+    hold = account(AccountKind.CUSTOMER_HOLD, job.customer)
+    if charge:
+        transfer(hold, account(AccountKind.PLATFORM_REVENUE), charge, kind="charge", job=job)
+    if job.hold_amount - charge:
+        transfer(
+            hold, account(AccountKind.CUSTOMER_CREDIT, job.customer), job.hold_amount - charge, kind="release", job=job
+        )
+    job.charged_amount = charge
+    job.settled_at = timezone.now()
+    job.save(update_fields=["charged_amount", "settled_at"])
+    _credit_verified_work(job)  # in this transaction: the charge and the providers' shares land together
+    return charge
+
+
+def _credit_verified_work(job: Job) -> None:
+    if job.charged_amount <= 0 or not job.verified:
+        return
+    try:
+        verification = verify_job_record(job)
+    except ReceiptError as exc:
+        job.verified = False
+        job.verification_error = f"control plane re-verification: {exc} ({exc.code})"[:2000]
+        job.save(update_fields=["verified", "verification_error"])
+        log.warning("job %s: receipts failed re-verification: %s", job.public_id, exc)
+        return
+    credit_earnings(job, verification.layer_tokens_by_node)
