@@ -49,6 +49,7 @@ def _setup_django() -> None:
 def _accounts() -> dict:
     from django.contrib.auth import get_user_model
 
+    # Imported after _setup_django(): models need the app registry.
     from marketplace.jobs.models import ApiKey
     from marketplace.jobs.services import create_api_key
     from marketplace.nodes.models import Node
@@ -76,6 +77,7 @@ def _accounts() -> dict:
         if node is None:
             node, token = create_node(owner=provider, name=f"demo-gpu-{index}")
         else:
+            # Imported after _setup_django(): models need the app registry.
             from marketplace.nodes.services import rotate_join_token
 
             token = rotate_join_token(node)
@@ -83,6 +85,7 @@ def _accounts() -> dict:
     customer = logins["customer"][0]
     ApiKey.objects.filter(user=customer, name="demo").delete()
     _, key = create_api_key(customer, "demo")
+    # Imported after _setup_django(): models need the app registry.
     from marketplace.billing.services import credits, grant
 
     if credits(customer) < 5 * NANO_PER_DOLLAR:
@@ -101,6 +104,7 @@ def _join(base_url: str, tokens: list[str]) -> list[subprocess.Popen]:
 
 
 def _wait_servable(agents: list[subprocess.Popen], timeout: float = 300) -> None:
+    # Imported after _setup_django(): models need the app registry.
     from marketplace.placement.selectors import servable_pipelines
 
     deadline = time.monotonic() + timeout
@@ -150,6 +154,7 @@ def _stream_one(base_url: str, key: str) -> None:
 
 
 def _report(base_url: str, accounts: dict) -> None:
+    # Imported after _setup_django(): models need the app registry.
     from marketplace.billing.services import credits
     from marketplace.jobs.models import Job
 
@@ -166,6 +171,7 @@ def _report(base_url: str, accounts: dict) -> None:
         route = " -> ".join(f"{s['node']}[{s['layer_start']}:{s['layer_end']}]" for s in job.route)
         print(f"job {job.public_id}: {job.state}, coordinator region {job.coordinator_region}, route {route}")
         print(f"receipts: {len(job.receipts)} stage receipts, verified={job.verified}")
+        # Imported after _setup_django(): models need the app registry.
         from marketplace.payouts.models import Earning
 
         earned = Earning.objects.filter(job=job).select_related("node")
@@ -199,6 +205,7 @@ def _report(base_url: str, accounts: dict) -> None:
 def main() -> int:
     DEMO_DIR.mkdir(parents=True, exist_ok=True)
     print(f"preparing {MODEL} and the database (the first run converts the GGUF weights once) ...", flush=True)
+    # Imported here: torch loads only once the database is prepared.
     from worker_agent.model import load_head, load_tokenizer
 
     load_head(MODEL)
@@ -216,10 +223,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         _wait_servable(agents)
+        # Imported after _setup_django(): models need the app registry.
         from marketplace.placement.selectors import servable_pipelines
 
         (pipeline, *_) = servable_pipelines(MODEL)
         print("servable: " + " -> ".join(f"{s.node}[{s.layer_start}:{s.layer_end}]" for s in pipeline))
+        # Imported after _setup_django(): models need the app registry.
         from marketplace.verification.verifier import trusted_block
 
         for stage in pipeline:  # the verifier's own copies, for challenges and live audits

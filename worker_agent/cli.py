@@ -35,6 +35,7 @@ def _set_threads(threads: int | None) -> None:
 
 
 def _load_or_create_key(path: Path):
+    # Imported per command: `keygen` and `--help` answer without loading torch.
     from worker_agent.keys import generate_signing_key, load_signing_key, write_key
 
     if not path.exists():
@@ -44,6 +45,7 @@ def _load_or_create_key(path: Path):
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
+    # Imported per command: `keygen` and `--help` answer without loading torch.
     from worker_agent.keys import generate_signing_key, node_id, public_key_bytes, write_key
 
     key = generate_signing_key()
@@ -54,6 +56,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Imported per command: `keygen` and `--help` answer without loading torch.
     from worker_agent import model as models
     from worker_agent.block import Block
     from worker_agent.keys import load_verify_key
@@ -76,6 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     cheat = _cheat(args)
     if cheat is not None:
+        # Imported per command: `keygen` and `--help` answer without loading torch.
         from worker_agent.cheat import warning_banner
 
         print(warning_banner(cheat), file=sys.stderr, flush=True)
@@ -110,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _cheat(args: argparse.Namespace):
     """The test-only cheat ``--cheat`` asks for; refused without SWARM_ALLOW_CHEAT=1."""
+    # Imported per command: `keygen` and `--help` answer without loading torch.
     from worker_agent.cheat import cheat_from_option
 
     return cheat_from_option(args.cheat)
@@ -125,6 +130,7 @@ def _free_port(host: str) -> int:
 
 def cmd_join(args: argparse.Namespace) -> int:
     """Register with the control plane (once) and serve what it assigns, until stopped."""
+    # Imported per command: `keygen` and `--help` answer without loading torch.
     from worker_agent.control import Agent, JoinError, JoinState, hardware_report, measure_compute, register
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -192,6 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """Throughput of this block in layer-tokens per second, for placement."""
     import torch
 
+    # Imported per command: `keygen` and `--help` answer without loading torch.
     from worker_agent import model as models
     from worker_agent.block import Block, WorkItem
     from worker_agent.kvcache import SessionLimits, SessionStore

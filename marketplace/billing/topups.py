@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 NANO_PER_CENT = NANO_PER_DOLLAR // 100
 CENT = Decimal("0.01")
+
+
 class TopUpRefused(ApiError):
     status = 402
     type = "payment_error"

@@ -39,6 +39,7 @@ async def in_thread(fn, *args, **kwargs):
     """Run blocking ORM or cache work in a worker thread of its own: jobs do not queue behind
     one another (or behind the web requests) on a single database thread. The thread hands its
     database connection back when done, so idle pool threads hold none."""
+
     def call():
         try:
             return fn(*args, **kwargs)

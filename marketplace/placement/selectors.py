@@ -8,7 +8,10 @@ from django.conf import settings
 from django.db.models import Max
 
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
+from marketplace.placement.allocation import Stage
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
+from marketplace.placement.routing import route
+from worker_agent import model as models
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,6 @@ def servable_pipelines(model: str) -> list[list[PipelineStage]]:
                 break
             position = a.layer_end
         else:
-            from worker_agent import model as models
-
             if position == models.n_layers(model):
                 servable.append(
                     [
@@ -111,10 +112,6 @@ def link_maps(node_ids: list[str]) -> tuple[dict[tuple[str, str], float], dict[s
 def route_request(model: str):
     """The lowest-latency chain of ready stages (from any pipeline) for one request, and the
     coordinator region it starts from; None when the model is not servable."""
-    from marketplace.placement.allocation import Stage
-    from marketplace.placement.routing import route
-    from worker_agent import model as models
-
     stages = [stage for pipeline in servable_pipelines(model) for stage in pipeline]
     if not stages:
         return None

@@ -45,6 +45,7 @@ async def probe_stage(url: str, timeout: float = 10.0) -> dict:
 
 async def local_tickets(urls: list[str], key_path: str, job: str, ttl_s: float = 3600) -> list[bytes]:
     """Tickets for each stage, signed by a local issuer key, for the span each stage serves."""
+    # Imported per command: `--help` answers without loading torch.
     from worker_agent.keys import load_signing_key
     from worker_agent.tickets import issue_ticket
 
@@ -65,6 +66,7 @@ async def local_tickets(urls: list[str], key_path: str, job: str, ttl_s: float =
 
 
 async def run_generate(args: argparse.Namespace) -> int:
+    # Imported per command: `--help` answers without loading torch.
     from worker_agent.coordinator.job import Coordinator, GenerationResult
     from worker_agent.coordinator.pipeline import StageSpec
     from worker_agent.coordinator.sampling import SamplingParams
@@ -151,6 +153,7 @@ async def run_generate(args: argparse.Namespace) -> int:
 def audit_results(model: str, results: list[GenerationResult]) -> list[list[tuple[str, dict | None]]]:
     """Per result, each of its audits replayed on a trusted block loaded here: ("passed" or the
     failure's code, the replay's report when there was one)."""
+    # Imported per command: `--help` answers without loading torch.
     from worker_agent.audit import AuditFailed, verify_audit
     from worker_agent.block import Block
     from worker_agent.model import load_block
