@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from celery import shared_task
 
@@ -51,7 +52,7 @@ PERIODIC_WORK: tuple[PeriodicWork, ...] = (
 BY_NAME = {work.name: work for work in PERIODIC_WORK}
 
 
-def beat_schedule(periods: Mapping[str, object]) -> dict:
+def beat_schedule(periods: Mapping[str, Any]) -> dict:
     """Celery beat's schedule for the table, with each period read from ``periods`` (the settings)."""
     return {
         work.name: {"task": RUN_TASK, "args": (work.name,), "schedule": float(periods[work.every])}
