@@ -11,8 +11,10 @@ RESULT with the same bytes (a tap), right after the successor send so the critic
 delayed. Every session is tapped, so a stage cannot tell which sessions the coordinator keeps for
 a live audit (``audit.py``); in star topology the coordinator sees every output anyway.
 
-Bad frames are answered with an ERROR frame (code, message, ref = the frame's seq) and the
-connection stays open; only a failed HELLO closes it.
+The per-connection rules (HELLO first, tickets, roles, job binding, the replay guard, which
+refusals close the connection) live in the sans-I/O core ``connection.py``; this module feeds it
+each frame and carries out the action it returns. Bad frames are answered with an ERROR frame
+(code, message, ref = the frame's seq) and the connection stays open; only a failed HELLO closes it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,7 +33,21 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from worker_agent import wire
-from worker_agent.errors import SwarmError, TicketError, WireError
+from worker_agent.connection import (
+    AcceptHello,
+    Action,
+    Admission,
+    CloseSessions,
+    Connection,
+    Dispatch,
+    Limits,
+    OpenSessions,
+    Refuse,
+    ReplyPong,
+    Role,
+    refused,
+)
+from worker_agent.errors import SwarmError, WireError
 from worker_agent.stage import Output, Prepared, Stage
 from worker_agent.wan import WanLink, WanProfile
 
@@ -41,15 +58,19 @@ SWEEP_INTERVAL_S = 5.0  # how often idle sessions are looked for
 
 
 class Conn:
-    """One WebSocket with its own outgoing seq counter, incoming replay guard and WAN link."""
+    """One WebSocket with its own outgoing seq counter and WAN link."""
 
-    def __init__(self, ws: ServerConnection | ClientConnection, wan: WanProfile) -> None:
+    def __init__(
+        self, ws: ServerConnection | ClientConnection, wan: WanProfile, core: Connection | None = None
+    ) -> None:
         self.ws = ws
         self.link = WanLink(ws.send, wan)
         self.seq_out = 0
-        self.last_seq_in = 0
-        self.job: str | None = None  # set by an accepted HELLO
-        self.role: str | None = None
+        self.core = core  # the rules of an incoming connection; None on one this stage opened
+
+    @property
+    def role(self) -> Role | None:
+        return self.core.role if self.core is not None else None
 
     async def send(self, message: wire.Message) -> None:
         self.seq_out += 1
@@ -125,114 +146,82 @@ class StageServer:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = Conn(ws, self.wan)
+        core = Connection(self._admission(), self._limits(), coordinated_jobs=self.jobs)
+        conn = Conn(ws, self.wan, core)
         try:
-            async for frame in ws:
-                if not await self._on_frame(conn, frame):
+            async for data in ws:
+                if not await self._act(conn, core.receive_data(data, now=time.time())):
                     break
         except websockets.ConnectionClosed:
             pass
         finally:
             await conn.aclose()
-            if conn.role == "coordinator" and conn.job is not None:
-                await self._end_job(conn.job, conn)
+            if core.binding is not None and core.binding.role is Role.COORDINATOR:
+                await self._end_job(core.binding.job, conn)
 
-    async def _on_frame(self, conn: Conn, data: bytes | str) -> bool:
-        """Handle one frame; False closes the connection."""
-        try:
-            frame = wire.decode(
-                data,
-                max_frame=self.max_frame,
-                hidden_size=self.stage.block.hidden_size,
-            )
-        except WireError as exc:
-            raw = data if isinstance(data, bytes) else b""
-            await self._error(conn, exc, ref=wire.peek_seq(raw))
-            return True
-        if frame.seq <= conn.last_seq_in:
-            await self._error(
-                conn, WireError(f"seq {frame.seq} is not above {conn.last_seq_in}", code="replayed_seq"), ref=frame.seq
-            )
-            return True
-        conn.last_seq_in = frame.seq
-        message = frame.message
-        try:
-            match message:
-                case wire.Ping():
-                    await conn.send(wire.Pong(message.nonce, self.stage.info()))
-                case wire.Hello():
-                    return await self._hello(conn, message, frame.seq)
-                case _ if conn.job is None:
-                    raise TicketError("send HELLO with a job ticket first", code="ticket_missing")
-                case wire.Forward() if type(message) is wire.Forward:
-                    self._check_job(conn, message.job)
-                    prepared = self.stage.prepare(message)
-                    self._queue.put_nowait((conn, prepared))
-                case _ if conn.role != "coordinator":
-                    raise WireError(
-                        f"a peer stage may only send FORWARD, not {type(message).__name__}", code="not_allowed"
-                    )
-                case wire.Open():
-                    self._check_job(conn, message.job)
-                    self.stage.open(message.job, message.sessions)
-                    await conn.send(wire.Open(message.job, message.sessions))
-                case wire.Close():
-                    self._check_job(conn, message.job)
-                    receipts = self.stage.close(message.job, message.sessions)
-                    await conn.send(wire.Close(message.job, message.sessions, tuple(receipts)))
-                case _:
-                    raise WireError(f"a stage does not accept {type(message).__name__} frames", code="not_allowed")
-        except SwarmError as exc:
-            await self._error(
-                conn, exc, ref=frame.seq, job=getattr(message, "job", None), session=_first_session(message)
-            )
+    def _admission(self) -> Admission:
+        stage = self.stage
+        return Admission(
+            node=stage.node,
+            model=stage.model,
+            layer_start=stage.layer_start,
+            layer_end=stage.layer_end,
+            trusted_keys=stage.trusted_keys,
+            insecure_open=stage.insecure_open,
+        )
+
+    def _limits(self) -> Limits:
+        return Limits(max_frame=self.max_frame, hidden_size=self.stage.block.hidden_size)
+
+    async def _act(self, conn: Conn, action: Action) -> bool:
+        """Carry out what the connection's core decided about one frame; False closes the connection."""
+        match action:
+            case Refuse():
+                await self._error(conn, action.to_wire())
+                return not action.close
+            case ReplyPong():
+                await conn.send(wire.Pong(action.nonce, self.stage.info()))
+            case AcceptHello():
+                await self._accept(conn, action)
+            case _:
+                try:
+                    await self._serve(conn, action)
+                except SwarmError as exc:  # the stage turned the frame down; the connection stays usable
+                    await self._error(conn, refused(action, exc).to_wire())
         return True
 
-    async def _hello(self, conn: Conn, hello: wire.Hello, seq: int) -> bool:
-        try:
-            if conn.job is not None:
-                raise TicketError("this connection already said HELLO", code="hello_twice")
-            if hello.role not in ("coordinator", "peer"):
-                raise TicketError(f"a stage does not accept HELLO as {hello.role!r}", code="not_allowed")
-            self.stage.authorize(hello)
-            if hello.role == "peer" and hello.job not in self.jobs:
-                raise TicketError(f"no coordinator has opened job {hello.job!r} here", code="unknown_job")
-        except TicketError as exc:
-            await self._error(conn, exc, ref=seq, job=hello.job, fatal=True)
-            return False
-        conn.job, conn.role = hello.job, hello.role
-        if hello.role == "coordinator":
+    async def _serve(self, conn: Conn, action: OpenSessions | Dispatch | CloseSessions) -> None:
+        match action:
+            case Dispatch():
+                self._queue.put_nowait((conn, self.stage.prepare(action.forward)))
+            case OpenSessions():
+                self.stage.open(action.job, action.sessions)
+                await conn.send(wire.Open(action.job, action.sessions))
+            case CloseSessions():
+                receipts = self.stage.close(action.job, action.sessions)
+                await conn.send(wire.Close(action.job, action.sessions, tuple(receipts)))
+
+    async def _accept(self, conn: Conn, action: AcceptHello) -> None:
+        hello = action.hello
+        if action.binding.role is Role.COORDINATOR:
             old = self.jobs.get(hello.job)
             if old is not None:  # the coordinator reconnected: keep sessions, reroute outputs
                 old.coordinator = conn
             else:
                 self.jobs[hello.job] = JobRoute(conn, hello.topology, hello.next_url, hello.next_ticket)
         await conn.send(wire.Hello(job=hello.job, role="stage", topology=hello.topology, info=self.stage.info()))
-        return True
 
-    def _check_job(self, conn: Conn, job: str) -> None:
-        if job != conn.job:
-            raise TicketError(f"this connection is bound to job {conn.job!r}, not {job!r}", code="wrong_job")
-
-    async def _error(
-        self,
-        conn: Conn,
-        exc: SwarmError,
-        *,
-        ref: int | None,
-        job: str | None = None,
-        session: str | None = None,
-        fatal: bool = False,
-    ) -> None:
-        log.warning("refusing frame %s from %s: %s (%s)", ref, conn.role or "unauthenticated", exc, exc.code)
-        error = wire.Error(exc.code, str(exc), ref=ref, job=job, session=session, fatal=fatal)
+    async def _error(self, conn: Conn, error: wire.Error) -> None:
+        log.warning(
+            "refusing frame %s from %s: %s (%s)", error.ref, conn.role or "unauthenticated", error.message, error.code
+        )
         target = conn
-        route = self.jobs.get(job or "") if conn.role == "peer" else None
+        route = self.jobs.get(error.job or "") if conn.role is Role.PEER else None
         if route is not None:  # a ring peer's bad frame is the coordinator's business
             target = route.coordinator
         with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
             await target.send(error)
-            if fatal:
+            if error.fatal:
                 await target.link.drain()
 
     async def _compute_loop(self) -> None:
@@ -249,10 +238,7 @@ class StageServer:
                 log.exception("compute failed")
                 for conn, prepared in batch:
                     await self._error(
-                        conn,
-                        SwarmError(f"compute failed: {exc}", code="compute_failed"),
-                        ref=None,
-                        job=prepared.forward.job,
+                        conn, wire.Error("compute_failed", f"compute failed: {exc}", job=prepared.forward.job)
                     )
                 continue
             finished = [
@@ -280,7 +266,7 @@ class StageServer:
                 if isinstance(exc, SwarmError)
                 else SwarmError(f"cannot reach the next stage {route.next_url}: {exc}", code="next_unreachable")
             )
-            await self._error(route.coordinator, error, ref=None, job=job)
+            await self._error(route.coordinator, wire.Error(error.code, str(error), job=job))
             return
         if tap:
             # A coordinator that went away is _end_job's business, not an error to report.
@@ -340,14 +326,6 @@ class StageServer:
             evicted = self.stage.evict_idle()
             if evicted:
                 log.info("evicted %d idle sessions", evicted)
-
-
-def _first_session(message: wire.Message) -> str | None:
-    if isinstance(message, wire.Forward) and message.items:
-        return message.items[0].session
-    if isinstance(message, wire.Open | wire.Close) and message.sessions:
-        return message.sessions[0]
-    return None
 
 
 def merge_outputs(finished: list[tuple[str, Output]]) -> list[tuple[str, Output]]:

@@ -1,0 +1,291 @@
+"""The rules of one incoming data-plane connection, without I/O (after python-websockets' sans-I/O core).
+
+``Connection`` takes what arrives on one WebSocket (raw frames, or frames already decoded) and
+returns one typed action per frame for the asyncio adapter (``server.py``) to carry out: refuse
+with an ERROR, accept a HELLO, answer a PING, or hand OPEN/FORWARD/CLOSE to the stage. It owns
+every rule that depends only on the connection itself:
+
+- the per-connection limits: frame size and the stage's hidden size, checked by ``wire.decode``;
+- the replay guard: each frame's seq must be above the last one accepted (gaps are allowed);
+- HELLO first: only PING and HELLO are answered before a HELLO has been accepted;
+- admission: the HELLO's ticket is verified against this stage (node, model, layer span) at the
+  time it is fed with, and the connection is bound to the ticket's job, node, model and span;
+- roles: a ``coordinator`` may open, forward and close; a ring ``peer`` may only forward, and
+  only for a job whose coordinator is already connected here;
+- job binding: a frame for another job than the one bound is refused;
+- which refusals keep the connection usable (every bad frame) and which close it (a failed HELLO).
+
+What the stage says about sessions (unknown, evicted, out of order, full) stays in ``stage.py``;
+the adapter turns those errors into refusals with ``refused``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+from worker_agent import wire
+from worker_agent.errors import SwarmError, TicketError, WireError
+from worker_agent.tickets import verify_ticket
+
+
+class Role(enum.StrEnum):
+    """Who is on the other end of a connection, as its HELLO said."""
+
+    COORDINATOR = "coordinator"  # the job's coordinator: opens, forwards and closes sessions
+    PEER = "peer"  # the previous stage of a ring: only forwards its outputs
+
+
+class State(enum.Enum):
+    AWAITING_HELLO = "awaiting_hello"  # only PING and HELLO are served
+    BOUND = "bound"  # a HELLO was accepted; frames of the bound job are served
+    CLOSED = "closed"  # a fatal refusal was returned; the adapter closes the socket
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one frame may be, checked before anything else reads it."""
+
+    max_frame: int = wire.DEFAULT_MAX_FRAME  # bytes in one frame, header included; more is refused as too_large
+    hidden_size: int | None = None  # width of this stage's hidden states; a FORWARD of another is bad_shape
+
+
+@dataclass(frozen=True)
+class Admission:
+    """This stage's identity, against which a HELLO's ticket is verified."""
+
+    node: str  # this node's id (``keys.node_id`` of its public key)
+    model: str  # the model id this stage has loaded
+    layer_start: int  # first layer this stage serves (inclusive, 0-based)
+    layer_end: int  # end of the span this stage serves (exclusive)
+    trusted_keys: frozenset[bytes]  # 32-byte ed25519 keys whose tickets are accepted
+    insecure_open: bool = False  # development only: accept a HELLO without a ticket
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What an accepted HELLO bound the connection to, for the rest of its life."""
+
+    job: str  # the only job whose frames this connection may send
+    role: Role  # what the connection may do with that job
+    node: str  # the node the ticket names (this one)
+    model: str  # the model the ticket names (this stage's)
+    layer_start: int  # the span the ticket names (this stage's), inclusive
+    layer_end: int  # end of that span, exclusive
+    expires_at: float | None  # unix seconds the ticket expires at; None on an insecure-open stage
+
+
+class ActionKind(enum.StrEnum):
+    REFUSE = "refuse"
+    ACCEPT_HELLO = "accept_hello"
+    PONG = "pong"
+    OPEN = "open"
+    FORWARD = "forward"
+    CLOSE = "close"
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Answer with an ERROR frame; with ``close``, close the connection once it is sent."""
+
+    code: str  # stable error code, e.g. "replayed_seq", "wrong_job", "ticket_expired"
+    message: str  # for humans
+    ref: int | None  # seq of the refused frame, when it could be read
+    job: str | None = None  # the job the refused frame named, if any
+    session: str | None = None  # the first session the refused frame named, if any
+    close: bool = False  # True only for a refused HELLO: the connection is closed after the ERROR
+    kind: ActionKind = field(default=ActionKind.REFUSE, init=False)
+
+    def to_wire(self) -> wire.Error:
+        return wire.Error(self.code, self.message, ref=self.ref, job=self.job, session=self.session, fatal=self.close)
+
+
+@dataclass(frozen=True)
+class AcceptHello:
+    """Register the connection for its job and answer with the stage's own HELLO."""
+
+    hello: wire.Hello  # the accepted HELLO: topology, and in a ring the successor's url and ticket
+    binding: Binding  # what the connection is now bound to
+    kind: ActionKind = field(default=ActionKind.ACCEPT_HELLO, init=False)
+
+
+@dataclass(frozen=True)
+class ReplyPong:
+    """Answer a PING with a PONG carrying the stage's identity and load."""
+
+    nonce: int  # echoed from the PING
+    kind: ActionKind = field(default=ActionKind.PONG, init=False)
+
+
+@dataclass(frozen=True)
+class OpenSessions:
+    """Open sessions on the stage (all or none) and echo the OPEN."""
+
+    ref: int  # seq of the OPEN frame
+    job: str  # the bound job
+    sessions: tuple[str, ...]  # session ids to open
+    kind: ActionKind = field(default=ActionKind.OPEN, init=False)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Hand a FORWARD to the stage to be validated and queued for the next batch."""
+
+    ref: int  # seq of the FORWARD frame
+    forward: wire.Forward  # the frame, of the bound job
+    kind: ActionKind = field(default=ActionKind.FORWARD, init=False)
+
+    @property
+    def job(self) -> str:
+        return self.forward.job
+
+
+@dataclass(frozen=True)
+class CloseSessions:
+    """Close sessions on the stage (all or none) and answer with their signed receipts."""
+
+    ref: int  # seq of the CLOSE frame
+    job: str  # the bound job
+    sessions: tuple[str, ...]  # session ids to close
+    kind: ActionKind = field(default=ActionKind.CLOSE, init=False)
+
+
+Action = Refuse | AcceptHello | ReplyPong | OpenSessions | Dispatch | CloseSessions
+
+
+class Connection:
+    """One incoming data-plane connection's state: feed it frames, carry out what it returns."""
+
+    def __init__(self, admission: Admission, limits: Limits, *, coordinated_jobs: Container[str]) -> None:
+        self.admission = admission
+        self.limits = limits
+        # Jobs whose coordinator is connected to this stage (read, never changed, here): a ring
+        # peer may only join one of them.
+        self.coordinated_jobs = coordinated_jobs
+        self.state = State.AWAITING_HELLO
+        self.binding: Binding | None = None
+        self.last_seq = 0  # the highest seq accepted so far; 0 before the first frame
+
+    @property
+    def role(self) -> Role | None:
+        return self.binding.role if self.binding is not None else None
+
+    def receive_data(self, data: bytes | str, *, now: float) -> Action:
+        """Decode one WebSocket message (``now``: unix seconds) and act on it."""
+        try:
+            frame = wire.decode(data, max_frame=self.limits.max_frame, hidden_size=self.limits.hidden_size)
+        except WireError as exc:
+            raw = data if isinstance(data, bytes) else b""
+            return Refuse(exc.code, str(exc), ref=wire.peek_seq(raw))
+        return self.receive_frame(frame, now=now)
+
+    def receive_frame(self, frame: wire.Frame, *, now: float) -> Action:
+        """Act on one decoded frame; ``now`` (unix seconds) is when it arrived, for the ticket's expiry."""
+        if self.state is State.CLOSED:
+            raise RuntimeError("this connection was closed by a fatal refusal; feed it no more frames")
+        if frame.seq <= self.last_seq:
+            return Refuse("replayed_seq", f"seq {frame.seq} is not above {self.last_seq}", ref=frame.seq)
+        self.last_seq = frame.seq
+        message = frame.message
+        if isinstance(message, wire.Hello):
+            return self._hello(message, frame.seq, now)
+        try:
+            return self._dispatch(message, frame.seq)
+        except SwarmError as exc:
+            return Refuse(exc.code, str(exc), ref=frame.seq, job=getattr(message, "job", None), session=_first(message))
+
+    def _dispatch(self, message: wire.Message, seq: int) -> Action:
+        match message:
+            case wire.Ping():
+                return ReplyPong(message.nonce)
+            case _ if self.binding is None:
+                raise TicketError("send HELLO with a job ticket first", code="ticket_missing")
+            # A RESULT is a FORWARD subclass, but only stages send it, and never to a stage.
+            case wire.Forward() if type(message) is wire.Forward:
+                self._check_job(message.job)
+                return Dispatch(seq, message)
+            case _ if self.binding.role is not Role.COORDINATOR:
+                raise WireError(f"a peer stage may only send FORWARD, not {type(message).__name__}", code="not_allowed")
+            case wire.Open():
+                self._check_job(message.job)
+                return OpenSessions(seq, message.job, message.sessions)
+            case wire.Close():
+                self._check_job(message.job)
+                return CloseSessions(seq, message.job, message.sessions)
+        raise WireError(f"a stage does not accept {type(message).__name__} frames", code="not_allowed")
+
+    def _check_job(self, job: str) -> None:
+        assert self.binding is not None
+        if job != self.binding.job:
+            raise TicketError(f"this connection is bound to job {self.binding.job!r}, not {job!r}", code="wrong_job")
+
+    def _hello(self, hello: wire.Hello, seq: int, now: float) -> Action:
+        """Bind the connection, or refuse and close it: a stranger gets one try per connection."""
+        try:
+            binding = self._admit(hello, now)
+        except TicketError as exc:
+            self.state = State.CLOSED
+            return Refuse(exc.code, str(exc), ref=seq, job=hello.job, close=True)
+        self.state, self.binding = State.BOUND, binding
+        return AcceptHello(hello, binding)
+
+    def _admit(self, hello: wire.Hello, now: float) -> Binding:
+        if self.binding is not None:
+            raise TicketError("this connection already said HELLO", code="hello_twice")
+        if hello.role not in tuple(Role):
+            raise TicketError(f"a stage does not accept HELLO as {hello.role!r}", code="not_allowed")
+        binding = self._verify(hello, now)
+        if binding.role is Role.PEER and hello.job not in self.coordinated_jobs:
+            raise TicketError(f"no coordinator has opened job {hello.job!r} here", code="unknown_job")
+        return binding
+
+    def _verify(self, hello: wire.Hello, now: float) -> Binding:
+        """The binding a HELLO's ticket grants on this stage; raises TicketError (fails closed)."""
+        us = self.admission
+        if us.insecure_open:
+            return Binding(hello.job, Role(hello.role), us.node, us.model, us.layer_start, us.layer_end, None)
+        if hello.ticket is None:
+            raise TicketError(
+                "HELLO carries no job ticket and this agent is not --insecure-open", code="ticket_missing"
+            )
+        ticket = verify_ticket(
+            hello.ticket,
+            us.trusted_keys,
+            node=us.node,
+            model=us.model,
+            layer_start=us.layer_start,
+            layer_end=us.layer_end,
+            now=now,
+        )
+        if ticket.job != hello.job:
+            raise TicketError(f"ticket is for job {ticket.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
+        return Binding(
+            ticket.job,
+            Role(hello.role),
+            ticket.node,
+            ticket.model,
+            ticket.layer_start,
+            ticket.layer_end,
+            ticket.expires_at,
+        )
+
+
+def refused(action: OpenSessions | Dispatch | CloseSessions, exc: SwarmError) -> Refuse:
+    """The refusal of a frame the stage turned down (unknown session, step out of order, ...):
+    the connection stays usable."""
+    match action:
+        case Dispatch():
+            session = action.forward.items[0].session if action.forward.items else None
+        case _:
+            session = action.sessions[0] if action.sessions else None
+    return Refuse(exc.code, str(exc), ref=action.ref, job=action.job, session=session)
+
+
+def _first(message: wire.Message) -> str | None:
+    """The first session a frame names, for the ERROR that refuses it."""
+    if isinstance(message, wire.Forward) and message.items:
+        return message.items[0].session
+    if isinstance(message, wire.Open | wire.Close) and message.sessions:
+        return message.sessions[0]
+    return None
