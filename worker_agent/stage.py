@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker_agent.block import Block, WorkItem
-from worker_agent.errors import SessionError, TicketError, WireError
+from worker_agent.errors import SessionError, WireError
 from worker_agent.keys import node_id, public_key_bytes
 from worker_agent.kvcache import KVSession, SessionLimits, SessionStore
 from worker_agent.receipts import ReceiptBuilder, digest
-from worker_agent.tickets import verify_ticket
-from worker_agent.wire import Forward, Hello, Item, tensor_payload
+from worker_agent.wire import Forward, Item, tensor_payload
 
 if TYPE_CHECKING:
     from worker_agent.cheat import Cheat
@@ -103,25 +102,6 @@ class Stage:
             "tokens_served": self.tokens_served,
             "uptime_s": round(time.time() - self.started, 1),
         }
-
-    def authorize(self, hello: Hello) -> None:
-        """Check the job ticket a HELLO presents; raises TicketError."""
-        if self.insecure_open:
-            return
-        if hello.ticket is None:
-            raise TicketError(
-                "HELLO carries no job ticket and this agent is not --insecure-open", code="ticket_missing"
-            )
-        ticket = verify_ticket(
-            hello.ticket,
-            self.trusted_keys,
-            node=self.node,
-            model=self.model,
-            layer_start=self.layer_start,
-            layer_end=self.layer_end,
-        )
-        if ticket.job != hello.job:
-            raise TicketError(f"ticket is for job {ticket.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
 
     def open(self, job: str, sessions: tuple[str, ...]) -> None:
         """Open all the sessions or none: every check runs before anything changes."""
