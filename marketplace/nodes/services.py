@@ -30,7 +30,8 @@ from marketplace.nodes.errors import (
 )
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
-from worker_agent.control import CONTROL_CONTEXT, JOIN_CONTEXT
+from worker_agent import control_protocol as protocol
+from worker_agent.control_protocol import CONTROL_CONTEXT, JOIN_CONTEXT
 from worker_agent.keys import node_id as node_id_of
 
 log = logging.getLogger("swarm.nodes")
@@ -262,7 +263,7 @@ def drain_node(node: Node) -> Node:
         state=NodeState.DRAINING
     ):
         if node.node_id:
-            push(node.node_id, {"type": "drain"})
+            push(node.node_id, protocol.to_wire(protocol.Drain()))
         _placement_changed()
         notify_node_changed(node.pk)
     node.refresh_from_db()
@@ -284,7 +285,7 @@ def eject_node(node: Node, *, reason: str, by=None) -> Node:
 
         release_node(node.pk)
         if node.node_id:
-            push(node.node_id, {"type": "stop", "reason": f"ejected: {reason}"})
+            push(node.node_id, protocol.to_wire(protocol.Stop(reason=f"ejected: {reason}"[: protocol.MAX_TEXT_CHARS])))
         log.warning("node %s ejected: %s", node.node_id, reason)
         _placement_changed()
         notify_node_changed(node.pk)
@@ -309,7 +310,7 @@ def reinstate_node(node: Node, *, by) -> Node:
 @transaction.atomic
 def delete_node(node: Node) -> None:
     if node.node_id:
-        push(node.node_id, {"type": "stop", "reason": "the node was deleted by its owner"})
+        push(node.node_id, protocol.to_wire(protocol.Stop(reason="the node was deleted by its owner")))
     from marketplace.placement.services import release_node
 
     release_node(node.pk)
