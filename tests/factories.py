@@ -24,7 +24,7 @@ from rest_framework.test import APIClient
 from marketplace.nodes import services
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.placement.models import Assignment, PlacementState
-from worker_agent.control import join_signature
+from worker_agent.control_protocol import join_signature
 from worker_agent.keys import generate_signing_key, public_key_bytes
 
 PASSWORD = "correct-horse-battery-staple-42"

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from marketplace.nodes.models import Node, NodeState
 from tests.factories import GIB, db_snapshot, join_payload, public_hex
-from worker_agent.control import join_signature
+from worker_agent.control_protocol import join_signature
 from worker_agent.keys import generate_signing_key, public_key_bytes
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]

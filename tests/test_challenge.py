@@ -11,6 +11,7 @@ import struct
 import pytest
 import torch
 
+from worker_agent import control_protocol as protocol
 from worker_agent import model as models
 from worker_agent.block import Block, WorkItem
 from worker_agent.challenge import (
@@ -25,7 +26,7 @@ from worker_agent.challenge import (
     verify_challenge,
 )
 from worker_agent.cheat import Cheat
-from worker_agent.control import Agent, JoinState, answer_challenge
+from worker_agent.control import Agent, JoinState, Serving, answer_challenge
 from worker_agent.errors import ChallengeError, ChallengeFailed
 from worker_agent.keys import generate_signing_key
 from worker_agent.kvcache import SessionLimits, SessionStore
@@ -408,10 +409,10 @@ def test_the_agent_answers_on_the_control_channel_without_holding_up_other_messa
     channel = _RecordingChannel()
 
     async def scenario() -> None:
-        agent.serving = (1, _tiny_stage(tiny), None, None)
-        await agent._on_message(channel, _challenge())
+        agent.serving = Serving(assignment=1, stage=_tiny_stage(tiny), stop=None, task=None)
+        await agent._on_message(channel, protocol.from_wire(_challenge()))
         assert channel.sent == []  # the message loop goes on while a worker thread computes
-        await agent._on_message(channel, {"type": "drain"})
+        await agent._on_message(channel, protocol.Drain())
         await asyncio.gather(*agent._tasks)
         assert agent.draining
 

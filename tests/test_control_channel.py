@@ -20,7 +20,7 @@ from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.services import place_model
 from tests.factories import GIB, MODEL, db_snapshot, join_payload
-from worker_agent.control import control_signature
+from worker_agent.control_protocol import control_signature
 from worker_agent.keys import generate_signing_key
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]

@@ -10,7 +10,8 @@ receives assignments (model + layer span: it loads that block and serves it on i
 port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers), and
 seeded spot-challenges (``challenge.py``) of the block it serves.
 
-A challenge, from the control plane::
+Every message is built and parsed by ``control_protocol`` (typed, versioned, bounded); a frame
+it refuses is logged and dropped. A challenge, from the control plane::
 
     {"type": "challenge",
      "challenge": 17,                # the control plane's id for it, echoed in the answer
@@ -19,7 +20,7 @@ A challenge, from the control plane::
      "model": "smollm2-135m",        # the block the challenge is for: the agent must be serving
      "layer_start": 0, "layer_end": 10}  # exactly this model and span
 
-and the agent's answer (``answer_challenge``), computed on a worker thread so heartbeats and
+and the agent's answer (``challenge_result``), computed on a worker thread so heartbeats and
 live traffic go on::
 
     {"type": "challenge_result", "challenge": 17,
@@ -44,6 +45,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,8 +55,10 @@ import websockets
 from websockets.asyncio.client import connect
 
 from worker_agent import __version__, wire
+from worker_agent import control_protocol as protocol
 from worker_agent.challenge import check_challenge, encode_output, run_challenge
 from worker_agent.cheat import Cheat, warning_banner
+from worker_agent.control_protocol import ProtocolError, control_signature, join_signature
 from worker_agent.errors import SwarmError
 from worker_agent.keys import node_id, public_key_bytes
 
@@ -63,8 +67,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("swarm.agent")
 
-JOIN_CONTEXT = b"swarm-join-v1\0"  # signed at join: context || token || 0 || public key
-CONTROL_CONTEXT = b"swarm-control-v1\0"  # signed per connection: context || nonce || node id
 HTTP_TIMEOUT_S = 30.0
 MAX_BACKOFF_S = 30.0
 PROBE_BYTES = 256 * 1024  # size of the frame that measures uplink
@@ -72,15 +74,6 @@ PROBE_BYTES = 256 * 1024  # size of the frame that measures uplink
 
 class JoinError(SwarmError):
     code = "join_failed"
-
-
-def join_signature(signing_key, token: str) -> str:
-    public = public_key_bytes(signing_key)
-    return signing_key.sign(JOIN_CONTEXT + token.encode() + b"\0" + public).signature.hex()
-
-
-def control_signature(signing_key, nonce: bytes, node: str) -> str:
-    return signing_key.sign(CONTROL_CONTEXT + nonce + node.encode()).signature.hex()
 
 
 @dataclass(frozen=True)
@@ -99,6 +92,16 @@ class JoinState:
             return cls(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             return None
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The block the agent serves now."""
+
+    assignment: int  # the control plane's id of the assignment being served
+    stage: Stage  # the loaded block, its sessions and its counters
+    stop: asyncio.Future  # resolved to stop the data-plane server
+    task: asyncio.Task  # the data-plane server's serve() task
 
 
 def hardware_report(device: str, max_layers: int | None) -> dict:
@@ -202,7 +205,7 @@ class Agent:
         self.dtype, self.device, self.wan = dtype, device, wan
         self.cheat = cheat  # tests only: wrong results on purpose, on live traffic and challenges
         self.trusted_key: bytes | None = None
-        self.serving = None  # (assignment id, Stage, stop future, serve task)
+        self.serving: Serving | None = None
         self.draining = False
         self.stopped = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -241,28 +244,29 @@ class Agent:
         await self._stop_serving()
 
     async def _session(self, ws) -> None:
-        challenge = json.loads(await asyncio.wait_for(ws.recv(), HTTP_TIMEOUT_S))
-        nonce = bytes.fromhex(challenge["nonce"])
-        await ws.send(
-            json.dumps(
-                {
-                    "type": "auth",
-                    "node": self.state.node,
-                    "signature": control_signature(self.signing_key, nonce, self.state.node),
-                }
-            )
-        )
-        welcome = json.loads(await asyncio.wait_for(ws.recv(), HTTP_TIMEOUT_S))
-        if welcome.get("type") != "welcome":
-            raise SwarmError(f"control plane refused the handshake: {welcome.get('message')}", code="handshake")
-        self.trusted_key = bytes.fromhex(welcome["ticket_key"])
-        log.info("control channel up as %s (state %s)", welcome["node"], welcome["state"])
-        heartbeat = asyncio.create_task(self._heartbeats(ws, float(welcome["heartbeat_interval_s"])))
+        hello = protocol.decode(await asyncio.wait_for(ws.recv(), HTTP_TIMEOUT_S))
+        if not isinstance(hello, protocol.Nonce):
+            raise SwarmError(f"the control plane opened with {hello.TYPE}, not a nonce", code="handshake")
+        signature = control_signature(self.signing_key, hello.nonce, self.state.node)
+        await ws.send(protocol.encode(protocol.Auth(node=self.state.node, signature=signature)))
+        welcome = protocol.decode(await asyncio.wait_for(ws.recv(), HTTP_TIMEOUT_S))
+        if not isinstance(welcome, protocol.Welcome):
+            reason = welcome.message if isinstance(welcome, protocol.Error) else f"a {welcome.TYPE} message"
+            raise SwarmError(f"control plane refused the handshake: {reason}", code="handshake")
+        self.trusted_key = bytes.fromhex(welcome.ticket_key)
+        log.info("control channel up as %s (state %s)", welcome.node, welcome.state)
+        heartbeat = asyncio.create_task(self._heartbeats(ws, welcome.heartbeat_interval_s))
         try:
-            for assignment in welcome.get("assignments", []):
+            for assignment in welcome.assignments:
                 await self._assign(ws, assignment)
             async for raw in ws:
-                await self._on_message(ws, json.loads(raw))
+                try:
+                    message = protocol.decode(raw)
+                except ProtocolError as exc:
+                    # Nothing to answer: a frame the control plane cannot have built through the codec.
+                    log.warning("control plane sent a frame this agent refuses: %s (%s)", exc, exc.code)
+                    continue
+                await self._on_message(ws, message)
                 if self.stopped.is_set():
                     return
         finally:
@@ -271,41 +275,51 @@ class Agent:
     async def _heartbeats(self, ws, interval: float) -> None:
         last = (None, 0.0, 0)  # (stage, compute seconds, tokens) at the previous heartbeat
         while True:
-            load = {"state": "draining" if self.draining else "serving" if self.serving else "idle"}
+            state = "draining" if self.draining else "serving" if self.serving else "idle"
+            load = protocol.Load(state=state)
             if self.serving is not None:
-                stage = self.serving[1]
-                load.update(sessions=len(stage.store), tokens_served=stage.tokens_served, model=stage.model)
+                stage = self.serving.stage
+                layer_ms = None
                 if last[0] is stage and stage.tokens_served > last[2]:
                     # Measured speed under real load, for the control plane's rebalancing.
                     layer_tokens = (stage.tokens_served - last[2]) * (stage.layer_end - stage.layer_start)
-                    load["layer_ms"] = 1000 * (stage.compute_seconds - last[1]) / layer_tokens
+                    layer_ms = 1000 * (stage.compute_seconds - last[1]) / layer_tokens
+                load = protocol.Load(
+                    state=state,
+                    sessions=len(stage.store),
+                    tokens_served=stage.tokens_served,
+                    model=stage.model,
+                    layer_ms=layer_ms,
+                )
                 last = (stage, stage.compute_seconds, stage.tokens_served)
-            await ws.send(json.dumps({"type": "heartbeat", "load": load}))
+            await ws.send(protocol.encode(protocol.Heartbeat(load=load)))
             await asyncio.sleep(interval)
 
-    async def _on_message(self, ws, message: dict) -> None:
-        match message.get("type"):
-            case "assign":
+    async def _on_message(self, ws, message: protocol.Message) -> None:
+        match message:
+            case protocol.Assign():
                 asyncio.create_task(self._assign(ws, message))  # noqa: RUF006 - tracked via self.serving
-            case "release":
-                if self.serving is not None and self.serving[0] == message.get("assignment"):
+            case protocol.Release(assignment=assignment):
+                if self.serving is not None and self.serving.assignment == assignment:
                     await self._stop_serving()
-            case "drain":
+            case protocol.Drain():
                 self.draining = True
-            case "stop":
-                log.warning("stopping: %s", message.get("reason", "asked by the control plane"))
+            case protocol.Stop(reason=reason):
+                log.warning("stopping: %s", reason or "asked by the control plane")
                 self.stopped.set()
-            case "probe":
-                results = await self._probe(message.get("targets", []))
-                await ws.send(json.dumps({"type": "probe_result", "results": results}))
-            case "challenge":
+            case protocol.Probe(targets=targets):
+                results = await self._probe(targets)
+                await ws.send(protocol.encode(protocol.ProbeResult(results=results)))
+            case protocol.Challenge():
                 task = asyncio.create_task(self._challenge(ws, message))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-            case "error":
-                log.warning("control plane says: %s (%s)", message.get("message"), message.get("code"))
+            case protocol.Error(code=code, message=text):
+                log.warning("control plane says: %s (%s)", text, code)
+            case _:
+                log.warning("ignoring a %s message: the control plane does not send those", message.TYPE)
 
-    async def _assign(self, ws, message: dict) -> None:
+    async def _assign(self, ws, message: protocol.Assign) -> None:
         from worker_agent import model as models
         from worker_agent.block import Block
         from worker_agent.server import StageServer
@@ -313,10 +327,10 @@ class Agent:
         from worker_agent.wan import WanProfile
 
         async with self._lock:
-            assignment = message["assignment"]
-            model, start, end = message["model"], message["layer_start"], message["layer_end"]
-            if self.serving is not None and self.serving[0] == assignment:
-                await ws.send(json.dumps({"type": "ready", "assignment": assignment, "url": self.advertise_url}))
+            assignment = message.assignment
+            model, start, end = message.model, message.layer_start, message.layer_end
+            if self.serving is not None and self.serving.assignment == assignment:
+                await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.advertise_url)))
                 return
             await self._stop_serving()
             log.info("assigned %s layers %d:%d (assignment %s)", model, start, end, assignment)
@@ -325,7 +339,7 @@ class Agent:
                     models.load_block, model, start, end, dtype=self.dtype, device=self.device
                 )
             except SwarmError as exc:
-                await ws.send(json.dumps({"type": "failed", "assignment": assignment, "error": str(exc)}))
+                await ws.send(protocol.encode(_failed(assignment, str(exc))))
                 return
             stage = Stage(
                 Block(weights),
@@ -340,87 +354,105 @@ class Agent:
             task = asyncio.create_task(server.serve(self.host, self.port, ready=bound.set_result, stop=stop))
             await asyncio.wait([bound, task], return_when=asyncio.FIRST_COMPLETED)
             if task.done():
-                await ws.send(
-                    json.dumps(
-                        {
-                            "type": "failed",
-                            "assignment": assignment,
-                            "error": f"cannot serve on port {self.port}: {task.exception()}",
-                        }
-                    )
-                )
+                error = f"cannot serve on port {self.port}: {task.exception()}"
+                await ws.send(protocol.encode(_failed(assignment, error)))
                 return
-            self.serving = (assignment, stage, stop, task)
-            await ws.send(json.dumps({"type": "ready", "assignment": assignment, "url": self.advertise_url}))
+            self.serving = Serving(assignment=assignment, stage=stage, stop=stop, task=task)
+            await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.advertise_url)))
             log.info("serving %s layers %d:%d at %s", model, start, end, self.advertise_url)
 
-    async def _challenge(self, ws, message: dict) -> None:
+    async def _challenge(self, ws, request: protocol.Challenge) -> None:
         async with self._challenge_lock:
-            stage = self.serving[1] if self.serving is not None else None
-            reply = await asyncio.to_thread(answer_challenge, stage, message, self.cheat)
-        if "error" in reply:
-            log.warning("challenge %s refused: %s (%s)", reply["challenge"], reply["error"], reply["code"])
+            stage = self.serving.stage if self.serving is not None else None
+            reply = await asyncio.to_thread(challenge_result, stage, request, self.cheat)
+        if reply.error is not None:
+            log.warning("challenge %s refused: %s (%s)", reply.challenge, reply.error, reply.code)
         else:
-            log.info("challenge %s answered in %.1f ms", reply["challenge"], reply["elapsed_ms"])
+            log.info("challenge %s answered in %.1f ms", reply.challenge, reply.elapsed_ms)
         # The channel may have dropped meanwhile; the control plane then counts it unanswered.
         with contextlib.suppress(websockets.ConnectionClosed):
-            await ws.send(json.dumps(reply))
+            await ws.send(protocol.encode(reply))
 
     async def _stop_serving(self) -> None:
         if self.serving is None:
             return
-        _, _, stop, task = self.serving
+        stop, task = self.serving.stop, self.serving.task
         self.serving = None
         if not stop.done():
             stop.set_result(None)
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
 
-    async def _probe(self, targets: list) -> list[dict]:
+    async def _probe(self, targets: tuple[protocol.ProbeTarget, ...]) -> tuple[protocol.LinkResult, ...]:
         """RTT and uplink to each peer's data plane; RTT to each coordinator region's probe URL
         (a region without a URL is the control plane's own)."""
         results = []
         for target in targets[:64]:
-            if not isinstance(target, dict) or not isinstance(target.get("target"), str):
-                continue
-            url = target.get("url") or f"{self.state.control_plane}/healthz"
+            url = target.url or f"{self.state.control_plane}/healthz"
             try:
                 measured = await probe_link(url) if url.startswith("ws") else await asyncio.to_thread(probe_http, url)
             except (OSError, websockets.WebSocketException, TimeoutError, SwarmError, ValueError) as exc:
-                log.warning("cannot probe %s at %s: %s", target["target"], url, exc)
+                log.warning("cannot probe %s at %s: %s", target.target, url, exc)
                 continue
-            results.append({"target": target["target"][:64], **measured})
+            results.append(protocol.LinkResult(target=target.target[:64], **measured))
         log.info("probed %d of %d targets", len(results), len(targets))
-        return results
+        return tuple(results)
 
 
-def answer_challenge(stage: Stage | None, message: dict, cheat: Cheat | None = None) -> dict:
-    """The ``challenge_result`` for a ``challenge`` message, given the Stage being served (or
-    None). Blocking: runs the block, so call it off the event loop."""
+def _failed(assignment: int, error: str) -> protocol.Failed:
+    return protocol.Failed(assignment=assignment, error=error[: protocol.MAX_TEXT_CHARS])
+
+
+def answer_challenge(stage: Stage | None, message: Mapping, cheat: Cheat | None = None) -> dict:
+    """The ``challenge_result`` JSON object for a challenge's JSON object, even a malformed one
+    (refused with ``challenge_invalid``, echoing whatever id it carried). Blocking: runs the block."""
     challenge = message.get("challenge")
 
-    def refuse(error: str, code: str) -> dict:
-        return {"type": "challenge_result", "challenge": challenge, "error": error, "code": code}
+    def refuse(error: str) -> dict:
+        return {"type": "challenge_result", "challenge": challenge, "error": error, "code": "challenge_invalid"}
 
     if isinstance(challenge, bool) or not isinstance(challenge, int):
-        return refuse(f"challenge id must be an integer, got {challenge!r}", "challenge_invalid")
+        return refuse(f"challenge id must be an integer, got {challenge!r}")
     model, start, end = message.get("model"), message.get("layer_start"), message.get("layer_end")
     if not isinstance(model, str) or not all(
         isinstance(value, int) and not isinstance(value, bool) for value in (start, end)
     ):
         return refuse(
             f"a challenge names a model (string) and a layer span (integers), got "
-            f"model={model!r} layer_start={start!r} layer_end={end!r}",
-            "challenge_invalid",
+            f"model={model!r} layer_start={start!r} layer_end={end!r}"
         )
-    seed, tokens = message.get("seed"), message.get("tokens")
     try:
-        check_challenge(seed, tokens)
+        request = protocol.Challenge(
+            challenge=challenge,
+            seed=message.get("seed"),
+            tokens=message.get("tokens"),
+            model=model,
+            layer_start=start,
+            layer_end=end,
+        )
+    except ProtocolError as exc:
+        return refuse(str(exc))
+    return protocol.to_wire(challenge_result(stage, request, cheat))
+
+
+def challenge_result(
+    stage: Stage | None, request: protocol.Challenge, cheat: Cheat | None = None
+) -> protocol.ChallengeResult:
+    """The answer to a well-formed challenge, given the Stage being served (or None). Blocking:
+    runs the block, so call it off the event loop."""
+
+    def refuse(error: str, code: str) -> protocol.ChallengeResult:
+        return protocol.ChallengeResult(challenge=request.challenge, error=error[: protocol.MAX_TEXT_CHARS], code=code)
+
+    model, start, end = request.model, request.layer_start, request.layer_end
+    try:
+        check_challenge(request.seed, request.tokens)  # this agent's limits, tighter than the wire's
     except SwarmError as exc:
         return refuse(str(exc), exc.code)
     if stage is None:
         return refuse(
-            f"this agent serves no block, so it cannot answer for {model} layers {start}:{end}", "not_serving"
+            f"this agent serves no block, so it cannot answer for {model} layers {start}:{end}",
+            "not_serving",
         )
     if (stage.model, stage.layer_start, stage.layer_end) != (model, start, end):
         return refuse(
@@ -430,19 +462,18 @@ def answer_challenge(stage: Stage | None, message: dict, cheat: Cheat | None = N
         )
     started = time.perf_counter()
     try:
-        output = run_challenge(stage.block, seed, tokens, cheat=cheat)  # (tokens, hidden)
+        output = run_challenge(stage.block, request.seed, request.tokens, cheat=cheat)  # (tokens, hidden)
     except Exception as exc:
-        log.exception("challenge %s failed", challenge)
+        log.exception("challenge %s failed", request.challenge)
         return refuse(f"the block failed on this challenge: {exc}", "compute_failed")
     elapsed_ms = 1000 * (time.perf_counter() - started)
-    return {
-        "type": "challenge_result",
-        "challenge": challenge,
-        "output": encode_output(output),
-        "tokens": tokens,
-        "hidden_size": int(output.shape[1]),
-        "elapsed_ms": round(elapsed_ms, 3),
-    }
+    return protocol.ChallengeResult(
+        challenge=request.challenge,
+        output=encode_output(output),
+        tokens=request.tokens,
+        hidden_size=int(output.shape[1]),
+        elapsed_ms=round(elapsed_ms, 3),
+    )
 
 
 def probe_http(url: str, timeout: float = 10.0, tries: int = 3) -> dict:

@@ -1,10 +1,12 @@
-"""The agent control channel (Channels WebSocket, JSON messages).
+"""The agent control channel (Channels WebSocket, JSON text frames typed by ``control_protocol``).
 
 Handshake: the server sends a fresh random nonce; the agent answers with its node id and an
 ed25519 signature over ``swarm-control-v1\\0 || nonce || node id``. A forged signature, an unknown
 node or a replayed answer (signed over another connection's nonce) closes the channel with code
 4401. Then: heartbeats (with load) from the agent; assignments, drain, stop, probe and challenge
 requests from the control plane; ready / failed / probe and challenge results from the agent.
+Every frame is decoded by the protocol: a frame that is not a message at all closes the channel
+(4400); a malformed message is answered with an error and the channel stays open.
 """
 
 from __future__ import annotations
@@ -13,24 +15,29 @@ import logging
 import secrets
 
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from marketplace.nodes import services
-from marketplace.nodes.errors import NodeError
+from marketplace.nodes.errors import InvalidHandshake, NodeError
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement
 from marketplace.placement.selectors import assignments_of_node
 from marketplace.verification import services as verification
 from marketplace.verification.errors import VerificationError
+from worker_agent import control_protocol as protocol
+from worker_agent.control_protocol import FRAMING_CODES, MessageType, ProtocolError
 
 log = logging.getLogger("swarm.control")
 
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_PROTOCOL = 4400
+# A malformed handshake answer is refused exactly like a wrong signature: a prober learns
+# nothing from the difference.
+MALFORMED_AUTH = "the signature does not verify with the node's key"
 
 
-class AgentControlConsumer(AsyncJsonWebsocketConsumer):
+class AgentControlConsumer(AsyncWebsocketConsumer):
     node_pk: int | None = None
     node_id: str | None = None
     connected_at = None
@@ -38,8 +45,8 @@ class AgentControlConsumer(AsyncJsonWebsocketConsumer):
 
     async def connect(self) -> None:
         await self.accept()
-        self.nonce = secrets.token_bytes(32)
-        await self.send_json({"type": "challenge", "nonce": self.nonce.hex()})
+        self.nonce = secrets.token_bytes(protocol.NONCE_BYTES)
+        await self._send(protocol.Nonce(nonce=self.nonce))
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         """Only JSON text frames: anything else closes the channel with a protocol error."""
@@ -47,33 +54,37 @@ class AgentControlConsumer(AsyncJsonWebsocketConsumer):
             await self._refuse("the control channel speaks JSON text frames", CLOSE_PROTOCOL)
             return
         try:
-            content = await self.decode_json(text_data)
-        except ValueError:
-            await self._refuse("a frame is not valid JSON", CLOSE_PROTOCOL)
+            message = protocol.decode(text_data)
+        except ProtocolError as exc:
+            await self._malformed(exc)
             return
-        await self.receive_json(content, **kwargs)
-
-    async def receive_json(self, content, **kwargs) -> None:
-        if not isinstance(content, dict) or not isinstance(content.get("type"), str):
-            await self._refuse("messages are JSON objects with a type", CLOSE_PROTOCOL)
-            return
-        kind = content["type"]
         if self.node_pk is None:
-            if kind != "auth":
+            if not isinstance(message, protocol.Auth):
                 await self._refuse("authenticate first", CLOSE_UNAUTHORIZED)
                 return
-            await self._authenticate(content)
+            await self._authenticate(message)
             return
         try:
-            await self._handle(kind, content)
+            await self._handle(message)
         except NodeError as exc:
-            await self.send_json({"type": "error", "code": exc.code, "message": str(exc)})
+            await self._send(protocol.error(exc.code, str(exc)))
 
-    async def _authenticate(self, content: dict) -> None:
+    async def _malformed(self, exc: ProtocolError) -> None:
+        if exc.code in FRAMING_CODES:
+            await self._refuse(str(exc), CLOSE_PROTOCOL)
+        elif self.node_pk is not None:
+            await self._send(protocol.error(exc.code, str(exc)))
+        elif exc.kind == MessageType.AUTH:
+            self.nonce = b""  # single use, even when the answer is malformed
+            await self._refuse(f"{MALFORMED_AUTH} ({InvalidHandshake.code})", CLOSE_UNAUTHORIZED)
+        else:
+            await self._refuse("authenticate first", CLOSE_UNAUTHORIZED)
+
+    async def _authenticate(self, auth: protocol.Auth) -> None:
         nonce, self.nonce = self.nonce, b""  # single use, even when the answer is wrong
         try:
             node = await database_sync_to_async(services.authenticate)(
-                node_id=content.get("node"), nonce=nonce, signature=str(content.get("signature", ""))
+                node_id=auth.node, nonce=nonce, signature=auth.signature
             )
         except NodeError as exc:
             await self._refuse(f"{exc} ({exc.code})", CLOSE_UNAUTHORIZED)
@@ -83,43 +94,49 @@ class AgentControlConsumer(AsyncJsonWebsocketConsumer):
         node = await database_sync_to_async(placement.node_connected)(node.pk)
         self.connected_at = node.connected_since
         assignments = await database_sync_to_async(lambda: [a.as_message() for a in assignments_of_node(node.pk)])()
-        await self.send_json(
-            {
-                "type": "welcome",
-                "node": node.node_id,
-                "state": node.state,
-                "heartbeat_interval_s": settings.SWARM_HEARTBEAT_INTERVAL_S,
-                "ticket_key": await database_sync_to_async(ticket_public_key)(),
-                "assignments": assignments,
-            }
+        welcome = protocol.Welcome(
+            node=node.node_id,
+            state=node.state,
+            heartbeat_interval_s=settings.SWARM_HEARTBEAT_INTERVAL_S,
+            ticket_key=await database_sync_to_async(ticket_public_key)(),
+            assignments=assignments,
         )
+        await self._send(welcome)
         log.info("node %s connected", node.node_id)
 
-    async def _handle(self, kind: str, content: dict) -> None:
-        match kind:
-            case "heartbeat":
-                await database_sync_to_async(placement.record_heartbeat)(self.node_pk, content.get("load", {}))
-            case "ready":
-                await database_sync_to_async(placement.assignment_ready)(
-                    self.node_pk, _int(content.get("assignment")), str(content.get("url", ""))
+    async def _handle(self, message: protocol.Message) -> None:
+        match message:
+            case protocol.Heartbeat():
+                await database_sync_to_async(placement.record_heartbeat)(
+                    self.node_pk, protocol.to_wire(message)["load"]
                 )
-            case "failed":
-                await database_sync_to_async(placement.assignment_failed)(
-                    self.node_pk, _int(content.get("assignment")), str(content.get("error", ""))
-                )
-            case "probe_result":
-                await database_sync_to_async(services.record_links)(self.node_pk, content.get("results"))
-            case "challenge_result":
+            case protocol.Ready(assignment=assignment, url=url):
+                await database_sync_to_async(placement.assignment_ready)(self.node_pk, assignment, url)
+            case protocol.Failed(assignment=assignment, error=error):
+                await database_sync_to_async(placement.assignment_failed)(self.node_pk, assignment, error)
+            case protocol.ProbeResult():
+                results = protocol.to_wire(message)["results"]
+                await database_sync_to_async(services.record_links)(self.node_pk, results)
+            case protocol.ChallengeResult():
                 try:
-                    await database_sync_to_async(verification.record_challenge_answer)(self.node_pk, content)
+                    await database_sync_to_async(verification.record_challenge_answer)(
+                        self.node_pk, protocol.to_wire(message)
+                    )
                 except VerificationError as exc:
-                    await self.send_json({"type": "error", "code": exc.code, "message": str(exc)})
+                    await self._send(protocol.error(exc.code, str(exc)))
             case _:
-                await self.send_json({"type": "error", "code": "unknown_type", "message": f"unknown type {kind!r}"})
+                # A message of this protocol that only the control plane sends.
+                await self._send(protocol.error(protocol.UNKNOWN_TYPE, f"unknown type {str(message.TYPE)!r}"))
 
     async def control_push(self, event: dict) -> None:
-        """A message from the control plane to this agent (group_send from services)."""
-        await self.send_json(event["message"])
+        """A message from the control plane to this agent (group_send from services): the wire
+        object of a protocol message, checked again so nothing malformed leaves."""
+        try:
+            message = protocol.from_wire(event["message"])
+        except ProtocolError:
+            log.exception("not pushing a malformed control message to %s", self.node_id)
+            return
+        await self._send(message)
 
     async def disconnect(self, code: int) -> None:
         if self.node_pk is not None:
@@ -127,16 +144,14 @@ class AgentControlConsumer(AsyncJsonWebsocketConsumer):
             await database_sync_to_async(services.node_disconnected)(self.node_pk, self.connected_at)
             log.info("node %s disconnected (%s)", self.node_id, code)
 
+    async def _send(self, message: protocol.Message) -> None:
+        await self.send(text_data=protocol.encode(message))
+
     async def _refuse(self, message: str, code: int) -> None:
         log.warning("control channel refused: %s", message)
-        await self.send_json(
-            {"type": "error", "code": "unauthorized" if code == CLOSE_UNAUTHORIZED else "protocol", "message": message}
-        )
+        kind = "unauthorized" if code == CLOSE_UNAUTHORIZED else "protocol"
+        await self._send(protocol.error(kind, message))
         await self.close(code=code)
-
-
-def _int(value) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
 def ticket_public_key() -> str:

@@ -32,7 +32,8 @@ from marketplace.nodes.errors import (
 )
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
-from worker_agent.control import CONTROL_CONTEXT, JOIN_CONTEXT
+from worker_agent import control_protocol as protocol
+from worker_agent.control_protocol import CONTROL_CONTEXT, JOIN_CONTEXT
 from worker_agent.keys import node_id as node_id_of
 
 log = logging.getLogger("swarm.nodes")
@@ -240,7 +241,7 @@ def mark_draining(node: Node) -> bool:
     ):
         return False
     if node.node_id:
-        push(node.node_id, {"type": "drain"})
+        push(node.node_id, protocol.to_wire(protocol.Drain()))
     notify_node_changed(node.pk)
     return True
 
@@ -257,7 +258,7 @@ def mark_ejected(node: Node, *, reason: str, by=None) -> bool:
     ):
         return False
     if node.node_id:
-        push(node.node_id, {"type": "stop", "reason": f"ejected: {reason}"})
+        push(node.node_id, protocol.to_wire(protocol.Stop(reason=f"ejected: {reason}"[: protocol.MAX_TEXT_CHARS])))
     log.warning("node %s ejected: %s", node.node_id, reason)
     notify_node_changed(node.pk)
     return True

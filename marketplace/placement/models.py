@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.db import models
 
 from marketplace.nodes.models import Node
+from worker_agent import control_protocol as protocol
 
 
 class AssignmentState(models.TextChoices):
@@ -45,14 +46,10 @@ class Assignment(models.Model):
             ),
         ]
 
-    def as_message(self) -> dict:
-        return {
-            "type": "assign",
-            "assignment": self.pk,
-            "model": self.model,
-            "layer_start": self.layer_start,
-            "layer_end": self.layer_end,
-        }
+    def as_message(self) -> protocol.Assign:
+        return protocol.Assign(
+            assignment=self.pk, model=self.model, layer_start=self.layer_start, layer_end=self.layer_end
+        )
 
 
 class PlacementState(models.Model):

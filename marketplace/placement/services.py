@@ -24,6 +24,7 @@ from marketplace.placement.errors import PlacementError
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import link_maps, region_target
 from marketplace.placement.tour import hop_cost, place_coordinator
+from worker_agent import control_protocol as protocol
 from worker_agent import model as models
 
 log = logging.getLogger("swarm.placement")
@@ -128,7 +129,7 @@ def eject_node(node: Node, *, reason: str, by=None) -> Node:
 def delete_node(node: Node) -> None:
     """The owner deletes a node: its agent is told to stop and its blocks are released."""
     if node.node_id:
-        push(node.node_id, {"type": "stop", "reason": "the node was deleted by its owner"})
+        push(node.node_id, protocol.to_wire(protocol.Stop(reason="the node was deleted by its owner")))
     release_node(node.pk)
     notify_node_changed(node.pk)
     node.delete()
@@ -211,7 +212,7 @@ def place_model(model: str) -> list[Assignment]:
         assignment.save(update_fields=["state", "released_at"])
         notify_node_changed(assignment.node_id)
         if target is None:
-            push(node_id, {"type": "release", "assignment": assignment.pk, "model": model})
+            push(node_id, protocol.to_wire(protocol.Release(assignment=assignment.pk, model=model)))
     kept = {a.node.node_id for a in result}
     for node_id, (pipeline_index, position, start, end, spare) in wanted.items():
         if node_id in kept:
@@ -226,7 +227,7 @@ def place_model(model: str) -> list[Assignment]:
             layer_end=end,
             is_spare=spare,
         )
-        push(node_id, assignment.as_message())
+        push(node_id, protocol.to_wire(assignment.as_message()))
         notify_node_changed(assignment.node_id)
         result.append(assignment)
     log.info(
@@ -264,15 +265,15 @@ def request_probes(model: str, nodes: list[Node]) -> None:
     """Ask each placed node to measure its links to the others and to the coordinator regions."""
     for node in nodes:
         targets = [
-            {"target": other.node_id, "url": other.data_url}
+            protocol.ProbeTarget(target=other.node_id, url=other.data_url)
             for other in nodes
             if other.pk != node.pk and other.data_url
         ]
         targets += [
-            {"target": region_target(r), "url": settings.SWARM_REGION_PROBE_URLS.get(r)}
+            protocol.ProbeTarget(target=region_target(r), url=settings.SWARM_REGION_PROBE_URLS.get(r))
             for r in settings.SWARM_COORDINATOR_REGIONS
         ]
-        push(node.node_id, {"type": "probe", "model": model, "targets": targets})
+        push(node.node_id, protocol.to_wire(protocol.Probe(model=model, targets=targets)))
     log.info("asked %d nodes to probe their links for %s", len(nodes), model)
 
 

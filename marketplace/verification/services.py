@@ -37,6 +37,7 @@ from marketplace.verification.receipts import job_receipts
 from marketplace.verification.standing import refresh_reputation
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
 from worker_agent import challenge as challenges
+from worker_agent import control_protocol as protocol
 from worker_agent.audit import AuditFailed, AuditMaterial
 from worker_agent.audit import verify_audit as replay_audit
 from worker_agent.errors import SwarmError
@@ -89,15 +90,16 @@ def send_challenge(node: Node, *, tokens: int | None = None, seed: int | None = 
     )
     push(
         node.node_id,
-        {
-            "type": "challenge",
-            "challenge": challenge.pk,
-            "seed": challenge.seed,
-            "tokens": challenge.tokens,
-            "model": challenge.model,
-            "layer_start": challenge.layer_start,
-            "layer_end": challenge.layer_end,
-        },
+        protocol.to_wire(
+            protocol.Challenge(
+                challenge=challenge.pk,
+                seed=challenge.seed,
+                tokens=challenge.tokens,
+                model=challenge.model,
+                layer_start=challenge.layer_start,
+                layer_end=challenge.layer_end,
+            )
+        ),
     )
     notify_node_changed(node.pk)  # the provider's page lists the challenge as sent
     return challenge
