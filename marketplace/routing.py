@@ -2,7 +2,7 @@ from channels.auth import AuthMiddlewareStack
 from channels.security.websocket import AllowedHostsOriginValidator
 from django.urls import path
 
-from marketplace.nodes.consumers import AgentControlConsumer
+from marketplace.api.agent_channel import AgentControlConsumer
 from marketplace.web.consumers import DashboardConsumer
 
 websocket_urlpatterns = [
