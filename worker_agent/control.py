@@ -132,6 +132,7 @@ def measure_compute(model: str, *, dtype: str, device: str, layers: int = 2, ste
     """Decode throughput of a small block of ``model`` in layer-tokens per second (batch 1)."""
     import torch
 
+    # Imported here: the agent registers and holds its channel before it loads torch.
     from worker_agent import model as models
     from worker_agent.block import Block, WorkItem
     from worker_agent.kvcache import SessionLimits, SessionStore
@@ -320,6 +321,7 @@ class Agent:
                 log.warning("ignoring a %s message: the control plane does not send those", message.TYPE)
 
     async def _assign(self, ws, message: protocol.Assign) -> None:
+        # Imported when a block is assigned: joining and the handshake need no torch.
         from worker_agent import model as models
         from worker_agent.block import Block
         from worker_agent.server import StageServer
