@@ -135,7 +135,9 @@ def test_an_unverified_event_is_refused_and_changes_nothing(fake_stripe, custome
     response = deliver(event, **delivery)
 
     assert response.status_code == 400
-    assert response.json() == {"error": error}
+    assert response.json() == {
+        "error": {"message": error, "type": "invalid_request_error", "param": None, "code": "invalid_webhook_signature"}
+    }
     assert billing_snapshot() == before
     assert services.credits(customer) == 0
 
@@ -158,7 +160,14 @@ def test_a_signed_payload_that_is_not_json_is_refused(fake_stripe, customer, top
     response = deliver("this is not json")
 
     assert response.status_code == 400
-    assert response.json() == {"error": "the payload is not a JSON event"}
+    assert response.json() == {
+        "error": {
+            "message": "the payload is not a JSON event",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_webhook_payload",
+        }
+    }
     assert billing_snapshot() == before
 
 

@@ -30,9 +30,10 @@ from django.db.models import F
 from django.utils import timezone
 
 from marketplace.accounts.errors import RoleRequired
+from marketplace.billing.errors import PaymentProviderUnavailable, TopUpRefused
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, StripeEvent, TopUp, TopUpState
 from marketplace.billing.services import account, transfer
-from marketplace.jobs.errors import ApiError, InvalidRequest
+from marketplace.jobs.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +46,6 @@ PERMANENT_ERRORS = (
     stripe.PermissionError,
     stripe.IdempotencyError,
 )
-
-
-class PaymentProviderUnavailable(ApiError):
-    status = 503
-    type = "service_unavailable"
-    code = "payment_provider_unavailable"
-
-
-class TopUpRefused(ApiError):
-    status = 402
-    type = "payment_error"
-    code = "top_up_refused"
 
 
 # --- calling Stripe -------------------------------------------------------------------------------

@@ -14,9 +14,11 @@ from rest_framework.decorators import api_view, permission_classes
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from marketplace.api.errors import error_response
 from marketplace.api.views import IsCustomer
 from marketplace.billing import stripe_gateway
-from marketplace.jobs.errors import ApiError
+from marketplace.billing.errors import InvalidWebhookPayload, InvalidWebhookSignature, WebhookNotConfigured
+from marketplace.errors import DomainError
 
 TOP_UP_REQUEST = inline_serializer(
     "TopUpRequest", {"amount": serializers.CharField(help_text='dollars, in whole cents, e.g. "10.00"')}
@@ -38,13 +40,13 @@ TOP_UP_CREATED = inline_serializer(
 )
 @api_view(["POST"])
 @permission_classes([permissions.IsAuthenticated, IsCustomer])
-def top_ups(request: Request) -> Response:
+def top_ups(request: Request) -> Response | JsonResponse:
     """Start a top-up: answers the Stripe Checkout page to pay on. Credits arrive once Stripe confirms the payment."""
     amount = request.data.get("amount") if isinstance(request.data, dict) else None
     try:
         top_up, checkout_url = stripe_gateway.start_top_up(request.user, amount)
-    except ApiError as exc:
-        return Response(exc.body(), status=exc.status)
+    except DomainError as exc:
+        return error_response(exc)
     return Response(
         {"id": top_up.pk, "checkout_url": checkout_url, "state": top_up.state}, status=status.HTTP_201_CREATED
     )
@@ -56,7 +58,7 @@ def stripe_webhook(request: HttpRequest) -> JsonResponse:
     """Verify Stripe's signature over the raw body, then apply the event once."""
     secret = settings.STRIPE_WEBHOOK_SECRET
     if not secret:
-        return JsonResponse({"error": "Stripe webhooks are not configured on this server"}, status=503)
+        return error_response(WebhookNotConfigured("Stripe webhooks are not configured on this server"))
     try:
         event = stripe.Webhook.construct_event(
             request.body,
@@ -65,8 +67,8 @@ def stripe_webhook(request: HttpRequest) -> JsonResponse:
             tolerance=settings.STRIPE_WEBHOOK_TOLERANCE_S,
         )
     except ValueError:
-        return JsonResponse({"error": "the payload is not a JSON event"}, status=400)
+        return error_response(InvalidWebhookPayload("the payload is not a JSON event"))
     except stripe.SignatureVerificationError:
-        return JsonResponse({"error": "the Stripe-Signature header does not verify"}, status=400)
+        return error_response(InvalidWebhookSignature("the Stripe-Signature header does not verify"))
     outcome = stripe_gateway.handle_event(event.to_dict())
     return JsonResponse({"received": True, "outcome": outcome})
