@@ -7,11 +7,9 @@ from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.template.response import TemplateResponse
 
-from marketplace.nodes.errors import NodeError
-from marketplace.payouts.errors import PayoutError
-from marketplace.verification.errors import VerificationError
+from marketplace.errors import DomainError
 
-REFUSALS = (VerificationError, NodeError, PayoutError)
+REFUSALS = (DomainError,)  # a service's refusal, shown to the admin; anything else is a bug
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):

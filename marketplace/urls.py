@@ -15,8 +15,8 @@ urlpatterns = [
     path("v1/completions", openai.completions, name="v1-completions"),
     path("admin/", admin.site.urls),
     path("api/", include("marketplace.api.urls")),
-    path("", include("marketplace.billing.urls")),
+    path("", include("marketplace.api.stripe_urls")),
     path("healthz", health, name="health"),
-    path("", include("marketplace.accounts.urls")),
+    path("", include("marketplace.web.account_urls")),
     path("", include("marketplace.web.urls")),
 ]

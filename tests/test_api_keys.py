@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
+from marketplace.api.errors import error_response
 from marketplace.jobs import services
-from marketplace.jobs.errors import AuthenticationFailed, InvalidRequest
+from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest
 from marketplace.jobs.models import ApiKey
 from tests.factories import drf_datetime
 
@@ -101,8 +103,9 @@ def test_customer_revokes_a_key_which_then_stops_authenticating(customer, client
     assert not api_key.active
     with pytest.raises(AuthenticationFailed) as caught:
         services.authenticate_key(f"Bearer {key}")
-    assert caught.value.status == 401
-    assert caught.value.body() == {
+    response = error_response(caught.value)
+    assert response.status_code == 401
+    assert json.loads(response.content) == {
         "error": {
             "message": "This API key was revoked.",
             "type": "authentication_error",
@@ -181,4 +184,49 @@ def test_a_key_needs_a_plain_name(customer, client_for, name):
 
     assert response.status_code == 400
     assert list(response.json()) == ["name"]
+    assert keys_snapshot() == []
+
+
+def test_a_second_active_key_with_the_same_name_is_refused_and_changes_nothing(customer, client_for):
+    client = client_for(customer)
+    client.post(KEYS, {"name": "laptop"}, format="json")
+    before = keys_snapshot()
+
+    response = client.post(KEYS, {"name": "laptop"}, format="json")
+
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": {
+            "message": "You already have an active key with this name.",
+            "type": "invalid_request_error",
+            "param": "name",
+            "code": "api_key_name_taken",
+        }
+    }
+    assert keys_snapshot() == before
+
+
+def test_a_revoked_keys_name_may_be_used_again(customer, client_for):
+    client = client_for(customer)
+    client.post(KEYS, {"name": "laptop"}, format="json")
+    client.delete(key_url(ApiKey.objects.get()))
+
+    response = client.post(KEYS, {"name": "laptop"}, format="json")
+
+    assert response.status_code == 201
+    assert [(k.name, k.revoked_at is None) for k in ApiKey.objects.order_by("pk")] == [
+        ("laptop", False),
+        ("laptop", True),
+    ]
+
+
+def test_the_service_keeps_the_playground_keys_name_for_the_playground(customer):
+    with pytest.raises(ApiKeyNameTaken) as caught:
+        services.create_api_key(customer, services.PLAYGROUND_KEY_NAME)
+
+    assert (caught.value.code, caught.value.param, str(caught.value)) == (
+        "api_key_name_taken",
+        "name",
+        "This name is kept for the playground's own key.",
+    )
     assert keys_snapshot() == []

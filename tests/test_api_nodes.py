@@ -364,7 +364,12 @@ def test_rotate_token_invalidates_the_old_token_and_the_new_one_joins(provider, 
     assert new_token != old_token
     assert refused.status_code == 403
     assert refused.json() == {
-        "error": {"code": "invalid_join_token", "message": "the join token is not valid (unknown, used or expired)"}
+        "error": {
+            "message": "the join token is not valid (unknown, used or expired)",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_join_token",
+        }
     }
     assert state_after_refusal["nodes"][0]["join_token_hash"] == hashlib.sha256(new_token.encode()).hexdigest()
     assert state_after_refusal["nodes"][0]["node_id"] is None

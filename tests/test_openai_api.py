@@ -422,7 +422,8 @@ def test_a_configured_model_without_a_ready_pipeline_is_refused_503(client, sett
 
 def one_request_per_minute_key(swarm) -> tuple[ApiKey, OpenAI]:
     """A fresh key allowed one request a minute, used early in a window so both requests share it."""
-    api_key, key = jobs_services.create_api_key(swarm.customer, "one a minute")
+    # Active key names are unique per customer, and the swarm (with its customer) outlives one test.
+    api_key, key = jobs_services.create_api_key(swarm.customer, f"one a minute #{ApiKey.objects.count()}")
     ApiKey.objects.filter(pk=api_key.pk).update(requests_per_minute=1)
     api_key.refresh_from_db()
     forget_rate_counts(api_key)

@@ -12,9 +12,9 @@ import pytest
 from django.db import connection
 
 from marketplace.billing import services
+from marketplace.billing.errors import InsufficientCredits
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, StripeEvent, TopUp, Transfer
 from marketplace.billing.topups import start_top_up
-from marketplace.jobs.errors import InsufficientCredits
 from marketplace.stripe_events import handle_event
 from tests.stripe_fake import WEBHOOK_SECRET, deliver, sign
 
@@ -136,7 +136,9 @@ def test_an_unverified_event_is_refused_and_changes_nothing(fake_stripe, custome
     response = deliver(event, **delivery)
 
     assert response.status_code == 400
-    assert response.json() == {"error": error}
+    assert response.json() == {
+        "error": {"message": error, "type": "invalid_request_error", "param": None, "code": "invalid_webhook_signature"}
+    }
     assert billing_snapshot() == before
     assert services.credits(customer) == 0
 
@@ -159,7 +161,14 @@ def test_a_signed_payload_that_is_not_json_is_refused(fake_stripe, customer, top
     response = deliver("this is not json")
 
     assert response.status_code == 400
-    assert response.json() == {"error": "the payload is not a JSON event"}
+    assert response.json() == {
+        "error": {
+            "message": "the payload is not a JSON event",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_webhook_payload",
+        }
+    }
     assert billing_snapshot() == before
 
 

@@ -1,3 +1,7 @@
+"""The sign-up form: it checks the inputs' shape (UserCreationForm's username and password
+rules); the account rules (at least one role, an email not in use) are the ``sign_up`` service's,
+shown on the form by the view."""
+
 from __future__ import annotations
 
 from django import forms
@@ -10,18 +14,10 @@ class SignUpForm(UserCreationForm):
     provider = forms.BooleanField(required=False, label="I provide GPUs (provider)")
     customer = forms.BooleanField(required=False, label="I buy inference (customer)")
 
+    # The email is not a model field of this form, so the model's exact-case uniqueness check
+    # does not run here: the service's check (without case) is the one rule, with one message.
+    field_order = ["username", "email", "password1", "password2", "provider", "customer"]
+
     class Meta:
         model = get_user_model()
-        fields = ("username", "email")
-
-    def clean_email(self) -> str:
-        email = self.cleaned_data["email"].lower()
-        if get_user_model().objects.filter(email__iexact=email).exists():
-            raise forms.ValidationError("An account with this email already exists.")
-        return email
-
-    def clean(self):
-        cleaned = super().clean()
-        if not (cleaned.get("provider") or cleaned.get("customer")):
-            raise forms.ValidationError("Choose at least one role: provider or customer.")
-        return cleaned
+        fields = ("username",)

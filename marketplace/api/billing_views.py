@@ -15,13 +15,14 @@ from rest_framework.decorators import api_view, permission_classes
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from marketplace.api.auth import api_key_required
+from marketplace.api.errors import renders_domain_errors
 from marketplace.api.openai import releases_db
 from marketplace.api.views import IsCustomer
 from marketplace.billing import selectors
 from marketplace.jobs import selectors as job_selectors
-from marketplace.jobs import services as jobs_services
-from marketplace.jobs.errors import ApiError, InvalidRequest
-from marketplace.jobs.models import Job
+from marketplace.jobs.errors import InvalidRequest, JobNotFound
+from marketplace.jobs.models import ApiKey, Job
 
 GROUPS = ("day", "model", "key")
 
@@ -51,22 +52,18 @@ def _group(request) -> str:
 @extend_schema(responses=OpenApiTypes.OBJECT)
 @api_view(["GET"])
 @permission_classes([permissions.IsAuthenticated, IsCustomer])
+@renders_domain_errors
 def usage(request: Request) -> Response:
-    try:
-        group = _group(request)
-    except ApiError as exc:
-        return Response(exc.body(), status=exc.status)
+    group = _group(request)
     return Response({"group": group, "data": job_selectors.usage(request.user, group)})
 
 
 @extend_schema(responses={(200, "text/csv"): OpenApiTypes.STR})
 @api_view(["GET"])
 @permission_classes([permissions.IsAuthenticated, IsCustomer])
+@renders_domain_errors
 def usage_csv(request: Request) -> HttpResponse:
-    try:
-        group = _group(request)
-    except ApiError as exc:
-        return JsonResponse(exc.body(), status=exc.status)
+    group = _group(request)
     rows = job_selectors.usage(request.user, group)
     out = io.StringIO()
     writer = csv.writer(out)
@@ -78,45 +75,25 @@ def usage_csv(request: Request) -> HttpResponse:
     return response
 
 
-async def _key_user(request: HttpRequest):
-    api_key = await sync_to_async(jobs_services.authenticate_key)(request.headers.get("Authorization"))
-    return api_key.user
-
-
 @releases_db
-async def credits(request: HttpRequest) -> JsonResponse:
+@api_key_required
+async def credits(request: HttpRequest, api_key: ApiKey) -> JsonResponse:
     """`{"data": {"total_credits", "total_usage"}}` in dollars for the calling key's account."""
-    try:
-        user = await _key_user(request)
-    except ApiError as exc:
-        return JsonResponse(exc.body(), status=exc.status)
-    totals = await sync_to_async(selectors.totals)(user)
+    totals = await sync_to_async(selectors.totals)(api_key.user)
     return JsonResponse({"data": {k: float(v) for k, v in totals.items()}})
 
 
 @releases_db
-async def generation(request: HttpRequest) -> JsonResponse:
+@api_key_required
+@renders_domain_errors
+async def generation(request: HttpRequest, api_key: ApiKey) -> JsonResponse:
     """One request's model, token counts, cost and state, by its completion id."""
-    try:
-        user = await _key_user(request)
-        public_id = request.GET.get("id", "")
-        if not public_id:
-            raise InvalidRequest("give the completion id as ?id=", param="id")
-    except ApiError as exc:
-        return JsonResponse(exc.body(), status=exc.status)
-    job = await sync_to_async(Job.objects.filter(customer=user, public_id=public_id).first)()
+    public_id = request.GET.get("id", "")
+    if not public_id:
+        raise InvalidRequest("give the completion id as ?id=", param="id")
+    job = await sync_to_async(Job.objects.filter(customer=api_key.user, public_id=public_id).first)()
     if job is None:
-        return JsonResponse(
-            {
-                "error": {
-                    "message": f"no generation {public_id!r}",
-                    "type": "invalid_request_error",
-                    "param": "id",
-                    "code": "not_found",
-                }
-            },
-            status=404,
-        )
+        raise JobNotFound(f"no generation {public_id!r}", param="id")
     return JsonResponse(
         {
             "data": {

@@ -24,11 +24,14 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from marketplace.api import ratelimit
+from marketplace.api.auth import api_key_required
+from marketplace.api.errors import allow_method, error_body, error_response
 from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
 from marketplace.db import release_connections
+from marketplace.errors import DomainError
 from marketplace.jobs import runner, services, tasks
-from marketplace.jobs.errors import ApiError, InvalidRequest, JobFailed, ModelNotFound, RateLimited
+from marketplace.jobs.errors import InvalidRequest, JobFailed, ModelNotFound
 from marketplace.jobs.models import ApiKey
 from marketplace.placement.selectors import servable_pipelines
 from worker_agent import model as models
@@ -37,18 +40,6 @@ log = logging.getLogger("swarm.api")
 ROLES = {"system", "user", "assistant", "developer"}
 MAX_STOP = 4
 EVENT_TIMEOUT_S = 60.0  # longest silence from a running job before the response gives up
-
-
-def _error(exc: ApiError, request_id: str) -> JsonResponse:
-    response = JsonResponse(exc.body(), status=exc.status)
-    response["x-request-id"] = request_id
-    if exc.status == 402:
-        response["x-should-retry"] = "false"
-    if isinstance(exc, RateLimited):
-        response["Retry-After"] = str(exc.retry_after)
-        for name, value in exc.headers.items():
-            response[name] = value
-    return response
 
 
 def _json_body(request: HttpRequest) -> dict:
@@ -179,17 +170,26 @@ def releases_db(view):
     return wrapped
 
 
+def stamps_request_id(view):
+    """Name each request ``req_<hex>`` (``request.request_id``) and send the name back in the
+    x-request-id header of every answer, refusals included, so a client can quote it."""
+
+    @functools.wraps(view)
+    async def wrapped(request, *args, **kwargs):
+        request.request_id = f"req_{uuid.uuid4().hex}"
+        response = await view(request, *args, **kwargs)
+        response["x-request-id"] = request.request_id
+        return response
+
+    return wrapped
+
+
 @csrf_exempt
 @releases_db
-async def list_models(request: HttpRequest) -> JsonResponse:
-    request_id = f"req_{uuid.uuid4().hex}"
-    if request.method != "GET":
-        return _error(InvalidRequest("Use GET.", code="method_not_allowed"), request_id)
-    try:
-        await sync_to_async(services.authenticate_key)(request.headers.get("Authorization"))
-    except ApiError as exc:
-        return _error(exc, request_id)
-
+@stamps_request_id
+@allow_method("GET")
+@api_key_required
+async def list_models(request: HttpRequest, api_key: ApiKey) -> JsonResponse:
     def listing() -> list[dict]:
         entries = []
         for model in settings.SWARM_MODELS:
@@ -207,33 +207,33 @@ async def list_models(request: HttpRequest) -> JsonResponse:
         return entries
 
     data = await sync_to_async(listing)()
-    response = JsonResponse({"object": "list", "data": data})
-    response["x-request-id"] = request_id
-    return response
+    return JsonResponse({"object": "list", "data": data})
 
 
 @csrf_exempt
 @releases_db
-async def chat_completions(request: HttpRequest) -> HttpResponse:
-    return await _complete(request, "chat")
+@stamps_request_id
+@allow_method("POST")
+@api_key_required
+async def chat_completions(request: HttpRequest, api_key: ApiKey) -> HttpResponse:
+    return await _complete(request, api_key, "chat")
 
 
 @csrf_exempt
 @releases_db
-async def completions(request: HttpRequest) -> HttpResponse:
-    return await _complete(request, "completion")
+@stamps_request_id
+@allow_method("POST")
+@api_key_required
+async def completions(request: HttpRequest, api_key: ApiKey) -> HttpResponse:
+    return await _complete(request, api_key, "completion")
 
 
-async def _complete(request: HttpRequest, kind: str) -> HttpResponse:
-    request_id = f"req_{uuid.uuid4().hex}"
-    if request.method != "POST":
-        return _error(InvalidRequest("Use POST.", code="method_not_allowed"), request_id)
+async def _complete(request: HttpRequest, api_key: ApiKey, kind: str) -> HttpResponse:
     try:
-        api_key = await sync_to_async(services.authenticate_key)(request.headers.get("Authorization"))
         body = _json_body(request)
-    except ApiError as exc:
-        return _error(exc, request_id)
-    return await complete_for_key(api_key, body, kind, request_id)
+    except DomainError as exc:
+        return error_response(exc)
+    return await complete_for_key(api_key, body, kind, request.request_id)
 
 
 async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: str) -> HttpResponse:
@@ -247,8 +247,8 @@ async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: s
         job = await sync_to_async(services.admit_job)(
             api_key=api_key, kind=kind, model=model, params=params, prompt_tokens=prompt_tokens
         )
-    except ApiError as exc:
-        return _error(exc, request_id)
+    except DomainError as exc:
+        return error_response(exc, request_id=request_id)
     # The rest of the response only waits on the channel layer: hand this request's database
     # connection back now, not when a long stream ends, so streams cannot starve the jobs.
     await sync_to_async(release_connections)()
@@ -263,8 +263,8 @@ async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: s
     else:
         try:
             answer = await reply.whole()
-        except ApiError as exc:
-            return _error(exc, request_id)
+        except DomainError as exc:
+            return error_response(exc, request_id=request_id)
         except asyncio.CancelledError:  # the client went away before the whole response
             await asyncio.shield(sync_to_async(services.request_cancel)(job.pk))
             raise
@@ -376,14 +376,14 @@ class _Reply:
                         yield _sse(usage)
                 else:
                     ended = True
-                    yield _sse(_job_error(event).body())
+                    yield _sse(error_body(_job_error(event)))
             yield b"data: [DONE]\n\n"
         finally:
             if not ended:  # the client went away mid-stream: stop the job, keep what was done
                 await sync_to_async(services.request_cancel)(self.job.pk)
 
 
-def _job_error(event: dict) -> ApiError:
+def _job_error(event: dict) -> JobFailed:
     return JobFailed(f"The job failed: {event.get('message')}", code=event.get("code", "job_failed"))
 
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import transaction
+from django.http import JsonResponse
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, permissions, status, viewsets
 from rest_framework.decorators import action, api_view, authentication_classes, permission_classes
-from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from marketplace.api import serializers as s
+from marketplace.api.errors import error_response
 from marketplace.jobs import services as jobs_services
+from marketplace.jobs.errors import ApiKeyNameTaken
 from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services
 from marketplace.nodes.errors import NodeError
@@ -43,7 +47,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
         return Node.objects.filter(owner=self.request.user).prefetch_related("assignments").order_by("id")
 
     @extend_schema(request=s.NodeCreateSerializer, responses={201: s.NodeCreatedSerializer})
-    def create(self, request: Request) -> Response:
+    def create(self, request: Request) -> Response | JsonResponse:
         data = s.NodeCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         if Node.objects.filter(owner=request.user, name=data.validated_data["name"]).exists():
@@ -51,7 +55,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
         try:
             node, token = services.create_node(owner=request.user, **data.validated_data)
         except NodeError as exc:
-            raise PermissionDenied(str(exc)) from exc
+            return error_response(exc)
         body = s.NodeSerializer(node).data | {"join_token": token, "join_command": join_command(request, token)}
         return Response(body, status=status.HTTP_201_CREATED)
 
@@ -75,7 +79,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
 @api_view(["POST"])
 @authentication_classes([])
 @permission_classes([permissions.AllowAny])
-def register_agent(request: Request) -> Response:
+def register_agent(request: Request) -> Response | JsonResponse:
     """An agent joins with its one-time token, proving it holds the key it registers."""
     data = s.AgentRegisterSerializer(data=request.data)
     data.is_valid(raise_exception=True)
@@ -83,12 +87,9 @@ def register_agent(request: Request) -> Response:
         with transaction.atomic():
             node = services.register_agent(**data.validated_data)
     except NodeError as exc:
-        code = status.HTTP_403_FORBIDDEN if exc.code in ("invalid_join_token", "node_not_allowed") else 400
-        return Response({"error": {"code": exc.code, "message": str(exc)}}, status=code)
+        return error_response(exc)
     scheme = "wss" if request.is_secure() else "ws"
     control_url = f"{scheme}://{request.get_host()}/ws/agent/"
-    from django.conf import settings
-
     return Response(
         {"node": node.node_id, "control_url": control_url, "heartbeat_interval_s": settings.SWARM_HEARTBEAT_INTERVAL_S},
         status=status.HTTP_201_CREATED,
@@ -117,10 +118,13 @@ class ApiKeyViewSet(
         return ApiKey.objects.filter(user=self.request.user)
 
     @extend_schema(request=s.ApiKeySerializer, responses={201: s.ApiKeyCreatedSerializer})
-    def create(self, request: Request) -> Response:
+    def create(self, request: Request) -> Response | JsonResponse:
         data = s.ApiKeySerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        api_key, key = jobs_services.create_api_key(request.user, data.validated_data["name"])
+        try:
+            api_key, key = jobs_services.create_api_key(request.user, data.validated_data["name"])
+        except ApiKeyNameTaken as exc:
+            return error_response(exc)
         return Response(s.ApiKeySerializer(api_key).data | {"key": key}, status=status.HTTP_201_CREATED)
 
     def perform_destroy(self, instance: ApiKey) -> None:

@@ -13,8 +13,8 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from marketplace.billing.errors import InsufficientCredits
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, ModelPrice, Transfer
-from marketplace.jobs.errors import InsufficientCredits
 
 
 def account(kind: str, owner=None) -> LedgerAccount:

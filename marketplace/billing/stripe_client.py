@@ -16,7 +16,7 @@ from collections.abc import Callable
 import stripe
 from django.conf import settings
 
-from marketplace.jobs.errors import ApiError
+from marketplace.billing.errors import PaymentProviderUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +27,6 @@ PERMANENT_ERRORS = (
     stripe.PermissionError,
     stripe.IdempotencyError,
 )
-
-
-class PaymentProviderUnavailable(ApiError):
-    status = 503
-    type = "service_unavailable"
-    code = "payment_provider_unavailable"
 
 
 # --- calling Stripe -------------------------------------------------------------------------------

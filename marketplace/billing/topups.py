@@ -26,21 +26,15 @@ from django.db.models import F
 from django.utils import timezone
 
 from marketplace.accounts.errors import RoleRequired
+from marketplace.billing.errors import InvalidAmount, PaymentProviderUnavailable, TopUpRefused
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, TopUp, TopUpState
 from marketplace.billing.services import account, transfer
-from marketplace.billing.stripe_client import PaymentProviderUnavailable, call_stripe
-from marketplace.jobs.errors import ApiError, InvalidRequest
+from marketplace.billing.stripe_client import call_stripe
 
 logger = logging.getLogger(__name__)
 
 NANO_PER_CENT = NANO_PER_DOLLAR // 100
 CENT = Decimal("0.01")
-
-
-class TopUpRefused(ApiError):
-    status = 402
-    type = "payment_error"
-    code = "top_up_refused"
 
 
 # --- top-ups --------------------------------------------------------------------------------------
@@ -50,8 +44,8 @@ def top_up_cents(dollars: object) -> int:
     """A requested amount in dollars ("10.00"), checked against the configured bounds, in cents."""
     low, high = settings.STRIPE_TOPUP_MIN_DOLLARS, settings.STRIPE_TOPUP_MAX_DOLLARS
     if dollars is None:
-        raise InvalidRequest('amount is required: a number of dollars such as "10.00"', param="amount")
-    malformed = InvalidRequest(f"amount must be a number of dollars, got {dollars!r}", param="amount")
+        raise InvalidAmount('amount is required: a number of dollars such as "10.00"', param="amount")
+    malformed = InvalidAmount(f"amount must be a number of dollars, got {dollars!r}", param="amount")
     if isinstance(dollars, bool) or not isinstance(dollars, (str, int, float, Decimal)):
         raise malformed
     try:
@@ -59,9 +53,9 @@ def top_up_cents(dollars: object) -> int:
     except InvalidOperation:
         raise malformed from None
     if not amount.is_finite() or not low <= amount <= high:
-        raise InvalidRequest(f"amount must be between ${low} and ${high}", param="amount")
+        raise InvalidAmount(f"amount must be between ${low} and ${high}", param="amount")
     if amount != amount.quantize(CENT):
-        raise InvalidRequest("amount must be in whole cents (at most two decimals)", param="amount")
+        raise InvalidAmount("amount must be in whole cents (at most two decimals)", param="amount")
     return int(amount * 100)
 
 

@@ -1,62 +1,64 @@
-"""API errors, each with its HTTP status and OpenAI error type."""
+"""Errors of the inference API's use cases: keys, admission, rate limits, jobs.
+
+Codes follow OpenAI's where OpenAI has one, so an OpenAI client recognises them; the HTTP
+status and OpenAI error type of each are chosen at the edge (``marketplace.api.errors``).
+"""
 
 from __future__ import annotations
 
+from marketplace.errors import DomainError
 
-class ApiError(Exception):
-    status = 400
-    type = "invalid_request_error"
-    code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        if code is not None:
-            self.code = code
+class ApiError(DomainError):
+    """The jobs app's base error."""
 
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+    code = "api_error"
 
 
 class InvalidRequest(ApiError):
-    status = 400
+    """The request itself is wrong (a malformed or out-of-range input, a rule it breaks)."""
+
+    code = "invalid_request"
 
 
 class AuthenticationFailed(ApiError):
-    status = 401
-    type = "authentication_error"
+    """No key, an unknown or revoked key, or a disabled account."""
+
     code = "invalid_api_key"
 
 
-class InsufficientCredits(ApiError):
-    status = 402
-    type = "insufficient_quota"
-    code = "insufficient_quota"
-
-
 class ModelNotFound(ApiError):
-    status = 404
     code = "model_not_found"
 
 
 class RateLimited(ApiError):
-    status = 429
-    type = "rate_limit_error"
+    """A key's per-minute request or token limit would be passed; the request was not counted."""
+
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, retry_after: int, headers: dict) -> None:
+    def __init__(self, message: str, *, retry_after: int, headers: dict[str, str]) -> None:
         super().__init__(message)
-        self.retry_after = retry_after
-        self.headers = headers
+        self.retry_after = retry_after  # seconds until the current window ends
+        self.headers = headers  # the x-ratelimit-* limits, remainders and resets to report with the refusal
 
 
 class NoCapacity(ApiError):
-    status = 503
-    type = "service_unavailable"
     code = "no_capacity"
 
 
 class JobFailed(ApiError):
-    status = 500
-    type = "server_error"
+    """An admitted job ended in error; the instance's code is the failure's (e.g. ``timeout``)."""
+
     code = "job_failed"
+
+
+class ApiKeyNameTaken(InvalidRequest):
+    """The customer already has an active key of that name, or the name is kept for the playground."""
+
+    code = "api_key_name_taken"
+
+
+class JobNotFound(ApiError):
+    """No job of the calling customer has that id."""
+
+    code = "not_found"

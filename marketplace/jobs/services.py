@@ -12,19 +12,21 @@ import uuid
 from datetime import timedelta
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from marketplace.jobs.errors import AuthenticationFailed, InvalidRequest, NoCapacity
+from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest, NoCapacity
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.settlement import place_hold, settle
 from marketplace.placement.selectors import route_request
 from marketplace.verification.services import choose_audit_stages
 
 KEY_PREFIX = "sk-sw-"
+PLAYGROUND_KEY_NAME = "Playground (dashboard)"  # kept for the key the dashboard's playground uses
 CANCEL_KEY = "job-cancel:{}"
 LAST_USED_RESOLUTION_S = (
     60  # how precisely a key's last_used_at is kept  # cache flag a coordinator polls between steps
@@ -37,9 +39,29 @@ def _hash(key: str) -> str:
 
 @transaction.atomic
 def create_api_key(user, name: str) -> tuple[ApiKey, str]:
-    """A new key for a customer; the plaintext is returned once and never stored."""
+    """A new key for a customer; the plaintext is returned once and never stored.
+
+    Refused (``ApiKeyNameTaken``) when the customer has an active key of that name, or the name
+    is the playground's; a revoked key's name may be used again.
+    """
+    if name == PLAYGROUND_KEY_NAME:
+        raise ApiKeyNameTaken("This name is kept for the playground's own key.", param="name")
+    return _create_key(user, name)
+
+
+@transaction.atomic
+def create_playground_key(user) -> tuple[ApiKey, str]:
+    """The customer's key for the dashboard's playground, under the name no other key may take."""
+    return _create_key(user, PLAYGROUND_KEY_NAME)
+
+
+def _create_key(user, name: str) -> tuple[ApiKey, str]:
     if not user.is_customer:
         raise InvalidRequest("only customers can create API keys", code="not_a_customer")
+    # Lock the customer's row so two requests creating the same name at once cannot both pass the check.
+    get_user_model().objects.select_for_update().filter(pk=user.pk).first()
+    if ApiKey.objects.filter(user=user, name=name, revoked_at__isnull=True).exists():
+        raise ApiKeyNameTaken("You already have an active key with this name.", param="name")
     secret = secrets.token_urlsafe(32)
     key = f"{KEY_PREFIX}{secret}"
     api_key = ApiKey.objects.create(user=user, name=name, prefix=key[: len(KEY_PREFIX) + 8], key_hash=_hash(key))

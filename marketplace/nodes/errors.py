@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from marketplace.errors import DomainError
 
-class NodeError(Exception):
+
+class NodeError(DomainError):
     code = "node_error"
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from marketplace.errors import DomainError
 
-class PayoutError(Exception):
+
+class PayoutError(DomainError):
     code = "payout_error"
 
 

@@ -5,6 +5,10 @@ model, no chain of stages covering every layer) and for a malformed input (a non
 compute, a duplicate node id); placement never returns a partial answer instead.
 """
 
+from marketplace.errors import DomainError
 
-class PlacementError(Exception):
+
+class PlacementError(DomainError):
     """The nodes, layers or measurements given cannot be turned into a valid placement."""
+
+    code = "placement_failed"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from marketplace.errors import DomainError
 
-class VerificationError(Exception):
+
+class VerificationError(DomainError):
     code = "verification_error"
 
 

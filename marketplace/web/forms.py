@@ -1,4 +1,6 @@
-"""Forms of the dashboards: they validate and label what the services take."""
+"""Forms of the dashboards: they check and label the inputs the services take. Business rules
+(a key name already in use, an email already taken) live in the services, which the API calls
+too; a view shows a service's refusal on its form with ``form.add_error``."""
 
 from __future__ import annotations
 
@@ -8,9 +10,7 @@ from django import forms
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 
-from marketplace.jobs.models import ApiKey
 from marketplace.nodes.models import Node
-from marketplace.web.selectors import PLAYGROUND_KEY_NAME
 
 NAME = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$",
@@ -38,18 +38,6 @@ class NodeForm(forms.Form):
 
 class ApiKeyForm(forms.Form):
     name = forms.CharField(label="Key name", max_length=100, validators=[NAME], help_text="e.g. my-app")
-
-    def __init__(self, *args, user, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.user = user
-
-    def clean_name(self) -> str:
-        name = self.cleaned_data["name"]
-        if name == PLAYGROUND_KEY_NAME:
-            raise forms.ValidationError("This name is kept for the playground's own key.")
-        if ApiKey.objects.filter(user=self.user, name=name, revoked_at__isnull=True).exists():
-            raise forms.ValidationError("You already have an active key with this name.")
-        return name
 
 
 class TopUpForm(forms.Form):

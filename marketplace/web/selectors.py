@@ -14,13 +14,13 @@ from marketplace.billing.models import TopUp
 from marketplace.billing.services import prices_for
 from marketplace.jobs import selectors as job_selectors
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
+from marketplace.jobs.services import PLAYGROUND_KEY_NAME
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import servable_pipelines
 from marketplace.web import charts
 from worker_agent import model as models
 
-PLAYGROUND_KEY_NAME = "Playground (dashboard)"
 THROUGHPUT_WINDOW_S = 60
 THROUGHPUT_MINUTES = 30
 

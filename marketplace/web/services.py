@@ -6,8 +6,8 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 
 from marketplace.jobs.models import ApiKey
-from marketplace.jobs.services import create_api_key
-from marketplace.web.selectors import PLAYGROUND_KEY_NAME, playground_key
+from marketplace.jobs.services import create_playground_key
+from marketplace.web.selectors import playground_key
 
 
 @transaction.atomic
@@ -22,5 +22,5 @@ def ensure_playground_key(user) -> ApiKey:
     found = playground_key(user)
     if found is not None:
         return found
-    api_key, _ = create_api_key(user, PLAYGROUND_KEY_NAME)
+    api_key, _ = create_playground_key(user)
     return api_key

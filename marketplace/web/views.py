@@ -20,20 +20,22 @@ from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
+from marketplace.api.errors import allow_method, error_response
 from marketplace.api.openai import complete_for_key, releases_db
 from marketplace.api.views import join_command
 from marketplace.billing import selectors as billing
+from marketplace.billing.errors import PaymentProviderUnavailable
 from marketplace.billing.models import TopUpState
-from marketplace.billing.stripe_client import PaymentProviderUnavailable
 from marketplace.billing.topups import start_top_up
+from marketplace.errors import DomainError
 from marketplace.jobs import services as jobs_services
-from marketplace.jobs.errors import ApiError
+from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest
 from marketplace.nodes import services as node_services
 from marketplace.nodes.errors import NodeError
 from marketplace.payouts import services as payout_services
@@ -232,12 +234,16 @@ def _keys_panel(request: HttpRequest, form: ApiKeyForm, *, created=None, key: st
 @require_http_methods(["GET", "POST"])
 def keys(request: HttpRequest) -> HttpResponse:
     if request.method == "GET":
-        return _keys_panel(request, ApiKeyForm(user=request.user))
-    form = ApiKeyForm(request.POST, user=request.user)
+        return _keys_panel(request, ApiKeyForm())
+    form = ApiKeyForm(request.POST)
     if not form.is_valid():
         return _keys_panel(request, form)
-    api_key, key = jobs_services.create_api_key(request.user, form.cleaned_data["name"])
-    return _keys_panel(request, ApiKeyForm(user=request.user), created=api_key, key=key)
+    try:
+        api_key, key = jobs_services.create_api_key(request.user, form.cleaned_data["name"])
+    except ApiKeyNameTaken as exc:
+        form.add_error(exc.param, str(exc))
+        return _keys_panel(request, form)
+    return _keys_panel(request, ApiKeyForm(), created=api_key, key=key)
 
 
 @customer_required
@@ -248,7 +254,7 @@ def key_revoke(request: HttpRequest, pk: int) -> HttpResponse:
         raise Http404("no such key")
     jobs_services.revoke_api_key(api_key)
     if request.htmx:
-        return _keys_panel(request, ApiKeyForm(user=request.user))
+        return _keys_panel(request, ApiKeyForm())
     return redirect("web:keys")
 
 
@@ -284,7 +290,7 @@ def top_up(request: HttpRequest) -> HttpResponse:
     if form.is_valid():
         try:
             _, checkout_url = start_top_up(request.user, str(form.cleaned_data["amount"]))
-        except ApiError as exc:
+        except DomainError as exc:
             form.add_error("amount" if exc.param == "amount" else None, str(exc))
         else:
             # Off to Stripe's page; the credits arrive with Stripe's signed webhook, not with the return.
@@ -323,29 +329,22 @@ def playground(request: HttpRequest) -> HttpResponse:
     )
 
 
-def _json_error(status: int, message: str, code: str) -> JsonResponse:
-    return JsonResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}, status=status
-    )
-
-
 @releases_db
+@allow_method("POST")
 async def playground_chat(request: HttpRequest) -> HttpResponse:
     """A chat completion for the signed-in customer, streamed, admitted exactly as the public API
     admits one (validation, rate limits, credits, capacity) on their playground key."""
-    if request.method != "POST":
-        return _json_error(405, "Use POST.", "method_not_allowed")
     user = await request.auser()
     if not user.is_authenticated:
-        return _json_error(401, "Sign in to use the playground.", "not_signed_in")
+        return error_response(AuthenticationFailed("Sign in to use the playground.", code="not_signed_in"))
     if not user.is_customer:
-        return _json_error(403, "The playground is for customers.", "not_a_customer")
+        return error_response(InvalidRequest("The playground is for customers.", code="not_a_customer"))
     try:
         data = json.loads(request.body or b"")
     except (ValueError, UnicodeDecodeError):
         data = None
     if not isinstance(data, dict):
-        return _json_error(400, "The request body must be a JSON object.", "invalid_json")
+        return error_response(InvalidRequest("The request body must be a JSON object.", code="invalid_json"))
     body = {
         "model": data.get("model"),
         "messages": data.get("messages"),

@@ -1,13 +1,15 @@
+"""Sign-up, sign-in and sign-out pages, under the ``accounts`` URL namespace."""
+
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from marketplace.accounts import views
+from marketplace.web import account_views
 from marketplace.web.views import home
 
 app_name = "accounts"
 
 urlpatterns = [
-    path("signup/", views.sign_up, name="signup"),
+    path("signup/", account_views.sign_up, name="signup"),
     path("login/", auth_views.LoginView.as_view(template_name="accounts/login.html"), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     # The dashboard home (per-role overview) lives with the dashboards; sign-in lands on it.

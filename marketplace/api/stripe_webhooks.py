@@ -15,9 +15,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from marketplace import stripe_events
+from marketplace.api.errors import error_response
 from marketplace.api.views import IsCustomer
 from marketplace.billing import topups
-from marketplace.jobs.errors import ApiError
+from marketplace.billing.errors import InvalidWebhookPayload, InvalidWebhookSignature, WebhookNotConfigured
+from marketplace.errors import DomainError
 
 TOP_UP_REQUEST = inline_serializer(
     "TopUpRequest", {"amount": serializers.CharField(help_text='dollars, in whole cents, e.g. "10.00"')}
@@ -39,13 +41,13 @@ TOP_UP_CREATED = inline_serializer(
 )
 @api_view(["POST"])
 @permission_classes([permissions.IsAuthenticated, IsCustomer])
-def top_ups(request: Request) -> Response:
+def top_ups(request: Request) -> Response | JsonResponse:
     """Start a top-up: answers the Stripe Checkout page to pay on. Credits arrive once Stripe confirms the payment."""
     amount = request.data.get("amount") if isinstance(request.data, dict) else None
     try:
         top_up, checkout_url = topups.start_top_up(request.user, amount)
-    except ApiError as exc:
-        return Response(exc.body(), status=exc.status)
+    except DomainError as exc:
+        return error_response(exc)
     return Response(
         {"id": top_up.pk, "checkout_url": checkout_url, "state": top_up.state}, status=status.HTTP_201_CREATED
     )
@@ -57,7 +59,7 @@ def stripe_webhook(request: HttpRequest) -> JsonResponse:
     """Verify Stripe's signature over the raw body, then apply the event once."""
     secret = settings.STRIPE_WEBHOOK_SECRET
     if not secret:
-        return JsonResponse({"error": "Stripe webhooks are not configured on this server"}, status=503)
+        return error_response(WebhookNotConfigured("Stripe webhooks are not configured on this server"))
     try:
         event = stripe.Webhook.construct_event(
             request.body,
@@ -66,8 +68,8 @@ def stripe_webhook(request: HttpRequest) -> JsonResponse:
             tolerance=settings.STRIPE_WEBHOOK_TOLERANCE_S,
         )
     except ValueError:
-        return JsonResponse({"error": "the payload is not a JSON event"}, status=400)
+        return error_response(InvalidWebhookPayload("the payload is not a JSON event"))
     except stripe.SignatureVerificationError:
-        return JsonResponse({"error": "the Stripe-Signature header does not verify"}, status=400)
+        return error_response(InvalidWebhookSignature("the Stripe-Signature header does not verify"))
     outcome = stripe_events.handle_event(event.to_dict())
     return JsonResponse({"received": True, "outcome": outcome})
