@@ -41,10 +41,10 @@ PERIODIC_WORK: tuple[PeriodicWork, ...] = (
     PeriodicWork("jobs", "marketplace.jobs.services.reconcile_jobs", "SWARM_SWEEP_INTERVAL_S"),
     # Trust: send due challenges, expire unanswered ones and uphold unreviewed strikes, release
     # earnings whose window passed, build the payout batch when due, send approved payouts.
-    PeriodicWork("challenges", "marketplace.verification.services.send_due_challenges", "SWARM_TRUST_INTERVAL_S"),
-    PeriodicWork("review", "marketplace.verification.services.review", "SWARM_TRUST_INTERVAL_S"),
+    PeriodicWork("challenges", "marketplace.verification.challenges.send_due_challenges", "SWARM_TRUST_INTERVAL_S"),
+    PeriodicWork("review", "marketplace.verification.review.review", "SWARM_TRUST_INTERVAL_S"),
     PeriodicWork(
-        "earnings", "marketplace.verification.services.release_earnings_in_good_standing", "SWARM_TRUST_INTERVAL_S"
+        "earnings", "marketplace.verification.strikes.release_earnings_in_good_standing", "SWARM_TRUST_INTERVAL_S"
     ),
     PeriodicWork("payout-batches", "marketplace.payouts.services.build_batch_if_due", "SWARM_TRUST_INTERVAL_S"),
     PeriodicWork("payouts", "marketplace.payouts.services.send_payouts", "SWARM_TRUST_INTERVAL_S"),

@@ -20,7 +20,7 @@ from django.contrib.auth import get_user_model
 
 from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts.models import Earning, EarningState
-from marketplace.verification import services as verification
+from marketplace.verification import strikes
 from marketplace.verification.models import Audit, CheckState, Strike, StrikeKind, StrikeState
 from tests.live import wait_for
 from tests.trust_fixtures import PROVIDERS, STRIKES_TO_EJECT, Swarm
@@ -34,7 +34,7 @@ def uphold_all_open(swarm: Swarm, admin) -> list[Strike]:
     for strike in Strike.objects.filter(node=swarm.cheater, state=StrikeState.OPEN).order_by("pk"):
         if swarm.cheater.state == NodeState.EJECTED:
             break
-        upheld.append(verification.uphold_strike(strike, by=admin, reason="evidence reviewed"))
+        upheld.append(strikes.uphold_strike(strike, by=admin, reason="evidence reviewed"))
     return upheld
 
 

@@ -11,7 +11,7 @@ import torch
 from django.utils import timezone
 
 from marketplace.placement.models import Assignment, AssignmentState
-from marketplace.verification import services
+from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.errors import InvalidAnswer, NotChallengeable
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind, StrikeState
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
@@ -62,7 +62,7 @@ def honest_output(challenge: Challenge, dtype: str = "float32") -> torch.Tensor:
 
 
 def test_challenge_is_sent_for_the_ready_span(serving, django_capture_on_commit_callbacks):
-    challenge = services.send_challenge(serving, tokens=4, seed=1234)
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=1234)
 
     assert (challenge.model, challenge.layer_start, challenge.layer_end) == (MODEL, 2, 4)
     assert (challenge.seed, challenge.tokens, challenge.state) == (1234, 4, CheckState.SENT)
@@ -70,9 +70,9 @@ def test_challenge_is_sent_for_the_ready_span(serving, django_capture_on_commit_
 
 
 def test_honest_answer_passes_with_per_token_metrics(serving, django_capture_on_commit_callbacks):
-    challenge = services.send_challenge(serving, tokens=4, seed=7)
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=7)
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
+        challenge_checks.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
 
     challenge.refresh_from_db()
     assert challenge.state == CheckState.PASSED
@@ -83,9 +83,9 @@ def test_honest_answer_passes_with_per_token_metrics(serving, django_capture_on_
 
 
 def test_bfloat16_answer_passes_against_the_float32_verifier(serving, django_capture_on_commit_callbacks):
-    challenge = services.send_challenge(serving, tokens=8, seed=99)
+    challenge = challenge_checks.send_challenge(serving, tokens=8, seed=99)
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge, "bfloat16")))
+        challenge_checks.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge, "bfloat16")))
 
     challenge.refresh_from_db()
     assert challenge.state == CheckState.PASSED
@@ -93,10 +93,10 @@ def test_bfloat16_answer_passes_against_the_float32_verifier(serving, django_cap
 
 
 def test_wrong_answer_fails_and_opens_a_strike_with_evidence(serving, django_capture_on_commit_callbacks):
-    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=5)
     inputs = challenges.challenge_input(challenge.seed, challenge.tokens, 64)
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_challenge_answer(serving.pk, answer(challenge, inputs))  # identity: skipped its layers
+        challenge_checks.record_challenge_answer(serving.pk, answer(challenge, inputs))  # identity: skipped its layers
 
     challenge.refresh_from_db()
     assert challenge.state == CheckState.FAILED
@@ -114,8 +114,8 @@ def test_wrong_answer_fails_and_opens_a_strike_with_evidence(serving, django_cap
 
 
 def test_answer_refused_by_the_node_fails(serving, django_capture_on_commit_callbacks):
-    challenge = services.send_challenge(serving, tokens=4, seed=5)
-    services.record_challenge_answer(
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=5)
+    challenge_checks.record_challenge_answer(
         serving.pk, {"type": "challenge_result", "challenge": challenge.pk, "error": "not serving", "code": "x"}
     )
 
@@ -126,8 +126,8 @@ def test_answer_refused_by_the_node_fails(serving, django_capture_on_commit_call
 
 
 def test_malformed_output_fails(serving):
-    challenge = services.send_challenge(serving, tokens=4, seed=5)
-    services.record_challenge_answer(
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=5)
+    challenge_checks.record_challenge_answer(
         serving.pk, {"type": "challenge_result", "challenge": challenge.pk, "output": "AAAA"}
     )
 
@@ -138,10 +138,10 @@ def test_malformed_output_fails(serving):
 
 
 def test_no_answer_by_the_deadline_expires_and_strikes(serving):
-    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=5)
 
-    assert services.expire_challenges(challenge.deadline_at - timedelta(seconds=1)) == []
-    assert services.expire_challenges(challenge.deadline_at + timedelta(seconds=1)) == [challenge.pk]
+    assert challenge_checks.expire_challenges(challenge.deadline_at - timedelta(seconds=1)) == []
+    assert challenge_checks.expire_challenges(challenge.deadline_at + timedelta(seconds=1)) == [challenge.pk]
 
     challenge.refresh_from_db()
     assert challenge.state == CheckState.EXPIRED
@@ -150,9 +150,9 @@ def test_no_answer_by_the_deadline_expires_and_strikes(serving):
 
 
 def test_late_answer_counts_as_expired(serving, django_capture_on_commit_callbacks):
-    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=5)
     Challenge.objects.filter(pk=challenge.pk).update(deadline_at=timezone.now() - timedelta(seconds=1))
-    services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
+    challenge_checks.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
 
     challenge.refresh_from_db()
     assert (challenge.state, challenge.reason) == (CheckState.EXPIRED, "answered after the deadline")
@@ -168,40 +168,42 @@ def test_late_answer_counts_as_expired(serving, django_capture_on_commit_callbac
     ],
 )
 def test_invalid_answers_are_refused_and_change_nothing(serving, message, error):
-    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=5)
     before = list(Challenge.objects.values())
 
     with pytest.raises(InvalidAnswer, match=error):
-        services.record_challenge_answer(serving.pk, {"type": "challenge_result", "challenge": challenge.pk, **message})
+        challenge_checks.record_challenge_answer(
+            serving.pk, {"type": "challenge_result", "challenge": challenge.pk, **message}
+        )
 
     assert list(Challenge.objects.values()) == before
     assert Strike.objects.count() == 0
 
 
 def test_another_nodes_answer_is_refused(serving, second_provider, make_joined_node):
-    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=5)
     other = make_joined_node(second_provider, "gpu-x").node
 
     with pytest.raises(InvalidAnswer, match=f"challenge {challenge.pk} was not sent to this node"):
-        services.record_challenge_answer(other.pk, answer(challenge, honest_output(challenge)))
+        challenge_checks.record_challenge_answer(other.pk, answer(challenge, honest_output(challenge)))
     challenge.refresh_from_db()
     assert challenge.state == CheckState.SENT
 
 
 def test_second_answer_is_refused(serving, django_capture_on_commit_callbacks):
-    challenge = services.send_challenge(serving, tokens=4, seed=5)
+    challenge = challenge_checks.send_challenge(serving, tokens=4, seed=5)
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
+        challenge_checks.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
 
     with pytest.raises(InvalidAnswer, match=f"challenge {challenge.pk} is already passed"):
-        services.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
+        challenge_checks.record_challenge_answer(serving.pk, answer(challenge, honest_output(challenge)))
 
 
 def test_node_without_a_ready_block_is_not_challenged(provider, make_joined_node):
     node = make_joined_node(provider, "idle").node
 
     with pytest.raises(NotChallengeable):
-        services.send_challenge(node)
+        challenge_checks.send_challenge(node)
     assert Challenge.objects.count() == 0
 
 
@@ -241,9 +243,11 @@ def rounded_past_the_threshold(challenge: Challenge) -> torch.Tensor:
 def test_honest_bfloat16_rounding_past_a_threshold_passes_against_the_bfloat16_reference(
     serving_smollm2, django_capture_on_commit_callbacks
 ):
-    challenge = services.send_challenge(serving_smollm2, tokens=8, seed=1589)
+    challenge = challenge_checks.send_challenge(serving_smollm2, tokens=8, seed=1589)
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_challenge_answer(serving_smollm2.pk, answer(challenge, rounded_past_the_threshold(challenge)))
+        challenge_checks.record_challenge_answer(
+            serving_smollm2.pk, answer(challenge, rounded_past_the_threshold(challenge))
+        )
 
     challenge.refresh_from_db()
     assert (challenge.state, challenge.metrics["reference"]) == (CheckState.PASSED, "bfloat16")
@@ -252,10 +256,10 @@ def test_honest_bfloat16_rounding_past_a_threshold_passes_against_the_bfloat16_r
 
 
 def test_a_wrong_answer_fails_against_both_references(serving_smollm2, django_capture_on_commit_callbacks):
-    challenge = services.send_challenge(serving_smollm2, tokens=8, seed=1589)
+    challenge = challenge_checks.send_challenge(serving_smollm2, tokens=8, seed=1589)
     skipped = challenges.challenge_input(challenge.seed, challenge.tokens, 576)
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_challenge_answer(serving_smollm2.pk, answer(challenge, skipped))
+        challenge_checks.record_challenge_answer(serving_smollm2.pk, answer(challenge, skipped))
 
     challenge.refresh_from_db()
     assert (challenge.state, challenge.metrics["reference"]) == (CheckState.FAILED, "float32")

@@ -17,7 +17,9 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts import services as payout_services
 from marketplace.payouts.models import BatchState, ConnectAccount, Earning, EarningState, PayoutBatch
 from marketplace.placement.models import Assignment, AssignmentState
-from marketplace.verification import services
+from marketplace.verification import challenges as challenge_checks
+from marketplace.verification import strikes
+from marketplace.verification.errors import StrikeDecisionRefused
 from marketplace.verification.models import Strike, StrikeState
 from tests.stripe_fake import deliver
 from worker_agent import challenge as challenges
@@ -54,10 +56,10 @@ def struck(settings, provider, customer, make_joined_node, django_capture_on_com
     )
 
     def strike() -> Strike:
-        challenge = services.send_challenge(node, tokens=2, seed=3)
+        challenge = challenge_checks.send_challenge(node, tokens=2, seed=3)
         wrong = challenges.encode_output(challenges.challenge_input(3, 2, 64))  # its input: skipped its layers
         with django_capture_on_commit_callbacks(execute=True):
-            services.record_challenge_answer(node.pk, {"challenge": challenge.pk, "output": wrong})
+            challenge_checks.record_challenge_answer(node.pk, {"challenge": challenge.pk, "output": wrong})
         return Strike.objects.get(challenge=challenge)
 
     return node, strike
@@ -132,10 +134,10 @@ def test_overturn_service_refuses_without_reason_or_staff(struck, superuser, pro
     _, strike = struck
     open_strike = strike()
 
-    with pytest.raises(services.StrikeDecisionRefused, match="needs a reason"):
-        services.overturn_strike(open_strike, by=superuser, reason="")
-    with pytest.raises(services.StrikeDecisionRefused, match="only admins"):
-        services.overturn_strike(open_strike, by=provider, reason="mine")
+    with pytest.raises(StrikeDecisionRefused, match="needs a reason"):
+        strikes.overturn_strike(open_strike, by=superuser, reason="")
+    with pytest.raises(StrikeDecisionRefused, match="only admins"):
+        strikes.overturn_strike(open_strike, by=provider, reason="mine")
     open_strike.refresh_from_db()
     assert open_strike.state == StrikeState.OPEN
 
@@ -159,8 +161,8 @@ def test_strikes_left_unreviewed_are_upheld_after_the_review_period(struck, sett
     open_strike = strike()
     settings.SWARM_STRIKE_REVIEW_S = 3600
 
-    assert services.uphold_overdue_strikes(open_strike.created_at + timedelta(seconds=3599)) == []
-    assert services.uphold_overdue_strikes(open_strike.created_at + timedelta(seconds=3601)) == [open_strike.pk]
+    assert strikes.uphold_overdue_strikes(open_strike.created_at + timedelta(seconds=3599)) == []
+    assert strikes.uphold_overdue_strikes(open_strike.created_at + timedelta(seconds=3601)) == [open_strike.pk]
     open_strike.refresh_from_db()
     assert open_strike.state == StrikeState.UPHELD
     assert open_strike.decision_reason == "upheld: not reviewed within the review period"
@@ -169,7 +171,7 @@ def test_strikes_left_unreviewed_are_upheld_after_the_review_period(struck, sett
 def test_open_strike_withholds_pending_pay_past_the_window(struck, provider):
     _, strike = struck
     strike()
-    assert services.release_earnings_in_good_standing(now=timezone.now() + timedelta(days=2)) == 0
+    assert strikes.release_earnings_in_good_standing(now=timezone.now() + timedelta(days=2)) == 0
     assert Earning.objects.get().state == EarningState.PENDING
 
 

@@ -34,7 +34,7 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import create_node
 from marketplace.payouts.models import BatchState, ConnectAccount, Earning, EarningState, Payout, PayoutState
 from marketplace.placement.models import Assignment, AssignmentState
-from marketplace.verification import services as verification
+from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeState
 from marketplace.verification.verifier import trusted_block
 from tests.browser import MODEL, PASSWORD, floatformat, sign_in
@@ -93,13 +93,13 @@ def serving_node(owner, name: str) -> Node:
 def answer(node: Node, seed: int, *, honest: bool) -> Challenge:
     """Challenge the node and answer as its agent would: honestly, or with the challenge's own input
     (the layers skipped). The verifier runs inline when the answer is stored."""
-    challenge = verification.send_challenge(node, tokens=TOKENS, seed=seed)
+    challenge = challenge_checks.send_challenge(node, tokens=TOKENS, seed=seed)
     if honest:
         output = challenges.run_challenge(trusted_block(MODEL, 0, models.n_layers(MODEL)), seed, TOKENS)
     else:
-        output = challenges.challenge_input(seed, TOKENS, verification.models_hidden_size(MODEL))
+        output = challenges.challenge_input(seed, TOKENS, challenge_checks.models_hidden_size(MODEL))
     message = {"challenge": challenge.pk, "output": challenges.encode_output(output), "elapsed_ms": 41.5}
-    verification.record_challenge_answer(node.pk, message)
+    challenge_checks.record_challenge_answer(node.pk, message)
     return Challenge.objects.get(pk=challenge.pk)
 
 

@@ -26,7 +26,7 @@ from marketplace.nodes import services as node_services
 from marketplace.nodes.models import Node
 from marketplace.nodes.tickets import issuer_key
 from marketplace.placement.selectors import servable_pipelines
-from marketplace.verification import services as verification
+from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.models import Audit, Challenge, CheckState
 from tests.live import LiveServer, wait_for
 from worker_agent.local import join_agent, stop_processes
@@ -71,7 +71,7 @@ class Swarm:
         return Job.objects.get(pk=job.pk)
 
     def challenge(self, node: Node, seed: int | None = None) -> Challenge:
-        challenge = verification.send_challenge(node, tokens=8, seed=seed)
+        challenge = challenge_checks.send_challenge(node, tokens=8, seed=seed)
         wait_for(
             lambda: Challenge.objects.get(pk=challenge.pk).state not in (CheckState.SENT, CheckState.ANSWERED),
             60,

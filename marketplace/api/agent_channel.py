@@ -23,7 +23,7 @@ from marketplace.nodes.errors import InvalidHandshake, NodeError
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement
 from marketplace.placement.selectors import assignments_of_node
-from marketplace.verification import services as verification
+from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.errors import VerificationError
 from worker_agent import control_protocol as protocol
 from worker_agent.control_protocol import FRAMING_CODES, MessageType, ProtocolError
@@ -119,7 +119,7 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
                 await database_sync_to_async(services.record_links)(self.node_pk, results)
             case protocol.ChallengeResult():
                 try:
-                    await database_sync_to_async(verification.record_challenge_answer)(
+                    await database_sync_to_async(challenge_checks.record_challenge_answer)(
                         self.node_pk, protocol.to_wire(message)
                     )
                 except VerificationError as exc:

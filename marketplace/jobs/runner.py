@@ -24,7 +24,7 @@ from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.settlement import settle
 from marketplace.nodes.tickets import ticket_for
-from marketplace.verification.services import record_audits
+from marketplace.verification.audits import record_audits
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams

@@ -23,7 +23,7 @@ from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, Inval
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.settlement import place_hold, settle
 from marketplace.placement.selectors import route_request
-from marketplace.verification.services import choose_audit_stages
+from marketplace.verification.audits import choose_audit_stages
 
 KEY_PREFIX = "sk-sw-"
 PLAYGROUND_KEY_NAME = "Playground (dashboard)"  # kept for the key the dashboard's playground uses

@@ -95,7 +95,7 @@ def credit_earnings(job, layer_tokens_by_node: dict[str, int]) -> list[Earning]:
 def release_earnings(now=None, *, withheld: Iterable[int] = ()) -> int:
     """Earnings whose challenge window has passed become available, except those of the ``withheld``
     node pks (verification passes the nodes with an open strike:
-    ``verification.services.release_earnings_in_good_standing``). Returns how many were released."""
+    ``verification.strikes.release_earnings_in_good_standing``). Returns how many were released."""
     now = now or timezone.now()
     due = (
         Earning.objects.filter(state=EarningState.PENDING, available_at__lte=now)

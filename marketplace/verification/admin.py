@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib import admin
 
 from marketplace.admin_actions import ReadOnlyAdmin, with_reason
-from marketplace.verification import services
+from marketplace.verification import strikes
 from marketplace.verification.models import Audit, Challenge, Strike, StrikeState
 
 
@@ -29,7 +29,7 @@ class StrikeAdmin(admin.ModelAdmin):
             request,
             queryset.filter(state=StrikeState.OPEN),
             title="Uphold strikes",
-            apply=lambda strike, reason: services.uphold_strike(strike, by=request.user, reason=reason),
+            apply=lambda strike, reason: strikes.uphold_strike(strike, by=request.user, reason=reason),
         )
 
     @admin.action(description="Overturn (a reason is required)")
@@ -39,7 +39,7 @@ class StrikeAdmin(admin.ModelAdmin):
             request,
             queryset.filter(state=StrikeState.OPEN),
             title="Overturn strikes",
-            apply=lambda strike, reason: services.overturn_strike(strike, by=request.user, reason=reason),
+            apply=lambda strike, reason: strikes.overturn_strike(strike, by=request.user, reason=reason),
         )
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from marketplace.verification import services
+from marketplace.verification import audits, challenges
+from marketplace.verification.dispatch import AUDIT_TASK, CHALLENGE_TASK
 
 
-@shared_task(name=services.CHALLENGE_TASK)
+@shared_task(name=CHALLENGE_TASK)
 def verify_challenge_task(challenge_pk: int) -> str:
-    return services.verify_challenge(challenge_pk).state
+    return challenges.verify_challenge(challenge_pk).state
 
 
-@shared_task(name=services.AUDIT_TASK)
+@shared_task(name=AUDIT_TASK)
 def verify_audit_task(audit_pk: int) -> str:
-    return services.verify_audit(audit_pk).state
+    return audits.verify_audit(audit_pk).state

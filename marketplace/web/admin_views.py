@@ -16,7 +16,7 @@ from marketplace.payouts import services as payout_services
 from marketplace.payouts.errors import PayoutRefused
 from marketplace.payouts.models import PayoutState
 from marketplace.placement import services as placement_services
-from marketplace.verification import services as verification
+from marketplace.verification import strikes as strike_services
 from marketplace.verification.errors import StrikeDecisionRefused
 from marketplace.verification.models import StrikeState
 from marketplace.web import selectors, trust_selectors
@@ -84,9 +84,9 @@ def _decide_strike(request: HttpRequest, pk: int, *, overturn: bool) -> HttpResp
         reason = form.cleaned_data["reason"]
         try:
             if overturn:
-                strike = verification.overturn_strike(strike, by=request.user, reason=reason)
+                strike = strike_services.overturn_strike(strike, by=request.user, reason=reason)
             else:
-                strike = verification.uphold_strike(strike, by=request.user, reason=reason)
+                strike = strike_services.uphold_strike(strike, by=request.user, reason=reason)
         except StrikeDecisionRefused as exc:
             form.add_error(None, str(exc))
         else:

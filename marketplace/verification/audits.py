@@ -1,0 +1,159 @@
+"""Live audits: ``choose_audit_stages`` picks, at admission, which stages of a job are audited (each
+node at its own rate; every session is tapped, so nodes cannot tell); ``record_audits`` stores the
+material the coordinator kept and ``verify_audit`` checks its hashes against the node's signed
+receipt and replays it on the trusted block. A failure opens a strike."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from marketplace.nodes.live import notify_node_changed
+from marketplace.nodes.models import Node
+from marketplace.verification.dispatch import AUDIT_TASK, thresholds, verify_after_commit
+from marketplace.verification.models import Audit, CheckState, StrikeKind
+from marketplace.verification.receipts import job_receipts
+from marketplace.verification.strikes import open_strike
+from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
+from worker_agent.audit import AuditFailed, AuditMaterial
+from worker_agent.audit import verify_audit as replay_audit
+from worker_agent.errors import SwarmError
+
+log = logging.getLogger("swarm.verification")
+
+
+def choose_audit_stages(route: list[dict], rng: random.Random | None = None) -> list[int]:
+    """The pipeline positions of a new job to audit: each stage's node at its own audit fraction."""
+    rng = rng or random.SystemRandom()
+    fractions = dict(
+        Node.objects.filter(node_id__in=[s["node"] for s in route]).values_list("node_id", "audit_fraction")
+    )
+    chosen = []
+    for index, stage in enumerate(route):
+        fraction = fractions.get(stage["node"])
+        if fraction is None:
+            fraction = settings.SWARM_AUDIT_NEW_NODE_FRACTION
+        if rng.random() < fraction:
+            chosen.append(index)
+    return chosen
+
+
+@transaction.atomic
+def record_audits(job, materials: list[AuditMaterial]) -> list[int]:
+    """Store the material a job's coordinator kept and queue its replay."""
+    nodes = {s["node"]: index for index, s in enumerate(job.route)}
+    node_pks = dict(Node.objects.filter(node_id__in=list(nodes)).values_list("node_id", "pk"))
+    created = []
+    for material in materials:
+        if material.node not in node_pks or nodes[material.node] != material.stage:
+            log.warning("job %s: audit material for %s does not match the route", job.public_id, material.node)
+            continue
+        audit, new = Audit.objects.get_or_create(
+            job=job,
+            session=material.session,
+            stage=material.stage,
+            defaults={
+                "node_id": node_pks[material.node],
+                "model": job.model,
+                "layer_start": material.layer_start,
+                "layer_end": material.layer_end,
+                "material": material.to_bytes(),
+            },
+        )
+        if new:
+            created.append(audit.pk)
+            verify_after_commit(AUDIT_TASK, verify_audit, audit.pk)
+    return created
+
+
+def verify_audit(audit_pk: int) -> Audit:
+    """Check the material's hashes against the node's signed receipt, then replay it."""
+    audit = Audit.objects.select_related("job", "node").get(pk=audit_pk)
+    if audit.state != CheckState.PENDING:
+        return audit
+    try:
+        material = AuditMaterial.from_bytes(bytes(audit.material))
+        receipt = next(
+            (r for r in job_receipts(audit.job) if r.session == material.session and r.node == material.node), None
+        )
+    except SwarmError as exc:
+        return _finish_audit(audit_pk, CheckState.ERROR, f"stored material or receipts unreadable: {exc}", {})
+    if receipt is None:
+        return _finish_audit(audit_pk, CheckState.ERROR, "the job holds no receipt of this node for the session", {})
+    try:
+        block = trusted_block(audit.model, audit.layer_start, audit.layer_end)
+    except Exception as exc:
+        log.exception("cannot load the trusted block for audit %s", audit_pk)
+        return _finish_audit(audit_pk, CheckState.ERROR, f"verifier failed: {exc}", {})
+    reference_dtype = "float32"
+    try:
+        try:
+            report = replay_audit(material, receipt, block, **thresholds())
+        except AuditFailed as exc:
+            if exc.code != "audit_mismatch":
+                raise
+            fallback = trusted_block(audit.model, audit.layer_start, audit.layer_end, FALLBACK_DTYPE)
+            try:
+                report = replay_audit(material, receipt, fallback, **thresholds())
+            except AuditFailed:
+                raise exc from None  # the float32 replay's evidence is the one on record
+            reference_dtype = FALLBACK_DTYPE
+    except AuditFailed as exc:  # the node's fault: its bytes disagree with what it signed, or with the replay
+        report = exc.report
+        metrics = _audit_metrics(report) if report is not None else {}
+        return _finish_audit(audit_pk, CheckState.FAILED, f"{exc} ({exc.code})", {**metrics, "code": exc.code})
+    except SwarmError as exc:  # malformed material, a wrong trusted block: the verifier's problem, no strike
+        log.error("audit %s could not be checked: %s", audit_pk, exc)
+        return _finish_audit(audit_pk, CheckState.ERROR, f"{exc} ({exc.code})", {"code": exc.code})
+    return _finish_audit(audit_pk, CheckState.PASSED, "", {**_audit_metrics(report), "reference": reference_dtype})
+
+
+def _audit_metrics(report) -> dict:
+    """A replay's report in the same shape as a challenge's comparison (worst values, thresholds)."""
+    found = report.to_dict()
+    return {
+        "passed": found["passed"],
+        "min_cosine": found["worst_cosine"],
+        "max_rel_norm": found["worst_rel_norm"],
+        "required_cosine": found["min_cosine"],
+        "allowed_rel_norm": found["max_rel_norm"],
+        "steps": found["steps"],
+        "tokens": found["tokens"],
+        "first_failure": found["first_failure"],
+        "cosine": found["cosine"],
+        "rel_norm": found["rel_norm"],
+    }
+
+
+def _finish_audit(audit_pk: int, state: str, reason: str, metrics: dict) -> Audit:
+    with transaction.atomic():
+        audit = Audit.objects.select_for_update().select_related("node", "job").get(pk=audit_pk)
+        if audit.state != CheckState.PENDING:
+            return audit
+        audit.state, audit.reason, audit.metrics, audit.checked_at = state, reason, metrics, timezone.now()
+        audit.save()
+        notify_node_changed(audit.node_id)
+        if state == CheckState.FAILED:
+            open_strike(
+                audit.node,
+                StrikeKind.AUDIT,
+                audit=audit,
+                evidence={
+                    "kind": "audit",
+                    "audit": audit.pk,
+                    "job": audit.job.public_id,
+                    "session": audit.session,
+                    "stage": audit.stage,
+                    "model": audit.model,
+                    "layers": [audit.layer_start, audit.layer_end],
+                    "reason": reason,
+                    "job_finished_at": audit.job.finished_at.isoformat() if audit.job.finished_at else None,
+                    "checked_at": audit.checked_at.isoformat(),
+                    **metrics,
+                },
+            )
+    return audit

@@ -1,0 +1,89 @@
+"""Strikes: a failed check opens one (it withholds the node's pending pay); an admin upholds it (the
+node's pending earnings are clawed back, past the threshold the node is ejected) or overturns it with
+a reason; strikes left unreviewed past the review period are upheld."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from marketplace.nodes.models import Node
+from marketplace.payouts.services import claw_back, release_earnings
+from marketplace.placement.services import eject_node
+from marketplace.verification.errors import StrikeDecisionRefused
+from marketplace.verification.models import Strike, StrikeState
+from marketplace.verification.standing import refresh_reputation
+
+log = logging.getLogger("swarm.verification")
+
+
+def open_strike(node: Node, kind: str, *, challenge=None, audit=None, evidence: dict) -> Strike:
+    strike = Strike.objects.create(node=node, kind=kind, challenge=challenge, audit=audit, evidence=evidence)
+    log.warning("strike %s on node %s: %s", strike.pk, node.node_id, evidence.get("reason"))
+    transaction.on_commit(lambda: refresh_reputation(node.pk))
+    return strike
+
+
+@transaction.atomic
+def uphold_strike(strike: Strike, *, by=None, reason: str = "") -> Strike:
+    """Uphold an open strike: claw back the node's pending earnings, eject past the threshold."""
+    if by is not None and not by.is_staff:
+        raise StrikeDecisionRefused("only admins decide strikes")
+    strike = Strike.objects.select_for_update().get(pk=strike.pk)
+    if strike.state != StrikeState.OPEN:
+        raise StrikeDecisionRefused(f"strike {strike.pk} is already {strike.state}")
+    strike.state = StrikeState.UPHELD
+    strike.decided_at = timezone.now()
+    strike.decided_by = by
+    strike.decision_reason = reason or ("upheld by an admin" if by else "upheld: not reviewed within the review period")
+    strike.clawed_back = claw_back(strike.node, strike)
+    strike.save()
+    since = strike.decided_at - timedelta(days=settings.SWARM_STRIKE_PERIOD_DAYS)
+    upheld = Strike.objects.filter(node=strike.node, state=StrikeState.UPHELD, decided_at__gte=since).count()
+    if upheld >= settings.SWARM_STRIKES_TO_EJECT:
+        eject_node(strike.node, reason=f"{upheld} upheld strikes within {settings.SWARM_STRIKE_PERIOD_DAYS:g} days")
+    transaction.on_commit(lambda: refresh_reputation(strike.node_id))
+    return strike
+
+
+@transaction.atomic
+def overturn_strike(strike: Strike, *, by, reason: str) -> Strike:
+    """An admin found a strike unjustified; the reason is required and kept."""
+    if by is None or not by.is_staff:
+        raise StrikeDecisionRefused("only admins decide strikes")
+    if not reason or not reason.strip():
+        raise StrikeDecisionRefused("overturning a strike needs a reason")
+    strike = Strike.objects.select_for_update().get(pk=strike.pk)
+    if strike.state != StrikeState.OPEN:
+        raise StrikeDecisionRefused(f"strike {strike.pk} is already {strike.state}")
+    strike.state = StrikeState.OVERTURNED
+    strike.decided_at = timezone.now()
+    strike.decided_by = by
+    strike.decision_reason = reason.strip()
+    strike.save()
+    transaction.on_commit(lambda: refresh_reputation(strike.node_id))
+    return strike
+
+
+def uphold_overdue_strikes(now=None) -> list[int]:
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.SWARM_STRIKE_REVIEW_S)
+    upheld = []
+    for strike in Strike.objects.filter(state=StrikeState.OPEN, created_at__lte=cutoff):
+        try:
+            uphold_strike(strike)
+            upheld.append(strike.pk)
+        except StrikeDecisionRefused:  # decided meanwhile
+            continue
+    return upheld
+
+
+def release_earnings_in_good_standing(now=None) -> int:
+    """Earnings past their challenge window become available, except a node's with an open strike
+    (withheld until the strike is decided). Returns how many were released."""
+    withheld = Strike.objects.filter(state=StrikeState.OPEN).values("node_id")
+    return release_earnings(now, withheld=withheld)
