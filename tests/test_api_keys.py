@@ -214,10 +214,8 @@ def test_a_revoked_keys_name_may_be_used_again(customer, client_for):
     response = client.post(KEYS, {"name": "laptop"}, format="json")
 
     assert response.status_code == 201
-    assert [(k.name, k.revoked_at is None) for k in ApiKey.objects.order_by("pk")] == [
-        ("laptop", False),
-        ("laptop", True),
-    ]
+    keys = [(k.name, k.revoked_at is None) for k in ApiKey.objects.order_by("pk")]
+    assert keys == [("laptop", False), ("laptop", True)]
 
 
 def test_the_service_keeps_the_playground_keys_name_for_the_playground(customer):
