@@ -18,13 +18,18 @@ pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]
 
 REGISTER = "/api/v1/agents/register"
-INVALID_TOKEN = {
-    "error": {"code": "invalid_join_token", "message": "the join token is not valid (unknown, used or expired)"}
-}
+
+
+def refusal(code: str, message: str) -> dict:
+    """The API's one error shape (``marketplace.api.errors``): these refusals are all 4xx invalid_request_error."""
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+
+
+INVALID_TOKEN = refusal("invalid_join_token", "the join token is not valid (unknown, used or expired)")
 
 
 def invalid_report(message: str) -> dict:
-    return {"error": {"code": "invalid_report", "message": message}}
+    return refusal("invalid_report", message)
 
 
 @pytest.fixture
@@ -130,7 +135,7 @@ def test_a_token_without_the_prefix_cannot_join(pending, agent):
     response = agent.post(REGISTER, join_payload(token.removeprefix("swj_"), generate_signing_key()), format="json")
 
     assert response.status_code == 403
-    assert response.json() == {"error": {"code": "invalid_join_token", "message": "the join token is not valid"}}
+    assert response.json() == refusal("invalid_join_token", "the join token is not valid")
     assert db_snapshot() == before
 
 
@@ -142,7 +147,7 @@ def test_an_ejected_node_cannot_join_even_with_a_fresh_token(pending, agent):
     response = agent.post(REGISTER, join_payload(token, generate_signing_key()), format="json")
 
     assert response.status_code == 403
-    assert response.json() == {"error": {"code": "node_not_allowed", "message": "this node was ejected"}}
+    assert response.json() == refusal("node_not_allowed", "this node was ejected")
     assert db_snapshot() == before
 
 
@@ -181,9 +186,7 @@ def test_a_key_already_registered_cannot_join_a_second_node(pending, provider, m
     response = agent.post(REGISTER, join_payload(second_token, key), format="json")
 
     assert response.status_code == 400
-    assert response.json() == {
-        "error": {"code": "key_already_registered", "message": "this key is already registered to another node"}
-    }
+    assert response.json() == refusal("key_already_registered", "this key is already registered to another node")
     assert db_snapshot() == before
     second = Node.objects.get(name="gpu-2")
     assert second.join_token_hash == hashlib.sha256(second_token.encode()).hexdigest()
