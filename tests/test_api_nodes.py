@@ -244,7 +244,7 @@ def test_duplicate_name_is_refused_with_a_field_error(provider, make_node, clien
     response = client.post(NODES, {"name": "gpu-1"}, format="json")
 
     assert response.status_code == 400
-    assert response.json() == {"name": ["you already have a node with this name"]}
+    assert response.json() == {"name": ["You already have a node with this name."]}
     assert db_snapshot() == before
 
 

@@ -18,7 +18,7 @@ from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiKeyNameTaken
 from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services
-from marketplace.nodes.errors import NodeError
+from marketplace.nodes.errors import NodeError, NodeNameTaken
 from marketplace.nodes.models import Node
 from marketplace.placement import services as placement_services
 
@@ -50,10 +50,10 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
     def create(self, request: Request) -> Response | JsonResponse:
         data = s.NodeCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        if Node.objects.filter(owner=request.user, name=data.validated_data["name"]).exists():
-            raise ValidationError({"name": ["you already have a node with this name"]})
         try:
             node, token = services.create_node(owner=request.user, **data.validated_data)
+        except NodeNameTaken as exc:  # a field's refusal, in DRF's shape like the serializer's own
+            raise ValidationError({exc.param: [str(exc)]}) from exc
         except NodeError as exc:
             return error_response(exc)
         body = s.NodeSerializer(node).data | {"join_token": token, "join_command": join_command(request, token)}

@@ -25,5 +25,11 @@ class InvalidReport(NodeError):
     code = "invalid_report"
 
 
+class NodeNameTaken(NodeError):
+    """The provider already has a node of that name."""
+
+    code = "node_name_taken"
+
+
 class NodeNotAllowed(NodeError):
     code = "node_not_allowed"

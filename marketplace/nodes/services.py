@@ -28,6 +28,7 @@ from marketplace.nodes.errors import (
     InvalidJoinToken,
     InvalidReport,
     KeyAlreadyRegistered,
+    NodeNameTaken,
     NodeNotAllowed,
 )
 from marketplace.nodes.live import notify_node_changed
@@ -72,6 +73,8 @@ def create_node(*, owner, name: str, region: str = "local") -> tuple[Node, str]:
     """Add a node for a provider; returns it with its one-time join token (shown once)."""
     if not owner.is_provider:
         raise NodeNotAllowed("only providers can add nodes")
+    if Node.objects.filter(owner=owner, name=name).exists():
+        raise NodeNameTaken("You already have a node with this name.", param="name")
     token, token_hash = _new_token()
     expires = timezone.now() + timedelta(seconds=settings.SWARM_JOIN_TOKEN_TTL_S)
     node = Node.objects.create(

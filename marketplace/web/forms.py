@@ -10,8 +10,6 @@ from django import forms
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 
-from marketplace.nodes.models import Node
-
 NAME = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$",
     "Use letters, digits, spaces, dots, dashes or underscores, starting with a letter or digit.",
@@ -25,15 +23,6 @@ class NodeForm(forms.Form):
         label="Region", max_length=64, initial="local", validators=[REGION], help_text="where the machine is"
     )
 
-    def __init__(self, *args, owner, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.owner = owner
-
-    def clean_name(self) -> str:
-        name = self.cleaned_data["name"]
-        if Node.objects.filter(owner=self.owner, name=name).exists():
-            raise forms.ValidationError("You already have a node with this name.")
-        return name
 
 
 class ApiKeyForm(forms.Form):

@@ -37,7 +37,7 @@ from marketplace.errors import DomainError
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest
 from marketplace.nodes import services as node_services
-from marketplace.nodes.errors import NodeError
+from marketplace.nodes.errors import NodeError, NodeNameTaken
 from marketplace.payouts import services as payout_services
 from marketplace.payouts.errors import PayoutRefused
 from marketplace.placement import services as placement_services
@@ -117,15 +117,18 @@ def _nodes_panel(request: HttpRequest, form: NodeForm, *, added=None, token: str
 @require_http_methods(["GET", "POST"])
 def nodes(request: HttpRequest) -> HttpResponse:
     if request.method == "GET":
-        return _nodes_panel(request, NodeForm(owner=request.user))
-    form = NodeForm(request.POST, owner=request.user)
+        return _nodes_panel(request, NodeForm())
+    form = NodeForm(request.POST)
     if not form.is_valid():
         return _nodes_panel(request, form)
     try:
         node, token = node_services.create_node(owner=request.user, **form.cleaned_data)
+    except NodeNameTaken as exc:
+        form.add_error(exc.param, str(exc))
+        return _nodes_panel(request, form)
     except NodeError as exc:
         raise PermissionDenied(str(exc)) from exc
-    return _nodes_panel(request, NodeForm(owner=request.user), added=node, token=token)
+    return _nodes_panel(request, NodeForm(), added=node, token=token)
 
 
 def _own_node(request: HttpRequest, pk: int):
