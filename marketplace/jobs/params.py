@@ -63,7 +63,7 @@ class RequestParams:
 
     def to_json(self) -> dict:
         """The JSON stored as ``Job.params``: the keys and values the API has always written."""
-        data = {
+        data: dict[str, object] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
