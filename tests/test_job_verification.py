@@ -16,9 +16,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 
-from marketplace.api.openai import count_prompt_tokens
 from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
+from marketplace.jobs.params import RequestParams
 from marketplace.nodes.tickets import issuer_key, issuer_public_key
 from marketplace.placement.selectors import PipelineStage
 from worker_agent import model as models
@@ -100,13 +100,13 @@ async def stage_servers(*, rogue: int | None = None, trusted: bytes | None = Non
 
 def admit(api_key, route: list[PipelineStage], monkeypatch) -> Job:
     monkeypatch.setattr(services, "route_request", lambda model: ("local", route, 1.0))
-    params = dict(PARAMS)
+    params = RequestParams.from_json(PARAMS)
     return services.admit_job(
         api_key=api_key,
         kind="completion",
         model=MODEL,
         params=params,
-        prompt_tokens=count_prompt_tokens(MODEL, "completion", params),
+        prompt_ids=services.tokenize_prompt(MODEL, params),
     )
 
 

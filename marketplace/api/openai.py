@@ -13,7 +13,6 @@ import asyncio
 import functools
 import json
 import logging
-import math
 import time
 import uuid
 
@@ -33,12 +32,19 @@ from marketplace.errors import DomainError
 from marketplace.jobs import runner, services, tasks
 from marketplace.jobs.errors import InvalidRequest, JobFailed, ModelNotFound
 from marketplace.jobs.models import ApiKey
+from marketplace.jobs.params import (
+    DEFAULT_MAX_TOKENS,
+    MAX_STOP,
+    TEMPERATURE_RANGE,
+    TOP_P_RANGE,
+    ChatMessage,
+    RequestParams,
+    check_number,
+)
 from marketplace.placement.selectors import servable_pipelines
-from worker_agent import model as models
 
 log = logging.getLogger("swarm.api")
 ROLES = {"system", "user", "assistant", "developer"}
-MAX_STOP = 4
 EVENT_TIMEOUT_S = 60.0  # longest silence from a running job before the response gives up
 
 
@@ -52,19 +58,15 @@ def _json_body(request: HttpRequest) -> dict:
     return body
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, *, low_open: bool = False) -> float:
+def _number(body: dict, name: str, default: float, bounds: tuple[float, float], *, low_open: bool = False) -> float:
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRequest(f"'{name}' must be a number.", param=name)
-    if value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise InvalidRequest(f"'{name}' must be in {bracket}{low:g}, {high:g}], got {value}.", param=name)
+    check_number(name, value, bounds, low_open=low_open)
     return float(value)
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict) -> tuple[ChatMessage, ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
@@ -84,11 +86,11 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{index}].content must be a string.", param=f"messages.{index}.content")
         role = "system" if message["role"] == "developer" else message["role"]
-        clean.append({"role": role, "content": content})
-    return clean
+        clean.append(ChatMessage(role, content))
+    return tuple(clean)
 
 
-def _params(body: dict, kind: str) -> tuple[str, dict]:
+def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required.", param="model")
@@ -97,10 +99,10 @@ def _params(body: dict, kind: str) -> tuple[str, dict]:
     n = body.get("n", 1)
     if n != 1:
         raise InvalidRequest("Only n=1 is supported.", param="n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 256))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is None:
-        max_tokens = 256
+        max_tokens = DEFAULT_MAX_TOKENS
     if (
         isinstance(max_tokens, bool)
         or not isinstance(max_tokens, int)
@@ -126,33 +128,30 @@ def _params(body: dict, kind: str) -> tuple[str, dict]:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("'user' must be a string.", param="user")
-    params = {
-        "max_tokens": max_tokens,
-        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        "seed": seed,
-        "stop": stop or [],
-        "stream": stream,
-        "include_usage": bool(options.get("include_usage", False)),
-        "user": user,
-    }
+    temperature = _number(body, "temperature", 1.0, TEMPERATURE_RANGE)
+    top_p = _number(body, "top_p", 1.0, TOP_P_RANGE, low_open=True)
+    messages, prompt = None, None
     if kind == "chat":
-        params["messages"] = _messages(body)
+        messages = _messages(body)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequest("'prompt' must be a non-empty string.", param="prompt")
-        params["prompt"] = prompt
+    params = RequestParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=tuple(stop or ()),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        user=user,
+        messages=messages,
+        prompt=prompt,
+    )
     return model, params
-
-
-def count_prompt_tokens(model: str, kind: str, params: dict) -> int:
-    tokenizer = models.load_tokenizer(model)
-    if kind == "chat":
-        return len(tokenizer.apply_chat_template(params["messages"], add_generation_prompt=True)["input_ids"])
-    return len(tokenizer(params["prompt"])["input_ids"])
 
 
 def releases_db(view):
@@ -242,10 +241,11 @@ async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: s
     dashboard's playground with the signed-in customer's playground key."""
     try:
         model, params = _params(body, kind)
-        prompt_tokens = await sync_to_async(count_prompt_tokens)(model, kind, params)
-        headers = await sync_to_async(ratelimit.check)(api_key, prompt_tokens + params["max_tokens"])
+        # Tokenized once, here: the count holds credits and rate limits, the ids go to the coordinator.
+        prompt_ids = await sync_to_async(services.tokenize_prompt)(model, params)
+        headers = await sync_to_async(ratelimit.check)(api_key, len(prompt_ids) + params.max_tokens)
         job = await sync_to_async(services.admit_job)(
-            api_key=api_key, kind=kind, model=model, params=params, prompt_tokens=prompt_tokens
+            api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids
         )
     except DomainError as exc:
         return error_response(exc, request_id=request_id)
@@ -256,9 +256,9 @@ async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: s
     channel = await layer.new_channel()
     await layer.group_add(runner.group_name(job.pk), channel)  # subscribe before the coordinator starts
     tasks.launch(job)
-    reply = _Reply(job, kind, model, prompt_tokens, layer, channel)
-    if params["stream"]:
-        response = StreamingHttpResponse(reply.sse(params["include_usage"]), content_type="text/event-stream")
+    reply = _Reply(job, kind, model, job.prompt_tokens, layer, channel)
+    if params.stream:
+        response = StreamingHttpResponse(reply.sse(params.include_usage), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
     else:
         try:
@@ -266,7 +266,7 @@ async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: s
         except DomainError as exc:
             return error_response(exc, request_id=request_id)
         except asyncio.CancelledError:  # the client went away before the whole response
-            await asyncio.shield(sync_to_async(services.request_cancel)(job.pk))
+            await asyncio.shield(runner.request_cancel(layer, job.pk))
             raise
         response = JsonResponse(answer)
     response["x-request-id"] = request_id
@@ -380,7 +380,7 @@ class _Reply:
             yield b"data: [DONE]\n\n"
         finally:
             if not ended:  # the client went away mid-stream: stop the job, keep what was done
-                await sync_to_async(services.request_cancel)(self.job.pk)
+                await runner.request_cancel(self.layer, self.job.pk)
 
 
 def _job_error(event: dict) -> JobFailed:

@@ -44,7 +44,7 @@ class Job(models.Model):
     customer = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
     api_key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="jobs")
     model = models.CharField(max_length=128)
-    params = models.JSONField(default=dict)  # max_tokens, temperature, top_p, seed, stop, stream, user
+    params = models.JSONField(default=dict)  # RequestParams.to_json(): max_tokens, temperature, top_p, seed, stop, ...
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.QUEUED)
     finish_reason = models.CharField(max_length=16, blank=True)  # "stop" or "length"
     error_code = models.CharField(max_length=64, blank=True)
@@ -53,6 +53,8 @@ class Job(models.Model):
     route = models.JSONField(default=list)  # [{node, node_key, url, layer_start, layer_end}] in order
     coordinator_region = models.CharField(max_length=64, blank=True)
     prompt_tokens = models.PositiveIntegerField(default=0)
+    # The prompt as the model's token ids, tokenized once at admission; the coordinator runs these.
+    prompt_ids = models.JSONField(default=list)
     completion_tokens = models.PositiveIntegerField(default=0)  # tokens delivered to the client
     ttft_ms = models.FloatField(null=True, blank=True)
     tokens_per_s = models.FloatField(null=True, blank=True)  # decode rate, first to last token

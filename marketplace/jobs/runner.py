@@ -7,11 +7,18 @@ the job reads the group and writes the response.
 
 Messages on the group: ``job.token`` (text, token_id), then exactly one of ``job.done``
 (finish_reason, usage) or ``job.error`` (code, message).
+
+The other way, a ``job.cancel`` message on the channel ``job.<pk>.cancel`` (``request_cancel``)
+stops the job between two tokens. It is a named channel rather than the group, so the runner
+does not read back its own tokens, and a cancel sent before the runner listens waits there for
+the layer's message expiry; it is not a process-local channel, so Celery's threads can each
+listen from their own event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -22,6 +29,7 @@ from django.conf import settings
 from marketplace.db import release_connections
 from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
+from marketplace.jobs.params import RequestParams
 from marketplace.jobs.settlement import settle
 from marketplace.nodes.tickets import ticket_for
 from marketplace.verification.audits import record_audits
@@ -51,6 +59,32 @@ async def in_thread(fn, *args, **kwargs):
 
 def group_name(job_pk: int) -> str:
     return f"job.{job_pk}"
+
+
+def cancel_channel(job_pk: int) -> str:
+    return f"job.{job_pk}.cancel"
+
+
+async def request_cancel(layer, job_pk: int) -> None:
+    """Ask the job's coordinator to stop (the client went away); it records what was done."""
+    await layer.send(cancel_channel(job_pk), {"type": "job.cancel"})
+
+
+async def _cancel_received(layer, job_pk: int) -> bool:
+    """True once a ``job.cancel`` arrives on the job's cancel channel; False if the layer fails
+    (e.g. Redis went away), and the job then runs to its end."""
+    try:
+        while (await layer.receive(cancel_channel(job_pk)))["type"] != "job.cancel":
+            pass
+    except Exception as exc:  # the channel layer's own error
+        log.warning("job %s: no longer listening for a cancel: %r", job_pk, exc)
+        return False
+    return True
+
+
+def sampling_params(params: RequestParams) -> SamplingParams:
+    """The coordinator's sampling settings for a request's parameters."""
+    return SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
 
 
 async def run_job(job_pk: int) -> str:
@@ -137,10 +171,7 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
         assignments.append(
             StageAssignment(stage["node"], bytes.fromhex(stage["node_key"]), stage["layer_start"], stage["layer_end"])
         )
-    params = job.params
-    sampling = SamplingParams(
-        temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0), seed=params.get("seed")
-    )
+    params = RequestParams.from_json(job.params)
     sent = 0
     last_progress = time.monotonic()
     async with Coordinator(
@@ -151,15 +182,15 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
         assignments=assignments,
         audit_stages=tuple(job.audit_stages),
     ) as coord:
-        prompt = params["messages"] if job.kind == "chat" else params["prompt"]
-        request = coord.request(
-            prompt,
-            chat=job.kind == "chat",
-            max_tokens=params["max_tokens"],
-            sampling=sampling,
-            stop=tuple(params.get("stop") or ()),
+        request = coord.request_ids(
+            job.prompt_ids,
+            max_tokens=params.max_tokens,
+            sampling=sampling_params(params),
+            stop=params.stop,
         )
         stream = coord.stream(request, strict=False)
+        # Listens all along, so checking for a cancel between two tokens costs no round trip.
+        cancel = asyncio.create_task(_cancel_received(layer, job.pk))
         try:
             async for event in stream:
                 if isinstance(event, GenerationResult):
@@ -171,9 +202,12 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
                     last_progress = now
                     await in_thread(services.record_progress, job.pk, sent)
                 await layer.group_send(group, {"type": "job.token", "text": event.text, "token_id": event.token_id})
-                if await in_thread(services.cancel_requested, job.pk):
+                if cancel.done() and cancel.result():
                     return None, sent, True, {}
         finally:
+            cancel.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await cancel
             await stream.aclose()  # closes the sessions on the stages when stopped early
     raise SwarmError("the coordinator ended without a result", code="no_result")
 

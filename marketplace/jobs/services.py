@@ -1,4 +1,4 @@
-"""API keys and the job lifecycle: admit, start, record tokens, finish, fail, cancel.
+"""API keys and the job lifecycle: tokenize, admit, start, record tokens, finish, fail.
 
 Every state change is a conditional UPDATE on the job's current state, so a job ends exactly
 once even when its coordinator, a client disconnect and a timeout race.
@@ -9,11 +9,11 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Q
 from django.db.models.functions import Coalesce
@@ -21,16 +21,16 @@ from django.utils import timezone
 
 from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest, NoCapacity
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
+from marketplace.jobs.params import RequestParams
 from marketplace.jobs.settlement import place_hold, settle
 from marketplace.placement.selectors import route_request
 from marketplace.verification.audits import choose_audit_stages
+from worker_agent import model as models
+from worker_agent.coordinator.job import encode_prompt
 
 KEY_PREFIX = "sk-sw-"
 PLAYGROUND_KEY_NAME = "Playground (dashboard)"  # kept for the key the dashboard's playground uses
-CANCEL_KEY = "job-cancel:{}"
-LAST_USED_RESOLUTION_S = (
-    60  # how precisely a key's last_used_at is kept  # cache flag a coordinator polls between steps
-)
+LAST_USED_RESOLUTION_S = 60  # how precisely a key's last_used_at is kept
 
 
 def _hash(key: str) -> str:
@@ -92,9 +92,18 @@ def authenticate_key(header: str | None) -> ApiKey:
     return api_key
 
 
+def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
+    """The request's prompt as the model's token ids, exactly as its coordinator would tokenize it."""
+    prompt = params.chat_messages() if params.chat else params.prompt
+    return encode_prompt(models.load_tokenizer(model), prompt, chat=params.chat)
+
+
 @transaction.atomic
-def admit_job(*, api_key: ApiKey, kind: str, model: str, params: dict, prompt_tokens: int) -> Job:
-    """Create a queued job on the lowest-latency ready route; 503 when the model has none."""
+def admit_job(*, api_key: ApiKey, kind: str, model: str, params: RequestParams, prompt_ids: Sequence[int]) -> Job:
+    """Create a queued job on the lowest-latency ready route; 503 when the model has none.
+
+    ``prompt_ids`` (from ``tokenize_prompt``) are stored with the job, so that its coordinator
+    runs exactly the tokens the hold and the rate limit counted."""
     chosen = route_request(model)
     if chosen is None:
         raise NoCapacity(f"No capacity for model {model!r} right now: no complete pipeline is ready.")
@@ -116,8 +125,9 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: dict, prompt_to
         customer=api_key.user,
         api_key=api_key,
         model=model,
-        params=params,
-        prompt_tokens=prompt_tokens,
+        params=params.to_json(),
+        prompt_ids=list(prompt_ids),
+        prompt_tokens=len(prompt_ids),
         coordinator_region=region,
         route=route,
         audit_stages=choose_audit_stages(route),
@@ -167,17 +177,7 @@ def finish_job(
             finished_at=timezone.now(),
         )
     )
-    cache.delete(CANCEL_KEY.format(job_pk))
     return bool(updated)
-
-
-def request_cancel(job_pk: int) -> None:
-    """Ask the job's coordinator to stop (the client went away); it records what was done."""
-    cache.set(CANCEL_KEY.format(job_pk), 1, timeout=3600)
-
-
-def cancel_requested(job_pk: int) -> bool:
-    return bool(cache.get(CANCEL_KEY.format(job_pk)))
 
 
 def record_progress(job_pk: int, completion_tokens: int) -> None:

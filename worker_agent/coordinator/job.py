@@ -3,6 +3,9 @@
     async with Coordinator("smollm2-135m", [StageSpec(url, ticket), ...]) as coordinator:
         result = await coordinator.generate(coordinator.request("Hello", chat=True))
 
+``request`` tokenizes a text prompt; ``request_ids`` takes one tokenized already (the control
+plane tokenizes at admission, once, and hands the coordinator the ids).
+
 Each session opens a KV cache on every stage, prefills, decodes token by token, closes, and
 collects the stages' signed receipts, which are verified (``verify_job``) against the stages'
 assigned spans and this coordinator's own transcript before the result is reported.
@@ -18,7 +21,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
 from worker_agent import model as models
@@ -84,6 +87,15 @@ class GenerationResult:
             ],
             "audit_missing": self.audit_missing,
         }
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool) -> tuple[int, ...]:
+    """A prompt's token ids: a string, or with ``chat=True`` chat messages ([{role, content}], a
+    string being one user message) put through the model's chat template."""
+    if chat:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    return tuple(tokenizer(prompt)["input_ids"])
 
 
 class Coordinator:
@@ -163,14 +175,21 @@ class Coordinator:
         stop: tuple[str, ...] = (),
     ) -> GenerationRequest:
         """Tokenize a prompt (a string, or chat messages with ``chat=True``) into a request."""
-        if chat:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
-        else:
-            ids = self.tokenizer(prompt)["input_ids"]
+        ids = encode_prompt(self.tokenizer, prompt, chat=chat)
+        return self.request_ids(ids, max_tokens=max_tokens, sampling=sampling, stop=stop)
+
+    def request_ids(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop: tuple[str, ...] = (),
+    ) -> GenerationRequest:
+        """A request for a prompt tokenized already (``encode_prompt`` with this model's tokenizer)."""
         eos = self.tokenizer.eos_token_id
         return GenerationRequest(
-            tuple(ids),
+            tuple(prompt_ids),
             max_tokens=max_tokens,
             sampling=sampling or SamplingParams(),
             stop=stop,

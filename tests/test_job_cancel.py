@@ -1,0 +1,172 @@
+"""A client that goes away cancels its job with a ``job.cancel`` message, not a flag polled per token.
+
+The job is admitted onto in-process StageServers (tiny-llama) and run by ``runner.run_job`` as
+the embedded launch does (same event loop, in-memory channel layer) or as a Celery thread does
+(its own event loop, Redis channel layer). The runner stops between two tokens and records the
+job as cancelled with the tokens it delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+import pytest
+from asgiref.sync import async_to_sync, sync_to_async
+from channels.layers import get_channel_layer
+
+from marketplace.jobs import runner, services
+from marketplace.jobs.models import Job, JobState
+from marketplace.jobs.params import RequestParams
+from marketplace.nodes.tickets import issuer_key, issuer_public_key
+from marketplace.placement.selectors import PipelineStage
+from worker_agent import model as models
+from worker_agent.block import Block
+from worker_agent.keys import generate_signing_key
+from worker_agent.server import StageServer
+from worker_agent.stage import Stage
+
+pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]
+pytest_plugins = ["tests.factories"]
+
+MODEL = "tiny-llama"
+SPANS = [(0, 3), (3, 6)]
+MAX_TOKENS = 200
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+CANCELLED = ("client_disconnected", "the client went away; partial work recorded")
+
+
+@pytest.fixture
+def control_plane(settings, tmp_path):
+    settings.SWARM_TICKET_KEY_PATH = tmp_path / "ticket.key"
+    settings.SWARM_JOB_TIMEOUT_S = 120.0
+    settings.SWARM_DEFAULT_PRICES = (0, 0)  # free: these jobs are about stopping, not credits
+    issuer_key.cache_clear()
+    yield settings
+    issuer_key.cache_clear()
+
+
+@pytest.fixture
+def in_memory_layer(control_plane):
+    control_plane.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    return get_channel_layer()
+
+
+@pytest.fixture
+def redis_layer(control_plane):
+    control_plane.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+    }
+    layer = get_channel_layer()
+    async_to_sync(layer.flush)()  # no message of an earlier run for a job of the same pk
+    return layer
+
+
+@pytest.fixture
+def api_key(customer):
+    api_key, _ = services.create_api_key(customer, "cancel")
+    return api_key
+
+
+@contextlib.asynccontextmanager
+async def stage_servers():
+    """In-process stages over SPANS trusting the control plane's tickets; yields the route."""
+    tasks, route = [], []
+    for start, end in SPANS:
+        stage = Stage(
+            Block(models.load_block(MODEL, start, end)),
+            model=MODEL,
+            signing_key=generate_signing_key(),
+            trusted_keys=[issuer_public_key()],
+        )
+        bound = asyncio.get_running_loop().create_future()
+        tasks.append(asyncio.create_task(StageServer(stage).serve("127.0.0.1", 0, ready=bound.set_result)))
+        port = await asyncio.wait_for(bound, 30)
+        route.append(PipelineStage(stage.node, stage.node_key.hex(), f"ws://127.0.0.1:{port}", start, end, "local"))
+    try:
+        yield route
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def admit(api_key, route: list[PipelineStage], monkeypatch) -> Job:
+    monkeypatch.setattr(services, "route_request", lambda model: ("local", route, 1.0))
+    params = RequestParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt="Once upon a time")
+    return services.admit_job(
+        api_key=api_key,
+        kind="completion",
+        model=MODEL,
+        params=params,
+        prompt_ids=services.tokenize_prompt(MODEL, params),
+    )
+
+
+def test_a_cancel_mid_stream_stops_the_job_between_tokens(in_memory_layer, api_key, monkeypatch):
+    async def scenario():
+        async with stage_servers() as route:
+            job = await sync_to_async(admit)(api_key, route, monkeypatch)
+            channel = await in_memory_layer.new_channel()
+            await in_memory_layer.group_add(runner.group_name(job.pk), channel)
+            running = asyncio.create_task(runner.run_job(job.pk))
+            tokens = 0
+            while tokens < 2:
+                event = await asyncio.wait_for(in_memory_layer.receive(channel), 30)
+                tokens += event["type"] == "job.token"
+            await runner.request_cancel(in_memory_layer, job.pk)
+            return await asyncio.wait_for(running, 60), job.pk
+
+    state, job_pk = asyncio.run(scenario())
+
+    job = Job.objects.get(pk=job_pk)
+    assert state == JobState.CANCELLED
+    assert job.state == JobState.CANCELLED
+    assert (job.error_code, job.error_message) == CANCELLED
+    assert 2 <= job.completion_tokens < MAX_TOKENS
+    assert (job.finish_reason, job.verified, job.receipts) == ("", None, [])
+
+
+def test_a_cancel_sent_before_the_runner_listens_stops_it_after_its_first_token(in_memory_layer, api_key, monkeypatch):
+    async def scenario():
+        async with stage_servers() as route:
+            job = await sync_to_async(admit)(api_key, route, monkeypatch)
+            await runner.request_cancel(in_memory_layer, job.pk)
+            return await asyncio.wait_for(runner.run_job(job.pk), 60), job.pk
+
+    state, job_pk = asyncio.run(scenario())
+
+    job = Job.objects.get(pk=job_pk)
+    assert state == JobState.CANCELLED
+    assert (job.state, job.completion_tokens, job.error_code) == (JobState.CANCELLED, 1, "client_disconnected")
+
+
+def test_a_cancel_reaches_a_runner_on_another_event_loop_through_redis(redis_layer, api_key, monkeypatch):
+    """As with Celery: the runner runs in a thread with its own event loop, the view sends from the web's."""
+
+    async def scenario():
+        async with stage_servers() as route:
+            job = await sync_to_async(admit)(api_key, route, monkeypatch)
+            await runner.request_cancel(redis_layer, job.pk)
+            state = await asyncio.wait_for(asyncio.to_thread(asyncio.run, runner.run_job(job.pk)), 60)
+            return state, job.pk
+
+    state, job_pk = asyncio.run(scenario())
+
+    job = Job.objects.get(pk=job_pk)
+    assert state == JobState.CANCELLED
+    assert (job.state, job.completion_tokens, job.error_code) == (JobState.CANCELLED, 1, "client_disconnected")
+
+
+def test_a_job_nobody_cancels_runs_to_its_end(in_memory_layer, api_key, monkeypatch):
+    async def scenario():
+        async with stage_servers() as route:
+            job = await sync_to_async(admit)(api_key, route, monkeypatch)
+            return await asyncio.wait_for(runner.run_job(job.pk), 120), job.pk
+
+    state, job_pk = asyncio.run(scenario())
+
+    job = Job.objects.get(pk=job_pk)
+    assert state == JobState.SUCCEEDED
+    assert (job.state, job.error_code) == (JobState.SUCCEEDED, "")
+    assert job.prompt_ids == list(services.tokenize_prompt(MODEL, RequestParams.from_json(job.params)))
