@@ -319,3 +319,4 @@ LOGGING = {
 
 # --- periodic work (one table for Celery beat and the embedded scheduler) --------------------
 CELERY_BEAT_SCHEDULE = beat_schedule(globals())
+CELERY_IMPORTS = ("marketplace.periodic",)  # its task is not in an app's tasks module
