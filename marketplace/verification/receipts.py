@@ -8,12 +8,14 @@ does not parse the receipts of the others.
 
 from __future__ import annotations
 
-from worker_agent.receipts import MissingReceipt, Receipt
+from worker_agent.receipts import MalformedReceipt, MissingReceipt, Receipt
 
 
 def session_receipt(job, session: str, stage: int, node: str) -> Receipt:
     """The receipt ``node`` signed as stage ``stage`` of ``session``; MissingReceipt when the job
     holds none there (an unverified job stores no receipts), MalformedReceipt when it is unreadable."""
+    if not isinstance(job.receipts, list) or not isinstance(job.transcripts, list):
+        raise MalformedReceipt("the job's stored receipts and transcripts must be lists")
     sessions = [t.get("session") if isinstance(t, dict) else None for t in job.transcripts]
     if session not in sessions or not 0 <= stage < len(job.route):
         raise MissingReceipt(f"job {job.public_id!r} has no stage {stage} in session {session!r}")
