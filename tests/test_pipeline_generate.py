@@ -134,16 +134,6 @@ def test_receipts_are_signed_by_the_serving_nodes(smollm2_swarm):
         assert raw["model"] == "smollm2-135m"
         assert len(raw["hashes"]) == raw["steps"]
         # The printed receipt is the signed one: rebuilt from its JSON form, its signature verifies.
-        receipt = Receipt.from_dict(from_json(raw))
+        receipt = Receipt.from_json(raw)
         receipt.verify_signature()
         assert receipt.node == raw["node"]
-
-
-def from_json(raw: dict) -> dict:
-    return {
-        **raw,
-        "node_key": bytes.fromhex(raw["node_key"]),
-        "hashes": [[bytes.fromhex(h_in), bytes.fromhex(h_out)] for h_in, h_out in raw["hashes"]],
-        "chain_head": bytes.fromhex(raw["chain_head"]),
-        "sig": bytes.fromhex(raw["sig"]),
-    }

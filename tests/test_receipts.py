@@ -669,10 +669,10 @@ def test_to_dict_holds_the_body_and_the_signature():
     assert list(msgpack.unpackb(receipt.body_bytes())) == sorted(k for k in d if k != "sig")
 
 
-def test_to_json_dict_is_json_with_hex_bytes():
+def test_to_json_is_json_with_hex_bytes():
     receipt = make_job().receipt("sess-b", 0)
 
-    d = json.loads(json.dumps(receipt.to_json_dict()))
+    d = json.loads(json.dumps(receipt.to_json()))
 
     assert d["node_key"] == bytes(KEYS[0].verify_key).hex()
     assert d["sig"] == receipt.signature.hex()

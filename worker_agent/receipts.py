@@ -16,12 +16,18 @@ inputs and outputs whose hashes the node signed here).
 The chain for a session: ``h0 = sha256(CHAIN_SEED + job + b"\\0" + session)`` and
 ``h_i = sha256(h_{i-1} + in_i + out_i)``; the receipt carries both the list and the head, so a
 verifier can check either against the other.
+
+A receipt has two encodings, both written and read here, with one set of checks: ``to_dict`` /
+``from_dict`` keep bytes as bytes (the msgpack wire form a stage sends), ``to_json`` /
+``from_json`` write them as hex (the form a job stores and the CLI prints). Either refuses a
+malformed or oversized receipt with a ``MalformedReceipt`` naming the field.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,10 +48,27 @@ _INT_FIELDS = ("layer_start", "layer_end", "steps", "tokens")
 # The fields that go into the body as they are; ``hashes`` becomes a list of lists.
 _PLAIN_FIELDS = (*_STR_FIELDS, *_INT_FIELDS, "node_key", "chain_head")
 _DICT_KEYS = frozenset({"v", "hashes", "sig", *_PLAIN_FIELDS})
+_TRANSCRIPT_KEYS = frozenset({"session", "sent", "received"})
+
+# Bounds checked before anything is decoded, so a stored or received receipt cannot make its
+# reader allocate without limit. A session's steps are bounded by the model's context (2048
+# positions for the registry's models), far below MAX_STEPS.
+MAX_STEPS = 1 << 16  # hash pairs in one receipt, and hashes in one transcript list
+MAX_ID_CHARS = 1024  # characters in a receipt's job, session, node or model id
+# The JSON text of a receipt at its bounds: a step's hash pair is 138 characters as json.dumps
+# writes it (two quoted 64-digit strings, brackets, two separators), the rest is the fixed fields.
+MAX_JSON_CHARS = 140 * MAX_STEPS + 4 * MAX_ID_CHARS + 1024
 
 
 class MalformedReceipt(ReceiptError):
     code = "receipt_malformed"
+
+
+class ReceiptTooLarge(MalformedReceipt):
+    """A receipt or transcript past ``MAX_STEPS``, ``MAX_ID_CHARS`` or ``MAX_JSON_CHARS``,
+    refused before it is decoded."""
+
+    code = "receipt_too_large"
 
 
 class BadSignature(ReceiptError):
@@ -105,6 +128,42 @@ def _is_hash(value: object) -> bool:
     return isinstance(value, bytes) and len(value) == HASH_BYTES
 
 
+def _unhex(value: object, what: str, size: int) -> bytes:
+    """Exactly ``size`` bytes written as ``2 * size`` hex digits, or MalformedReceipt naming ``what``."""
+    if isinstance(value, str) and len(value) == 2 * size:
+        try:
+            decoded = bytes.fromhex(value)
+        except ValueError:
+            pass
+        else:
+            if len(decoded) == size:  # fromhex skips spaces: "00 11..." decodes short
+                return decoded
+    raise MalformedReceipt(f"{what} must be {2 * size} hex digits ({size} bytes)")
+
+
+def _json_object(data: object, what: str) -> object:
+    """``data`` itself, or the JSON value its text holds, refusing oversized text unread."""
+    if not isinstance(data, str | bytes | bytearray):
+        return data
+    if len(data) > MAX_JSON_CHARS:
+        raise ReceiptTooLarge(f"{what} of {len(data)} characters exceeds {MAX_JSON_CHARS}")
+    try:
+        return json.loads(data)
+    # Deep nesting within the bound overflows the parser's stack rather than allocating.
+    except (ValueError, RecursionError) as exc:
+        raise MalformedReceipt(f"{what} is not valid JSON: {exc}") from None
+
+
+def _check_bounds(what: str, ids: Mapping[str, object], lists: Mapping[str, object]) -> None:
+    """Refuse ids over MAX_ID_CHARS and lists over MAX_STEPS before anything in them is decoded."""
+    for name, value in ids.items():
+        if isinstance(value, str) and len(value) > MAX_ID_CHARS:
+            raise ReceiptTooLarge(f"{what} {name} of {len(value)} characters exceeds {MAX_ID_CHARS}")
+    for name, value in lists.items():
+        if isinstance(value, list | tuple) and len(value) > MAX_STEPS:
+            raise ReceiptTooLarge(f"{what} {name} lists {len(value)} entries, more than {MAX_STEPS}")
+
+
 @dataclass(frozen=True)
 class Receipt:
     job: str  # job id
@@ -129,11 +188,11 @@ class Receipt:
         return msgpack.packb(dict(sorted(self._body().items())), use_bin_type=True)
 
     def to_dict(self) -> dict[str, Any]:
-        """A msgpack-friendly dict (bytes stay bytes), signature under ``"sig"``."""
+        """The wire form: a msgpack-friendly dict (bytes stay bytes), signature under ``"sig"``."""
         return {**self._body(), "sig": self.signature}
 
-    def to_json_dict(self) -> dict[str, Any]:
-        """Like ``to_dict`` with every bytes value as hex, for printing and JSON."""
+    def to_json(self) -> dict[str, Any]:
+        """The stored form: ``to_dict`` with every bytes value as lowercase hex, ready for JSON."""
         return {
             **self.to_dict(),
             "node_key": self.node_key.hex(),
@@ -144,18 +203,43 @@ class Receipt:
 
     @classmethod
     def from_dict(cls, d: object) -> Receipt:
-        """Parse ``to_dict``'s output (e.g. after msgpack); raises ``MalformedReceipt``."""
-        if not isinstance(d, dict) or set(d) != _DICT_KEYS:
-            raise MalformedReceipt(f"a receipt must be a map with exactly the keys {sorted(_DICT_KEYS)}")
-        if not _is_int(d["v"]) or d["v"] != RECEIPT_VERSION:
-            raise MalformedReceipt(f"receipt version {d['v']!r} is not supported (expected {RECEIPT_VERSION})")
-        if not isinstance(d["hashes"], list | tuple):
-            raise MalformedReceipt("receipt hashes must be a list of (input hash, output hash) pairs")
-        receipt = cls(
-            **{name: d[name] for name in _PLAIN_FIELDS},
+        """Parse the wire form (``to_dict``'s output, e.g. after msgpack); raises ``MalformedReceipt``."""
+        d = _envelope(d)
+        return cls._parse(
+            d,
             hashes=tuple(tuple(pair) if isinstance(pair, list | tuple) else pair for pair in d["hashes"]),
+            node_key=d["node_key"],
+            chain_head=d["chain_head"],
             signature=d["sig"],
         )
+
+    @classmethod
+    def from_json(cls, data: object) -> Receipt:
+        """Parse the stored form (``to_json``'s output, or its JSON text); raises ``MalformedReceipt``,
+        ``ReceiptTooLarge`` for input past the bounds, before any of it is decoded."""
+        d = _envelope(_json_object(data, "a receipt's JSON"))
+        hashes = []
+        for i, pair in enumerate(d["hashes"]):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise MalformedReceipt(f"receipt hashes[{i}] must be an (input hash, output hash) pair")
+            hashes.append(
+                (
+                    _unhex(pair[0], f"receipt hashes[{i}][0]", HASH_BYTES),
+                    _unhex(pair[1], f"receipt hashes[{i}][1]", HASH_BYTES),
+                )
+            )
+        return cls._parse(
+            d,
+            hashes=tuple(hashes),
+            node_key=_unhex(d["node_key"], "receipt node_key", 32),
+            chain_head=_unhex(d["chain_head"], "receipt chain_head", HASH_BYTES),
+            signature=_unhex(d["sig"], "receipt sig", 64),
+        )
+
+    @classmethod
+    def _parse(cls, d: dict, **decoded: Any) -> Receipt:
+        """The receipt of an envelope-checked map whose bytes fields ``decoded`` holds; checks its shape."""
+        receipt = cls(**{name: d[name] for name in (*_STR_FIELDS, *_INT_FIELDS)}, **decoded)
         receipt._check_shape()
         return receipt
 
@@ -202,6 +286,18 @@ class Receipt:
                 f"receipt of node {self.node} for session {self.session!r}: chain head does not match its hash list",
                 code="receipt_bad_chain",
             )
+
+
+def _envelope(d: object) -> dict:
+    """``d``, once the checks both encodings share before decoding pass: the keys, the version, the bounds."""
+    if not isinstance(d, dict) or set(d) != _DICT_KEYS:
+        raise MalformedReceipt(f"a receipt must be a map with exactly the keys {sorted(_DICT_KEYS)}")
+    if not _is_int(d["v"]) or d["v"] != RECEIPT_VERSION:
+        raise MalformedReceipt(f"receipt version {d['v']!r} is not supported (expected {RECEIPT_VERSION})")
+    if not isinstance(d["hashes"], list | tuple):
+        raise MalformedReceipt("receipt hashes must be a list of (input hash, output hash) pairs")
+    _check_bounds("receipt", {name: d[name] for name in _STR_FIELDS}, {"hashes": d["hashes"]})
+    return d
 
 
 class ReceiptBuilder:
@@ -277,12 +373,55 @@ class StageAssignment:
     layer_start: int  # first layer (inclusive)
     layer_end: int  # end of the span (exclusive)
 
+    @classmethod
+    def from_json(cls, d: object) -> StageAssignment:
+        """The assignment a JSON stage map names: ``node``, ``node_key`` (hex), ``layer_start`` and
+        ``layer_end``; other keys (a route's ``url``, a HELLO's ``model``) are not its business.
+        A malformed one is the planner's fault, not a node's: it raises the base ReceiptError."""
+        if not isinstance(d, Mapping) or not {"node", "node_key", "layer_start", "layer_end"} <= set(d):
+            raise ReceiptError("a stage assignment must be a map with node, node_key, layer_start and layer_end")
+        if not isinstance(d["node"], str) or not 0 < len(d["node"]) <= MAX_ID_CHARS:
+            raise ReceiptError(f"a stage assignment's node must be 1-{MAX_ID_CHARS} characters, got {d['node']!r}")
+        for name in ("layer_start", "layer_end"):
+            if not _is_int(d[name]) or d[name] < 0:
+                raise ReceiptError(f"stage {d['node']}'s {name} must be a non-negative integer, got {d[name]!r}")
+        try:
+            node_key = _unhex(d["node_key"], f"stage {d['node']}'s node_key", 32)
+        except MalformedReceipt as exc:
+            raise ReceiptError(str(exc)) from None
+        return cls(d["node"], node_key, d["layer_start"], d["layer_end"])
+
 
 @dataclass(frozen=True)
 class SessionTranscript:
     session: str  # session id
     sent: tuple[bytes, ...]  # per step: sha256 of the tensor bytes the coordinator sent to the first stage
     received: tuple[bytes, ...]  # per step: sha256 of the tensor bytes it received from the last stage
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored form: the session and both hash lists as hex."""
+        return {
+            "session": self.session,
+            "sent": [h.hex() for h in self.sent],
+            "received": [h.hex() for h in self.received],
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> SessionTranscript:
+        """Parse ``to_json``'s output (or its JSON text); raises ``MalformedReceipt``, ``ReceiptTooLarge``
+        for input past the bounds, before any of it is decoded."""
+        d = _json_object(data, "a transcript's JSON")
+        if not isinstance(d, dict) or set(d) != _TRANSCRIPT_KEYS:
+            raise MalformedReceipt(f"a transcript must be a map with exactly the keys {sorted(_TRANSCRIPT_KEYS)}")
+        _check_bounds("transcript", {"session": d["session"]}, {"sent": d["sent"], "received": d["received"]})
+        if not isinstance(d["session"], str):
+            raise MalformedReceipt("transcript session must be a string")
+        lists = {}
+        for name in ("sent", "received"):
+            if not isinstance(d[name], list):
+                raise MalformedReceipt(f"transcript {name} must be a list of hex digests")
+            lists[name] = tuple(_unhex(h, f"transcript {name}[{i}]", HASH_BYTES) for i, h in enumerate(d[name]))
+        return cls(d["session"], lists["sent"], lists["received"])
 
 
 @dataclass(frozen=True)

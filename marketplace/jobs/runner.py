@@ -30,6 +30,7 @@ from marketplace.db import release_connections
 from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
+from marketplace.jobs.route import route_assignments
 from marketplace.jobs.settlement import settle
 from marketplace.nodes.tickets import ticket_for
 from marketplace.verification.audits import record_audits
@@ -37,7 +38,7 @@ from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.errors import SwarmError
-from worker_agent.receipts import StageAssignment
+from worker_agent.receipts import SessionTranscript
 
 log = logging.getLogger("swarm.jobs")
 PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered
@@ -124,8 +125,7 @@ async def _run(job_pk: int) -> str:
         return JobState.CANCELLED
     decode = result.token_times[-1] - result.token_times[0] if len(result.token_times) > 1 else 0.0
     result_transcripts = [
-        {"session": session, "sent": [h.hex() for h in t.sent], "received": [h.hex() for h in t.received]}
-        for session, t in transcripts.items()
+        SessionTranscript(session, tuple(t.sent), tuple(t.received)).to_json() for session, t in transcripts.items()
     ]
     await in_thread(
         services.finish_job,
@@ -135,7 +135,7 @@ async def _run(job_pk: int) -> str:
         finish_reason=result.finish_reason,
         ttft_ms=1000 * result.ttft if result.ttft is not None else None,
         tokens_per_s=(len(result.token_times) - 1) / decode if decode > 0 else None,
-        receipts=[r.to_json_dict() for r in result.receipts],
+        receipts=[r.to_json() for r in result.receipts],  # in route order: audits look theirs up by stage
         transcripts=result_transcripts,
         verified=result.verification is not None,
         verification_error=result.verification_error,
@@ -157,7 +157,7 @@ async def _run(job_pk: int) -> str:
 async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | None, int, bool, dict]:
     """Stream the job's tokens to its group; returns (result, tokens sent, cancelled, the
     coordinator's transcripts by session)."""
-    specs, assignments = [], []
+    specs = []
     for stage in job.route:
         ticket = await in_thread(
             ticket_for,
@@ -168,9 +168,6 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
             layer_end=stage["layer_end"],
         )
         specs.append(StageSpec(stage["url"], ticket))
-        assignments.append(
-            StageAssignment(stage["node"], bytes.fromhex(stage["node_key"]), stage["layer_start"], stage["layer_end"])
-        )
     params = RequestParams.from_json(job.params)
     sent = 0
     last_progress = time.monotonic()
@@ -179,7 +176,7 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
         specs,
         job=job.public_id,
         topology="ring",
-        assignments=assignments,
+        assignments=route_assignments(job.route),
         audit_stages=tuple(job.audit_stages),
     ) as coord:
         request = coord.request_ids(

@@ -20,9 +20,11 @@ from django.utils import timezone
 from marketplace.billing.models import AccountKind
 from marketplace.billing.services import account, cost, prices_for, transfer
 from marketplace.jobs.models import FINAL_STATES, Job
+from marketplace.jobs.route import route_assignments
 from marketplace.payouts.services import credit_earnings
-from marketplace.verification.receipts import verify_job_record
+from worker_agent import model as models
 from worker_agent.errors import ReceiptError
+from worker_agent.receipts import JobVerification, MalformedReceipt, Receipt, SessionTranscript, verify_job
 
 log = logging.getLogger("swarm.jobs")
 
@@ -70,11 +72,30 @@ def settle(job_pk: int) -> int:
     return charge
 
 
+def reverify(job: Job) -> JobVerification:
+    """Verify the job's stored receipts again, here: the coordinator's ``verified`` flag is its own
+    word, and money moves only on this check. It calls the coordinator's ``verify_job`` with the
+    same inputs the coordinator had: the assignments of the route this control plane chose, the
+    receipts and transcripts as the runner stored them (each decoded once, by its codec).
+    Raises a ReceiptError naming the first failure."""
+    for name in ("receipts", "transcripts"):
+        if not isinstance(getattr(job, name), list):
+            raise MalformedReceipt(f"the job's stored {name} must be a list")
+    return verify_job(
+        job=job.public_id,
+        model=models.model_name(job.model),
+        n_layers=models.n_layers(job.model),
+        assignments=route_assignments(job.route),
+        receipts=[Receipt.from_json(r) for r in job.receipts],
+        transcripts=[SessionTranscript.from_json(t) for t in job.transcripts],
+    )
+
+
 def _credit_verified_work(job: Job) -> None:
     if job.charged_amount <= 0 or not job.verified:
         return
     try:
-        verification = verify_job_record(job)
+        verification = reverify(job)
     except ReceiptError as exc:
         job.verified = False
         job.verification_error = f"control plane re-verification: {exc} ({exc.code})"[:2000]

@@ -16,12 +16,13 @@ from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node
 from marketplace.verification.dispatch import AUDIT_TASK, thresholds, verify_after_commit
 from marketplace.verification.models import Audit, CheckState, StrikeKind
-from marketplace.verification.receipts import job_receipts
+from marketplace.verification.receipts import session_receipt
 from marketplace.verification.strikes import open_strike
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
 from worker_agent.audit import AuditFailed, AuditMaterial
 from worker_agent.audit import verify_audit as replay_audit
 from worker_agent.errors import SwarmError
+from worker_agent.receipts import MissingReceipt
 
 log = logging.getLogger("swarm.verification")
 
@@ -77,13 +78,11 @@ def verify_audit(audit_pk: int) -> Audit:
         return audit
     try:
         material = AuditMaterial.from_bytes(bytes(audit.material))
-        receipt = next(
-            (r for r in job_receipts(audit.job) if r.session == material.session and r.node == material.node), None
-        )
+        receipt = session_receipt(audit.job, material.session, material.stage, material.node)
+    except MissingReceipt:
+        return _finish_audit(audit_pk, CheckState.ERROR, "the job holds no receipt of this node for the session", {})
     except SwarmError as exc:
         return _finish_audit(audit_pk, CheckState.ERROR, f"stored material or receipts unreadable: {exc}", {})
-    if receipt is None:
-        return _finish_audit(audit_pk, CheckState.ERROR, "the job holds no receipt of this node for the session", {})
     try:
         block = trusted_block(audit.model, audit.layer_start, audit.layer_end)
     except Exception as exc:

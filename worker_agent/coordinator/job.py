@@ -73,7 +73,7 @@ class GenerationResult:
             "elapsed_s": round(self.elapsed, 4),
             "steps": self.steps,
             "verified": self.verification is not None,
-            "receipts": [receipt.to_json_dict() for receipt in self.receipts],
+            "receipts": [receipt.to_json() for receipt in self.receipts],
             "audits": [
                 {
                     "stage": audit.stage,
@@ -154,16 +154,8 @@ class Coordinator:
             position = info["layer_end"]
         if position != self.n_layers:
             raise StageError(f"the stages cover layers 0:{position} of {self.n_layers}", code="bad_route")
-        if self.assignments is None:
-            self.assignments = [
-                StageAssignment(
-                    node=info["node"],
-                    node_key=bytes.fromhex(info["node_key"]),
-                    layer_start=info["layer_start"],
-                    layer_end=info["layer_end"],
-                )
-                for info in infos
-            ]
+        if self.assignments is None:  # no control plane: the stages' own HELLO is all there is to go by
+            self.assignments = [StageAssignment.from_json(info) for info in infos]
 
     def request(
         self,
@@ -220,8 +212,7 @@ class Coordinator:
             audits, audit_missing = await self.pipeline.take_audits(session)
             verification, verification_error = None, ""
             try:
-                receipts = [Receipt.from_dict(r) for r in raw_receipts]
-                verification = self._verify(session, receipts)
+                receipts, verification = self._verify(session, [Receipt.from_dict(r) for r in raw_receipts])
             except ReceiptError as exc:
                 if strict:
                     raise
@@ -247,8 +238,10 @@ class Coordinator:
             audit_missing=audit_missing,
         )
 
-    def _verify(self, session: str, receipts: list[Receipt]) -> JobVerification:
-        """Raises a ReceiptError subclass unless the stages' receipts prove this session's work."""
+    def _verify(self, session: str, receipts: list[Receipt]) -> tuple[list[Receipt], JobVerification]:
+        """The session's receipts in route order (stage 0 first), once they prove its work; raises a
+        ReceiptError subclass otherwise. The control plane stores them in this order and its audits
+        find a stage's receipt by position."""
         transcript = self.pipeline.transcripts[session]
         verification = verify_job(
             job=self.job,
@@ -258,8 +251,11 @@ class Coordinator:
             receipts=receipts,
             transcripts=[SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received))],
         )
+        # Verified: each assigned node signed exactly one receipt for this session.
+        position = {assignment.node: index for index, assignment in enumerate(self.assignments or [])}
+        receipts = sorted(receipts, key=lambda receipt: position[receipt.node])
         self.receipts.extend(receipts)
-        return verification
+        return receipts, verification
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         result = None
