@@ -24,7 +24,6 @@ class NodeForm(forms.Form):
     )
 
 
-
 class ApiKeyForm(forms.Form):
     name = forms.CharField(label="Key name", max_length=100, validators=[NAME], help_text="e.g. my-app")
 
