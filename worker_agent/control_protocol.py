@@ -34,7 +34,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from nacl.signing import SigningKey
 
@@ -442,7 +442,8 @@ class LinkResult(_Part):
     def _from_wire(cls, obj: object) -> LinkResult:
         if not isinstance(obj, Mapping) or not isinstance(obj.get("target"), str):
             raise ProtocolError("each measurement needs a target", code=INVALID_REPORT)
-        return cls(target=obj["target"], rtt_ms=obj.get("rtt_ms"), uplink_mbps=obj.get("uplink_mbps"))
+        # The values are checked in __post_init__: a missing or non-numeric rtt_ms is refused there.
+        return cls(target=obj["target"], rtt_ms=cast(float, obj.get("rtt_ms")), uplink_mbps=obj.get("uplink_mbps"))
 
 
 @dataclass(frozen=True)

@@ -218,8 +218,10 @@ def peek_seq(frame: bytes) -> int | None:
         return None
 
 
-def decode(frame: bytes, *, max_frame: int = DEFAULT_MAX_FRAME, hidden_size: int | None = None) -> Frame:
-    """Parse and validate one frame; raise WireError (with a precise code) on anything off."""
+def decode(
+    frame: bytes | bytearray | memoryview | str, *, max_frame: int = DEFAULT_MAX_FRAME, hidden_size: int | None = None
+) -> Frame:
+    """Parse and validate one frame (a text frame is refused); raise WireError (with a precise code) on anything off."""
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise WireError("text frames are not accepted; send binary frames", code="malformed")
     frame = bytes(frame)

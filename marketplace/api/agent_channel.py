@@ -139,7 +139,7 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
         await self._send(message)
 
     async def disconnect(self, code: int) -> None:
-        if self.node_pk is not None:
+        if self.node_pk is not None and self.node_id is not None:
             await self.channel_layer.group_discard(services.node_group(self.node_id), self.channel_name)
             await database_sync_to_async(services.node_disconnected)(self.node_pk, self.connected_at)
             log.info("node %s disconnected (%s)", self.node_id, code)

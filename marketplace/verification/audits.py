@@ -102,8 +102,8 @@ def verify_audit(audit_pk: int) -> Audit:
                 raise exc from None  # the float32 replay's evidence is the one on record
             reference_dtype = FALLBACK_DTYPE
     except AuditFailed as exc:  # the node's fault: its bytes disagree with what it signed, or with the replay
-        report = exc.report
-        metrics = _audit_metrics(report) if report is not None else {}
+        failed = exc.report
+        metrics = _audit_metrics(failed) if failed is not None else {}
         return _finish_audit(audit_pk, CheckState.FAILED, f"{exc} ({exc.code})", {**metrics, "code": exc.code})
     except SwarmError as exc:  # malformed material, a wrong trusted block: the verifier's problem, no strike
         log.error("audit %s could not be checked: %s", audit_pk, exc)

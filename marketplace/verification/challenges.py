@@ -108,7 +108,7 @@ def record_challenge_answer(node_pk: int, message: dict) -> Challenge:
     challenge.answered_at = now
     elapsed = message.get("elapsed_ms")
     numeric = isinstance(elapsed, int | float) and not isinstance(elapsed, bool)
-    challenge.elapsed_ms = float(elapsed) if numeric else None
+    challenge.elapsed_ms = float(elapsed) if numeric and elapsed is not None else None
     if now > challenge.deadline_at:
         challenge.state, challenge.reason = CheckState.EXPIRED, "answered after the deadline"
         challenge.checked_at = now
