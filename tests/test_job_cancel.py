@@ -8,7 +8,6 @@ job as cancelled with the tokens it delivered."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 
 import pytest
@@ -18,18 +17,13 @@ from channels.layers import get_channel_layer
 from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
-from marketplace.nodes.tickets import issuer_key, issuer_public_key
-from marketplace.placement.selectors import PipelineStage
-from worker_agent import model as models
-from worker_agent.block import Block
-from worker_agent.keys import generate_signing_key
-from worker_agent.server import StageServer
-from worker_agent.stage import Stage
+from marketplace.nodes.tickets import issuer_key
+from tests import stage_fixtures
+from tests.stage_fixtures import MODEL, stage_servers
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]
 pytest_plugins = ["tests.factories"]
 
-MODEL = "tiny-llama"
 SPANS = [(0, 3), (3, 6)]
 MAX_TOKENS = 200
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -68,44 +62,15 @@ def api_key(customer):
     return api_key
 
 
-@contextlib.asynccontextmanager
-async def stage_servers():
-    """In-process stages over SPANS trusting the control plane's tickets; yields the route."""
-    tasks, route = [], []
-    for start, end in SPANS:
-        stage = Stage(
-            Block(models.load_block(MODEL, start, end)),
-            model=MODEL,
-            signing_key=generate_signing_key(),
-            trusted_keys=[issuer_public_key()],
-        )
-        bound = asyncio.get_running_loop().create_future()
-        tasks.append(asyncio.create_task(StageServer(stage).serve("127.0.0.1", 0, ready=bound.set_result)))
-        port = await asyncio.wait_for(bound, 30)
-        route.append(PipelineStage(stage.node, stage.node_key.hex(), f"ws://127.0.0.1:{port}", start, end, "local"))
-    try:
-        yield route
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def admit(api_key, route: list[PipelineStage], monkeypatch) -> Job:
-    monkeypatch.setattr(services, "route_request", lambda model: ("local", route, 1.0))
-    params = RequestParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt="Once upon a time")
-    return services.admit_job(
-        api_key=api_key,
-        kind="completion",
-        model=MODEL,
-        params=params,
-        prompt_ids=services.tokenize_prompt(MODEL, params),
+def admit(api_key, route, monkeypatch) -> Job:
+    return stage_fixtures.admit(
+        api_key, route, RequestParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt="Once upon a time"), monkeypatch
     )
 
 
 def test_a_cancel_mid_stream_stops_the_job_between_tokens(in_memory_layer, api_key, monkeypatch):
     async def scenario():
-        async with stage_servers() as route:
+        async with stage_servers(SPANS) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
             channel = await in_memory_layer.new_channel()
             await in_memory_layer.group_add(runner.group_name(job.pk), channel)
@@ -129,7 +94,7 @@ def test_a_cancel_mid_stream_stops_the_job_between_tokens(in_memory_layer, api_k
 
 def test_a_cancel_sent_before_the_runner_listens_stops_it_after_its_first_token(in_memory_layer, api_key, monkeypatch):
     async def scenario():
-        async with stage_servers() as route:
+        async with stage_servers(SPANS) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
             await runner.request_cancel(in_memory_layer, job.pk)
             return await asyncio.wait_for(runner.run_job(job.pk), 60), job.pk
@@ -145,7 +110,7 @@ def test_a_cancel_reaches_a_runner_on_another_event_loop_through_redis(redis_lay
     """As with Celery: the runner runs in a thread with its own event loop, the view sends from the web's."""
 
     async def scenario():
-        async with stage_servers() as route:
+        async with stage_servers(SPANS) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
             await runner.request_cancel(redis_layer, job.pk)
             state = await asyncio.wait_for(asyncio.to_thread(asyncio.run, runner.run_job(job.pk)), 60)
@@ -160,7 +125,7 @@ def test_a_cancel_reaches_a_runner_on_another_event_loop_through_redis(redis_lay
 
 def test_a_job_nobody_cancels_runs_to_its_end(in_memory_layer, api_key, monkeypatch):
     async def scenario():
-        async with stage_servers() as route:
+        async with stage_servers(SPANS) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
             return await asyncio.wait_for(runner.run_job(job.pk), 120), job.pk
 

@@ -8,7 +8,6 @@ tokens away (they were delivered), but the job is recorded unverified, naming th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import re
 
@@ -19,18 +18,15 @@ from channels.layers import get_channel_layer
 from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
-from marketplace.nodes.tickets import issuer_key, issuer_public_key
-from marketplace.placement.selectors import PipelineStage
-from worker_agent import model as models
-from worker_agent.block import Block
+from marketplace.nodes.tickets import issuer_key
+from tests import stage_fixtures
+from tests.stage_fixtures import stage_servers
 from worker_agent.keys import generate_signing_key, public_key_bytes
-from worker_agent.server import StageServer
 from worker_agent.stage import Output, Stage
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]
 pytest_plugins = ["tests.factories"]
 
-MODEL = "tiny-llama"
 SPANS = [(0, 2), (2, 4), (4, 6)]
 MAX_TOKENS = 5
 PARAMS = {
@@ -73,48 +69,15 @@ def api_key(customer):
     return api_key
 
 
-@contextlib.asynccontextmanager
-async def stage_servers(*, rogue: int | None = None, trusted: bytes | None = None):
-    """In-process stages over SPANS trusting the control plane's tickets; yields the route."""
-    trusted = trusted if trusted is not None else issuer_public_key()
-    tasks, route = [], []
-    for index, (start, end) in enumerate(SPANS):
-        cls = TamperingStage if index == rogue else Stage
-        stage = cls(
-            Block(models.load_block(MODEL, start, end)),
-            model=MODEL,
-            signing_key=generate_signing_key(),
-            trusted_keys=[trusted],
-        )
-        bound = asyncio.get_running_loop().create_future()
-        tasks.append(asyncio.create_task(StageServer(stage).serve("127.0.0.1", 0, ready=bound.set_result)))
-        port = await asyncio.wait_for(bound, 30)
-        route.append(PipelineStage(stage.node, stage.node_key.hex(), f"ws://127.0.0.1:{port}", start, end, "local"))
-    try:
-        yield route
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def admit(api_key, route: list[PipelineStage], monkeypatch) -> Job:
-    monkeypatch.setattr(services, "route_request", lambda model: ("local", route, 1.0))
-    params = RequestParams.from_json(PARAMS)
-    return services.admit_job(
-        api_key=api_key,
-        kind="completion",
-        model=MODEL,
-        params=params,
-        prompt_ids=services.tokenize_prompt(MODEL, params),
-    )
+def admit(api_key, route, monkeypatch) -> Job:
+    return stage_fixtures.admit(api_key, route, RequestParams.from_json(PARAMS), monkeypatch)
 
 
 def run_admitted_job(api_key, monkeypatch, **stage_options) -> tuple[str, Job, list[dict]]:
     """Admit a job on a fresh route of in-process stages, run it; (final state, job, group events)."""
 
     async def scenario():
-        async with stage_servers(**stage_options) as route:
+        async with stage_servers(SPANS, rogue_class=TamperingStage, **stage_options) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
             layer = get_channel_layer()
             channel = await layer.new_channel()

@@ -1,0 +1,66 @@
+"""In-process stage servers (tiny-llama) trusting the control plane's ticket key, and admitting a job
+onto them through the jobs service: for tests that run ``runner.run_job`` in the test's own process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+from marketplace.jobs import services
+from marketplace.jobs.models import Job
+from marketplace.jobs.params import RequestParams
+from marketplace.nodes.tickets import issuer_public_key
+from marketplace.placement.selectors import PipelineStage
+from worker_agent import model as models
+from worker_agent.block import Block
+from worker_agent.keys import generate_signing_key
+from worker_agent.server import StageServer
+from worker_agent.stage import Stage
+
+MODEL = "tiny-llama"
+
+
+@contextlib.asynccontextmanager
+async def stage_servers(
+    spans: Sequence[tuple[int, int]],
+    *,
+    stage_class=Stage,
+    rogue: int | None = None,
+    rogue_class: type[Stage] | None = None,
+    trusted: bytes | None = None,
+) -> AsyncIterator[list[PipelineStage]]:
+    """Stages over ``spans`` (the one at index ``rogue`` of ``rogue_class``) trusting ``trusted``
+    (default: the control plane's ticket key); yields the route."""
+    trusted = trusted if trusted is not None else issuer_public_key()
+    tasks, route = [], []
+    for index, (start, end) in enumerate(spans):
+        cls = rogue_class if index == rogue and rogue_class is not None else stage_class
+        stage = cls(
+            Block(models.load_block(MODEL, start, end)),
+            model=MODEL,
+            signing_key=generate_signing_key(),
+            trusted_keys=[trusted],
+        )
+        bound = asyncio.get_running_loop().create_future()
+        tasks.append(asyncio.create_task(StageServer(stage).serve("127.0.0.1", 0, ready=bound.set_result)))
+        port = await asyncio.wait_for(bound, 30)
+        route.append(PipelineStage(stage.node, stage.node_key.hex(), f"ws://127.0.0.1:{port}", start, end, "local"))
+    try:
+        yield route
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def admit(api_key, route: list[PipelineStage], params: RequestParams, monkeypatch) -> Job:
+    """Admit a completion job for ``params`` onto ``route`` (placement's routing is bypassed)."""
+    monkeypatch.setattr(services, "route_request", lambda model: ("local", route, 1.0))
+    return services.admit_job(
+        api_key=api_key,
+        kind="completion",
+        model=MODEL,
+        params=params,
+        prompt_ids=services.tokenize_prompt(MODEL, params),
+    )
