@@ -1,12 +1,30 @@
 """A job's route: the stages it was admitted onto, stored on the job as JSON maps in pipeline order
 (``{node, node_key, url, layer_start, layer_end}``), and the ``StageAssignment`` list that receipt
-verification checks against. The runner hands that list to the job's coordinator and settlement
-verifies the stored receipts against it, so both read the route through this one function."""
+verification checks against. Admission writes it with ``route_of``; the runner hands the assignments
+to the job's coordinator and settlement verifies the stored receipts against them, so both read the
+route through ``route_assignments``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from marketplace.placement.selectors import PipelineStage
 from worker_agent.errors import ReceiptError
 from worker_agent.receipts import StageAssignment
+
+
+def route_of(stages: Iterable[PipelineStage]) -> list[dict]:
+    """The route stored on a job, from the stages placement chose for it, in pipeline order."""
+    return [
+        {
+            "node": s.node,
+            "node_key": s.node_key,
+            "url": s.data_url,
+            "layer_start": s.layer_start,
+            "layer_end": s.layer_end,
+        }
+        for s in stages
+    ]
 
 
 def route_assignments(route: object) -> list[StageAssignment]:

@@ -22,6 +22,7 @@ from django.utils import timezone
 from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest, NoCapacity
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
+from marketplace.jobs.route import route_of
 from marketplace.jobs.settlement import place_hold, settle
 from marketplace.placement.selectors import route_request
 from marketplace.verification.audits import choose_audit_stages
@@ -109,16 +110,7 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: RequestParams, 
         raise NoCapacity(f"No capacity for model {model!r} right now: no complete pipeline is ready.")
     region, stages, _ = chosen
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    route = [
-        {
-            "node": s.node,
-            "node_key": s.node_key,
-            "url": s.data_url,
-            "layer_start": s.layer_start,
-            "layer_end": s.layer_end,
-        }
-        for s in stages
-    ]
+    route = route_of(stages)
     job = Job.objects.create(
         public_id=f"{prefix}-{uuid.uuid4().hex}",
         kind=kind,
