@@ -186,15 +186,17 @@ def authenticate(*, node_id: str, nonce: bytes, signature: str) -> Node:
 
 
 @transaction.atomic
-def mark_connected(node_pk: int) -> Node:
-    """The control channel is up: a pending or offline node becomes active (placement's
-    ``node_connected`` is the verb callers use: it also asks for a new placement)."""
+def mark_connected(node_pk: int) -> tuple[Node, bool]:
+    """The control channel is up: a pending or offline node becomes active. Returns the node and
+    whether it came online (placement's ``node_connected``, the verb callers use, re-places then)."""
     now = timezone.now()
     Node.objects.filter(pk=node_pk).update(connected=True, last_heartbeat_at=now, connected_since=now)
-    Node.objects.filter(pk=node_pk, state__in=[NodeState.PENDING, NodeState.OFFLINE]).update(state=NodeState.ACTIVE)
+    came_online = bool(
+        Node.objects.filter(pk=node_pk, state__in=[NodeState.PENDING, NodeState.OFFLINE]).update(state=NodeState.ACTIVE)
+    )
     node = Node.objects.get(pk=node_pk)
     notify_node_changed(node_pk)
-    return node
+    return node, came_online
 
 
 def node_disconnected(node_pk: int, connected_at) -> None:

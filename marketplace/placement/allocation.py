@@ -20,7 +20,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -454,6 +454,32 @@ def layer_load_cv(per_layer_load: Sequence[float]) -> float:
     if mean == 0:
         return 0.0
     return math.sqrt(math.fsum((x - mean) ** 2 for x in loads) / len(loads)) / mean
+
+
+def throughput(pipelines: Iterable[Sequence[Stage]], compute: Mapping[str, float]) -> float:
+    """Predicted tokens/s of a set of pipelines: each passes as many tokens per second as its slowest
+    stage (compute c_s layer-tokens/s over m_s layers: c_s / m_s), and pipelines add up."""
+    total = 0.0
+    for stages in pipelines:
+        if not stages:
+            continue
+        rates = []
+        for stage in stages:
+            speed = compute.get(stage.node)
+            if speed is None or not (math.isfinite(speed) and speed > 0):
+                raise PlacementError(f"{stage.node}: no valid compute for its stage")
+            rates.append(speed / stage.layers)
+        total += min(rates)
+    return total
+
+
+def pays_to_replace(current: float, proposed: float, margin: float) -> bool:
+    """Adopt a new placement only when its predicted throughput beats the current one by ``margin``
+    (0.15: 15 % more tokens/s); a placement serving nothing is always worth replacing. Measurement
+    noise moves both figures alike and stays under the margin, so it never re-places."""
+    if current <= 0:
+        return proposed > 0
+    return proposed >= current * (1.0 + margin)
 
 
 def needs_rebalance(per_layer_load: Sequence[float], threshold: float = 0.25) -> bool:

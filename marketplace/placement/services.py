@@ -19,7 +19,16 @@ from marketplace.nodes import services as nodes
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import push
-from marketplace.placement.allocation import NodeCapacity, Stage, needs_rebalance, per_layer_load, place, spans_for
+from marketplace.placement.allocation import (
+    NodeCapacity,
+    Stage,
+    needs_rebalance,
+    pays_to_replace,
+    per_layer_load,
+    place,
+    spans_for,
+    throughput,
+)
 from marketplace.placement.errors import PlacementError
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import link_maps, region_target
@@ -67,9 +76,11 @@ def _placement_changed() -> None:
 
 @transaction.atomic
 def node_connected(node_pk: int) -> Node:
-    """The control channel is up: a pending or offline node becomes active and placement is redone."""
-    node = nodes.mark_connected(node_pk)
-    _placement_changed()
+    """The control channel is up: a pending or offline node becomes active and placement is redone.
+    An active node whose channel merely reconnected changes no capacity: its blocks stay as they are."""
+    node, came_online = nodes.mark_connected(node_pk)
+    if came_online:
+        _placement_changed()
     return node
 
 
@@ -136,6 +147,25 @@ def delete_node(node: Node) -> None:
     _placement_changed()
 
 
+def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacity]]:
+    """The nodes a placement of ``model`` may use now, and what the planner knows of each."""
+    # An agent serves one block at a time: a node holding a live block of another model is not
+    # available to this one (the first model placed keeps its nodes until they are released).
+    busy = Assignment.objects.filter(state__in=LIVE_STATES).exclude(model=model).values("node_id")
+    query = Node.objects.select_for_update() if lock else Node.objects.all()
+    nodes = list(
+        query.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False).exclude(pk__in=busy).order_by("pk")
+    )
+    capacities = [
+        NodeCapacity(
+            node=n.node_id, compute=max(n.compute_layer_tokens_per_s, 1e-6), max_layers=cap, reputation=n.reputation
+        )
+        for n in nodes
+        if (cap := layer_cap(n, model)) >= 1
+    ]
+    return nodes, capacities
+
+
 def place_dirty_models() -> list[str]:
     placed = []
     for state in PlacementState.objects.filter(dirty=True):
@@ -148,23 +178,8 @@ def place_dirty_models() -> list[str]:
 def place_model(model: str) -> list[Assignment]:
     """Compute and apply a placement of ``model`` over the active nodes; returns live assignments."""
     state, _ = PlacementState.objects.select_for_update().get_or_create(model=model)
-    # An agent serves one block at a time: a node holding a live block of another model is not
-    # available to this one (the first model placed keeps its nodes until they are released).
-    busy = Assignment.objects.filter(state__in=LIVE_STATES).exclude(model=model).values("node_id")
-    nodes = list(
-        Node.objects.select_for_update()
-        .filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False)
-        .exclude(pk__in=busy)
-        .order_by("pk")
-    )
+    nodes, capacities = _candidates(model, lock=True)
     n_layers = models.n_layers(model)
-    capacities = [
-        NodeCapacity(
-            node=n.node_id, compute=max(n.compute_layer_tokens_per_s, 1e-6), max_layers=cap, reputation=n.reputation
-        )
-        for n in nodes
-        if (cap := layer_cap(n, model)) >= 1
-    ]
     by_id = {n.node_id: n for n in nodes}
     now = timezone.now()
     state.generation += 1
@@ -278,19 +293,20 @@ def request_probes(model: str, nodes: list[Node]) -> None:
 
 
 def rebalance_if_needed(now=None) -> list[str]:
-    """Mark for re-placement every model whose per-layer load (from the nodes' measured speed)
-    varies more than SWARM_REBALANCE_CV, at most once per SWARM_REBALANCE_MIN_INTERVAL_S."""
+    """Mark for re-placement a model whose per-layer load (from the nodes' measured speed) varies
+    more than SWARM_REBALANCE_CV, at most once per SWARM_REBALANCE_MIN_INTERVAL_S, and only when a
+    new placement over the same nodes is predicted to serve SWARM_REPLACE_MARGIN more tokens/s than
+    the current one (``allocation.pays_to_replace``). Nodes coming or going re-place on their own."""
     now = now or timezone.now()
     marked = []
     for state in PlacementState.objects.filter(dirty=False, placed_at__isnull=False):
         if (now - state.placed_at).total_seconds() < settings.SWARM_REBALANCE_MIN_INTERVAL_S:
             continue
         live = list(
-            Assignment.objects.filter(model=state.model, state=AssignmentState.READY, is_spare=False).select_related(
-                "node"
-            )
+            Assignment.objects.filter(model=state.model, state__in=LIVE_STATES, is_spare=False).select_related("node")
         )
-        if not live:
+        # A placement still loading is not judged yet: its blocks would count as missing.
+        if not live or any(a.state != AssignmentState.READY for a in live):
             continue
         speed = {a.node.node_id: max(a.node.compute_layer_tokens_per_s, 1e-6) for a in live}
         for pipeline in {a.pipeline for a in live}:
@@ -299,11 +315,41 @@ def rebalance_if_needed(now=None) -> list[str]:
             if covered == models.n_layers(state.model) and needs_rebalance(
                 per_layer_load(stages, covered, speed), settings.SWARM_REBALANCE_CV
             ):
-                mark_dirty(state.model)
-                marked.append(state.model)
-                log.info("re-placing %s: per-layer load varies past CV %.2f", state.model, settings.SWARM_REBALANCE_CV)
+                if _replacement_pays(state.model, live):
+                    mark_dirty(state.model)
+                    marked.append(state.model)
                 break
     return marked
+
+
+def _replacement_pays(model: str, live: list[Assignment]) -> bool:
+    """Whether a fresh plan over the nodes available now beats the current pipelines by the margin."""
+    n_layers = models.n_layers(model)
+    _, capacities = _candidates(model, lock=False)
+    compute = {c.node: c.compute for c in capacities}
+    for a in live:  # a serving node busy elsewhere is not a candidate, but its stage still counts
+        compute.setdefault(a.node.node_id, max(a.node.compute_layer_tokens_per_s, 1e-6))
+    current = []
+    for pipeline in sorted({a.pipeline for a in live}):
+        stages = sorted((Stage(a.node.node_id, a.layer_start, a.layer_end) for a in live if a.pipeline == pipeline),
+                        key=lambda s: s.layer_start)  # fmt: skip
+        if sum(s.layers for s in stages) == n_layers:
+            current.append(stages)
+    try:
+        proposed = place(capacities, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE)
+    except PlacementError:
+        return False
+    now_tps, new_tps = throughput(current, compute), throughput(proposed.pipelines, compute)
+    pays = pays_to_replace(now_tps, new_tps, settings.SWARM_REPLACE_MARGIN)
+    log.info(
+        "%s: per-layer load varies past CV %.2f; a new placement would serve %.2f tokens/s against %.2f now: %s",
+        model,
+        settings.SWARM_REBALANCE_CV,
+        new_tps,
+        now_tps,
+        "re-placing" if pays else f"kept (under the {settings.SWARM_REPLACE_MARGIN:.0%} margin)",
+    )
+    return pays
 
 
 @transaction.atomic

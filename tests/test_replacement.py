@@ -1,0 +1,100 @@
+"""Re-placement only when it pays: a model is placed again when its per-layer load is uneven AND a
+fresh plan over the same nodes is predicted to serve SWARM_REPLACE_MARGIN more tokens/s, or when a
+node comes or goes; measurement noise and a control channel reconnecting never re-place it.
+
+Time is moved by hand: the sweep (``rebalance_if_needed`` then ``place_dirty_models``) runs every 5 s
+of simulated time for 10 minutes while the agents' heartbeats report their measured speed."""
+
+from __future__ import annotations
+
+import logging
+import random
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from marketplace.nodes.models import Node
+from marketplace.placement import services
+from marketplace.placement.allocation import Stage, pays_to_replace, throughput
+from marketplace.placement.models import Assignment, AssignmentState, PlacementState
+from tests.factories import MODEL
+
+pytestmark = [pytest.mark.control, pytest.mark.django_db]
+pytest_plugins = ["tests.factories", "tests.control_fixtures"]
+
+SPEEDS = {"a": 300.0, "b": 200.0, "c": 150.0, "d": 100.0}  # layer-tokens/s, unequal on purpose
+SWEEP = timedelta(seconds=5)
+
+
+@pytest.fixture
+def four_nodes(provider, make_joined_node, measure_ring, swarm_settings):
+    swarm_settings.SWARM_REBALANCE_CV = 0.05  # sensitive: noise passes it, so the margin is what decides
+    swarm_settings.SWARM_REBALANCE_MIN_INTERVAL_S = 60.0
+    swarm_settings.SWARM_REPLACE_MARGIN = 0.15
+    nodes = [make_joined_node(provider, name, compute=speed, max_layers=15).node for name, speed in SPEEDS.items()]
+    measure_ring(nodes)
+    services.place_model(MODEL)
+    report_ready()
+    return nodes
+
+
+def generation() -> int:
+    return PlacementState.objects.get(model=MODEL).generation
+
+
+def run_sweeps(nodes: list[Node], minutes: int, speed_of) -> tuple[int, int]:
+    """Heartbeats and the sweep every 5 s of simulated time; (re-placements, rebalance checks that fired)."""
+    start, fired, before = timezone.now(), 0, generation()
+    for step in range(1, minutes * 60 // 5 + 1):
+        for node in nodes:
+            services.record_heartbeat(node.pk, {"layer_ms": 1000.0 / speed_of(node.name, step)})
+        fired += len(services.rebalance_if_needed(now=start + step * SWEEP))
+        services.place_dirty_models()
+        report_ready()  # the agents load new blocks within one sweep
+    return generation() - before, fired
+
+
+def report_ready() -> None:
+    for assignment in Assignment.objects.filter(state=AssignmentState.ASSIGNED):
+        services.assignment_ready(assignment.node_id, assignment.pk, f"ws://127.0.0.1:{9000 + assignment.node_id}")
+
+
+def test_throughput_is_the_sum_of_each_pipelines_slowest_stage():
+    pipelines = [[Stage("a", 0, 10), Stage("b", 10, 30)], [Stage("c", 0, 30)]]
+
+    assert throughput(pipelines, {"a": 100.0, "b": 400.0, "c": 90.0}) == pytest.approx(10.0 + 3.0)
+
+
+def test_a_new_placement_pays_only_past_the_margin():
+    assert pays_to_replace(10.0, 11.49, 0.15) is False
+    assert pays_to_replace(10.0, 11.5, 0.15) is True
+    assert pays_to_replace(0.0, 1.0, 0.15) is True  # nothing is served now
+    assert pays_to_replace(0.0, 0.0, 0.15) is False
+
+
+def test_noisy_speeds_over_ten_minutes_re_place_nothing(four_nodes, caplog):
+    noise = random.Random(20261201)  # a pure draw: the same sequence on every machine
+    caplog.set_level(logging.INFO, logger="swarm.placement")
+
+    replaced, fired = run_sweeps(four_nodes, 10, lambda name, step: SPEEDS[name] * noise.uniform(0.8, 1.2))
+
+    assert replaced == 0
+    assert fired == 0
+    kept = [r.getMessage() for r in caplog.records if "kept (under the 15% margin)" in r.getMessage()]
+    assert kept  # the uneven load was seen, and the margin is what kept the placement
+
+
+def test_a_node_that_really_slows_down_is_re_placed_once(four_nodes):
+    replaced, fired = run_sweeps(four_nodes, 3, lambda name, step: SPEEDS[name] / (5 if name == "a" else 1))
+
+    assert (replaced, fired) == (1, 1)
+
+
+def test_a_control_channel_reconnect_of_an_active_node_does_not_re_place(
+    four_nodes, django_capture_on_commit_callbacks
+):
+    with django_capture_on_commit_callbacks(execute=True):
+        services.node_connected(four_nodes[1].pk)
+
+    assert PlacementState.objects.get(model=MODEL).dirty is False
