@@ -241,10 +241,14 @@ class StageServer:
                         conn, wire.Error("compute_failed", f"compute failed: {exc}", job=prepared.forward.job)
                     )
                 continue
-            finished = [
-                (prepared.forward.job, self.stage.finish(prepared, outputs))
-                for (_, prepared), outputs in zip(batch, results, strict=True)
-            ]
+            finished = []
+            for (conn, prepared), outputs in zip(batch, results, strict=True):
+                try:
+                    finished.append((prepared.forward.job, self.stage.finish(prepared, outputs)))
+                except Exception as exc:  # one step failing must not stop the loop that serves every job
+                    log.exception("finishing a step failed")
+                    code = exc.code if isinstance(exc, SwarmError) else "compute_failed"
+                    await self._error(conn, wire.Error(code, f"step failed: {exc}", job=prepared.forward.job))
             for job, output in merge_outputs(finished):
                 await self._send_on(job, output)
 

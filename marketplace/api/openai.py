@@ -45,7 +45,9 @@ from marketplace.placement.selectors import servable_pipelines
 
 log = logging.getLogger("swarm.api")
 ROLES = {"system", "user", "assistant", "developer"}
-EVENT_TIMEOUT_S = 60.0  # longest silence from a running job before the response gives up
+# While a job is silent, its record is checked this often for signs of life; the response gives up
+# only when the job stopped making progress (jobs.services.stopped_answering), never on a clock of its own.
+PROGRESS_CHECK_S = 5.0
 
 
 def _json_body(request: HttpRequest) -> dict:
@@ -288,9 +290,17 @@ class _Reply:
         try:
             while True:
                 try:
-                    async with asyncio.timeout(EVENT_TIMEOUT_S):
+                    async with asyncio.timeout(PROGRESS_CHECK_S):
                         event = await self.layer.receive(self.channel)
-                except Exception as exc:  # a timeout, or the channel layer's own (e.g. Redis) error
+                except TimeoutError:
+                    reason = await sync_to_async(services.stopped_answering)(self.job.pk)
+                    await sync_to_async(release_connections)()
+                    if reason is None:
+                        continue
+                    log.warning("job %s: %s", self.job.public_id, reason)
+                    yield {"type": "job.error", "code": "timeout", "message": reason}
+                    return
+                except Exception as exc:  # the channel layer's own (e.g. Redis) error
                     log.warning("job %s: no event: %r", self.job.public_id, exc)
                     yield {"type": "job.error", "code": "timeout", "message": "the job stopped answering"}
                     return

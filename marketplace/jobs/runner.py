@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
@@ -102,23 +103,24 @@ async def _run(job_pk: int) -> str:
     if not await in_thread(services.mark_running, job_pk):
         return job.state
     group = group_name(job_pk)
-    sent_tokens = 0
+    delivered = Delivered()
     try:
         async with asyncio.timeout(settings.SWARM_JOB_TIMEOUT_S):
-            result, sent_tokens, cancelled, transcripts = await _generate(job, layer, group)
+            result, cancelled, transcripts = await _generate(job, layer, group, delivered)
     except TimeoutError:
-        await _fail(job_pk, layer, group, "timeout", f"the job ran past {settings.SWARM_JOB_TIMEOUT_S:g}s", sent_tokens)
+        message = f"the job ran past {settings.SWARM_JOB_TIMEOUT_S:g}s"
+        await _fail(job_pk, layer, group, "timeout", message, delivered.tokens)
         return JobState.FAILED
     except (SwarmError, OSError, ValueError) as exc:
-        log.warning("job %s failed: %s", job.public_id, exc)
-        await _fail(job_pk, layer, group, getattr(exc, "code", "stage_error"), str(exc), sent_tokens)
+        log.warning("job %s failed after %d tokens: %s", job.public_id, delivered.tokens, exc)
+        await _fail(job_pk, layer, group, getattr(exc, "code", "stage_error"), str(exc), delivered.tokens)
         return JobState.FAILED
     if cancelled:
         await in_thread(
             services.finish_job,
             job_pk,
             state=JobState.CANCELLED,
-            completion_tokens=sent_tokens,
+            completion_tokens=delivered.tokens,
             error_code="client_disconnected",
             error_message="the client went away; partial work recorded",
         )
@@ -140,8 +142,6 @@ async def _run(job_pk: int) -> str:
         verified=result.verification is not None,
         verification_error=result.verification_error,
     )
-    if result.audits:
-        await in_thread(_record_audits, job_pk, result.audits)
     await layer.group_send(
         group,
         {
@@ -151,12 +151,24 @@ async def _run(job_pk: int) -> str:
             "completion_tokens": result.completion_tokens,
         },
     )
+    # Only once the client has its final event: replaying audits takes seconds to minutes, and
+    # settlement does not wait for them either (a failed audit claws back through its strike).
+    await in_thread(settle, job_pk)
+    if result.audits:
+        await in_thread(_record_audits, job_pk, result.audits)
     return JobState.SUCCEEDED
 
 
-async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | None, int, bool, dict]:
-    """Stream the job's tokens to its group; returns (result, tokens sent, cancelled, the
-    coordinator's transcripts by session)."""
+@dataclass
+class Delivered:
+    """What a running job has streamed to its client so far: what it is charged for, however it ends."""
+
+    tokens: int = 0  # completion tokens sent to the job's group
+
+
+async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[GenerationResult | None, bool, dict]:
+    """Stream the job's tokens to its group, counting them in ``delivered``; returns (result,
+    cancelled, the coordinator's transcripts by session)."""
     specs = []
     for stage in job.route:
         ticket = await in_thread(
@@ -169,7 +181,6 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
         )
         specs.append(StageSpec(stage["url"], ticket))
     params = RequestParams.from_json(job.params)
-    sent = 0
     last_progress = time.monotonic()
     async with Coordinator(
         job.model,
@@ -191,16 +202,16 @@ async def _generate(job: Job, layer, group: str) -> tuple[GenerationResult | Non
         try:
             async for event in stream:
                 if isinstance(event, GenerationResult):
-                    return event, sent, False, dict(coord.pipeline.transcripts)
+                    return event, False, dict(coord.pipeline.transcripts)
+                await layer.group_send(group, {"type": "job.token", "text": event.text, "token_id": event.token_id})
                 if event.token_id is not None:
-                    sent += 1
+                    delivered.tokens += 1
                 now = time.monotonic()
                 if now - last_progress >= PROGRESS_INTERVAL_S:
                     last_progress = now
-                    await in_thread(services.record_progress, job.pk, sent)
-                await layer.group_send(group, {"type": "job.token", "text": event.text, "token_id": event.token_id})
+                    await in_thread(services.record_progress, job.pk, delivered.tokens)
                 if cancel.done() and cancel.result():
-                    return None, sent, True, {}
+                    return None, True, {}
         finally:
             cancel.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -179,6 +179,20 @@ def record_progress(job_pk: int, completion_tokens: int) -> None:
     )
 
 
+def stopped_answering(job_pk: int, now=None) -> str | None:
+    """Why a response waiting on this job should give up, or None while the job is alive: it ended
+    without its final event reaching the response, or it showed no sign of life (admission, start,
+    a token) for SWARM_JOB_STALE_S, the rule by which ``reconcile_jobs`` declares a coordinator lost."""
+    now = now or timezone.now()
+    job = Job.objects.only("state", "created_at", "started_at", "progress_at").get(pk=job_pk)
+    if job.state in FINAL_STATES:
+        return f"the job ended ({job.state}) but its last event did not arrive"
+    silent = (now - (job.progress_at or job.started_at or job.created_at)).total_seconds()
+    if silent > settings.SWARM_JOB_STALE_S:
+        return f"the job made no progress for {silent:.0f}s"
+    return None
+
+
 def reconcile_jobs(now=None) -> list[str]:
     """End jobs whose coordinator went silent (its process died) as failed, keeping the tokens their
     record shows delivered, and settle every ended job whose hold is still open. Returns job ids."""

@@ -70,7 +70,11 @@ def credit_earnings(job, layer_tokens_by_node: dict[str, int]) -> list[Earning]:
     revenue = account(AccountKind.PLATFORM_REVENUE)
     earnings = []
     for node_id, amount in sorted(shares.items()):
-        node = nodes[node_id]
+        node = nodes.get(node_id)
+        if node is None:  # deleted by its owner since (or never registered): nobody to pay, it stays revenue
+            log.warning("job %s: node %s is not in the registry; its share of %d stays revenue", job.public_id,
+                        node_id, amount)  # fmt: skip
+            continue
         earning = Earning.objects.create(
             node=node,
             provider=node.owner,
