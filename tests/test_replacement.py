@@ -15,10 +15,13 @@ import pytest
 from django.utils import timezone
 
 from marketplace.nodes.models import Node
+from marketplace.nodes.services import rotate_join_token
 from marketplace.placement import services
 from marketplace.placement.allocation import Stage, pays_to_replace, throughput
-from marketplace.placement.models import Assignment, AssignmentState, PlacementState
-from tests.factories import MODEL
+from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
+from marketplace.placement.selectors import servable_pipelines
+from tests.factories import MODEL, join_payload
+from worker_agent.keys import generate_signing_key
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]
@@ -98,3 +101,23 @@ def test_a_control_channel_reconnect_of_an_active_node_does_not_re_place(
         services.node_connected(four_nodes[1].pk)
 
     assert PlacementState.objects.get(model=MODEL).dirty is False
+
+
+def test_a_node_joining_again_with_a_new_agent_leaves_no_stale_stage_to_route_to(
+    four_nodes, django_capture_on_commit_callbacks
+):
+    # A restarted agent (e.g. `make demo` run again) joins its node with a fresh key: the blocks the
+    # previous agent process held are gone, so its stages must not stay routable.
+    assert len(servable_pipelines(MODEL)) == 2
+    rejoining = four_nodes[1]
+    token = rotate_join_token(rejoining)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.register_agent(**join_payload(token, generate_signing_key()))
+
+    rejoining.refresh_from_db()
+    assert rejoining.connected is False
+    assert Assignment.objects.filter(node=rejoining, state__in=LIVE_STATES).count() == 0
+    assert all(stage.node != rejoining.node_id for pipeline in servable_pipelines(MODEL) for stage in pipeline)
+    assert len(servable_pipelines(MODEL)) == 1
+    assert PlacementState.objects.get(model=MODEL).dirty is True

@@ -85,7 +85,7 @@ def register_agent(request: Request) -> Response | JsonResponse:
     data.is_valid(raise_exception=True)
     try:
         with transaction.atomic():
-            node = services.register_agent(**data.validated_data)
+            node = placement_services.register_agent(**data.validated_data)
     except NodeError as exc:
         return error_response(exc)
     scheme = "wss" if request.is_secure() else "ws"

@@ -165,6 +165,7 @@ def register_agent(
     node.data_url = data_url
     node.agent_version = str(agent_version)[:32]
     node.joined_at = timezone.now()
+    node.connected = False  # until this agent opens its control channel
     try:
         with transaction.atomic():
             node.save()

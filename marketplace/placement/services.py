@@ -75,6 +75,17 @@ def _placement_changed() -> None:
 
 
 @transaction.atomic
+def register_agent(**join) -> Node:
+    """An agent joins with a node's token (``nodes.services.register_agent`` checks it). A node that
+    joins again is a new agent process: the blocks its previous agent held are gone with it, so they
+    are released and the model placed again; nothing routes to them meanwhile."""
+    node = nodes.register_agent(**join)
+    if release_node(node.pk):
+        _placement_changed()
+    return node
+
+
+@transaction.atomic
 def node_connected(node_pk: int) -> Node:
     """The control channel is up: a pending or offline node becomes active and placement is redone.
     An active node whose channel merely reconnected changes no capacity: its blocks stay as they are."""
