@@ -93,14 +93,31 @@ def _accounts() -> dict:
     return {"logins": logins, "tokens": tokens, "key": key}
 
 
-def _join(base_url: str, tokens: list[str]) -> list[subprocess.Popen]:
-    agents = []
+def _retire_earlier_agents() -> None:
+    """An earlier run's agents are gone (stopped, or killed by a Ctrl-C at any moment): take every
+    node still marked live offline now, releasing its blocks, instead of waiting for its heartbeats
+    to time out, so no stale stage enters a pipeline; this run's agents join them again."""
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.utils import timezone
+
+    # Imported after _setup_django(): models need the app registry.
+    from marketplace.placement.services import sweep_heartbeats
+
+    gone = sweep_heartbeats(now=timezone.now() + timedelta(seconds=settings.SWARM_HEARTBEAT_TIMEOUT_S + 1))
+    if gone:
+        print(f"took {len(gone)} node(s) of an earlier run offline", flush=True)
+
+
+def _join(base_url: str, tokens: list[str], agents: list[subprocess.Popen]) -> None:
+    """Start one agent per token, adding each to ``agents`` as it starts (so an interrupt at any moment
+    still stops those already running)."""
     for index, token in enumerate(tokens):
         key = DEMO_DIR / f"agent{index}.key"
         for stale in (key, key.with_name(key.name + ".pub"), key.with_name(key.name + ".join.json")):
             stale.unlink(missing_ok=True)  # fresh nodes each run: the tokens were just issued
         agents.append(join_agent(base_url, token, key, DEMO_DIR / f"agent{index}.log", model=MODEL, max_layers=10))
-    return agents
 
 
 def _wait_servable(agents: list[subprocess.Popen], timeout: float = 300) -> None:
@@ -211,17 +228,19 @@ def main() -> int:
     load_head(MODEL)
     load_tokenizer(MODEL)
     _setup_django()
+    _retire_earlier_agents()
     accounts = _accounts()
     try:
         server = EmbeddedServer(PORT).start()
     except RuntimeError:
         raise SystemExit(f"the web app could not start on port {PORT} (set DEMO_PORT to move it)") from None
     base_url = f"http://127.0.0.1:{PORT}"
-    print(f"control plane at {base_url}; starting three agents (swarm-worker join) ...", flush=True)
-    agents = _join(base_url, accounts["tokens"])
+    agents: list[subprocess.Popen] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        print(f"control plane at {base_url}; starting three agents (swarm-worker join) ...", flush=True)
+        _join(base_url, accounts["tokens"], agents)
         _wait_servable(agents)
         # Imported after _setup_django(): models need the app registry.
         from marketplace.placement.selectors import servable_pipelines
@@ -249,4 +268,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before the web app and the agents started: nothing to stop
+        print("\ninterrupted", flush=True)
+        sys.exit(130)
