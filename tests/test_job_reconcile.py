@@ -105,3 +105,25 @@ def test_a_job_that_failed_before_the_first_token_charges_nothing(customer):
     assert job.charged_amount == 0
     assert services.credits(customer) == 1_000_000_000
     assert not Transfer.objects.filter(job=job, kind="charge").exists()
+
+
+def test_a_job_that_cannot_settle_does_not_block_the_others(customer, monkeypatch):
+    stuck = running_job(customer, "chatcmpl-stuck")
+    ended = running_job(customer, "chatcmpl-after")
+    for job in (stuck, ended):
+        finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=2, finish_reason="stop")
+    real_settle = settlement.settle
+
+    def settle(job_pk: int) -> int:
+        if job_pk == stuck.pk:
+            raise RuntimeError("a record that cannot be settled")
+        return real_settle(job_pk)
+
+    monkeypatch.setattr("marketplace.jobs.services.settle", settle)
+
+    assert reconcile_jobs() == ["chatcmpl-after"]
+    stuck.refresh_from_db()
+    ended.refresh_from_db()
+    assert (stuck.settled_at, stuck.charged_amount) == (None, 0)
+    assert ended.settled_at is not None
+    assert ended.charged_amount == 40_000 + 6_000

@@ -7,6 +7,7 @@ once even when its coordinator, a client disconnect and a timeout race.
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import uuid
 from collections.abc import Sequence
@@ -27,7 +28,10 @@ from marketplace.jobs.settlement import place_hold, settle
 from marketplace.placement.selectors import route_request
 from marketplace.verification.audits import choose_audit_stages
 from worker_agent import model as models
+
 from worker_agent.coordinator.job import encode_prompt
+
+log = logging.getLogger("swarm.jobs")
 
 KEY_PREFIX = "sk-sw-"
 PLAYGROUND_KEY_NAME = "Playground (dashboard)"  # kept for the key the dashboard's playground uses
@@ -213,8 +217,12 @@ def reconcile_jobs(now=None) -> list[str]:
             error_message="the job's coordinator stopped reporting",
         ):
             touched.append(job.public_id)
-    for job in Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True):
-        settle(job.pk)
+    for job in Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True).order_by("pk"):
+        try:
+            settle(job.pk)  # its own transaction: one job that cannot settle never blocks the others
+        except Exception:
+            log.exception("job %s could not be settled; it stays open for an admin", job.public_id)
+            continue
         if job.public_id not in touched:
             touched.append(job.public_id)
     return touched
