@@ -28,7 +28,6 @@ from marketplace.jobs.settlement import place_hold, settle
 from marketplace.placement.selectors import route_request
 from marketplace.verification.audits import choose_audit_stages
 from worker_agent import model as models
-
 from worker_agent.coordinator.job import encode_prompt
 
 log = logging.getLogger("swarm.jobs")
