@@ -7,6 +7,7 @@ import msgpack
 import pytest
 from nacl.signing import SigningKey
 
+from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError
 from worker_agent.keys import node_id
 from worker_agent.receipts import (
@@ -17,7 +18,6 @@ from worker_agent.receipts import (
     DuplicateReceipt,
     EndpointMismatch,
     ForeignSigner,
-    JobVerification,
     MalformedReceipt,
     MissingReceipt,
     Receipt,
@@ -28,7 +28,6 @@ from worker_agent.receipts import (
     StageAssignment,
     StepMismatch,
     digest,
-    verify_job,
 )
 
 pytestmark = pytest.mark.dataplane

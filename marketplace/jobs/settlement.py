@@ -23,8 +23,9 @@ from marketplace.jobs.models import FINAL_STATES, Job
 from marketplace.jobs.route import route_assignments
 from marketplace.payouts.services import credit_earnings
 from worker_agent import model as models
+from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError
-from worker_agent.receipts import JobVerification, MalformedReceipt, Receipt, SessionTranscript, verify_job
+from worker_agent.receipts import MalformedReceipt, Receipt, SessionTranscript
 
 log = logging.getLogger("swarm.jobs")
 

@@ -30,9 +30,10 @@ from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import GenerationRequest, GenerationState, TokenEvent
+from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError, StageError
 from worker_agent.keys import node_id
-from worker_agent.receipts import JobVerification, Receipt, SessionTranscript, StageAssignment, verify_job
+from worker_agent.receipts import Receipt, SessionTranscript, StageAssignment
 from worker_agent.wan import WanProfile
 
 

@@ -1,0 +1,203 @@
+"""Verifying a job's receipts against its plan and the coordinator's transcripts: coverage and links.
+
+``verify_job`` fails closed: every signature valid and by the node assigned that span; the spans
+tile ``[0, n_layers)`` with no gap or overlap; every stage has the same steps; stage k's output
+hash at step i equals stage k+1's input hash at step i; the first input and the last output match
+what the coordinator sent and received. It raises a ``ReceiptError`` subclass naming the first
+failure (session, stage, step); what a receipt is and how it is encoded lives in ``receipts.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from worker_agent.errors import ReceiptError
+from worker_agent.receipts import (
+    BrokenLink,
+    DuplicateReceipt,
+    EndpointMismatch,
+    ForeignSigner,
+    MalformedReceipt,
+    MissingReceipt,
+    Receipt,
+    SessionTranscript,
+    SpanGap,
+    SpanOverlap,
+    StageAssignment,
+    StepMismatch,
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class JobVerification:
+    job: str
+    sessions: int  # sessions verified
+    steps: int  # steps summed over sessions
+    tokens_by_node: dict[str, int]  # node id -> token rows it processed, summed over sessions
+    layer_tokens_by_node: dict[str, int]  # node id -> token rows x layers in its span
+
+
+def _span(start: int, end: int) -> str:
+    return f"[{start}, {end})"
+
+
+def _check_tiling(assignments: Sequence[StageAssignment], n_layers: int) -> list[StageAssignment]:
+    """Return the assignments in pipeline order, raising unless they tile [0, n_layers) exactly.
+
+    A plan that is malformed rather than gapped or overlapping (no layers, a node listed twice,
+    an empty span) is the planner's fault, not a node's, so it raises the base ReceiptError.
+    """
+    if not _is_int(n_layers) or n_layers < 1:
+        raise ReceiptError(f"n_layers must be a positive integer, got {n_layers!r}")
+    if not assignments:
+        raise SpanGap(f"no stage assignments: layers {_span(0, n_layers)} are not covered")
+    nodes = [a.node for a in assignments]
+    if len(set(nodes)) != len(nodes):
+        raise ReceiptError(f"a node is assigned more than one span: {sorted(nodes)}")
+    for a in assignments:
+        if not (_is_int(a.layer_start) and _is_int(a.layer_end) and a.layer_start < a.layer_end):
+            raise ReceiptError(f"node {a.node} is assigned an empty span {_span(a.layer_start, a.layer_end)}")
+    stages = sorted(assignments, key=lambda a: a.layer_start)
+    covered = 0
+    for stage in stages:
+        if stage.layer_start > covered:
+            raise SpanGap(f"layers {_span(covered, stage.layer_start)} are assigned to no node")
+        if stage.layer_start < covered:
+            raise SpanOverlap(
+                f"node {stage.node}'s span {_span(stage.layer_start, stage.layer_end)} overlaps layers "
+                f"already covered up to {covered}"
+            )
+        covered = stage.layer_end
+    if covered < n_layers:
+        raise SpanGap(f"layers {_span(covered, n_layers)} are assigned to no node")
+    if covered > n_layers:
+        raise SpanOverlap(f"spans cover layers up to {covered}, past the model's {n_layers}")
+    return stages
+
+
+def _attribute(receipt: Receipt, job: str, model: str, by_node: dict[str, StageAssignment]) -> None:
+    """Raise unless the receipt is validly signed by the node assigned to its span for this job."""
+    if not isinstance(receipt, Receipt):
+        raise MalformedReceipt(f"expected a Receipt, got {type(receipt).__name__}")
+    receipt.verify_signature()
+    where = f"receipt of node {receipt.node} for session {receipt.session!r}"
+    if receipt.job != job:
+        raise ForeignSigner(f"{where} is for job {receipt.job!r}, not {job!r}")
+    if receipt.model != model:
+        raise ForeignSigner(f"{where} is for model {receipt.model!r}, not {model!r}")
+    assigned = by_node.get(receipt.node)
+    if assigned is None:
+        raise ForeignSigner(f"{where}: the node is not assigned to this job")
+    if receipt.node_key != assigned.node_key:
+        raise ForeignSigner(f"{where} is signed by key {receipt.node_key.hex()}, not the assigned key")
+    if (receipt.layer_start, receipt.layer_end) != (assigned.layer_start, assigned.layer_end):
+        raise ForeignSigner(
+            f"{where} claims layers {_span(receipt.layer_start, receipt.layer_end)}, "
+            f"assigned {_span(assigned.layer_start, assigned.layer_end)}"
+        )
+
+
+def _check_session(transcript: SessionTranscript, chain: list[Receipt]) -> None:
+    """Check one session's receipts, in pipeline order, link up end to end."""
+    session = transcript.session
+    first, last = chain[0], chain[-1]
+    for k, receipt in enumerate(chain[1:], start=1):
+        if (receipt.steps, receipt.tokens) != (first.steps, first.tokens):
+            raise StepMismatch(
+                f"session {session!r}: stage {k} (node {receipt.node}) reports {receipt.steps} steps, "
+                f"{receipt.tokens} tokens; stage 0 (node {first.node}) {first.steps} steps, "
+                f"{first.tokens} tokens"
+            )
+    if len(transcript.sent) != first.steps or len(transcript.received) != first.steps:
+        raise EndpointMismatch(
+            f"session {session!r}: the coordinator sent {len(transcript.sent)} and received "
+            f"{len(transcript.received)} steps, the stages report {first.steps}"
+        )
+    for k in range(len(chain) - 1):
+        upstream, downstream = chain[k], chain[k + 1]
+        for i, ((_, out), (inp, _)) in enumerate(zip(upstream.hashes, downstream.hashes, strict=True)):
+            if out != inp:
+                raise BrokenLink(
+                    f"session {session!r} step {i}: stage {k} (node {upstream.node}) output "
+                    f"{out.hex()[:16]} != stage {k + 1} (node {downstream.node}) input {inp.hex()[:16]}"
+                )
+    ends = zip(first.hashes, last.hashes, transcript.sent, transcript.received, strict=True)
+    for i, ((inp, _), (_, out), sent, received) in enumerate(ends):
+        if inp != sent:
+            raise EndpointMismatch(
+                f"session {session!r} step {i}: stage 0 (node {first.node}) input differs from what "
+                "the coordinator sent"
+            )
+        if out != received:
+            raise EndpointMismatch(
+                f"session {session!r} step {i}: stage {len(chain) - 1} (node {last.node}) output differs "
+                "from what the coordinator received"
+            )
+
+
+def verify_job(
+    *,
+    job: str,
+    model: str,
+    n_layers: int,
+    assignments: Sequence[StageAssignment],
+    receipts: Sequence[Receipt],
+    transcripts: Sequence[SessionTranscript],
+) -> JobVerification:
+    """Verify every receipt of a job against its assignments and the coordinator's transcripts.
+
+    Returns the verified totals, or raises a ``ReceiptError`` subclass naming the first failure
+    (session, stage, step). Nothing is trusted that this function did not check.
+    """
+    stages = _check_tiling(assignments, n_layers)
+    by_node = {stage.node: stage for stage in stages}
+    if not transcripts:
+        raise MissingReceipt(f"job {job!r} has no session transcripts: nothing to verify")
+    sessions = {t.session for t in transcripts}
+    if len(sessions) != len(transcripts):
+        raise DuplicateReceipt(f"job {job!r} lists a session twice in its transcripts")
+
+    found: dict[tuple[str, str], Receipt] = {}
+    for receipt in receipts:
+        _attribute(receipt, job, model, by_node)
+        if receipt.session not in sessions:
+            raise MissingReceipt(
+                f"receipt of node {receipt.node} is for session {receipt.session!r}, "
+                "which the coordinator has no transcript of"
+            )
+        if (receipt.session, receipt.node) in found:
+            raise DuplicateReceipt(f"session {receipt.session!r}: node {receipt.node} sent two receipts")
+        found[(receipt.session, receipt.node)] = receipt
+
+    tokens_by_node = dict.fromkeys(by_node, 0)
+    steps = 0
+    for transcript in transcripts:
+        chain = []
+        for k, stage in enumerate(stages):
+            stage_receipt = found.get((transcript.session, stage.node))
+            if stage_receipt is None:
+                raise MissingReceipt(
+                    f"session {transcript.session!r}: no receipt from stage {k} (node {stage.node}, "
+                    f"layers {_span(stage.layer_start, stage.layer_end)})"
+                )
+            chain.append(stage_receipt)
+        _check_session(transcript, chain)
+        steps += chain[0].steps
+        for receipt in chain:
+            tokens_by_node[receipt.node] += receipt.tokens
+
+    return JobVerification(
+        job=job,
+        sessions=len(transcripts),
+        steps=steps,
+        tokens_by_node=tokens_by_node,
+        layer_tokens_by_node={
+            node: tokens * (by_node[node].layer_end - by_node[node].layer_start)
+            for node, tokens in tokens_by_node.items()
+        },
+    )
