@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import pytest
+from channels.layers import channel_layers
 
 from worker_agent.local import LocalSwarm, even_spans
 
 SMOLLM2_SPANS = [(0, 10), (10, 20), (20, 30)]
+
+
+@pytest.fixture
+def fresh_channel_layer():
+    """A channel layer of this test's own, for tests that drive the ASGI app in an event loop of
+    their own (``asyncio.run``): a Redis layer made in an earlier test's loop keeps a receive lock
+    bound to that loop, and a consumer in the next loop fails on it."""
+    channel_layers.backends = {}
+    yield
+    channel_layers.backends = {}
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,11 @@ from tests.factories import GIB, MODEL, db_snapshot, join_payload
 from worker_agent.control_protocol import control_signature
 from worker_agent.keys import generate_signing_key
 
-pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.control,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("fresh_channel_layer"),
+]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]
 
 TIMEOUT_S = 10  # the consumer reaches the database through a thread; a loaded machine may be slow

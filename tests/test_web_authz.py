@@ -25,7 +25,7 @@ from marketplace.placement.services import eject_node
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind
 from tests.factories import db_snapshot
 
-pytestmark = [pytest.mark.web, pytest.mark.django_db]
+pytestmark = [pytest.mark.web, pytest.mark.django_db, pytest.mark.usefixtures("fresh_channel_layer")]
 pytest_plugins = ["tests.factories"]
 
 PROVIDER_PAGES = ["/provider/nodes/", "/provider/earnings/"]
