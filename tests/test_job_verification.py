@@ -29,17 +29,6 @@ pytest_plugins = ["tests.factories"]
 
 SPANS = [(0, 2), (2, 4), (4, 6)]
 MAX_TOKENS = 5
-PARAMS = {
-    "max_tokens": MAX_TOKENS,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "seed": None,
-    "stop": [],
-    "stream": False,
-    "include_usage": False,
-    "user": None,
-    "prompt": "Hello there",
-}
 
 
 class TamperingStage(Stage):
@@ -70,7 +59,8 @@ def api_key(customer):
 
 
 def admit(api_key, route, monkeypatch) -> Job:
-    return stage_fixtures.admit(api_key, route, RequestParams.from_json(PARAMS), monkeypatch)
+    params = RequestParams(max_tokens=MAX_TOKENS, temperature=0.0, prompt="Hello there")
+    return stage_fixtures.admit(api_key, route, params, monkeypatch)
 
 
 def run_admitted_job(api_key, monkeypatch, **stage_options) -> tuple[str, Job, list[dict]]:
