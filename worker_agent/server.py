@@ -207,9 +207,26 @@ class StageServer:
             old = self.jobs.get(hello.job)
             if old is not None:  # the coordinator reconnected: keep sessions, reroute outputs
                 old.coordinator = conn
+                if (old.topology, old.next_url, old.next_ticket) != (hello.topology, hello.next_url, hello.next_ticket):
+                    await self._repoint(old, hello)
             else:
                 self.jobs[hello.job] = JobRoute(conn, hello.topology, hello.next_url, hello.next_ticket)
         await conn.send(wire.Hello(job=hello.job, role="stage", topology=hello.topology, info=self.stage.info()))
+
+    async def _repoint(self, route: JobRoute, hello: wire.Hello) -> None:
+        """A healed route: the coordinator's new HELLO names another successor (its old one died).
+        Outputs from now on go to the new one; the connection to the old one is dropped."""
+        log.info("job %s: successor re-pointed from %s to %s", hello.job, route.next_url, hello.next_url)
+        peer, ready = route.peer, route.peer_ready
+        route.topology, route.next_url, route.next_ticket = hello.topology, hello.next_url, hello.next_ticket
+        route.peer, route.peer_ready = None, None
+        if ready is not None and not ready.done():
+            ready.set_exception(SwarmError("the job's route was re-pointed", code="next_unreachable"))
+            ready.exception()  # retrieved: nobody may be waiting on it
+        if peer is not None:
+            with contextlib.suppress(Exception):
+                await peer.aclose()
+                await asyncio.wait_for(peer.ws.close(), 1)
 
     async def _error(self, conn: Conn, error: wire.Error) -> None:
         log.warning(
@@ -286,22 +303,30 @@ class StageServer:
         return await asyncio.shield(route.peer_ready)
 
     async def _connect_peer(self, job: str, route: JobRoute) -> None:
-        assert route.peer_ready is not None
+        ready = route.peer_ready
+        assert ready is not None
+        next_url, next_ticket = route.next_url, route.next_ticket
         try:
             ws = await asyncio.wait_for(
-                connect(route.next_url, max_size=self.max_frame * 2, compression=None), HELLO_TIMEOUT_S
+                connect(next_url, max_size=self.max_frame * 2, compression=None), HELLO_TIMEOUT_S
             )
             peer = Conn(ws, self.wan)
-            await peer.send(wire.Hello(job=job, role="peer", ticket=route.next_ticket, topology="ring"))
+            await peer.send(wire.Hello(job=job, role="peer", ticket=next_ticket, topology="ring"))
             reply = wire.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S), max_frame=self.max_frame)
             if isinstance(reply.message, wire.Error):
                 raise SwarmError(f"next stage refused HELLO: {reply.message.message}", code=reply.message.code)
-            route.peer = peer
-            route.peer_ready.set_result(peer)
         except Exception as exc:
-            route.peer_ready.set_exception(exc)
-            route.peer_ready = None  # the next output tries again
+            if not ready.done():
+                ready.set_exception(exc)
+            if route.peer_ready is ready:
+                route.peer_ready = None  # the next output tries again
             return
+        if route.peer_ready is not ready:  # re-pointed meanwhile: this successor is no longer wanted
+            await peer.aclose()
+            await ws.close()
+            return
+        route.peer = peer
+        ready.set_result(peer)
         with contextlib.suppress(websockets.ConnectionClosed):
             async for data in ws:  # the successor's ERRORs about our frames reach the coordinator
                 with contextlib.suppress(WireError):
