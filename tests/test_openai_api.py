@@ -21,7 +21,7 @@ from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey, Job, JobState
 from tests.api_fixtures import MODEL, forget_rate_counts, greedy_chat, greedy_text, module_db, wait_for
 from worker_agent import model as models
-from worker_agent.coordinator.cli import probe_stage
+from worker_agent.coordinator.heal import probe_stage
 
 # The module's tests share one live swarm, whose rows must outlive each test: instead of
 # django_db(transaction=True), which flushes after every test, the database is the module's.

@@ -56,7 +56,13 @@ class ReceiptError(SwarmError):
 
 
 class StageError(SwarmError):
+    """``stage``: the route position of the stage to blame (it died, stalled or refused), when known."""
+
     code = "stage"
+
+    def __init__(self, message: str, *, code: str | None = None, stage: int | None = None) -> None:
+        super().__init__(message, code=code)
+        self.stage = stage
 
 
 class AuditError(SwarmError):

@@ -80,18 +80,20 @@ class LocalSwarm:
         return [agent.url for agent in self.agents]
 
     def tickets(self, job: str, ttl_s: float = 3600) -> list[bytes]:
-        return [
-            issue_ticket(
-                self.issuer_key,
-                job=job,
-                node=a.node,
-                model=a.model,
-                layer_start=a.layer_start,
-                layer_end=a.layer_end,
-                ttl_s=ttl_s,
-            )
-            for a in self.agents
-        ]
+        return [self.ticket(job, a, ttl_s) for a in self.agents]
+
+    def ticket(self, job: str, agent: Agent | dict, ttl_s: float = 3600) -> bytes:
+        """A ticket for one agent, given as an ``Agent`` or as its PING info (node, model, span)."""
+        info = agent if isinstance(agent, dict) else vars(agent)
+        return issue_ticket(
+            self.issuer_key,
+            job=job,
+            node=info["node"],
+            model=info["model"],
+            layer_start=info["layer_start"],
+            layer_end=info["layer_end"],
+            ttl_s=ttl_s,
+        )
 
     def node_keys(self) -> list[bytes]:
         return [public_key_bytes(load_signing_key(self.workdir / f"node{i}.key")) for i in range(len(self.spans))]

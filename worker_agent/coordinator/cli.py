@@ -24,35 +24,23 @@ import uuid
 from typing import TYPE_CHECKING
 
 import websockets
-from websockets.asyncio.client import connect
 
-from worker_agent import wire
-from worker_agent.errors import StageError, SwarmError
+from worker_agent.errors import SwarmError
 
 if TYPE_CHECKING:
     from worker_agent.coordinator.job import GenerationResult
 
 
-async def probe_stage(url: str, timeout: float = 10.0) -> dict:
-    """PING a stage and return its public identity (node, key, model, span)."""
-    async with connect(url, open_timeout=timeout, compression=None) as ws:
-        await ws.send(wire.encode(wire.Ping(nonce=1), seq=1))
-        frame = wire.decode(await asyncio.wait_for(ws.recv(), timeout))
-    if not isinstance(frame.message, wire.Pong):
-        raise StageError(f"{url} answered PING with {type(frame.message).__name__}")
-    return frame.message.info
-
-
-async def local_tickets(urls: list[str], key_path: str, job: str, ttl_s: float = 3600) -> list[bytes]:
-    """Tickets for each stage, signed by a local issuer key, for the span each stage serves."""
+def local_issuer(key_path: str, job: str, ttl_s: float = 3600):
+    """A function that signs a ticket for a stage's identity (its PING info) with a local issuer key."""
     # Imported per command: `--help` answers without loading torch.
     from worker_agent.keys import load_signing_key
     from worker_agent.tickets import issue_ticket
 
     key = load_signing_key(key_path)
-    infos = await asyncio.gather(*(probe_stage(url) for url in urls))
-    return [
-        issue_ticket(
+
+    def ticket(info: dict) -> bytes:
+        return issue_ticket(
             key,
             job=job,
             node=info["node"],
@@ -61,12 +49,33 @@ async def local_tickets(urls: list[str], key_path: str, job: str, ttl_s: float =
             layer_end=info["layer_end"],
             ttl_s=ttl_s,
         )
-        for info in infos
-    ]
+
+    return ticket
+
+
+async def local_tickets(urls: list[str], key_path: str, job: str, ttl_s: float = 3600) -> list[bytes | None]:
+    """Tickets for each stage, signed by a local issuer key, for the span each stage serves; None
+    for a stage that cannot be reached (connecting to it then fails, and a spare may heal it)."""
+    # Imported per command: `--help` answers without loading torch.
+    from worker_agent.coordinator.heal import probe_stage
+
+    issue = local_issuer(key_path, job, ttl_s)
+    infos = await asyncio.gather(*(probe_stage(url) for url in urls), return_exceptions=True)
+    tickets: list[bytes | None] = []
+    for url, info in zip(urls, infos, strict=True):
+        if isinstance(info, BaseException):
+            if not isinstance(info, (OSError, TimeoutError, SwarmError, websockets.WebSocketException)):
+                raise info
+            print(f"warning: cannot reach {url}: {info}", file=sys.stderr)
+            tickets.append(None)
+        else:
+            tickets.append(issue(info))
+    return tickets
 
 
 async def run_generate(args: argparse.Namespace) -> int:
     # Imported per command: `--help` answers without loading torch.
+    from worker_agent.coordinator.heal import SpareHealer
     from worker_agent.coordinator.job import Coordinator, GenerationResult
     from worker_agent.coordinator.pipeline import StageSpec
     from worker_agent.coordinator.sampling import SamplingParams
@@ -76,6 +85,8 @@ async def run_generate(args: argparse.Namespace) -> int:
     job = args.job or f"job-{uuid.uuid4().hex[:16]}"
     tickets = await local_tickets(urls, args.ticket_key, job) if args.ticket_key else [None] * len(urls)
     specs = [StageSpec(url, ticket) for url, ticket in zip(urls, tickets, strict=True)]
+    spares = [url.strip() for arg in args.spare for url in arg.split(",") if url.strip()]
+    healer = SpareHealer(spares, ticket=local_issuer(args.ticket_key, job) if args.ticket_key else None)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     prompts = args.prompt * args.concurrency
     started = time.monotonic()
@@ -86,6 +97,9 @@ async def run_generate(args: argparse.Namespace) -> int:
         topology=args.topology,
         wan=WanProfile.parse(args.wan),
         audit_stages=args.audit_stage,
+        healer=healer if spares else None,
+        max_heals=args.max_heals,
+        stall_timeout_s=args.stall_timeout,
     ) as coordinator:
         requests = [
             coordinator.request(p, chat=args.chat, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
@@ -198,6 +212,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--topology", choices=["ring", "star"], default="ring")
     gen.add_argument("--concurrency", type=int, default=1, help="run every prompt this many times at once")
     gen.add_argument("--ticket-key", default=None, help="issuer key that signs the job tickets")
+    gen.add_argument(
+        "--spare",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a warm spare's ws:// URL (repeatable or comma-separated): when a stage dies or stalls, "
+        "a spare serving its span takes its place and the request goes on",
+    )
+    gen.add_argument("--max-heals", type=int, default=2, help="stage failures one request may survive")
+    gen.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a step may make no progress before its stage is replaced",
+    )
     gen.add_argument("--job", default=None, help="job id (default: random)")
     gen.add_argument("--wan", default="", help='emulated WAN on outgoing frames, e.g. "rtt=50ms"')
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")

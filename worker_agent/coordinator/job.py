@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -27,7 +29,8 @@ from dataclasses import dataclass, field
 from worker_agent import model as models
 from worker_agent.audit import AuditMaterial
 from worker_agent.coordinator.head import HeadBatcher
-from worker_agent.coordinator.pipeline import Pipeline, StageSpec
+from worker_agent.coordinator.heal import Healer, HealRecord, StageFailure
+from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, Pipeline, StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import GenerationRequest, GenerationState, TokenEvent
 from worker_agent.coverage import JobVerification, verify_job
@@ -35,6 +38,10 @@ from worker_agent.errors import ReceiptError, StageError
 from worker_agent.keys import node_id
 from worker_agent.receipts import Receipt, SessionTranscript, StageAssignment
 from worker_agent.wan import WanProfile
+
+log = logging.getLogger("swarm.coordinator")
+MAX_HEALS = 2  # heals one request may go through before it fails
+HEALED_CLOSE_S = 2.0  # how long closing a job waits for the connections of routes it healed away from
 
 
 @dataclass
@@ -52,6 +59,7 @@ class GenerationResult:
     verification_error: str = ""  # why the receipts failed verification (non-strict streams only)
     audits: list[AuditMaterial] = field(default_factory=list)  # one per audited stage, in stage order
     audit_missing: list[int] = field(default_factory=list)  # audited stages whose traffic did not all arrive
+    heals: list[HealRecord] = field(default_factory=list)  # the stages that failed under it, and when
 
     @property
     def completion_tokens(self) -> int:
@@ -87,6 +95,7 @@ class GenerationResult:
                 for audit in self.audits
             ],
             "audit_missing": self.audit_missing,
+            "heals": [heal.to_json() for heal in self.heals],
         }
 
 
@@ -110,22 +119,50 @@ class Coordinator:
         wan: WanProfile | None = None,
         assignments: list[StageAssignment] | None = None,
         audit_stages: Collection[int] = (),
+        healer: Healer | None = None,
+        max_heals: int = MAX_HEALS,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
         self.model = model
         self.model_id = models.model_name(model)
         self.job = job or f"job-{uuid.uuid4().hex[:16]}"
-        self.pipeline = Pipeline(self.job, stages, topology=topology, wan=wan, audit_stages=audit_stages)
-        self.assignments = assignments
+        self.topology = topology
+        self.wan = wan
+        self.stall_timeout_s = stall_timeout_s
+        self._session_ids = itertools.count()  # shared by every route the job heals onto: ids never repeat
+        self.pipeline = self._pipeline(stages, audit_stages)
+        self.pipeline.assignments = assignments
+        self._assignments_from_hello = assignments is None
+        self.healer = healer
+        self.max_heals = max_heals
+        self._heal_lock = asyncio.Lock()
+        self._healed_away: list[Pipeline] = []  # routes left behind by heals, closing in the background
+        self._closing: set[asyncio.Task] = set()
         self.head = models.load_head(model)
         self.tokenizer = models.load_tokenizer(model)
         self.n_layers = models.n_layers(model)
         self.receipts: list[Receipt] = []
         self.batcher = HeadBatcher(self.head, self.pipeline.dtype)
 
+    def _pipeline(self, stages: list[StageSpec], audit_stages: Collection[int]) -> Pipeline:
+        return Pipeline(
+            self.job,
+            stages,
+            topology=self.topology,
+            wan=self.wan,
+            audit_stages=audit_stages,
+            stall_timeout_s=self.stall_timeout_s,
+            session_ids=self._session_ids,
+        )
+
     async def __aenter__(self) -> Coordinator:
         try:
-            infos = await self.pipeline.connect()
-            self._check_stages(infos)
+            try:
+                await self._connect()
+            except StageError as exc:  # a stage of the route is gone already: heal before the first token
+                if not self._can_heal(exc):
+                    raise
+                await self._heal(self.pipeline, exc)
         except BaseException:
             await self.aclose()
             raise
@@ -136,7 +173,74 @@ class Coordinator:
 
     async def aclose(self) -> None:
         await self.pipeline.aclose()
+        if self._closing:
+            _, pending = await asyncio.wait(self._closing, timeout=HEALED_CLOSE_S)
+            for task in pending:
+                task.cancel()
         self.batcher.close()
+
+    async def _connect(self) -> None:
+        infos = await self.pipeline.connect()
+        self._check_stages(infos)
+
+    def _can_heal(self, exc: StageError) -> bool:
+        return self.healer is not None and exc.stage is not None
+
+    async def _heal(self, failed: Pipeline, exc: StageError) -> None:
+        """Replace ``failed`` (the current route, whose stage ``exc.stage`` failed) by a connected
+        route from the healer; a no-op when another session healed it already. A replacement that
+        fails to connect is healed in turn, up to ``max_heals`` times; raises a StageError when no
+        replacement is available or the bound is reached."""
+        async with self._heal_lock:
+            if self.pipeline is not failed:
+                return
+            error, attempts = exc, 0
+            while True:
+                attempts += 1
+                if attempts > self.max_heals or not self._can_heal(error):
+                    raise error
+                await self._replace(self.pipeline, error)
+                try:
+                    await self._connect()
+                    return
+                except StageError as again:
+                    error = again
+
+    async def _replace(self, failed: Pipeline, error: StageError) -> None:
+        assert self.healer is not None and error.stage is not None
+        link = failed.links[error.stage]
+        failure = StageFailure(
+            stage=error.stage,
+            node=link.info.get("node"),
+            url=link.spec.url,
+            layer_start=link.info.get("layer_start"),
+            layer_end=link.info.get("layer_end"),
+            code=error.code,
+            message=str(error),
+        )
+        healed = await self.healer.replace(failure, [link.spec for link in failed.links])
+        if healed is None:
+            raise StageError(f"{error}; no replacement for stage {error.stage} is available", code="no_replacement")
+        log.warning(
+            "job %s: stage %d (%s) failed (%s); healed onto a new route",
+            self.job,
+            error.stage,
+            link.spec.url,
+            error.code,
+        )
+        if healed.assignments is None and not self._assignments_from_hello:
+            # Fail closed: a route the control plane assigned is never swapped for the stages' own word.
+            raise StageError(f"{error}; the healer named no assignments for its route", code="no_replacement")
+        stages = list(healed.stages)
+        audit = healed.audit_stages
+        if audit is None:
+            audit = tuple(stage for stage in failed.audit_stages if stage < len(stages))
+        self.pipeline = self._pipeline(stages, audit)
+        # None without a control plane: taken again from the new route's HELLOs.
+        self.pipeline.assignments = list(healed.assignments) if healed.assignments is not None else None
+        task = asyncio.ensure_future(failed.aclose())  # its survivors drop the job's old sessions
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _check_stages(self, infos: list[dict]) -> None:
         """The stages must serve this model and cover its layers in order, without gap or overlap."""
@@ -144,19 +248,25 @@ class Coordinator:
         for index, info in enumerate(infos):
             if info.get("model") != self.model_id:
                 raise StageError(
-                    f"stage {index} serves {info.get('model')!r}, not {self.model_id!r}", code="wrong_model"
+                    f"stage {index} serves {info.get('model')!r}, not {self.model_id!r}",
+                    code="wrong_model",
+                    stage=index,
                 )
             if info.get("layer_start") != position:
                 raise StageError(
-                    f"stage {index} starts at layer {info.get('layer_start')}, expected {position}", code="bad_route"
+                    f"stage {index} starts at layer {info.get('layer_start')}, expected {position}",
+                    code="bad_route",
+                    stage=index,
                 )
             if node_id(bytes.fromhex(info["node_key"])) != info.get("node"):
-                raise StageError(f"stage {index} reports a node id that is not its key's", code="bad_route")
+                raise StageError(
+                    f"stage {index} reports a node id that is not its key's", code="bad_route", stage=index
+                )
             position = info["layer_end"]
         if position != self.n_layers:
             raise StageError(f"the stages cover layers 0:{position} of {self.n_layers}", code="bad_route")
-        if self.assignments is None:  # no control plane: the stages' own HELLO is all there is to go by
-            self.assignments = [StageAssignment.from_json(info) for info in infos]
+        if self.pipeline.assignments is None:  # no control plane: the stages' own HELLO is all there is to go by
+            self.pipeline.assignments = [StageAssignment.from_json(info) for info in infos]
 
     def request(
         self,
@@ -195,34 +305,60 @@ class Coordinator:
         """Yield each committed token as it comes, then the verified result. Receipts that fail
         verification raise (``strict``), or are reported in the result's ``verification_error``."""
         started = time.monotonic()
-        session = self.pipeline.new_session_id()
-        await self.pipeline.open([session])
         state = GenerationState(request, self.tokenizer)
+        heals: list[HealRecord] = []
+        pipeline = self.pipeline
+        session = pipeline.new_session_id()
         closed = False
         try:
-            while not state.done:
-                tokens, start = state.next_input()
-                payload = await self.batcher.embed(tokens)
-                output = await self.pipeline.forward(session, start, len(tokens), payload)
-                logits = await self.batcher.logits(output)
-                event = state.commit(logits)
-                if event is not None:
-                    yield event
-            raw_receipts = await self.pipeline.close([session])
+            while True:
+                try:
+                    await pipeline.open([session])
+                    while not state.done:
+                        tokens, start = state.next_input()
+                        payload = await self.batcher.embed(tokens)
+                        output = await pipeline.forward(session, start, len(tokens), payload)
+                        logits = await self.batcher.logits(output)
+                        if heals and heals[-1].resumed is None:
+                            heals[-1].resumed = time.monotonic() - started
+                        event = state.commit(logits)
+                        if event is not None:
+                            yield event
+                    break
+                except StageError as exc:
+                    if not self._can_heal(exc):
+                        raise
+                    if len(heals) >= self.max_heals:
+                        raise StageError(
+                            f"{exc} (the request was healed {len(heals)} times already, the most allowed)",
+                            code=exc.code,
+                        ) from exc
+                    assert exc.stage is not None
+                    link = pipeline.links[exc.stage]
+                    heals.append(
+                        HealRecord(exc.stage, link.info.get("node"), exc.code, str(exc), time.monotonic() - started)
+                    )
+                    pipeline.forget(session)
+                    await self._heal(pipeline, exc)
+                    # The new route holds nothing of this session: it starts over, under a new id.
+                    pipeline = self.pipeline
+                    session = pipeline.new_session_id()
+                    state.rewind()
+            raw_receipts = await pipeline.close([session])
             closed = True
-            audits, audit_missing = await self.pipeline.take_audits(session)
+            audits, audit_missing = await pipeline.take_audits(session)
             verification, verification_error = None, ""
             try:
-                receipts, verification = self._verify(session, [Receipt.from_dict(r) for r in raw_receipts])
+                receipts, verification = self._verify(pipeline, session, [Receipt.from_dict(r) for r in raw_receipts])
             except ReceiptError as exc:
                 if strict:
                     raise
                 receipts, verification_error = [], f"{exc} ({exc.code})"
         finally:
-            self.pipeline.forget(session)
+            pipeline.forget(session)
             if not closed:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.pipeline.close([session]), 5)
+                    await asyncio.wait_for(pipeline.close([session]), 5)
         yield GenerationResult(
             session=session,
             text=state.text,
@@ -237,23 +373,37 @@ class Coordinator:
             verification_error=verification_error,
             audits=audits,
             audit_missing=audit_missing,
+            heals=heals,
         )
 
-    def _verify(self, session: str, receipts: list[Receipt]) -> tuple[list[Receipt], JobVerification]:
+    @property
+    def assignments(self) -> list[StageAssignment] | None:
+        """The current route's assignments."""
+        return self.pipeline.assignments
+
+    def _verify(
+        self, pipeline: Pipeline, session: str, receipts: list[Receipt]
+    ) -> tuple[list[Receipt], JobVerification]:
         """The session's receipts in route order (stage 0 first), once they prove its work; raises a
         ReceiptError subclass otherwise. The control plane stores them in this order and its audits
-        find a stage's receipt by position."""
-        transcript = self.pipeline.transcripts[session]
+        find a stage's receipt by position.
+
+        A healed request is proven by its last session alone: the route it healed onto re-ran the
+        prompt and every committed token, so that session's receipts cover every layer of every
+        position exactly once, each by the node assigned it on the healed route. The session it
+        left is not verified: its dead stage never signed for it."""
+        transcript = pipeline.transcripts[session]
+        assignments = pipeline.assignments or []
         verification = verify_job(
             job=self.job,
             model=self.model_id,
             n_layers=self.n_layers,
-            assignments=self.assignments or [],
+            assignments=assignments,
             receipts=receipts,
             transcripts=[SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received))],
         )
         # Verified: each assigned node signed exactly one receipt for this session.
-        position = {assignment.node: index for index, assignment in enumerate(self.assignments or [])}
+        position = {assignment.node: index for index, assignment in enumerate(assignments)}
         receipts = sorted(receipts, key=lambda receipt: position[receipt.node])
         self.receipts.extend(receipts)
         return receipts, verification

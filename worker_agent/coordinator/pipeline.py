@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 import websockets
@@ -37,12 +37,13 @@ from websockets.asyncio.client import ClientConnection, connect
 from worker_agent import wire
 from worker_agent.audit import AuditMaterial
 from worker_agent.errors import AuditError, StageError, WireError
-from worker_agent.receipts import digest
+from worker_agent.receipts import StageAssignment, digest
 from worker_agent.wan import WanLink, WanProfile
 
 CONNECT_TIMEOUT_S = 10.0
 REPLY_TIMEOUT_S = 30.0  # HELLO/OPEN/CLOSE answers
-STEP_TIMEOUT_S = 120.0  # one step through the whole pipeline
+STALL_TIMEOUT_S = 10.0  # a step that makes no progress through the stages this long has stalled
+STALL_PER_ROW_S = 0.02  # and this much more per token row of the step (a long prefill computes longer)
 # A stage sends its tap before it can see the CLOSE that follows the step, and on the same
 # connection as its answer to that CLOSE, so taps are nearly always in by then; this covers a
 # tap still in flight behind a slow send.
@@ -102,21 +103,32 @@ class StageLink:
         self._reader: asyncio.Task | None = None
 
     async def connect(self, job: str, topology: str, next_url: str | None, next_ticket: bytes | None) -> dict:
-        self.ws = await asyncio.wait_for(
-            connect(self.spec.url, max_size=2 * wire.DEFAULT_MAX_FRAME, compression=None, open_timeout=None),
-            CONNECT_TIMEOUT_S,
-        )
-        self.link = WanLink(self.ws.send, self.pipeline.wan)
-        await self.send(
-            wire.Hello(job=job, ticket=self.spec.ticket, topology=topology, next_url=next_url, next_ticket=next_ticket)
-        )
-        frame = wire.decode(await asyncio.wait_for(self.ws.recv(), REPLY_TIMEOUT_S))
+        try:
+            self.ws = await asyncio.wait_for(
+                connect(self.spec.url, max_size=2 * wire.DEFAULT_MAX_FRAME, compression=None, open_timeout=None),
+                CONNECT_TIMEOUT_S,
+            )
+            self.link = WanLink(self.ws.send, self.pipeline.wan)
+            await self.send(
+                wire.Hello(
+                    job=job, ticket=self.spec.ticket, topology=topology, next_url=next_url, next_ticket=next_ticket
+                )
+            )
+            frame = wire.decode(await asyncio.wait_for(self.ws.recv(), REPLY_TIMEOUT_S))
+        except (OSError, TimeoutError, websockets.WebSocketException, WireError) as exc:
+            raise StageError(
+                f"stage {self.index} ({self.spec.url}) cannot be reached: {exc or type(exc).__name__}",
+                code="stage_unreachable",
+                stage=self.index,
+            ) from None
         if isinstance(frame.message, wire.Error):
             raise StageError(
-                f"stage {self.index} ({self.spec.url}) refused HELLO: {frame.message.message}", code=frame.message.code
+                f"stage {self.index} ({self.spec.url}) refused HELLO: {frame.message.message}",
+                code=frame.message.code,
+                stage=self.index,
             )
         if not isinstance(frame.message, wire.Hello):
-            raise StageError(f"stage {self.index} answered HELLO with {type(frame.message).__name__}")
+            raise StageError(f"stage {self.index} answered HELLO with {type(frame.message).__name__}", stage=self.index)
         self.info = frame.message.info
         self._reader = asyncio.create_task(self._read())
         return self.info
@@ -128,17 +140,24 @@ class StageLink:
         self.bytes_sent += len(data)
         await self.link.send(data)
 
-    async def request(self, message: wire.Open | wire.Close) -> wire.Message:
+    async def request(self, message: wire.Open | wire.Close, timeout: float = REPLY_TIMEOUT_S) -> wire.Message:
         """Send OPEN or CLOSE and wait for the stage's answer for the same sessions."""
         key = (type(message).__name__, message.sessions)
         future = asyncio.get_running_loop().create_future()
         self._replies[key] = future
         try:
-            await self.send(message)
-            return await asyncio.wait_for(future, REPLY_TIMEOUT_S)
+            try:
+                await self.send(message)
+            except (websockets.ConnectionClosed, OSError) as exc:
+                raise StageError(
+                    f"stage {self.index} connection lost: {exc}", code="stage_lost", stage=self.index
+                ) from None
+            return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise StageError(
-                f"stage {self.index} did not answer {key[0].upper()} in {REPLY_TIMEOUT_S:g}s", code="stage_timeout"
+                f"stage {self.index} did not answer {key[0].upper()} in {timeout:g}s",
+                code="stage_timeout",
+                stage=self.index,
             ) from None
         finally:
             self._replies.pop(key, None)
@@ -151,7 +170,7 @@ class StageLink:
                 self.pipeline.bytes_received += frame.size
                 self._dispatch(frame.message)
         except (websockets.ConnectionClosed, WireError, OSError) as exc:
-            error = StageError(f"stage {self.index} connection lost: {exc}", code="stage_lost")
+            error = StageError(f"stage {self.index} connection lost: {exc}", code="stage_lost", stage=self.index)
             self.pipeline.fail_all(error)
             for future in self._replies.values():
                 if not future.done():
@@ -162,7 +181,13 @@ class StageLink:
             case wire.Result():
                 self.pipeline.on_result(self.index, message)
             case wire.Error():
-                error = StageError(f"stage {self.index} ({self.spec.url}): {message.message}", code=message.code)
+                # A stage that cannot reach its ring successor reports it: the successor is to blame.
+                blamed = self.index + 1 if message.code == "next_unreachable" else self.index
+                error = StageError(
+                    f"stage {self.index} ({self.spec.url}): {message.message}",
+                    code=message.code,
+                    stage=min(blamed, len(self.pipeline.links) - 1),
+                )
                 waiting = [
                     future
                     for (_, sessions), future in self._replies.items()
@@ -199,6 +224,8 @@ class Pipeline:
         wan: WanProfile | None = None,
         dtype: str = "f32",
         audit_stages: Collection[int] = (),
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+        session_ids: Iterator[int] | None = None,
     ) -> None:
         if topology not in ("ring", "star"):
             raise ValueError(f"topology must be 'ring' or 'star', got {topology!r}")
@@ -218,9 +245,15 @@ class Pipeline:
         self._outbox: list[tuple[wire.Item, bytes]] = []
         self._flush_scheduled = False
         self._steps: dict[str, int] = {}
-        self._session_ids = itertools.count()
+        self._session_ids = session_ids if session_ids is not None else itertools.count()
+        self.stall_timeout_s = stall_timeout_s
+        # (session, step) of a step in flight -> how many stages have put out their part of it so far
+        self._reached: dict[tuple[str, int], int] = {}
         self._tasks: set[asyncio.Task] = set()
         self.audit_stages = tuple(sorted(set(audit_stages)))  # stage indices whose traffic is kept
+        # Who is assigned each span of this route, as the coordinator knows it (from the control
+        # plane, or from the stages' HELLO without one): its sessions' receipts are verified against it.
+        self.assignments: list[StageAssignment] | None = None
         self._captures: dict[str, _Capture] = {}  # audited session -> its traffic so far
 
     def _spawn(self, coro) -> None:
@@ -242,7 +275,8 @@ class Pipeline:
         return [link.info for link in self.links]
 
     async def open(self, sessions: list[str]) -> None:
-        await asyncio.gather(*(link.request(wire.Open(self.job, tuple(sessions))) for link in self.links))
+        timeout = min(REPLY_TIMEOUT_S, self.stall_timeout_s)
+        await asyncio.gather(*(link.request(wire.Open(self.job, tuple(sessions)), timeout) for link in self.links))
         for session in sessions:
             self.transcripts[session] = Transcript()
             self._steps[session] = 0
@@ -259,11 +293,16 @@ class Pipeline:
         return f"s{next(self._session_ids)}"
 
     async def forward(self, session: str, start: int, count: int, payload: bytes) -> bytes:
-        """Run ``count`` token rows of one session through every stage; the last stage's bytes."""
+        """Run ``count`` token rows of one session through every stage; the last stage's bytes.
+
+        A step that makes no progress for the stall timeout (no stage puts out its part: in ring
+        each stage but the last taps its output to the coordinator, in star the coordinator relays
+        it) raises a StageError (``stage_stalled``) blaming the first stage that did not answer."""
         step = self._steps[session]
         self._steps[session] = step + 1
         future = asyncio.get_running_loop().create_future()
         self._waiting[(session, step)] = future
+        self._reached[(session, step)] = 0
         self.transcripts[session].sent.append(digest(payload))
         capture = self._captures.get(session)
         if capture is not None:
@@ -273,14 +312,26 @@ class Pipeline:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(lambda: self._spawn(self._flush()))
+        stall = self.stall_timeout_s + STALL_PER_ROW_S * count
         try:
-            return await asyncio.wait_for(future, STEP_TIMEOUT_S)
-        except TimeoutError:
-            raise StageError(
-                f"session {session} step {step} got no result in {STEP_TIMEOUT_S:g}s", code="step_timeout"
-            ) from None
+            while True:
+                reached = self._reached.get((session, step), 0)
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), stall)
+                except TimeoutError:
+                    if self._reached.get((session, step), 0) > reached:
+                        continue  # a stage put its part out meanwhile: slow, not stalled
+                    blamed = min(reached, len(self.links) - 1)
+                    raise StageError(
+                        f"session {session} step {step}: stage {blamed} made no progress in {stall:.1f}s",
+                        code="stage_stalled",
+                        stage=blamed,
+                    ) from None
         finally:
             self._waiting.pop((session, step), None)
+            self._reached.pop((session, step), None)
+            if not future.done():
+                future.cancel()
 
     async def _flush(self) -> None:
         self._flush_scheduled = False
@@ -294,12 +345,16 @@ class Pipeline:
         try:
             await self.links[0].send(frame)
         except Exception as exc:  # the connection is gone: every waiter learns it
-            self.fail_all(StageError(f"cannot send to stage 0: {exc}", code="stage_lost"))
+            self.fail_all(StageError(f"cannot send to stage 0: {exc}", code="stage_lost", stage=0))
 
     def on_result(self, index: int, result: wire.Result) -> None:
         """Stage ``index``'s output: the step's answer from the last stage, otherwise a ring tap
         (kept for audits only, never an answer) or a star output to relay on."""
         if index + 1 < len(self.links):
+            for item in result.items:
+                key = (item.session, item.step)
+                if key in self._reached:
+                    self._reached[key] = max(self._reached[key], index + 1)
             if self._captures:
                 for item, chunk in zip(result.items, result.item_bytes(), strict=True):
                     self._capture(item, index + 1, chunk)
@@ -373,7 +428,7 @@ class Pipeline:
         try:
             await self.links[index].send(frame)
         except Exception as exc:
-            self.fail_all(StageError(f"cannot send to stage {index}: {exc}", code="stage_lost"))
+            self.fail_all(StageError(f"cannot send to stage {index}: {exc}", code="stage_lost", stage=index))
 
     def fail_session(self, session: str, error: Exception) -> bool:
         failed = False

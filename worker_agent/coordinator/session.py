@@ -63,6 +63,13 @@ class GenerationState:
         """Token ids to run through the pipeline and the position of the first one."""
         return list(self.pending), self.position
 
+    def rewind(self) -> None:
+        """Start over on a fresh route (a heal): its stages hold nothing of this session, so the
+        next input is the prompt and every committed token, from position 0. The sampler is not
+        touched: the failed step's logits were never sampled."""
+        self.pending = list(self.request.prompt_ids) + self.generated
+        self.position = 0
+
     def commit(self, logits: torch.Tensor) -> TokenEvent | None:
         """Fold the last position's logits (vocab,) in: sample, commit, decide whether to stop."""
         self.position += len(self.pending)

@@ -1,0 +1,145 @@
+"""Healing a request whose stage died or stalled: what failed, and who provides the replacement.
+
+When a stage's connection drops, it sends an ERROR, or a step makes no progress past it for the
+stall timeout (``pipeline.py``), the coordinator (``job.py``) asks its ``Healer`` for a route
+without that stage, connects it, re-prefills the prompt and the tokens committed so far on it
+(one forward pass) and goes on decoding: the client sees one pause, and the output continues
+where it stopped. A request heals at most ``max_heals`` times, then fails with a clear error.
+
+Two healers exist:
+
+- the control plane's (``marketplace/jobs/runner.py``): it reports the failed node, so routing
+  stops using it at once, and answers with a route whose dead span is held by a warm spare or
+  another pipeline's stage, with tickets it signs;
+- ``SpareHealer`` here, for the CLI (``swarm-coordinator generate --spare URL``): warm spares
+  named by URL; the first unused one serving exactly the failed stage's span takes its place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from websockets.asyncio.client import connect
+
+from worker_agent import wire
+from worker_agent.coordinator.pipeline import StageSpec
+from worker_agent.errors import StageError, SwarmError
+from worker_agent.receipts import StageAssignment
+
+log = logging.getLogger("swarm.coordinator")
+
+
+@dataclass(frozen=True)
+class StageFailure:
+    """One stage of a route failed: where, which node (if it said HELLO), what it served, why."""
+
+    stage: int  # route position
+    node: str | None  # node id from its HELLO; None if it never answered one
+    url: str
+    layer_start: int | None  # its span, from its HELLO (None if unknown)
+    layer_end: int | None
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class HealedRoute:
+    """The route to go on with: every stage in layer order, the failed one replaced."""
+
+    stages: tuple[StageSpec, ...]
+    # The control plane's assignments for the new route; None: taken from the stages' HELLO
+    # (no control plane), as at the start.
+    assignments: tuple[StageAssignment, ...] | None = None
+    # Route positions whose traffic is kept for audits; None: the same positions as before.
+    audit_stages: tuple[int, ...] | None = None
+
+
+class Healer(Protocol):
+    async def replace(self, failure: StageFailure, route: Sequence[StageSpec]) -> HealedRoute | None:
+        """A route without the failed stage, or None when no replacement is available."""
+        ...
+
+
+@dataclass
+class HealRecord:
+    """One heal of one request, in seconds since the request started."""
+
+    stage: int
+    node: str | None
+    code: str
+    message: str
+    detected: float  # when the failure was seen
+    resumed: float | None = None  # when the healed route returned its first result
+
+    def to_json(self) -> dict:
+        return {
+            "stage": self.stage,
+            "node": self.node,
+            "code": self.code,
+            "message": self.message,
+            "detected_s": round(self.detected, 4),
+            "resumed_s": round(self.resumed, 4) if self.resumed is not None else None,
+        }
+
+
+async def probe_stage(url: str, timeout: float = 10.0) -> dict:
+    """PING a stage and return its public identity (node, key, model, span)."""
+    async with connect(url, open_timeout=timeout, compression=None) as ws:
+        await ws.send(wire.encode(wire.Ping(nonce=1), seq=1))
+        frame = wire.decode(await asyncio.wait_for(ws.recv(), timeout))
+    if not isinstance(frame.message, wire.Pong):
+        raise StageError(f"{url} answered PING with {type(frame.message).__name__}")
+    return frame.message.info
+
+
+class SpareHealer:
+    """Warm spares by URL. ``ticket`` signs a ticket for a spare's identity (its PING info), or
+    is None when the agents run without tickets."""
+
+    def __init__(self, urls: Sequence[str], *, ticket: Callable[[dict], bytes | None] | None = None) -> None:
+        self.unused = list(urls)
+        self.ticket = ticket
+
+    async def replace(self, failure: StageFailure, route: Sequence[StageSpec]) -> HealedRoute | None:
+        start, end = failure.layer_start, failure.layer_end
+        if start is None:  # it never said HELLO: its span is the gap its neighbours leave
+            start, end = await self._gap(failure.stage, route)
+            if start is None:
+                return None
+        for url in list(self.unused):
+            try:
+                info = await probe_stage(url, timeout=5.0)
+            except (OSError, TimeoutError, SwarmError) as exc:
+                log.warning("spare %s cannot be reached: %s", url, exc)
+                continue
+            if info.get("layer_start") != start or (end is not None and info.get("layer_end") != end):
+                continue
+            self.unused.remove(url)
+            spec = StageSpec(url, self.ticket(info) if self.ticket else None)
+            log.warning(
+                "stage %d (%s) failed: %s; spare %s takes its place", failure.stage, failure.url, failure.code, url
+            )
+            return HealedRoute(tuple(spec if i == failure.stage else s for i, s in enumerate(route)))
+        return None
+
+    @staticmethod
+    async def _gap(position: int, route: Sequence[StageSpec]) -> tuple[int | None, int | None]:
+        """The span of route position ``position`` as its neighbours tell it: from where the previous
+        stage ends (0 for the first) to where the next one starts (None for the last: to the
+        model's end, which the coordinator checks when it connects). (None, None) when a
+        neighbour cannot say."""
+        try:
+            before = (await probe_stage(route[position - 1].url, timeout=5.0))["layer_end"] if position else 0
+            after = (
+                (await probe_stage(route[position + 1].url, timeout=5.0))["layer_start"]
+                if position + 1 < len(route)
+                else None
+            )
+        except (OSError, TimeoutError, SwarmError, KeyError) as exc:
+            log.warning("cannot tell stage %d's span from its neighbours: %s", position, exc)
+            return None, None
+        return before, after
