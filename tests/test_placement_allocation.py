@@ -10,12 +10,15 @@ import pytest
 
 from marketplace.placement.allocation import (
     NodeCapacity,
+    Repair,
     Stage,
+    carry_spares,
     choose_pipeline_count,
     layer_load_cv,
     needs_rebalance,
     per_layer_load,
     place,
+    repair,
     spans_for,
     water_fill,
 )
@@ -203,6 +206,59 @@ def test_place_spreads_spares_over_stages_before_doubling_up():
 
     assert placement.pipelines == ((Stage("b", 0, 8), Stage("a", 8, 12)),)
     assert placement.spares == (Stage("p", 8, 12), Stage("q", 0, 8))
+
+
+def test_place_gives_a_spare_the_span_with_the_fewest_replicas_over_all_pipelines():
+    # Two pipelines hold [0, 6) and [6, 12) each; [10, 12) is held once, by a lightly loaded stage.
+    nodes = [NodeCapacity("x", 5.0, 10), NodeCapacity("y", 1.0, 10)]
+    nodes += [NodeCapacity(name, 1.0, 10) for name in "abcd"] + [NodeCapacity("s", 1.0, 6)]
+
+    placement = place(nodes, 12, spares_per_pipeline=1)
+
+    assert placement.pipelines == (
+        (Stage("x", 0, 10), Stage("a", 10, 12)),
+        (Stage("b", 0, 6), Stage("c", 6, 12)),
+        (Stage("d", 0, 6), Stage("y", 6, 12)),
+    )
+    assert placement.spares == (Stage("s", 10, 12),)
+
+
+def test_spares_follow_the_stage_they_copy_when_the_ring_order_re_spans_a_pipeline():
+    before = [(Stage("a", 0, 20), Stage("b", 20, 30))]
+    after = [(Stage("b", 0, 10), Stage("a", 10, 30))]
+
+    carried = carry_spares([Stage("s", 20, 30), Stage("t", 0, 20), Stage("u", 0, 5)], before, after)
+
+    assert carried == (Stage("s", 0, 10), Stage("t", 10, 30), Stage("u", 10, 15))
+
+
+def test_repair_puts_the_spare_holding_a_departed_span_in_its_place_and_moves_nobody():
+    survivors = [[Stage("a", 0, 16)], [Stage("c", 0, 16), Stage("d", 16, 30)]]
+    spares = [Stage("e", 16, 30), Stage("f", 0, 16)]
+
+    repaired = repair(survivors, spares, 30)
+
+    assert repaired == Repair(
+        pipelines=((Stage("a", 0, 16), Stage("e", 16, 30)), (Stage("c", 0, 16), Stage("d", 16, 30))),
+        promoted=(Stage("e", 16, 30),),
+        spares=(Stage("f", 0, 16),),
+    )
+
+
+def test_repair_tiles_a_gap_of_two_departed_stages_with_two_spares_in_the_order_given():
+    survivors = [[Stage("a", 0, 10)]]
+    spares = [Stage("late", 10, 30), Stage("p", 10, 20), Stage("q", 20, 30)]
+
+    repaired = repair(survivors, spares[1:] + spares[:1], 30)
+
+    assert repaired.pipelines == ((Stage("a", 0, 10), Stage("p", 10, 20), Stage("q", 20, 30)),)
+    assert repaired.spares == (Stage("late", 10, 30),)
+
+
+def test_repair_gives_up_when_no_spare_holds_the_missing_span_or_nothing_is_left():
+    assert repair([[Stage("a", 0, 16)]], [Stage("e", 15, 30), Stage("f", 16, 29)], 30) is None
+    assert repair([[Stage("a", 0, 16)], [Stage("c", 0, 16)]], [Stage("e", 16, 30)], 30) is None  # one spare, two gaps
+    assert repair([], [Stage("e", 0, 30)], 30) is None
 
 
 def test_place_keeps_low_reputation_nodes_off_pipelines_when_trusted_ones_suffice():

@@ -207,6 +207,7 @@ def test_settings_default_to_the_embedded_services(load_settings, tmp_path):
     assert values["SWARM_EMBEDDED_SCHEDULER"] is True
     assert values["SWARM_MODELS"] == ["smollm2-135m"]
     assert (values["SWARM_HEARTBEAT_INTERVAL_S"], values["SWARM_HEARTBEAT_TIMEOUT_S"]) == (5.0, 20.0)
+    assert values["SWARM_MAX_HEALS"] == 2
     assert values["SECRET_KEY"] == "insecure-embedded-default-key-change-me"
 
 
@@ -234,6 +235,14 @@ def test_settings_switch_to_postgres_and_redis_from_their_urls(load_settings):
     assert values["CELERY_TASK_ALWAYS_EAGER"] is False
     assert values["SWARM_EMBEDDED_SCHEDULER"] is False
     assert values["SECRET_KEY"] == "s3cret"
+
+
+def test_settings_read_the_heal_bound_and_refuse_a_negative_one(load_settings):
+    assert load_settings(SWARM_MAX_HEALS="0")["SWARM_MAX_HEALS"] == 0
+    with pytest.raises(ImproperlyConfigured) as error:
+        load_settings(SWARM_MAX_HEALS="-1")
+
+    assert str(error.value) == "SWARM_MAX_HEALS must be >= 0, got -1"
 
 
 def test_settings_read_lists_from_the_environment(load_settings):

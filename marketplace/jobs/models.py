@@ -51,6 +51,9 @@ class Job(models.Model):
     error_message = models.TextField(blank=True)
 
     route = models.JSONField(default=list)  # [{node, node_key, url, layer_start, layer_end}] in order
+    # Each heal of the route mid-request, oldest first: {at (ISO 8601), failed_node, reason,
+    # route_before}; ``route`` is the route after the last one.
+    heals = models.JSONField(default=list)
     coordinator_region = models.CharField(max_length=64, blank=True)
     prompt_tokens = models.PositiveIntegerField(default=0)
     # The prompt as the model's token ids, tokenized once at admission; the coordinator runs these.

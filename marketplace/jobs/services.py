@@ -11,7 +11,7 @@ import logging
 import secrets
 import uuid
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -25,7 +25,8 @@ from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.jobs.settlement import place_hold, settle
-from marketplace.placement.selectors import route_request
+from marketplace.placement.selectors import route_around, route_request
+from marketplace.placement.services import report_node_failure
 from marketplace.verification.audits import choose_audit_stages
 from worker_agent import model as models
 from worker_agent.coordinator.job import encode_prompt
@@ -129,6 +130,52 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: RequestParams, 
     )
     place_hold(job)  # 402 here rolls the whole admission back
     return job
+
+
+@transaction.atomic
+def heal_job(job_pk: int, failed_node: str, reason: str, now: datetime | None = None) -> list[dict] | None:
+    """A running job's coordinator saw ``failed_node``'s stage die or stall: report the node
+    (``report_node_failure``: no request is routed to it any more) and move the job onto a route
+    that avoids every node it reported; returns the new route (``Job.route``'s shape), or None.
+
+    The new route keeps the job's surviving stages where it can, so that only the failed span
+    changes (a warm spare or another pipeline's stage holding exactly that span takes it), else it
+    is the fastest full chain (``placement.selectors.route_around``). It becomes ``Job.route``,
+    which settlement verifies the receipts against, and ``Job.heals`` records it (when, which node,
+    why, the route before). Audited positions stay when the route keeps its length, else they are
+    drawn again for the new route. A heal is a sign of life for the job's staleness watch.
+
+    Refused (None, the job unchanged): the job is not running, ``failed_node`` is not on its route,
+    it was healed SWARM_MAX_HEALS times already (the node is still reported: the failure is real),
+    or no route avoids the failed nodes (likewise)."""
+    now = now or timezone.now()
+    job = Job.objects.select_for_update().filter(pk=job_pk).first()
+    if job is None or job.state != JobState.RUNNING or failed_node not in {s["node"] for s in job.route}:
+        return None
+    report_node_failure(failed_node, reason, now=now)
+    if len(job.heals) >= settings.SWARM_MAX_HEALS:
+        log.warning("job %s: %s failed, but it was healed %d times already", job.public_id, failed_node, len(job.heals))
+        return None
+    avoid = {heal["failed_node"] for heal in job.heals} | {failed_node}
+    current = [(s["node"], s["layer_start"], s["layer_end"]) for s in job.route]
+    stages = route_around(job.model, current, avoid, job.coordinator_region)
+    if stages is None:
+        log.warning("job %s: %s failed and no route avoids %s", job.public_id, failed_node, ", ".join(sorted(avoid)))
+        return None
+    route = route_of(stages)
+    heal = {"at": now.isoformat(), "failed_node": failed_node, "reason": str(reason)[:500], "route_before": job.route}
+    job.audit_stages = job.audit_stages if len(route) == len(job.route) else choose_audit_stages(route)
+    job.heals = [*job.heals, heal]
+    job.route = route
+    job.progress_at = now
+    job.save(update_fields=["route", "heals", "audit_stages", "progress_at"])
+    log.info(
+        "job %s healed around %s: %s",
+        job.public_id,
+        failed_node,
+        " -> ".join(f"{s['node']}[{s['layer_start']}:{s['layer_end']}]" for s in route),
+    )
+    return route
 
 
 def mark_running(job_pk: int) -> bool:

@@ -52,6 +52,10 @@ class Node(models.Model):
     connected_since = models.DateTimeField(null=True, blank=True)  # when the current control channel opened
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     load = models.JSONField(default=dict)  # the last heartbeat's load report
+    # When a job's coordinator last reported this node failed (a dead or stalled stage): no request
+    # is routed to it until a heartbeat sent after the report clears it, or the sweep takes it offline.
+    suspected_at = models.DateTimeField(null=True, blank=True)
+    suspicion = models.CharField(max_length=255, blank=True)  # the reported failure
     joined_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 

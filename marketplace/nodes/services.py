@@ -12,7 +12,7 @@ import hashlib
 import logging
 import math
 import secrets
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -166,6 +166,7 @@ def register_agent(
     node.agent_version = str(agent_version)[:32]
     node.joined_at = timezone.now()
     node.connected = False  # until this agent opens its control channel
+    node.suspected_at, node.suspicion = None, ""  # a report was about the previous agent process
     try:
         with transaction.atomic():
             node.save()
@@ -207,10 +208,31 @@ def node_disconnected(node_pk: int, connected_at) -> None:
         notify_node_changed(node_pk)
 
 
+def mark_suspected(node_id: str, reason: str, now: datetime | None = None) -> bool:
+    """A job's coordinator reports the node failed: it is suspect from ``now`` on (placement routes
+    nothing to it). False when no active or draining node has that id."""
+    updated = Node.objects.filter(node_id=node_id, state__in=[NodeState.ACTIVE, NodeState.DRAINING]).update(
+        suspected_at=now or timezone.now(), suspicion=str(reason)[:255]
+    )
+    if updated:
+        pk = Node.objects.only("pk").get(node_id=node_id).pk
+        log.warning("node %s reported failed: %s", node_id, reason)
+        notify_node_changed(pk)
+    return bool(updated)
+
+
+def _clears_suspicion(suspected_at: datetime | None, now: datetime) -> bool:
+    """A heartbeat received more than one heartbeat interval after a failure report was sent after
+    it: the node lives (it froze briefly, or only the coordinator's link to it failed). One that
+    arrives sooner may have left before the failure, and proves nothing."""
+    return suspected_at is not None and (now - suspected_at).total_seconds() > settings.SWARM_HEARTBEAT_INTERVAL_S
+
+
 @transaction.atomic
-def apply_heartbeat(node_pk: int, load: dict) -> bool:
-    """Record a heartbeat's load; True when it brought an offline node back (placement's
-    ``record_heartbeat`` then asks for a new placement)."""
+def apply_heartbeat(node_pk: int, load: dict, now: datetime | None = None) -> bool:
+    """Record a heartbeat's load, received at ``now``; True when it brought an offline node back
+    (placement's ``record_heartbeat`` then asks for a new placement). A heartbeat clearly sent after
+    a failure report clears the node's suspicion."""
     if not isinstance(load, dict):
         raise InvalidReport("load must be an object")
     clean = {}
@@ -220,9 +242,12 @@ def apply_heartbeat(node_pk: int, load: dict) -> bool:
     for key in ("model", "state"):
         if key in load:
             clean[key] = str(load[key])[:64]
-    now = timezone.now()
-    node = Node.objects.only("compute_layer_tokens_per_s", "last_heartbeat_at").get(pk=node_pk)
+    now = now or timezone.now()
+    node = Node.objects.only("compute_layer_tokens_per_s", "last_heartbeat_at", "suspected_at").get(pk=node_pk)
     updates = {"last_heartbeat_at": now, "load": clean, "connected": True}
+    if _clears_suspicion(node.suspected_at, now):
+        updates |= {"suspected_at": None, "suspicion": ""}
+        log.info("node %s heartbeats after its failure report: no longer suspect", node_pk)
     if node.last_heartbeat_at is not None:
         # Uptime: the time since the previous heartbeat counts as online, up to two intervals
         # (a longer gap means the node was away for the rest of it).

@@ -11,7 +11,8 @@ stages cover ``[0, L)``. Three decisions, after Parallax:
    and capped by their memory, so that every stage takes about the same time per token;
 3. when to redo it (:func:`needs_rebalance`): the coefficient of variation of per-layer load.
 
-Spares (nodes no pipeline needs) keep a warm copy of a loaded stage's block, ready for healing.
+Spares (nodes no pipeline needs) keep a warm copy of a loaded stage's block, ready for healing;
+when a pipeline member leaves, :func:`repair` puts a spare holding its span in its place.
 """
 
 from __future__ import annotations
@@ -355,12 +356,14 @@ def place(
        earns only on the serving path, and more stages split the per-token compute further.
     3. Each pipeline's ``n_layers`` are water-filled over its members (:func:`water_fill`), in
        the member order of the plan; a member the split leaves at 0 layers becomes a spare.
-    4. A spare keeps a warm copy of a stage: among the stages it can hold (``layers <=
-       max_layers``) the one with the fewest spares so far, then the most loaded (layers /
-       compute: the slowest), then the earliest pipeline and layer. While every stage has at
-       most one spare this is "the most loaded stage it can hold"; further spares spread over
-       the stages instead of piling on one. A spare too small for any stage holds the first
-       ``max_layers`` layers of the most loaded stage, a partial block that still shortens a heal.
+    4. A spare keeps a warm copy of a stage's span: among the spans it can hold (``layers <=
+       max_layers``) the one with the fewest replicas so far (the pipeline stages holding exactly
+       that span plus the spares given it: a span that two pipelines hold is less in need than
+       one held once), then the most loaded (layers / compute of its slowest holder), then the
+       earliest pipeline and layer. While every span is held once this is "the most loaded stage
+       it can hold"; further spares spread over the spans instead of piling on one. A spare too
+       small for any stage holds the first ``max_layers`` layers of the most loaded stage, a
+       partial block that still shortens a heal.
     Spares are taken trusted first, each by capacity (largest first), compute, then id.
     """
     _check_layers(n_layers)
@@ -401,18 +404,114 @@ def place(
         ((p, stage) for p, pipeline in enumerate(pipelines) for stage in pipeline),
         key=lambda ps: (-ps[1].layers / by_id[ps[1].node].compute, ps[0], ps[1].layer_start),
     )
-    spares_on = [0] * len(loaded)
+    replicas: dict[tuple[int, int], int] = {}  # span -> stages and spares holding exactly it
+    for _, stage in loaded:
+        span = (stage.layer_start, stage.layer_end)
+        replicas[span] = replicas.get(span, 0) + 1
+    spans = list(replicas)  # each span once, in the order of its most loaded holder
     spares = []
     for node in idle:
-        fits = [i for i, (_, stage) in enumerate(loaded) if stage.layers <= node.max_layers]
+        fits = [i for i, (start, end) in enumerate(spans) if end - start <= node.max_layers]
         if fits:
-            i = min(fits, key=lambda i: (spares_on[i], i))
-            spares_on[i] += 1
-            spares.append(Stage(node.node, loaded[i][1].layer_start, loaded[i][1].layer_end))
+            i = min(fits, key=lambda i: (replicas[spans[i]], i))
+            replicas[spans[i]] += 1
+            spares.append(Stage(node.node, *spans[i]))
         else:
             start = loaded[0][1].layer_start
             spares.append(Stage(node.node, start, start + node.max_layers))
     return Placement(n_layers=n_layers, plan=plan, pipelines=tuple(pipelines), spares=tuple(spares))
+
+
+def carry_spares(
+    spares: Sequence[Stage], before: Sequence[Sequence[Stage]], after: Sequence[Sequence[Stage]]
+) -> tuple[Stage, ...]:
+    """The spares' blocks once the pipelines' stages were laid out again in another ring order
+    (same members, same layer counts, other spans): each spare follows the stage it copies (the
+    first whose span starts where the spare's does and contains it), so it still holds a block
+    that some stage serves, or the same leading part of it."""
+    moved = {stage.node: stage for pipeline in after for stage in pipeline}
+    copied = [stage for pipeline in before for stage in pipeline]
+    carried = []
+    for spare in spares:
+        source = next(
+            (s for s in copied if s.layer_start == spare.layer_start and s.layer_end >= spare.layer_end), None
+        )
+        target = moved.get(source.node) if source is not None else None
+        if target is None:
+            carried.append(spare)
+            continue
+        carried.append(Stage(spare.node, target.layer_start, target.layer_start + spare.layers))
+    return tuple(carried)
+
+
+@dataclass(frozen=True)
+class Repair:
+    """The outcome of :func:`repair`: the pipelines made whole again by spares."""
+
+    pipelines: tuple[tuple[Stage, ...], ...]  # each covers [0, n_layers) in order
+    promoted: tuple[Stage, ...]  # spares that now serve on a pipeline, with the span they held
+    spares: tuple[Stage, ...]  # spares left as they were
+
+
+def repair(pipelines: Sequence[Sequence[Stage]], spares: Sequence[Stage], n_layers: int) -> Repair | None:
+    """Make every pipeline whole again with the spares' warm blocks, moving no surviving stage.
+
+    ``pipelines`` hold the stages still served (a departed member leaves a gap); each gap is
+    filled by a chain of unused spares whose spans tile it exactly, tried in the order given
+    (callers put the ready ones first), so a spare that holds a departed stage's span takes its
+    place and nobody loads a new block. None when a gap cannot be tiled that way, when stages
+    overlap, or when no pipeline is left: then only a fresh :func:`place` can cover the model.
+    """
+    _check_layers(n_layers)
+    free = list(spares)
+    whole, promoted = [], []
+    for members in pipelines:
+        stages = sorted(members, key=lambda s: s.layer_start)
+        if not stages:
+            continue
+        filled, position = [], 0
+        for stage in [*stages, None]:
+            end = n_layers if stage is None else stage.layer_start
+            if end < position:
+                return None
+            if end > position:
+                chain = _tile(position, end, free)
+                if chain is None:
+                    return None
+                for spare in chain:
+                    free.remove(spare)
+                filled += chain
+                promoted += chain
+            if stage is not None:
+                filled.append(stage)
+                position = stage.layer_end
+        whole.append(tuple(filled))
+    if not whole:
+        return None
+    return Repair(pipelines=tuple(whole), promoted=tuple(promoted), spares=tuple(free))
+
+
+def _tile(start: int, end: int, spares: Sequence[Stage]) -> list[Stage] | None:
+    """The first chain of ``spares`` (tried in their order) covering exactly ``[start, end)``.
+
+    A chain's spans start at increasing layers, so it never uses a spare twice; a layer from which
+    no chain reaches ``end`` is remembered, which keeps the search linear in the spares."""
+    dead_ends: set[int] = set()
+
+    def chain_from(position: int) -> list[Stage] | None:
+        if position == end:
+            return []
+        if position in dead_ends:
+            return None
+        for spare in spares:
+            if spare.layer_start == position and spare.layer_end <= end:
+                rest = chain_from(spare.layer_end)
+                if rest is not None:
+                    return [spare, *rest]
+        dead_ends.add(position)
+        return None
+
+    return chain_from(start)
 
 
 def per_layer_load(stages: Sequence[Stage], n_layers: int, compute: Mapping[str, float]) -> list[float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -9,6 +10,7 @@ from django.db.models import Max
 
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.placement.allocation import Stage
+from marketplace.placement.errors import PlacementError
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.routing import route
 from worker_agent import model as models
@@ -36,8 +38,22 @@ def assignments_of_node(node_pk: int):
     return Assignment.objects.filter(node_id=node_pk, state__in=[AssignmentState.ASSIGNED, AssignmentState.READY])
 
 
+def _routable(assignment: Assignment) -> bool:
+    """A stage a request may pass through now: its block is ready on an active node that no job's
+    coordinator has reported failed since its last sign of life."""
+    node = assignment.node
+    return assignment.state == AssignmentState.READY and node.state == NodeState.ACTIVE and node.suspected_at is None
+
+
+def _pipeline_stage(a: Assignment) -> PipelineStage:
+    return PipelineStage(
+        a.node.node_id, a.node.public_key, a.data_url or a.node.data_url, a.layer_start, a.layer_end, a.node.region
+    )
+
+
 def servable_pipelines(model: str) -> list[list[PipelineStage]]:
-    """Pipelines of the current placement whose every stage is ready on an active node, in order."""
+    """Pipelines of the current placement whose every stage is routable (ready, on an active node
+    not reported failed), in order."""
     state = PlacementState.objects.filter(model=model).first()
     if state is None:
         return []
@@ -46,7 +62,7 @@ def servable_pipelines(model: str) -> list[list[PipelineStage]]:
         pipelines.setdefault(assignment.pipeline, []).append(assignment)
     servable = []
     for stages in pipelines.values():
-        if not all(a.state == AssignmentState.READY and a.node.state == NodeState.ACTIVE for a in stages):
+        if not all(_routable(a) for a in stages):
             continue
         position = 0
         for a in stages:
@@ -55,19 +71,7 @@ def servable_pipelines(model: str) -> list[list[PipelineStage]]:
             position = a.layer_end
         else:
             if position == models.n_layers(model):
-                servable.append(
-                    [
-                        PipelineStage(
-                            a.node.node_id,
-                            a.node.public_key,
-                            a.data_url or a.node.data_url,
-                            a.layer_start,
-                            a.layer_end,
-                            a.node.region,
-                        )
-                        for a in stages
-                    ]
-                )
+                servable.append([_pipeline_stage(a) for a in stages])
     return servable
 
 
@@ -109,16 +113,20 @@ def link_maps(node_ids: list[str]) -> tuple[dict[tuple[str, str], float], dict[s
     return rtt, uplink
 
 
+def _costs(nodes: list[str]) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """Measured round trips between ``nodes`` (and the regions) and each node's time per layer, ms."""
+    rtt, _ = link_maps(nodes)
+    speed = dict(Node.objects.filter(node_id__in=nodes).values_list("node_id", "compute_layer_tokens_per_s"))
+    return rtt, {node: 1000.0 / value for node, value in speed.items() if value}
+
+
 def route_request(model: str):
     """The lowest-latency chain of ready stages (from any pipeline) for one request, and the
     coordinator region it starts from; None when the model is not servable."""
     stages = [stage for pipeline in servable_pipelines(model) for stage in pipeline]
     if not stages:
         return None
-    nodes = sorted({stage.node for stage in stages})
-    rtt, _ = link_maps(nodes)
-    speed = dict(Node.objects.filter(node_id__in=nodes).values_list("node_id", "compute_layer_tokens_per_s"))
-    layer_ms = {node: 1000.0 / value for node, value in speed.items() if value}
+    rtt, layer_ms = _costs(sorted({stage.node for stage in stages}))
     best = None
     for region in settings.SWARM_COORDINATOR_REGIONS:
         source = region_target(region)
@@ -134,3 +142,42 @@ def route_request(model: str):
     region, chosen = best
     by_key = {(s.node, s.layer_start, s.layer_end): s for s in stages}
     return region, [by_key[(s.node, s.layer_start, s.layer_end)] for s in chosen.stages], chosen.cost_ms
+
+
+def route_around(
+    model: str, current: list[tuple[str, int, int]], avoid: Collection[str], region: str
+) -> list[PipelineStage] | None:
+    """A replacement route for a request in flight on ``current`` (its stages as (node, layer_start,
+    layer_end) in order) that passes through none of the ``avoid`` nodes, from the coordinator
+    ``region`` where it runs; None when no such route exists.
+
+    Stages are every routable block of the model, on pipelines and warm spares alike (a stage's
+    pipeline need not be whole: the request only needs a chain). The route keeps the request's
+    surviving stages when it can: first the layers that only the failed stages held are filled from
+    the stages lying inside those gaps (a spare or another pipeline's stage holding exactly a dead
+    span fills it in one), so that only the dead spans change; failing that, the fastest full chain.
+    """
+    avoid = set(avoid)
+    stages = {
+        (a.node.node_id, a.layer_start, a.layer_end): _pipeline_stage(a)
+        for a in live_assignments(model)
+        if _routable(a) and a.node.node_id not in avoid
+    }
+    if not stages:
+        return None
+    n_layers = models.n_layers(model)
+    rtt, layer_ms = _costs(sorted({node for node, _, _ in stages}))
+    survivors = [stage for stage in current if stage in stages]
+    taken = [(start, end) for _, start, end in survivors]
+    in_gaps = [
+        key
+        for key in stages
+        if not any(key[1] < end and start < key[2] for start, end in taken)  # overlaps no survivor
+    ]
+    for candidates in (survivors + in_gaps, list(stages)):
+        try:
+            chosen = route([Stage(*key) for key in candidates], n_layers, rtt, layer_ms, source=region_target(region))
+        except PlacementError:
+            continue
+        return [stages[(s.node, s.layer_start, s.layer_end)] for s in chosen.stages]
+    return None

@@ -2,14 +2,17 @@
 
 ``place_model`` asks ``allocation.place`` for a plan over the active nodes, keeps every
 assignment that the new plan leaves unchanged (the agent keeps its warm block), releases the
-rest and pushes the new ones to their agents over the control channel. Agents answer ``ready``
-once their block is loaded; a model is servable when one pipeline is ready end to end.
+rest and pushes the new ones to their agents over the control channel. When pipeline members
+merely left and spares hold their spans, it repairs the placement instead: the spares take their
+places and nobody else moves. Agents answer ``ready`` once their block is loaded; a model is
+servable when one pipeline is ready end to end on active nodes that no coordinator reported failed.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from collections.abc import Sequence
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
@@ -22,10 +25,12 @@ from marketplace.nodes.services import push
 from marketplace.placement.allocation import (
     NodeCapacity,
     Stage,
+    carry_spares,
     needs_rebalance,
     pays_to_replace,
     per_layer_load,
     place,
+    repair,
     spans_for,
     throughput,
 )
@@ -96,10 +101,20 @@ def node_connected(node_pk: int) -> Node:
 
 
 @transaction.atomic
-def record_heartbeat(node_pk: int, load: dict) -> None:
+def record_heartbeat(node_pk: int, load: dict, now: datetime | None = None) -> None:
     """A heartbeat: its load is recorded; a node it brings back from offline is placed again."""
-    if nodes.apply_heartbeat(node_pk, load):
+    if nodes.apply_heartbeat(node_pk, load, now=now):
         _placement_changed()
+
+
+@transaction.atomic
+def report_node_failure(node_id: str, reason: str, now: datetime | None = None) -> bool:
+    """A job's coordinator saw the node's stage die or stall: no request is routed to it from now
+    on (``selectors.servable_pipelines`` and the healing routes skip suspect nodes). Its heartbeats
+    decide the rest: silence takes it offline at the sweep, which re-places the model; a heartbeat
+    sent after the report clears the suspicion. The report alone changes no capacity, so it asks
+    for no new placement. False when no active or draining node has that id."""
+    return nodes.mark_suspected(node_id, reason, now=now)
 
 
 def sweep_heartbeats(now=None) -> list[str]:
@@ -117,7 +132,7 @@ def sweep_heartbeats(now=None) -> list[str]:
             # Conditional: a heartbeat that raced in keeps the node.
             if Node.objects.filter(
                 pk=pk, state__in=[NodeState.ACTIVE, NodeState.DRAINING], last_heartbeat_at__lt=cutoff
-            ).update(state=NodeState.OFFLINE, connected=False):
+            ).update(state=NodeState.OFFLINE, connected=False, suspected_at=None, suspicion=""):
                 release_node(pk)
                 notify_node_changed(pk)
                 gone.append(node_id)
@@ -187,49 +202,117 @@ def place_dirty_models() -> list[str]:
 
 @transaction.atomic
 def place_model(model: str) -> list[Assignment]:
-    """Compute and apply a placement of ``model`` over the active nodes; returns live assignments."""
+    """Compute and apply a placement of ``model`` over the active nodes; returns live assignments.
+
+    When the only change since the last placement is pipeline members leaving (offline, draining,
+    ejected, deleted) and spares hold their spans, the placement is repaired (``_repair``): the
+    spares take the departed members' positions and every surviving member keeps its block and
+    position. Anything else (a node joining or coming back, a block that failed to load, a
+    rebalance that pays, a gap no spare covers) is planned afresh by ``allocation.place``."""
     state, _ = PlacementState.objects.select_for_update().get_or_create(model=model)
     nodes, capacities = _candidates(model, lock=True)
     n_layers = models.n_layers(model)
     by_id = {n.node_id: n for n in nodes}
-    now = timezone.now()
-    state.generation += 1
-    state.dirty = False
-    state.placed_at = now
-    try:
-        plan = (
-            place(capacities, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE) if capacities else None
-        )
-        if plan is None:
-            raise PlacementError("no active node can hold a layer of this model")
-    except PlacementError as exc:
-        state.note = str(exc)
-        state.save()
-        log.warning("cannot place %s: %s", model, exc)
-        return list(Assignment.objects.filter(model=model, state__in=LIVE_STATES))
-    state.note = ""
-    pipelines, state.coordinator_regions = order_pipelines(model, plan.pipelines)
-    state.save()
-
-    wanted = {}
-    for pipeline_index, stages in enumerate(pipelines):
-        for position, stage in enumerate(stages):
-            wanted[stage.node] = (pipeline_index, position, stage.layer_start, stage.layer_end, False)
-    for spare in plan.spares:
-        wanted[spare.node] = (len(pipelines), 0, spare.layer_start, spare.layer_end, True)
-
     live = {
         a.node.node_id: a
         for a in Assignment.objects.select_for_update()
         .filter(model=model, state__in=LIVE_STATES)
         .select_related("node")
     }
+    now = timezone.now()
+    state.generation += 1
+    state.dirty = False
+    state.placed_at = now
+    repaired = _repair(live, capacities, n_layers, state.coordinator_regions)
+    if repaired is not None:
+        wanted, state.coordinator_regions = repaired
+        how = "repaired"
+    else:
+        try:
+            plan = (
+                place(capacities, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE)
+                if capacities
+                else None
+            )
+            if plan is None:
+                raise PlacementError("no active node can hold a layer of this model")
+        except PlacementError as exc:
+            state.note = str(exc)
+            state.save()
+            log.warning("cannot place %s: %s", model, exc)
+            return list(live.values())
+        pipelines, state.coordinator_regions = order_pipelines(model, plan.pipelines)
+        wanted = _wanted(pipelines, carry_spares(plan.spares, plan.pipelines, pipelines))
+        how = "placed"
+    state.note = ""
+    state.save()
+    result = _apply(model, state.generation, wanted, live, by_id, now)
+    log.info(
+        "%s %s (generation %d): %s",
+        how,
+        model,
+        state.generation,
+        ", ".join(f"{a.node.node_id}[{a.layer_start}:{a.layer_end}]" for a in result),
+    )
+    return result
+
+
+# node id -> (pipeline, position, layer_start, layer_end, is_spare)
+Wanted = dict[str, tuple[int, int, int, int, bool]]
+
+
+def _wanted(pipelines: Sequence[Sequence[Stage]], spares: Sequence[Stage]) -> Wanted:
+    """The assignment each node should hold: pipeline members by position, then the spares."""
+    wanted = {}
+    for pipeline_index, stages in enumerate(pipelines):
+        for position, stage in enumerate(stages):
+            wanted[stage.node] = (pipeline_index, position, stage.layer_start, stage.layer_end, False)
+    for spare in spares:
+        wanted[spare.node] = (len(pipelines), 0, spare.layer_start, spare.layer_end, True)
+    return wanted
+
+
+def _repair(
+    live: dict[str, Assignment], capacities: list[NodeCapacity], n_layers: int, regions: list[str]
+) -> tuple[Wanted, list[str]] | None:
+    """The live placement with its departed members' spans taken over by spares holding them
+    (``allocation.repair``), and each pipeline's coordinator region; None when it cannot be
+    repaired that way or nothing departed. Spares that are ready are promoted first."""
+    placeable = {c.node for c in capacities}
+    if placeable - set(live):
+        return None  # a node joined or came back, or a block failed to load: capacity grew
+    members: dict[int, list[Stage]] = {}
+    spares: list[tuple[bool, int, Stage]] = []
+    departed = False
+    for node_id, assignment in live.items():
+        if node_id not in placeable:
+            departed = True  # on a node that drained, or whose agent is gone: released below
+            continue
+        stage = Stage(node_id, assignment.layer_start, assignment.layer_end)
+        if assignment.is_spare:
+            spares.append((assignment.state != AssignmentState.READY, assignment.pk, stage))
+        else:
+            members.setdefault(assignment.pipeline, []).append(stage)
+    kept = sorted(members)
+    fixed = repair([members[p] for p in kept], [stage for *_, stage in sorted(spares)], n_layers)
+    if fixed is None or not (departed or fixed.promoted):
+        return None
+    default = settings.SWARM_COORDINATOR_REGIONS[0]
+    # Pipelines whose members all left are dropped; the others keep their ring order and region.
+    return _wanted(fixed.pipelines, fixed.spares), [regions[p] if p < len(regions) else default for p in kept]
+
+
+def _apply(
+    model: str, generation: int, wanted: Wanted, live: dict[str, Assignment], by_id: dict[str, Node], now
+) -> list[Assignment]:
+    """Make the live assignments what ``wanted`` says: a block whose span is unchanged is kept (its
+    agent keeps it warm, whatever its new position), the others are released and new ones pushed."""
     result = []
     for node_id, assignment in live.items():
         target = wanted.get(node_id)
         if target is not None and (assignment.layer_start, assignment.layer_end) == target[2:4]:
             assignment.pipeline, assignment.position, _, _, assignment.is_spare = target
-            assignment.generation = state.generation
+            assignment.generation = generation
             assignment.save(update_fields=["pipeline", "position", "is_spare", "generation"])
             result.append(assignment)
             continue
@@ -246,7 +329,7 @@ def place_model(model: str) -> list[Assignment]:
         assignment = Assignment.objects.create(
             node=by_id[node_id],
             model=model,
-            generation=state.generation,
+            generation=generation,
             pipeline=pipeline_index,
             position=position,
             layer_start=start,
@@ -256,12 +339,6 @@ def place_model(model: str) -> list[Assignment]:
         push(node_id, protocol.to_wire(assignment.as_message()))
         notify_node_changed(assignment.node_id)
         result.append(assignment)
-    log.info(
-        "placed %s (generation %d): %s",
-        model,
-        state.generation,
-        ", ".join(f"{a.node.node_id}[{a.layer_start}:{a.layer_end}]" for a in result),
-    )
     return result
 
 

@@ -1,0 +1,134 @@
+"""Healing a request in flight: its coordinator reports a dead or stalled stage and gets a route
+that avoids every node it reported, keeping the surviving stages (a warm spare or another
+pipeline's stage holding the dead span takes it); the job stores the new route and the heal."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from marketplace.jobs.models import Job, JobState
+from marketplace.jobs.services import heal_job
+from marketplace.nodes.models import Node, NodeState
+from tests.factories import MODEL
+from tests.heal_fixtures import NOW, stage
+
+pytestmark = [pytest.mark.control, pytest.mark.django_db]
+pytest_plugins = ["tests.factories", "tests.control_fixtures", "tests.heal_fixtures"]
+
+
+def job_on(customer, route: list[dict], *, state: str = JobState.RUNNING, audit_stages=(1,)) -> Job:
+    return Job.objects.create(
+        public_id="chatcmpl-heal",
+        kind="chat",
+        customer=customer,
+        model=MODEL,
+        state=state,
+        route=route,
+        coordinator_region="local",
+        audit_stages=list(audit_stages),
+    )
+
+
+def stored(job: Job) -> tuple:
+    job.refresh_from_db()
+    return job.route, job.heals, job.audit_stages, job.progress_at
+
+
+def suspected(node: Node):
+    return Node.objects.get(pk=node.pk).suspected_at
+
+
+def test_the_spare_takes_the_dead_span_and_the_surviving_stage_stays(swarm, customer):
+    before = [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)]
+    job = job_on(customer, before)
+
+    route = heal_job(job.pk, swarm.b.node_id, "no RESULT within 5 s", now=NOW)
+
+    assert route == [stage(swarm.a, 0, 16), stage(swarm.e, 16, 30)]
+    assert stored(job) == (
+        route,
+        [
+            {
+                "at": NOW.isoformat(),
+                "failed_node": swarm.b.node_id,
+                "reason": "no RESULT within 5 s",
+                "route_before": before,
+            }
+        ],
+        [1],  # same length: the audited position stays
+        NOW,
+    )
+    assert (suspected(swarm.b), Node.objects.get(pk=swarm.b.pk).suspicion) == (NOW, "no RESULT within 5 s")
+
+
+def test_the_surviving_stage_is_kept_even_when_a_full_route_elsewhere_is_faster(swarm, customer):
+    # a[0:16] computes twice as fast as c[0:16], but the request's prefix already ran on c.
+    job = job_on(customer, [stage(swarm.c, 0, 16), stage(swarm.d, 16, 30)])
+
+    route = heal_job(job.pk, swarm.d.node_id, "connection closed", now=NOW)
+
+    assert route == [stage(swarm.c, 0, 16), stage(swarm.e, 16, 30)]
+
+
+def test_a_second_heal_avoids_every_node_the_job_reported_and_a_third_is_refused(swarm, customer):
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+    heal_job(job.pk, swarm.b.node_id, "stalled", now=NOW)
+    later = NOW + timedelta(seconds=1)
+    Node.objects.filter(pk=swarm.b.pk).update(suspected_at=None)  # even were b cleared, this job avoids it
+
+    second = heal_job(job.pk, swarm.e.node_id, "stalled", now=later)
+    kept = stored(job)
+    third = heal_job(job.pk, swarm.d.node_id, "stalled", now=later + timedelta(seconds=1))
+
+    assert second == [stage(swarm.a, 0, 16), stage(swarm.d, 16, 30)]
+    assert [h["failed_node"] for h in kept[1]] == [swarm.b.node_id, swarm.e.node_id]
+    assert third is None
+    assert stored(job) == kept
+    assert suspected(swarm.d) == later + timedelta(seconds=1)  # the failure itself is still reported
+
+
+def test_no_route_avoiding_the_failed_node_leaves_the_job_as_it_was(swarm, customer):
+    Node.objects.filter(pk__in=[swarm.d.pk, swarm.e.pk]).update(state=NodeState.OFFLINE)
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+    kept = stored(job)
+
+    route = heal_job(job.pk, swarm.b.node_id, "stalled", now=NOW)
+
+    assert route is None
+    assert stored(job) == kept
+    assert suspected(swarm.b) == NOW
+
+
+@pytest.mark.parametrize("state", [JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED])
+def test_a_job_that_is_not_running_is_not_healed(swarm, customer, state):
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)], state=state)
+    kept = stored(job)
+
+    assert heal_job(job.pk, swarm.b.node_id, "stalled", now=NOW) is None
+    assert stored(job) == kept
+    assert suspected(swarm.b) is None
+
+
+def test_a_node_off_the_jobs_route_is_not_healed_around(swarm, customer):
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+    kept = stored(job)
+
+    assert heal_job(job.pk, swarm.d.node_id, "stalled", now=NOW) is None
+    assert heal_job(job.pk + 1, swarm.b.node_id, "stalled", now=NOW) is None  # no such job
+    assert stored(job) == kept
+    assert (suspected(swarm.d), suspected(swarm.b)) == (None, None)
+
+
+def test_a_route_of_another_length_draws_its_audited_stages_again(swarm, customer):
+    # The job ran on one stage holding every layer (as a's was before the last placement): the
+    # route that replaces it has two stages.
+    job = job_on(customer, [stage(swarm.a, 0, 30)], audit_stages=[0])
+    Node.objects.filter(pk__in=[swarm.c.pk, swarm.e.pk]).update(audit_fraction=1.0)
+    Node.objects.filter(pk__in=[swarm.b.pk, swarm.d.pk]).update(state=NodeState.OFFLINE)
+
+    route = heal_job(job.pk, swarm.a.node_id, "stalled", now=NOW)
+
+    assert route == [stage(swarm.c, 0, 16), stage(swarm.e, 16, 30)]
+    assert stored(job)[2] == [0, 1]  # every node of the new route audits at fraction 1
