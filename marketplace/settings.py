@@ -223,6 +223,9 @@ if SWARM_COORDINATOR_LAUNCH not in ("inprocess", "celery"):
 SWARM_JOB_TIMEOUT_S = env_float("SWARM_JOB_TIMEOUT_S", 300.0, minimum=1.0)
 # How many times one request may have its route healed (a stage died or stalled) before it fails.
 SWARM_MAX_HEALS = env_int("SWARM_MAX_HEALS", 2, minimum=0)
+# A step that makes no progress past a stage this long (plus a little per prefilled token) has
+# stalled: the coordinator heals around that stage.
+SWARM_STALL_TIMEOUT_S = env_float("SWARM_STALL_TIMEOUT_S", 10.0, minimum=0.5)
 SWARM_JOB_STALE_S = env_float("SWARM_JOB_STALE_S", 60.0, minimum=1.0)  # no progress this long: coordinator lost
 SWARM_MAX_TOKENS_LIMIT = env_int("SWARM_MAX_TOKENS_LIMIT", 2048, minimum=1)
 # Prices when an admin set none for a model: nano-dollars per million (prompt, completion) tokens.

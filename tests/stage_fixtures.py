@@ -29,9 +29,11 @@ async def stage_servers(
     rogue: int | None = None,
     rogue_class: type[Stage] | None = None,
     trusted: bytes | None = None,
+    keys: Sequence | None = None,
 ) -> AsyncIterator[list[PipelineStage]]:
     """Stages over ``spans`` (the one at index ``rogue`` of ``rogue_class``) trusting ``trusted``
-    (default: the control plane's ticket key); yields the route."""
+    (default: the control plane's ticket key), signing with ``keys`` (default: new ones); yields
+    the route."""
     trusted = trusted if trusted is not None else issuer_public_key()
     tasks, route = [], []
     for index, (start, end) in enumerate(spans):
@@ -39,7 +41,7 @@ async def stage_servers(
         stage = cls(
             Block(models.load_block(MODEL, start, end)),
             model=MODEL,
-            signing_key=generate_signing_key(),
+            signing_key=keys[index] if keys is not None else generate_signing_key(),
             trusted_keys=[trusted],
         )
         bound = asyncio.get_running_loop().create_future()

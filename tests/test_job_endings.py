@@ -1,6 +1,8 @@
-"""How a job ends, whatever way it ends: a stage lost after tokens streamed leaves the job charged
-exactly the tokens its client received; the final event goes out before audits are recorded or
-replayed; a response gives up on a job only when the job stops making progress.
+"""How a job ends, whatever way it ends: a stage lost after tokens streamed is healed onto a warm
+spare and the job goes on as if unbroken, paid to the nodes that served its verified part; without
+a spare the job fails with a clear error, charged exactly the tokens its client received; the
+final event goes out before audits are recorded or replayed; a response gives up on a job only
+when the job stops making progress.
 
 Jobs are admitted onto in-process StageServers (tiny-llama) and run by ``runner.run_job`` in the
 test's own event loop, with the in-memory channel layer."""
@@ -20,11 +22,14 @@ from marketplace.billing.services import cost, grant
 from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
+from marketplace.nodes.models import Node
 from marketplace.nodes.tickets import issuer_key
 from marketplace.payouts.models import Earning
+from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from tests import stage_fixtures
 from tests.stage_fixtures import stage_servers
 from worker_agent.errors import SessionError
+from worker_agent.keys import generate_signing_key
 from worker_agent.stage import Stage
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]
@@ -85,7 +90,7 @@ async def receive_until_final(layer, channel: str) -> list[dict]:
     return events
 
 
-def test_a_stage_lost_after_tokens_streamed_charges_exactly_the_delivered_tokens(control_plane, api_key, monkeypatch):
+def test_a_stage_lost_with_no_spare_fails_charged_exactly_the_delivered_tokens(control_plane, api_key, monkeypatch):
     async def scenario():
         async with stage_servers(SPANS, rogue=1, rogue_class=DyingStage) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
@@ -101,10 +106,78 @@ def test_a_stage_lost_after_tokens_streamed_charges_exactly_the_delivered_tokens
     delivered = tokens_of(events)
     assert state == JobState.FAILED
     assert events[-1]["type"] == "job.error"
+    # No node holds the span of the one that died (these stages are in no registry): a clear error.
+    assert events[-1]["code"] == "no_replacement"
+    assert "no replacement for stage 1 is available" in events[-1]["message"]
     assert delivered == LOST_AFTER  # each step it served (the prefill, then one per token) gave a token
     assert (job.state, job.completion_tokens) == (JobState.FAILED, delivered)
     assert job.settled_at is not None
     assert job.charged_amount == cost(job.prompt_tokens, delivered, PRICES)
+
+
+def _register(provider, make_joined_node, keys, route, spare: int) -> None:
+    """The stages of ``route`` as joined nodes with ready blocks; the one at ``spare`` as a warm spare."""
+    PlacementState.objects.get_or_create(model=stage_fixtures.MODEL)
+    for index, (key, stage) in enumerate(zip(keys, route, strict=True)):
+        node = make_joined_node(provider, f"gpu-{index}", key=key, compute=1000.0).node
+        Assignment.objects.create(
+            node=node,
+            model=stage_fixtures.MODEL,
+            generation=1,
+            pipeline=1 if index == spare else 0,
+            position=0 if index == spare else index,
+            layer_start=stage.layer_start,
+            layer_end=stage.layer_end,
+            is_spare=index == spare,
+            state=AssignmentState.READY,
+            data_url=stage.data_url,
+        )
+
+
+def test_a_stage_lost_mid_stream_is_healed_onto_a_spare_and_the_job_goes_on(
+    control_plane, api_key, monkeypatch, provider, make_joined_node
+):
+    keys = [generate_signing_key() for _ in range(3)]
+    spans = [*SPANS, SPANS[1]]  # the route, and a warm spare of its dying stage's span
+
+    async def run(job):
+        layer = get_channel_layer()
+        channel = await layer.new_channel()
+        await layer.group_add(runner.group_name(job.pk), channel)
+        state = await runner.run_job(job.pk)
+        return state, await receive_until_final(layer, channel)
+
+    async def scenario():
+        async with stage_servers(spans, rogue=1, rogue_class=DyingStage, keys=keys) as stages:
+            await sync_to_async(_register)(provider, make_joined_node, keys, stages, spare=2)
+            job = await sync_to_async(admit)(api_key, stages[:2], monkeypatch)
+            state, events = await run(job)
+            # The same request on an unbroken route, for reference.
+            unbroken = await sync_to_async(admit)(api_key, [stages[0], stages[2]], monkeypatch)
+            _, reference = await run(unbroken)
+            return state, job.pk, events, reference, stages
+
+    state, job_pk, events, reference, stages = asyncio.run(scenario())
+
+    job = Job.objects.get(pk=job_pk)
+    assert state == JobState.SUCCEEDED, job.error_message
+    assert events[-1]["type"] == "job.done"
+    delivered = tokens_of(events)
+    assert delivered == job.completion_tokens > LOST_AFTER
+    # The client's stream is the unbroken run's, token for token.
+    assert [e["token_id"] for e in events if e["type"] == "job.token"] == [
+        e["token_id"] for e in reference if e["type"] == "job.token"
+    ]
+    # The heal is on record, and the job's route is the healed one: the spare took the dead span.
+    (heal,) = job.heals
+    assert heal["failed_node"] == stages[1].node
+    assert [s["node"] for s in job.route] == [stages[0].node, stages[2].node]
+    # Verified again by the control plane against the healed route; paid to those who served it.
+    assert job.verified is True, job.verification_error
+    assert job.charged_amount == cost(job.prompt_tokens, delivered, PRICES)
+    paid = set(Earning.objects.filter(job=job).values_list("node__node_id", flat=True))
+    assert paid == {stages[0].node, stages[2].node}
+    assert Node.objects.get(node_id=stages[1].node).suspected_at is not None  # reported at once
 
 
 def test_the_final_event_goes_out_before_audits_are_recorded(control_plane, api_key, monkeypatch):

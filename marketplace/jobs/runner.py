@@ -35,6 +35,7 @@ from marketplace.jobs.route import route_assignments
 from marketplace.jobs.settlement import settle
 from marketplace.nodes.tickets import ticket_for
 from marketplace.verification.audits import record_audits
+from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
@@ -166,11 +167,10 @@ class Delivered:
     tokens: int = 0  # completion tokens sent to the job's group
 
 
-async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[GenerationResult | None, bool, dict]:
-    """Stream the job's tokens to its group, counting them in ``delivered``; returns (result,
-    cancelled, the coordinator's transcripts by session)."""
+async def _specs(job: Job, route: list[dict]) -> list[StageSpec]:
+    """Each stage of ``route`` with a ticket for this job, signed here."""
     specs = []
-    for stage in job.route:
+    for stage in route:
         ticket = await in_thread(
             ticket_for,
             job=job.public_id,
@@ -180,6 +180,37 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
             layer_end=stage["layer_end"],
         )
         specs.append(StageSpec(stage["url"], ticket))
+    return specs
+
+
+class JobHealer:
+    """The control plane as a job's healer: the failed node is reported (routing stops using it at
+    once) and the job moves onto a route around it (``services.heal_job``), with tickets signed
+    here and the control plane's own assignments, never the stages' word."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.route = list(job.route)
+
+    async def replace(self, failure: StageFailure, route) -> HealedRoute | None:
+        # The node is the one this control plane put at that position, whatever its HELLO said.
+        node = self.route[failure.stage]["node"]
+        healed = await in_thread(services.heal_job, self.job.pk, node, f"{failure.code}: {failure.message}")
+        if healed is None:
+            return None
+        self.route = healed
+        audit_stages = await in_thread(lambda: Job.objects.only("audit_stages").get(pk=self.job.pk).audit_stages)
+        return HealedRoute(
+            tuple(await _specs(self.job, healed)),
+            tuple(route_assignments(healed)),
+            tuple(audit_stages),
+        )
+
+
+async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[GenerationResult | None, bool, dict]:
+    """Stream the job's tokens to its group, counting them in ``delivered``; returns (result,
+    cancelled, the coordinator's transcripts by session)."""
+    specs = await _specs(job, job.route)
     params = RequestParams.from_json(job.params)
     last_progress = time.monotonic()
     async with Coordinator(
@@ -189,6 +220,9 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
         topology="ring",
         assignments=route_assignments(job.route),
         audit_stages=tuple(job.audit_stages),
+        healer=JobHealer(job),
+        max_heals=settings.SWARM_MAX_HEALS,
+        stall_timeout_s=settings.SWARM_STALL_TIMEOUT_S,
     ) as coord:
         request = coord.request_ids(
             job.prompt_ids,
