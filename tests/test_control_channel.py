@@ -7,6 +7,7 @@ import asyncio
 import re
 
 import pytest
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
@@ -138,7 +139,7 @@ def test_the_welcome_lists_the_nodes_live_assignments(provider, make_joined_node
     ]
 
 
-def test_closing_the_channel_marks_the_node_disconnected_but_keeps_it_active(pending_agent):
+def test_closing_the_channel_marks_the_node_disconnected_and_suspect_but_keeps_it_active(pending_agent):
     node, key = pending_agent
 
     async def scenario():
@@ -147,7 +148,20 @@ def test_closing_the_channel_marks_the_node_disconnected_but_keeps_it_active(pen
 
     asyncio.run(scenario())
 
+    # Active (its blocks stay until its heartbeats time out), but no request is routed to it meanwhile.
     assert (fresh(node).state, fresh(node).connected) == (NodeState.ACTIVE, False)
+    assert fresh(node).suspected_at is not None
+    assert fresh(node).suspicion == "its control channel closed"
+
+    async def reconnect():
+        channel, _ = await authenticated(key, node.node_id)
+        back = await sync_to_async(fresh)(node)
+        await channel.disconnect()
+        return back
+
+    back = asyncio.run(reconnect())
+    assert back.connected is True
+    assert back.suspected_at is None  # it came back: its agent is alive
 
 
 def test_a_handshake_signed_by_another_key_is_refused(pending_agent):

@@ -189,10 +189,13 @@ def authenticate(*, node_id: str, nonce: bytes, signature: str) -> Node:
 
 @transaction.atomic
 def mark_connected(node_pk: int) -> tuple[Node, bool]:
-    """The control channel is up: a pending or offline node becomes active. Returns the node and
-    whether it came online (placement's ``node_connected``, the verb callers use, re-places then)."""
+    """The control channel is up: a pending or offline node becomes active, and a suspect one is
+    cleared (its agent is alive and answered the handshake). Returns the node and whether it came
+    online (placement's ``node_connected``, the verb callers use, re-places then)."""
     now = timezone.now()
-    Node.objects.filter(pk=node_pk).update(connected=True, last_heartbeat_at=now, connected_since=now)
+    Node.objects.filter(pk=node_pk).update(
+        connected=True, last_heartbeat_at=now, connected_since=now, suspected_at=None, suspicion=""
+    )
     came_online = bool(
         Node.objects.filter(pk=node_pk, state__in=[NodeState.PENDING, NodeState.OFFLINE]).update(state=NodeState.ACTIVE)
     )
@@ -202,9 +205,14 @@ def mark_connected(node_pk: int) -> tuple[Node, bool]:
 
 
 def node_disconnected(node_pk: int, connected_at) -> None:
-    """A channel opened at ``connected_at`` closed; the node stays as it is until its heartbeats
-    time out. A newer channel (the agent reconnected first) keeps the node connected."""
+    """A channel opened at ``connected_at`` closed: the node becomes suspect at once (no new request
+    is routed to it: its process may have died), and stays otherwise as it is until its heartbeats
+    time out or it reconnects. A newer channel (the agent reconnected first) keeps it connected."""
+    now = timezone.now()
     if Node.objects.filter(pk=node_pk, connected_since__lte=connected_at).update(connected=False):
+        Node.objects.filter(
+            pk=node_pk, state__in=[NodeState.ACTIVE, NodeState.DRAINING], suspected_at__isnull=True
+        ).update(suspected_at=now, suspicion="its control channel closed")
         notify_node_changed(node_pk)
 
 
