@@ -157,20 +157,6 @@ class StageServer:
         accepting = [slot for slot in slots if slot.accepting]
         return (accepting or slots or [None])[-1]
 
-    @property
-    def stage(self) -> Stage:
-        """The primary stage."""
-        primary = self.primary
-        if primary is None:
-            raise SwarmError("this server serves no stage now", code="not_serving")
-        return primary.stage
-
-    @property
-    def jobs(self) -> dict[str, JobRoute]:
-        """The primary stage's jobs."""
-        primary = self.primary
-        return primary.jobs if primary is not None else {}
-
     def add_stage(self, stage: Stage) -> None:
         """Serve ``stage`` on this port too; it becomes the primary."""
         key = stage_key(stage)
