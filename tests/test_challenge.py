@@ -409,7 +409,7 @@ def test_the_agent_answers_on_the_control_channel_without_holding_up_other_messa
     channel = _RecordingChannel()
 
     async def scenario() -> None:
-        agent.serving = Serving(assignment=1, stage=_tiny_stage(tiny), stop=None, task=None)
+        agent.blocks[1] = Serving(assignment=1, stage=_tiny_stage(tiny))
         await agent._on_message(channel, protocol.from_wire(_challenge()))
         assert channel.sent == []  # the message loop goes on while a worker thread computes
         await agent._on_message(channel, protocol.Drain())

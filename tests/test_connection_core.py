@@ -383,3 +383,74 @@ def test_a_frame_the_stage_turns_down_is_refused_with_its_first_session_and_keep
     assert refused(CloseSessions(9, JOB, ("g",)), SessionError("gone", code="unknown_session")) == Refuse(
         "unknown_session", "gone", ref=9, job=JOB, session="g"
     )
+
+
+# Several stages behind one port: a block being replaced and its successor
+
+NEW_SPAN = (4, 6)
+NEW = Admission(NODE, MODEL, NEW_SPAN[0], NEW_SPAN[1], frozenset({bytes(ISSUER.verify_key)}), jobs=frozenset())
+
+
+def _old(*, accepting: bool = True, jobs: frozenset[str] = frozenset()) -> Admission:
+    return Admission(NODE, MODEL, SPAN[0], SPAN[1], ADMISSION.trusted_keys, accepting=accepting, jobs=jobs)
+
+
+def test_the_ticket_names_which_of_several_stages_a_hello_binds_to():
+    for span, expected in ((SPAN, (2, 4)), (NEW_SPAN, (4, 6))):
+        connection = Connection([NEW, _old()], LIMITS)
+        hello = wire.Hello(job=JOB, ticket=_ticket(layer_start=span[0], layer_end=span[1]))
+
+        action = _feed(connection, hello, 1)
+
+        assert action == AcceptHello(
+            hello, Binding(JOB, Role.COORDINATOR, NODE, MODEL, *expected, expires_at=NOW + 600)
+        )
+        assert connection.binding.key == (MODEL, *expected)
+
+
+def test_a_ticket_for_a_span_no_stage_serves_is_refused_against_the_primary_stage():
+    connection = Connection([NEW, _old()], LIMITS)
+
+    action = _feed(connection, wire.Hello(job=JOB, ticket=_ticket(layer_start=0, layer_end=2)), 1)
+
+    assert action == Refuse(
+        "ticket_mismatch", "ticket is for layers [0, 2), this agent serves [4, 6)", ref=1, job=JOB, close=True
+    )
+
+
+def test_a_stage_being_released_refuses_a_new_job_and_admits_the_jobs_open_on_it():
+    refused_hello = _feed(Connection([NEW, _old(accepting=False)], LIMITS), _hello(), 1)
+    open_job = Connection([NEW, _old(accepting=False, jobs=frozenset({JOB}))], LIMITS)
+    peer = _feed(open_job, _hello(role="peer"), 1)
+    reconnect = _feed(Connection([NEW, _old(accepting=False, jobs=frozenset({JOB}))], LIMITS), _hello(), 1)
+
+    assert refused_hello == Refuse(
+        "stage_draining",
+        "tiny-llama layers [2, 4) is being released here and takes no new job",
+        ref=1,
+        job=JOB,
+        close=True,
+    )
+    assert isinstance(peer, AcceptHello)
+    assert peer.binding.role is Role.PEER
+    assert isinstance(reconnect, AcceptHello)
+
+
+def test_a_ring_peer_must_join_a_job_open_on_the_stage_its_ticket_names():
+    action = _feed(Connection([NEW, _old(jobs=frozenset({"other"}))], LIMITS), _hello(role="peer"), 1)
+
+    assert action == Refuse("unknown_job", f"no coordinator has opened job {JOB!r} here", ref=1, job=JOB, close=True)
+
+
+def test_without_tickets_a_hello_binds_to_the_primary_stage():
+    stages = [Admission(NODE, MODEL, 4, 6, frozenset(), insecure_open=True), _old()]
+
+    action = _feed(Connection(stages, LIMITS), wire.Hello(job=JOB, ticket=None), 1)
+
+    assert action.binding == Binding(JOB, Role.COORDINATOR, NODE, MODEL, 4, 6, expires_at=None)
+
+
+def test_an_agent_serving_no_block_refuses_every_hello():
+    action = _feed(Connection([], LIMITS), _hello(), 1)
+
+    assert action == Refuse("not_serving", "this agent serves no block now", ref=1, job=JOB, close=True)

@@ -180,6 +180,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         device=args.device,
         wan=args.wan,
         cheat=cheat,
+        max_layers=args.max_layers,
     )
 
     async def main() -> None:
@@ -286,7 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--host", default="127.0.0.1", help="data-plane bind address")
     join.add_argument("--port", type=int, default=0, help="data-plane port (0 picks a free one)")
     join.add_argument("--advertise-url", default=None, help="ws:// URL peers use (default ws://HOST:PORT)")
-    join.add_argument("--max-layers", type=int, default=None, help="host at most this many layers")
+    join.add_argument(
+        "--max-layers",
+        type=int,
+        default=None,
+        help="host at most this many layers at once (a block being replaced and its successor count together)",
+    )
     join.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     join.add_argument("--device", default="cpu")
     join.add_argument("--threads", type=int, default=None)

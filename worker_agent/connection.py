@@ -8,8 +8,13 @@ every rule that depends only on the connection itself:
 - the per-connection limits: frame size and the stage's hidden size, checked by ``wire.decode``;
 - the replay guard: each frame's seq must be above the last one accepted (gaps are allowed);
 - HELLO first: only PING and HELLO are answered before a HELLO has been accepted;
-- admission: the HELLO's ticket is verified against this stage (node, model, layer span) at the
-  time it is fed with, and the connection is bound to the ticket's job, node, model and span;
+- admission: an agent may serve several stages on one port (a new block loads while the old one
+  finishes its jobs); the HELLO's ticket names which one (model and layer span), is verified
+  against that stage (node, model, layer span) at the time it is fed with, and the connection is
+  bound to the ticket's job, node, model and span, so to that stage alone for its whole life. A
+  stage being released takes no new job: only a HELLO for a job already open on it (a ring peer, a
+  coordinator reconnecting) is admitted. Without tickets (``--insecure-open``) a HELLO binds to the
+  primary stage, the first of the admissions;
 - roles: a ``coordinator`` may open, forward and close; a ring ``peer`` may only forward, and
   only for a job whose coordinator is already connected here;
 - job binding: a frame for another job than the one bound is refused;
@@ -22,12 +27,14 @@ the adapter turns those errors into refusals with ``refused``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from worker_agent import wire
 from worker_agent.errors import SwarmError, TicketError, WireError
-from worker_agent.tickets import verify_ticket
+from worker_agent.tickets import check_ticket_target, open_ticket
+
+StageKey = tuple[str, int, int]  # (model, layer_start, layer_end): which of an agent's stages
 
 
 class Role(enum.StrEnum):
@@ -61,6 +68,14 @@ class Admission:
     layer_end: int  # end of the span this stage serves (exclusive)
     trusted_keys: frozenset[bytes]  # 32-byte ed25519 keys whose tickets are accepted
     insecure_open: bool = False  # development only: accept a HELLO without a ticket
+    accepting: bool = True  # False while the stage is released: a HELLO must be for a job open on it
+    # Jobs whose coordinator is connected to this stage (a live view, read here, never changed);
+    # None: the connection's ``coordinated_jobs``.
+    jobs: Container[str] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def key(self) -> StageKey:
+        return (self.model, self.layer_start, self.layer_end)
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,11 @@ class Binding:
     layer_start: int  # the span the ticket names (this stage's), inclusive
     layer_end: int  # end of that span, exclusive
     expires_at: float | None  # unix seconds the ticket expires at; None on an insecure-open stage
+
+    @property
+    def key(self) -> StageKey:
+        """The stage the connection is bound to."""
+        return (self.model, self.layer_start, self.layer_end)
 
 
 class ActionKind(enum.StrEnum):
@@ -157,8 +177,16 @@ Action = Refuse | AcceptHello | ReplyPong | OpenSessions | Dispatch | CloseSessi
 class Connection:
     """One incoming data-plane connection's state: feed it frames, carry out what it returns."""
 
-    def __init__(self, admission: Admission, limits: Limits, *, coordinated_jobs: Container[str]) -> None:
-        self.admission = admission
+    def __init__(
+        self,
+        admission: Admission | Sequence[Admission],
+        limits: Limits,
+        *,
+        coordinated_jobs: Container[str] = frozenset(),
+    ) -> None:
+        # The stages a HELLO may bind to, the primary first. Read when the HELLO comes, so a server
+        # may hand over a sequence it keeps up to date as stages come and go.
+        self.admissions: Sequence[Admission] = (admission,) if isinstance(admission, Admission) else admission
         self.limits = limits
         # Jobs whose coordinator is connected to this stage (read, never changed, here): a ring
         # peer may only join one of them.
@@ -235,29 +263,39 @@ class Connection:
             raise TicketError("this connection already said HELLO", code="hello_twice")
         if hello.role not in tuple(Role):
             raise TicketError(f"a stage does not accept HELLO as {hello.role!r}", code="not_allowed")
-        binding = self._verify(hello, now)
-        if binding.role is Role.PEER and hello.job not in self.coordinated_jobs:
+        binding, stage = self._verify(hello, now)
+        jobs = stage.jobs if stage.jobs is not None else self.coordinated_jobs
+        if binding.role is Role.PEER and hello.job not in jobs:
             raise TicketError(f"no coordinator has opened job {hello.job!r} here", code="unknown_job")
+        if not stage.accepting and hello.job not in jobs:
+            raise TicketError(
+                f"{stage.model} layers [{stage.layer_start}, {stage.layer_end}) is being released here "
+                "and takes no new job",
+                code="stage_draining",
+            )
         return binding
 
-    def _verify(self, hello: wire.Hello, now: float) -> Binding:
-        """The binding a HELLO's ticket grants on this stage; raises TicketError (fails closed)."""
-        us = self.admission
-        if us.insecure_open:
-            return Binding(hello.job, Role(hello.role), us.node, us.model, us.layer_start, us.layer_end, None)
+    def _verify(self, hello: wire.Hello, now: float) -> tuple[Binding, Admission]:
+        """The binding a HELLO's ticket grants, and the stage it binds to; raises TicketError (fails closed)."""
+        stages = tuple(self.admissions)
+        if not stages:
+            raise TicketError("this agent serves no block now", code="not_serving")
+        primary = stages[0]
+        if primary.insecure_open:
+            us = primary
+            return Binding(hello.job, Role(hello.role), us.node, us.model, us.layer_start, us.layer_end, None), us
         if hello.ticket is None:
             raise TicketError(
                 "HELLO carries no job ticket and this agent is not --insecure-open", code="ticket_missing"
             )
-        ticket = verify_ticket(
-            hello.ticket,
-            us.trusted_keys,
-            node=us.node,
-            model=us.model,
-            layer_start=us.layer_start,
-            layer_end=us.layer_end,
-            now=now,
-        )
+        ticket = open_ticket(hello.ticket, frozenset().union(*(s.trusted_keys for s in stages)), now=now)
+        named = (ticket.model, ticket.layer_start, ticket.layer_end)
+        # The stage the ticket names, trusting its issuer; else the primary, which refuses it below.
+        us = next((s for s in stages if s.key == named and ticket.issuer_key in s.trusted_keys), primary)
+        if ticket.issuer_key not in us.trusted_keys:
+            untrusted = ticket.issuer_key.hex()
+            raise TicketError(f"ticket is signed by an untrusted key {untrusted}", code="ticket_untrusted")
+        check_ticket_target(ticket, node=us.node, model=us.model, layer_start=us.layer_start, layer_end=us.layer_end)
         if ticket.job != hello.job:
             raise TicketError(f"ticket is for job {ticket.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
         return Binding(
@@ -268,7 +306,7 @@ class Connection:
             ticket.layer_start,
             ticket.layer_end,
             ticket.expires_at,
-        )
+        ), us
 
 
 def refused(action: OpenSessions | Dispatch | CloseSessions, exc: SwarmError) -> Refuse:

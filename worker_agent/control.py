@@ -34,6 +34,15 @@ or, when the request is invalid or the agent is not serving exactly that block::
 
 with code ``challenge_invalid`` (a malformed request), ``not_serving`` (no block loaded),
 ``wrong_block`` (another model or span) or ``compute_failed``.
+
+Re-placement is make before break. An agent assigned another block keeps serving the blocks it
+holds for the jobs in flight while it loads the new one, all on one data-plane port
+(``server.py``), as long as old and new layers together fit its cap (``--max-layers``). When they
+do not, it drains the oldest block first: no new job on it, its jobs in flight end (at most
+``DRAIN_TIMEOUT_S``), then it is unloaded and the new one loaded. A ``release`` of a block does the
+same without a new one: no new job, unloaded once its jobs end. The control plane sends it once
+the block that supersedes it reports ready. Heartbeats report the primary block (the newest one
+still taking jobs); a challenge is answered by the block serving exactly the span it names.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ from worker_agent.errors import SwarmError
 from worker_agent.keys import node_id, public_key_bytes
 
 if TYPE_CHECKING:
+    from worker_agent.server import StageServer
     from worker_agent.stage import Stage
 
 log = logging.getLogger("swarm.agent")
@@ -70,6 +80,7 @@ log = logging.getLogger("swarm.agent")
 HTTP_TIMEOUT_S = 30.0
 MAX_BACKOFF_S = 30.0
 PROBE_BYTES = 256 * 1024  # size of the frame that measures uplink
+DRAIN_TIMEOUT_S = 60.0  # how long a released or displaced block waits for its jobs in flight to end
 
 
 class JoinError(SwarmError):
@@ -94,14 +105,22 @@ class JoinState:
             return None
 
 
-@dataclass(frozen=True)
+@dataclass
 class Serving:
-    """The block the agent serves now."""
+    """A block the agent holds."""
 
-    assignment: int  # the control plane's id of the assignment being served
+    assignment: int  # the control plane's id of the assignment it serves (a re-placement back onto
+    # the same span hands the loaded block over to the new assignment)
     stage: Stage  # the loaded block, its sessions and its counters
-    stop: asyncio.Future  # resolved to stop the data-plane server
-    task: asyncio.Task  # the data-plane server's serve() task
+    unloading: asyncio.Task | None = None  # set once released: drains, then unloads the block
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.stage.model, self.stage.layer_start, self.stage.layer_end)
+
+    @property
+    def layers(self) -> int:
+        return self.stage.layer_end - self.stage.layer_start
 
 
 def hardware_report(device: str, max_layers: int | None) -> dict:
@@ -199,6 +218,8 @@ class Agent:
         device: str = "cpu",
         wan: str = "",
         cheat: Cheat | None = None,
+        max_layers: int | None = None,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
     ) -> None:
         self.signing_key = signing_key
         self.state = state
@@ -206,7 +227,13 @@ class Agent:
         self.dtype, self.device, self.wan = dtype, device, wan
         self.cheat = cheat  # tests only: wrong results on purpose, on live traffic and challenges
         self.trusted_key: bytes | None = None
-        self.serving: Serving | None = None
+        self.max_layers = max_layers  # the owner's cap on layers held at once (all blocks); None: no cap
+        self.drain_timeout_s = drain_timeout_s
+        self.blocks: dict[int, Serving] = {}  # assignment -> block held, oldest first
+        self.server: StageServer | None = None  # the data-plane port, while a block is held
+        self._server_stop: asyncio.Future | None = None
+        self._server_task: asyncio.Task | None = None
+        self._released: set[int] = set()  # released before (or while) they loaded: never to serve
         self.draining = False
         self.stopped = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -244,6 +271,13 @@ class Agent:
             backoff = min(backoff * 2, MAX_BACKOFF_S)
         await self._stop_serving()
 
+    @property
+    def serving(self) -> Serving | None:
+        """The primary block: the newest one still taking jobs, else the newest; None if none."""
+        blocks = list(self.blocks.values())
+        live = [block for block in blocks if block.unloading is None]
+        return (live or blocks or [None])[-1]
+
     async def _session(self, ws) -> None:
         hello = protocol.decode(await asyncio.wait_for(ws.recv(), HTTP_TIMEOUT_S))
         if not isinstance(hello, protocol.Nonce):
@@ -260,6 +294,12 @@ class Agent:
         try:
             for assignment in welcome.assignments:
                 await self._assign(ws, assignment)
+            # The welcome lists every live assignment: a block it leaves out was released while the
+            # channel was down (the release was pushed to nobody).
+            listed = {assignment.assignment for assignment in welcome.assignments}
+            for block in list(self.blocks.values()):
+                if block.assignment not in listed:
+                    self._release(block.assignment)
             async for raw in ws:
                 try:
                     message = protocol.decode(raw)
@@ -301,8 +341,7 @@ class Agent:
             case protocol.Assign():
                 asyncio.create_task(self._assign(ws, message))  # noqa: RUF006 - tracked via self.serving
             case protocol.Release(assignment=assignment):
-                if self.serving is not None and self.serving.assignment == assignment:
-                    await self._stop_serving()
+                self._release(assignment)
             case protocol.Drain():
                 self.draining = True
             case protocol.Stop(reason=reason):
@@ -331,10 +370,25 @@ class Agent:
         async with self._lock:
             assignment = message.assignment
             model, start, end = message.model, message.layer_start, message.layer_end
-            if self.serving is not None and self.serving.assignment == assignment:
-                await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.advertise_url)))
+            ready = protocol.encode(protocol.Ready(assignment=assignment, url=self.advertise_url))
+            if assignment in self.blocks:  # the channel reconnected and the assignment came again
+                await ws.send(ready)
                 return
-            await self._stop_serving()
+            if assignment in self._released:
+                return
+            key = (models.model_name(model), start, end)
+            same = next((block for block in self.blocks.values() if block.key == key), None)
+            if same is not None and same.unloading is None:
+                # Placed back onto a span still held (its release had not come yet): no reload.
+                del self.blocks[same.assignment]
+                same.assignment = assignment
+                self.blocks[assignment] = same
+                await ws.send(ready)
+                log.info("serving %s layers %d:%d again, as assignment %s", model, start, end, assignment)
+                return
+            if same is not None:
+                await same.unloading  # the port serves one stage per span: let the released one go first
+            await self._make_room(end - start)
             log.info("assigned %s layers %d:%d (assignment %s)", model, start, end, assignment)
             try:
                 weights = await asyncio.to_thread(
@@ -343,6 +397,8 @@ class Agent:
             except SwarmError as exc:
                 await ws.send(protocol.encode(_failed(assignment, str(exc))))
                 return
+            if assignment in self._released:  # released while it loaded
+                return
             stage = Stage(
                 Block(weights),
                 model=models.model_name(model),
@@ -350,22 +406,82 @@ class Agent:
                 trusted_keys=[self.trusted_key] if self.trusted_key else [],
                 cheat=self.cheat,
             )
-            server = StageServer(stage, wan=WanProfile.parse(self.wan))
-            stop = asyncio.get_running_loop().create_future()
-            bound = asyncio.get_running_loop().create_future()
-            task = asyncio.create_task(server.serve(self.host, self.port, ready=bound.set_result, stop=stop))
-            await asyncio.wait([bound, task], return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                error = f"cannot serve on port {self.port}: {task.exception()}"
-                await ws.send(protocol.encode(_failed(assignment, error)))
+            if self.server is None:
+                server = StageServer(stage, wan=WanProfile.parse(self.wan))
+                stop = asyncio.get_running_loop().create_future()
+                bound = asyncio.get_running_loop().create_future()
+                task = asyncio.create_task(server.serve(self.host, self.port, ready=bound.set_result, stop=stop))
+                await asyncio.wait([bound, task], return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    error = f"cannot serve on port {self.port}: {task.exception()}"
+                    await ws.send(protocol.encode(_failed(assignment, error)))
+                    return
+                self.server, self._server_stop, self._server_task = server, stop, task
+            else:
+                self.server.add_stage(stage)
+            self.blocks[assignment] = Serving(assignment=assignment, stage=stage)
+            await ws.send(ready)
+            held = ", ".join(f"{b.stage.layer_start}:{b.stage.layer_end}" for b in self.blocks.values())
+            log.info("serving %s layers %d:%d at %s (holding %s)", model, start, end, self.advertise_url, held)
+
+    async def _make_room(self, layers: int) -> None:
+        """Unload the oldest blocks, each once its jobs in flight end, until ``layers`` more fit the cap."""
+        for block in list(self.blocks.values()):
+            held = sum(b.layers for b in self.blocks.values())
+            if not self.max_layers or held + layers <= self.max_layers:
                 return
-            self.serving = Serving(assignment=assignment, stage=stage, stop=stop, task=task)
-            await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.advertise_url)))
-            log.info("serving %s layers %d:%d at %s", model, start, end, self.advertise_url)
+            log.info(
+                "%d layers held and %d more do not fit the cap of %d: draining layers %d:%d first",
+                held,
+                layers,
+                self.max_layers,
+                block.stage.layer_start,
+                block.stage.layer_end,
+            )
+            await self._unload(block)
+
+    def _release(self, assignment: int) -> None:
+        """Take no new job on the block, and unload it once its jobs in flight end."""
+        block = self.blocks.get(assignment)
+        if block is None:
+            self._released.add(assignment)  # perhaps loading now: it must not be served
+            return
+        task = asyncio.create_task(self._close_port_when_empty(self._unload(block)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _close_port_when_empty(self, unloading: asyncio.Task) -> None:
+        await unloading
+        async with self._lock:
+            if not self.blocks:  # nothing left to serve: the port closes, as before any assignment
+                await self._stop_serving()
+
+    def _unload(self, block: Serving) -> asyncio.Task:
+        """The task that drains and unloads ``block``, started on the first call."""
+        if block.unloading is None:
+            if self.server is not None:
+                self.server.retire_stage(block.key)
+            block.unloading = asyncio.create_task(self._drain_and_unload(block))
+        return block.unloading
+
+    async def _drain_and_unload(self, block: Serving) -> None:
+        model, start, end = block.key
+        cut = 0
+        if self.server is not None:
+            cut = await self.server.unload_stage(block.key, timeout=self.drain_timeout_s)
+        if self.blocks.get(block.assignment) is block:
+            del self.blocks[block.assignment]
+        if cut:
+            log.warning("unloaded %s layers %d:%d, cutting off %d jobs still open after %.0fs",
+                        model, start, end, cut, self.drain_timeout_s)  # fmt: skip
+        else:
+            log.info("unloaded %s layers %d:%d (assignment %s)", model, start, end, block.assignment)
 
     async def _challenge(self, ws, request: protocol.Challenge) -> None:
         async with self._challenge_lock:
-            stage = self.serving.stage if self.serving is not None else None
+            named = (request.model, request.layer_start, request.layer_end)
+            block = next((b for b in self.blocks.values() if b.key == named), self.serving)
+            stage = block.stage if block is not None else None
             reply = await asyncio.to_thread(challenge_result, stage, request, self.cheat)
         if reply.error is not None:
             log.warning("challenge %s refused: %s (%s)", reply.challenge, reply.error, reply.code)
@@ -376,14 +492,15 @@ class Agent:
             await ws.send(protocol.encode(reply))
 
     async def _stop_serving(self) -> None:
-        if self.serving is None:
-            return
-        stop, task = self.serving.stop, self.serving.task
-        self.serving = None
-        if not stop.done():
+        """Close the data-plane port and forget every block."""
+        stop, task = self._server_stop, self._server_task
+        self.blocks.clear()
+        self.server, self._server_stop, self._server_task = None, None, None
+        if stop is not None and not stop.done():
             stop.set_result(None)
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(task, 10)
+        if task is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
 
     async def _probe(self, targets: tuple[protocol.ProbeTarget, ...]) -> tuple[protocol.LinkResult, ...]:
         """RTT and uplink to each peer's data plane; RTT to each coordinator region's probe URL

@@ -15,6 +15,18 @@ The per-connection rules (HELLO first, tickets, roles, job binding, the replay g
 refusals close the connection) live in the sans-I/O core ``connection.py``; this module feeds it
 each frame and carries out the action it returns. Bad frames are answered with an ERROR frame
 (code, message, ref = the frame's seq) and the connection stays open; only a failed HELLO closes it.
+
+Several stages on one port (make before break): an agent re-placed onto another span loads the
+new block while the old one finishes its jobs in flight. ``add_stage`` puts a stage on the port,
+``retire_stage`` stops it taking new jobs, and ``unload_stage`` waits (bounded) until its jobs
+have ended, then drops it and closes whatever connection is still bound to it. Stages are keyed
+by (model, layer_start, layer_end); a HELLO's ticket names the key and the connection talks to
+that stage only: its sessions, its receipts, its ring successor and its taps. The newest stage
+still taking jobs is the primary: PONG reports it, and without tickets a HELLO binds to it.
+
+Each stage has its own job table, queue and compute loop, so a batch never mixes blocks; the
+loops share one compute thread, because the blocks share one CPU or GPU and running them at
+once would only make each slower.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from worker_agent.connection import (
     Refuse,
     ReplyPong,
     Role,
+    StageKey,
     refused,
 )
 from worker_agent.errors import SwarmError, WireError
@@ -67,6 +80,7 @@ class Conn:
         self.link = WanLink(ws.send, wan)
         self.seq_out = 0
         self.core = core  # the rules of an incoming connection; None on one this stage opened
+        self.slot: StageSlot | None = None  # the stage an accepted HELLO bound it to
 
     @property
     def role(self) -> Role | None:
@@ -93,24 +107,116 @@ class JobRoute:
     tasks: set[asyncio.Task] = field(default_factory=set)
 
 
+def stage_key(stage: Stage) -> StageKey:
+    return (stage.model, stage.layer_start, stage.layer_end)
+
+
+@dataclass
+class StageSlot:
+    """One stage on the port and what the server keeps for it."""
+
+    stage: Stage
+    jobs: dict[str, JobRoute] = field(default_factory=dict)  # job -> its route, while its coordinator is here
+    queue: asyncio.Queue[tuple[Conn, Prepared]] = field(default_factory=asyncio.Queue)  # FORWARDs to batch
+    conns: set[Conn] = field(default_factory=set)  # incoming connections bound to this stage
+    accepting: bool = True  # False once retired: HELLOs only for jobs already open here
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no job is open here
+    compute: asyncio.Task | None = None  # its compute loop, while the server runs
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
 class StageServer:
     def __init__(
         self,
-        stage: Stage,
+        stage: Stage | None = None,
         *,
         wan: WanProfile | None = None,
         max_frame: int = wire.DEFAULT_MAX_FRAME,
         max_batch: int = 32,
     ) -> None:
-        self.stage = stage
         self.wan = wan or WanProfile()
         self.max_frame = max_frame
         self.max_batch = max_batch
-        self.jobs: dict[str, JobRoute] = {}
-        self._queue: asyncio.Queue[tuple[Conn, Prepared]] = asyncio.Queue()
+        self.slots: dict[StageKey, StageSlot] = {}  # oldest first
+        # What a HELLO may bind to, the primary first: one list kept up to date in place, which
+        # every connection's core reads when its HELLO comes.
+        self._admissions: list[Admission] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._running = False
         self.batches_run = 0
         self.largest_batch = 0
+        if stage is not None:
+            self.add_stage(stage)
+
+    @property
+    def primary(self) -> StageSlot | None:
+        """The newest stage still taking jobs (else the newest stage), or None without stages."""
+        slots = list(self.slots.values())
+        accepting = [slot for slot in slots if slot.accepting]
+        return (accepting or slots or [None])[-1]
+
+    def add_stage(self, stage: Stage) -> None:
+        """Serve ``stage`` on this port too; it becomes the primary."""
+        key = stage_key(stage)
+        if key in self.slots:
+            raise SwarmError(f"{key[0]} layers {key[1]}:{key[2]} is served here already", code="stage_exists")
+        slot = StageSlot(stage)
+        self.slots[key] = slot
+        if self._running:
+            slot.compute = asyncio.create_task(self._compute_loop(slot))
+        self._update_admissions()
+
+    def retire_stage(self, key: StageKey) -> None:
+        """Take no new job on this stage; the jobs open on it go on."""
+        slot = self.slots.get(key)
+        if slot is not None and slot.accepting:
+            slot.accepting = False
+            self._update_admissions()
+            log.info("%s layers %d:%d takes no new job (%d open)", *key, len(slot.jobs))
+
+    async def unload_stage(self, key: StageKey, *, timeout: float) -> int:
+        """Retire the stage, wait up to ``timeout`` s for its jobs to end, then drop it and close the
+        connections still bound to it; returns how many jobs were cut off at the bound."""
+        slot = self.slots.get(key)
+        if slot is None:
+            return 0
+        self.retire_stage(key)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(slot.idle.wait(), timeout)
+        cut = len(slot.jobs)
+        if self.slots.get(key) is not slot:
+            return cut
+        del self.slots[key]
+        self._update_admissions()
+        if slot.compute is not None:
+            slot.compute.cancel()
+        for job, route in list(slot.jobs.items()):
+            await self._end_job(slot, job, route.coordinator)
+        for conn in list(slot.conns):
+            with contextlib.suppress(Exception):
+                await conn.aclose()
+                await asyncio.wait_for(conn.ws.close(1001, "stage unloaded"), 1)
+        log.info("unloaded %s layers %d:%d (%d jobs cut off)", *key, cut)
+        return cut
+
+    def _update_admissions(self) -> None:
+        primary = self.primary
+        ordered = ([primary] if primary is not None else []) + [s for s in self.slots.values() if s is not primary]
+        self._admissions[:] = [
+            Admission(
+                node=slot.stage.node,
+                model=slot.stage.model,
+                layer_start=slot.stage.layer_start,
+                layer_end=slot.stage.layer_end,
+                trusted_keys=slot.stage.trusted_keys,
+                insecure_open=slot.stage.insecure_open,
+                accepting=slot.accepting,
+                jobs=slot.jobs,
+            )
+            for slot in ordered
+        ]
 
     async def serve(
         self, host: str, port: int, *, ready: Callable[[int], None] | None = None, stop: asyncio.Future | None = None
@@ -122,7 +228,9 @@ class StageServer:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
-        compute = asyncio.create_task(self._compute_loop())
+        self._running = True
+        for slot in self.slots.values():
+            slot.compute = asyncio.create_task(self._compute_loop(slot))
         sweeper = asyncio.create_task(self._sweep_loop())
         try:
             # The library's own cap is a backstop well above ours, so that an oversize frame
@@ -141,12 +249,15 @@ class StageServer:
                     ready(bound)
                 await stop
         finally:
-            compute.cancel()
+            self._running = False
+            for slot in self.slots.values():
+                if slot.compute is not None:
+                    slot.compute.cancel()
             sweeper.cancel()
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _handle(self, ws: ServerConnection) -> None:
-        core = Connection(self._admission(), self._limits(), coordinated_jobs=self.jobs)
+        core = Connection(self._admissions, self._limits())
         conn = Conn(ws, self.wan, core)
         try:
             async for data in ws:
@@ -156,22 +267,17 @@ class StageServer:
             pass
         finally:
             await conn.aclose()
-            if core.binding is not None and core.binding.role is Role.COORDINATOR:
-                await self._end_job(core.binding.job, conn)
-
-    def _admission(self) -> Admission:
-        stage = self.stage
-        return Admission(
-            node=stage.node,
-            model=stage.model,
-            layer_start=stage.layer_start,
-            layer_end=stage.layer_end,
-            trusted_keys=stage.trusted_keys,
-            insecure_open=stage.insecure_open,
-        )
+            slot = conn.slot
+            if slot is not None:
+                slot.conns.discard(conn)
+                if core.binding is not None and core.binding.role is Role.COORDINATOR:
+                    await self._end_job(slot, core.binding.job, conn)
 
     def _limits(self) -> Limits:
-        return Limits(max_frame=self.max_frame, hidden_size=self.stage.block.hidden_size)
+        # Frames are decoded before a HELLO says which stage they are for: the hidden size is
+        # checked here when every stage has the same one, and by the stage itself anyway.
+        sizes = {slot.stage.block.hidden_size for slot in self.slots.values()}
+        return Limits(max_frame=self.max_frame, hidden_size=sizes.pop() if len(sizes) == 1 else None)
 
     async def _act(self, conn: Conn, action: Action) -> bool:
         """Carry out what the connection's core decided about one frame; False closes the connection."""
@@ -180,9 +286,15 @@ class StageServer:
                 await self._error(conn, action.to_wire())
                 return not action.close
             case ReplyPong():
-                await conn.send(wire.Pong(action.nonce, self.stage.info()))
+                primary = self.primary
+                await conn.send(wire.Pong(action.nonce, primary.stage.info() if primary is not None else {}))
             case AcceptHello():
-                await self._accept(conn, action)
+                slot = self.slots.get(action.binding.key)
+                if slot is None:  # unloaded between the admission list and now
+                    gone = wire.Error("not_serving", "that block is no longer served here", fatal=True)
+                    await self._error(conn, gone)
+                    return False
+                await self._accept(conn, slot, action)
             case _:
                 try:
                     await self._serve(conn, action)
@@ -191,27 +303,34 @@ class StageServer:
         return True
 
     async def _serve(self, conn: Conn, action: OpenSessions | Dispatch | CloseSessions) -> None:
+        slot = conn.slot
+        if slot is None or self.slots.get(stage_key(slot.stage)) is not slot:
+            raise SwarmError("the block this connection was bound to is no longer served here", code="not_serving")
+        stage = slot.stage
         match action:
             case Dispatch():
-                self._queue.put_nowait((conn, self.stage.prepare(action.forward)))
+                slot.queue.put_nowait((conn, stage.prepare(action.forward)))
             case OpenSessions():
-                self.stage.open(action.job, action.sessions)
+                stage.open(action.job, action.sessions)
                 await conn.send(wire.Open(action.job, action.sessions))
             case CloseSessions():
-                receipts = self.stage.close(action.job, action.sessions)
+                receipts = stage.close(action.job, action.sessions)
                 await conn.send(wire.Close(action.job, action.sessions, tuple(receipts)))
 
-    async def _accept(self, conn: Conn, action: AcceptHello) -> None:
+    async def _accept(self, conn: Conn, slot: StageSlot, action: AcceptHello) -> None:
         hello = action.hello
+        conn.slot = slot
+        slot.conns.add(conn)
         if action.binding.role is Role.COORDINATOR:
-            old = self.jobs.get(hello.job)
+            old = slot.jobs.get(hello.job)
             if old is not None:  # the coordinator reconnected: keep sessions, reroute outputs
                 old.coordinator = conn
                 if (old.topology, old.next_url, old.next_ticket) != (hello.topology, hello.next_url, hello.next_ticket):
                     await self._repoint(old, hello)
             else:
-                self.jobs[hello.job] = JobRoute(conn, hello.topology, hello.next_url, hello.next_ticket)
-        await conn.send(wire.Hello(job=hello.job, role="stage", topology=hello.topology, info=self.stage.info()))
+                slot.jobs[hello.job] = JobRoute(conn, hello.topology, hello.next_url, hello.next_ticket)
+                slot.idle.clear()
+        await conn.send(wire.Hello(job=hello.job, role="stage", topology=hello.topology, info=slot.stage.info()))
 
     async def _repoint(self, route: JobRoute, hello: wire.Hello) -> None:
         """A healed route: the coordinator's new HELLO names another successor (its old one died).
@@ -233,7 +352,7 @@ class StageServer:
             "refusing frame %s from %s: %s (%s)", error.ref, conn.role or "unauthenticated", error.message, error.code
         )
         target = conn
-        route = self.jobs.get(error.job or "") if conn.role is Role.PEER else None
+        route = conn.slot.jobs.get(error.job or "") if conn.role is Role.PEER and conn.slot is not None else None
         if route is not None:  # a ring peer's bad frame is the coordinator's business
             target = route.coordinator
         with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
@@ -241,16 +360,17 @@ class StageServer:
             if error.fatal:
                 await target.link.drain()
 
-    async def _compute_loop(self) -> None:
+    async def _compute_loop(self, slot: StageSlot) -> None:
         loop = asyncio.get_running_loop()
+        stage, queue = slot.stage, slot.queue
         while True:
-            batch = [await self._queue.get()]
-            while not self._queue.empty() and len(batch) < self.max_batch:
-                batch.append(self._queue.get_nowait())
+            batch = [await queue.get()]
+            while not queue.empty() and len(batch) < self.max_batch:
+                batch.append(queue.get_nowait())
             self.batches_run += 1
             self.largest_batch = max(self.largest_batch, sum(len(p.work) for _, p in batch))
             try:
-                results = await loop.run_in_executor(self._executor, self.stage.compute, [p for _, p in batch])
+                results = await loop.run_in_executor(self._executor, stage.compute, [p for _, p in batch])
             except Exception as exc:  # a failed batch must not kill the stage
                 log.exception("compute failed")
                 for conn, prepared in batch:
@@ -261,16 +381,16 @@ class StageServer:
             finished = []
             for (conn, prepared), outputs in zip(batch, results, strict=True):
                 try:
-                    finished.append((prepared.forward.job, self.stage.finish(prepared, outputs)))
+                    finished.append((prepared.forward.job, stage.finish(prepared, outputs)))
                 except Exception as exc:  # one step failing must not stop the loop that serves every job
                     log.exception("finishing a step failed")
                     code = exc.code if isinstance(exc, SwarmError) else "compute_failed"
                     await self._error(conn, wire.Error(code, f"step failed: {exc}", job=prepared.forward.job))
             for job, output in merge_outputs(finished):
-                await self._send_on(job, output)
+                await self._send_on(slot, job, output)
 
-    async def _send_on(self, job: str, output: Output) -> None:
-        route = self.jobs.get(job)
+    async def _send_on(self, slot: StageSlot, job: str, output: Output) -> None:
+        route = slot.jobs.get(job)
         if route is None:  # the coordinator left while this was computing
             return
         frame_args = dict(job=job, items=output.items, dtype=output.dtype, shape=output.shape, payload=output.payload)
@@ -335,12 +455,14 @@ class StageServer:
                         with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
                             await route.coordinator.send(frame.message)
 
-    async def _end_job(self, job: str, conn: Conn) -> None:
-        route = self.jobs.get(job)
+    async def _end_job(self, slot: StageSlot, job: str, conn: Conn) -> None:
+        route = slot.jobs.get(job)
         if route is None or route.coordinator is not conn:
             return
-        del self.jobs[job]
-        dropped = self.stage.drop_job(job)
+        del slot.jobs[job]
+        if not slot.jobs:
+            slot.idle.set()
+        dropped = slot.stage.drop_job(job)
         if dropped:
             log.info("job %s: coordinator left, dropped %d open sessions", job, dropped)
         for task in route.tasks:
@@ -352,7 +474,7 @@ class StageServer:
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            evicted = self.stage.evict_idle()
+            evicted = sum(slot.stage.evict_idle() for slot in list(self.slots.values()))
             if evicted:
                 log.info("evicted %d idle sessions", evicted)
 

@@ -160,6 +160,15 @@ def verify_ticket(
 
     Any input whatsoever yields either a ``Ticket`` or a ``TicketError``, never another error.
     """
+    ticket = open_ticket(blob, trusted_keys, now=now)
+    check_ticket_target(ticket, node=node, model=model, layer_start=layer_start, layer_end=layer_end)
+    return ticket
+
+
+def open_ticket(blob: bytes, trusted_keys: Collection[bytes], *, now: float | None = None) -> Ticket:
+    """The ticket in ``blob`` if it is well formed, signed by a trusted key and unexpired, whatever
+    it is for (an agent serving several blocks reads which one it names, then ``check_ticket_target``);
+    raises ``TicketError`` otherwise, never another error."""
     body, sig, key = _parse_envelope(blob)
     # Checked before the signature so an untrusted sender cannot make us spend a verify on it.
     if key not in {bytes(k) for k in trusted_keys}:
@@ -172,6 +181,11 @@ def verify_ticket(
     current = time.time() if now is None else now
     if ticket.expires_at <= current:
         raise TicketError(f"ticket expired at {ticket.expires_at:.3f}, now is {current:.3f}", code="ticket_expired")
+    return ticket
+
+
+def check_ticket_target(ticket: Ticket, *, node: str, model: str, layer_start: int, layer_end: int) -> None:
+    """Raise ``TicketError`` unless ``ticket`` is for this node, model and span."""
     for name, theirs, ours in (("node", ticket.node, node), ("model", ticket.model, model)):
         if theirs != ours:
             raise TicketError(f"ticket is for {name} {theirs!r}, this agent is {ours!r}", code="ticket_mismatch")
@@ -181,4 +195,3 @@ def verify_ticket(
             f"this agent serves [{layer_start}, {layer_end})",
             code="ticket_mismatch",
         )
-    return ticket

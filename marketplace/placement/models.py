@@ -33,6 +33,12 @@ class Assignment(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     ready_at = models.DateTimeField(null=True, blank=True)
     released_at = models.DateTimeField(null=True, blank=True)
+    # The node's previous block of this model, released in the database (nothing new is routed to
+    # it) but still held by the agent for its jobs in flight: the agent is told to let it go once
+    # this one is ready, or has failed. Cleared once that message is sent.
+    supersedes = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="superseded_by"
+    )
 
     class Meta:
         ordering = ["model", "pipeline", "position"]

@@ -6,6 +6,12 @@ rest and pushes the new ones to their agents over the control channel. When pipe
 merely left and spares hold their spans, it repairs the placement instead: the spares take their
 places and nobody else moves. Agents answer ``ready`` once their block is loaded; a model is
 servable when one pipeline is ready end to end on active nodes that no coordinator reported failed.
+
+Make before break: a node moved onto another span keeps its old block for the jobs in flight
+while it loads the new one. The old assignment is released in the database at once (routing
+takes only ready assignments, so no new job goes to it), but the agent is told to release it
+only once the new assignment is ready, or has failed to load (``assignment_ready``,
+``assignment_failed``). A node left without any block is told at once.
 """
 
 from __future__ import annotations
@@ -308,6 +314,7 @@ def _apply(
     """Make the live assignments what ``wanted`` says: a block whose span is unchanged is kept (its
     agent keeps it warm, whatever its new position), the others are released and new ones pushed."""
     result = []
+    superseded: dict[str, Assignment] = {}  # node -> its released block, held until the new one is ready
     for node_id, assignment in live.items():
         target = wanted.get(node_id)
         if target is not None and (assignment.layer_start, assignment.layer_end) == target[2:4]:
@@ -321,7 +328,9 @@ def _apply(
         assignment.save(update_fields=["state", "released_at"])
         notify_node_changed(assignment.node_id)
         if target is None:
-            push(node_id, protocol.to_wire(protocol.Release(assignment=assignment.pk, model=model)))
+            _push_release(assignment)
+        else:
+            superseded[node_id] = assignment
     kept = {a.node.node_id for a in result}
     for node_id, (pipeline_index, position, start, end, spare) in wanted.items():
         if node_id in kept:
@@ -335,6 +344,7 @@ def _apply(
             layer_start=start,
             layer_end=end,
             is_spare=spare,
+            supersedes=superseded.get(node_id),
         )
         push(node_id, protocol.to_wire(assignment.as_message()))
         notify_node_changed(assignment.node_id)
@@ -440,14 +450,38 @@ def _replacement_pays(model: str, live: list[Assignment]) -> bool:
     return pays
 
 
+def _push_release(assignment: Assignment) -> None:
+    """Tell the agent to let ``assignment``'s block go, and every older block it still holds for it."""
+    while assignment is not None:
+        push(
+            assignment.node.node_id,
+            protocol.to_wire(protocol.Release(assignment=assignment.pk, model=assignment.model)),
+        )
+        older = assignment.supersedes
+        if older is not None:
+            Assignment.objects.filter(pk=assignment.pk).update(supersedes=None)
+        assignment = older
+
+
+def _release_superseded(assignment_pk: int) -> None:
+    """The new block is ready or failed: the agent may let the blocks it superseded go."""
+    assignment = Assignment.objects.select_related("supersedes__node").get(pk=assignment_pk)
+    if assignment.supersedes is not None:
+        older = assignment.supersedes
+        Assignment.objects.filter(pk=assignment.pk).update(supersedes=None)
+        _push_release(older)
+
+
 @transaction.atomic
 def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
     """The agent reports its block loaded and served at ``data_url``; False if it is stale.
-    Once every live block of the model is up, the placed nodes measure their links."""
+    The block it superseded on that node is released at the agent now. Once every live block of
+    the model is up, the placed nodes measure their links."""
     updated = Assignment.objects.filter(pk=assignment_pk, node_id=node_pk, state=AssignmentState.ASSIGNED).update(
         state=AssignmentState.READY, ready_at=timezone.now(), data_url=data_url[:255]
     )
     if updated:
+        _release_superseded(assignment_pk)
         notify_node_changed(node_pk)
         model = Assignment.objects.get(pk=assignment_pk).model
         live = Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
@@ -462,6 +496,7 @@ def assignment_failed(node_pk: int, assignment_pk: int, error: str) -> bool:
         state=AssignmentState.FAILED, error=error[:2000], released_at=timezone.now()
     )
     if updated:
+        _release_superseded(assignment_pk)  # nothing to wait for: the old block goes too
         notify_node_changed(node_pk)
         mark_dirty(Assignment.objects.get(pk=assignment_pk).model)
     return bool(updated)

@@ -1,0 +1,275 @@
+"""Make before break at the agent: re-placed onto another span, an agent keeps serving its old block
+for the jobs in flight while it loads the new one, both on one data-plane port; a release stops new
+jobs on the old block and unloads it once its jobs end. With a layer cap too small for both, it
+drains the old block first.
+
+The agent runs in the test's event loop with its control channel stood in for (the control plane's
+messages are fed to it, its answers recorded); the data plane is real: stage servers and coordinators
+on loopback sockets, tiny-llama split 0:3 | 3:6, greedy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.wire_client import raw_client
+from worker_agent import control_protocol as protocol
+from worker_agent import model as models
+from worker_agent import wire
+from worker_agent.block import Block
+from worker_agent.control import Agent, JoinState
+from worker_agent.coordinator.job import Coordinator, GenerationResult
+from worker_agent.coordinator.pipeline import StageSpec
+from worker_agent.keys import generate_signing_key, node_id, public_key_bytes
+from worker_agent.server import StageServer
+from worker_agent.stage import Stage
+from worker_agent.tickets import issue_ticket
+
+pytestmark = pytest.mark.dataplane
+
+MODEL = "tiny-llama"
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 12
+DEADLINE_S = 60.0
+
+
+class RecordingChannel:
+    """Stands in for the control channel's WebSocket: keeps what the agent sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    async def send(self, text: str) -> None:
+        self.sent.append(json.loads(text))
+
+    def answered(self, assignment: int) -> dict | None:
+        return next((m for m in self.sent if m.get("assignment") == assignment), None)
+
+
+async def until(condition, what: str, timeout: float = DEADLINE_S):
+    """Poll ``condition`` on the event loop until it is truthy (returned), or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Swarm:
+    """An agent under test, plain stage servers for the rest of the route, and the ticket issuer."""
+
+    def __init__(self, max_layers: int | None) -> None:
+        self.issuer = generate_signing_key()
+        key = generate_signing_key()
+        self.node = node_id(public_key_bytes(key))
+        self.port = free_port()
+        self.url = f"ws://127.0.0.1:{self.port}"
+        state = JoinState("http://control.test", self.node, "ws://control.test/ws/agent/", 5.0)
+        self.agent = Agent(key, state, host="127.0.0.1", port=self.port, advertise_url=self.url, max_layers=max_layers)
+        self.agent.trusted_key = public_key_bytes(self.issuer)
+        self.channel = RecordingChannel()
+        self.plain: dict[tuple[int, int], tuple[str, Stage]] = {}
+
+    def ticket(self, job: str, node: str, span: tuple[int, int]) -> bytes:
+        return issue_ticket(self.issuer, job=job, node=node, model=MODEL, layer_start=span[0], layer_end=span[1])
+
+    def spec(self, job: str, span: tuple[int, int], *, on_agent: bool) -> StageSpec:
+        if on_agent:
+            return StageSpec(self.url, self.ticket(job, self.node, span))
+        url, stage = self.plain[span]
+        return StageSpec(url, self.ticket(job, stage.node, span))
+
+    def coordinator(self, job: str, *, agent_spans: set[tuple[int, int]]) -> Coordinator:
+        specs = [self.spec(job, span, on_agent=span in agent_spans) for span in ((0, 3), (3, 6))]
+        return Coordinator(MODEL, specs, job=job)
+
+    async def assign(self, assignment: int, span: tuple[int, int]) -> None:
+        message = protocol.Assign(assignment=assignment, model=MODEL, layer_start=span[0], layer_end=span[1])
+        await self.agent._on_message(self.channel, message)
+
+    async def hello(self, job: str, span: tuple[int, int]) -> wire.Message:
+        async with raw_client(self.url) as client:
+            return await client.hello(job, self.ticket(job, self.node, span))
+
+    def spans_held(self) -> list[tuple[int, int]]:
+        return [(b.stage.layer_start, b.stage.layer_end) for b in self.agent.blocks.values()]
+
+
+@contextlib.asynccontextmanager
+async def swarm(max_layers: int | None = None) -> AsyncIterator[Swarm]:
+    """The agent holding 0:3 as assignment 1 (ready), and plain stages for 0:3 and 3:6."""
+    s = Swarm(max_layers)
+    tasks = []
+    for span in ((0, 3), (3, 6)):
+        stage = Stage(
+            Block(models.load_block(MODEL, *span)),
+            model=MODEL,
+            signing_key=generate_signing_key(),
+            trusted_keys=[public_key_bytes(s.issuer)],
+        )
+        bound = asyncio.get_running_loop().create_future()
+        tasks.append(asyncio.create_task(StageServer(stage).serve("127.0.0.1", 0, ready=bound.set_result)))
+        s.plain[span] = (f"ws://127.0.0.1:{await asyncio.wait_for(bound, 30)}", stage)
+    await s.assign(1, (0, 3))
+    assert await until(lambda: s.channel.answered(1), "the first block to load") == {
+        "type": "ready",
+        "assignment": 1,
+        "url": s.url,
+    }
+    try:
+        yield s
+    finally:
+        await s.agent._stop_serving()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, *s.agent._tasks, return_exceptions=True)
+
+
+async def unbroken_run(s: Swarm) -> list[int]:
+    """The reference: the same request on the plain stages alone."""
+    async with s.coordinator("job-reference", agent_spans=set()) as coordinator:
+        return (await coordinator.generate(coordinator.request(PROMPT, max_tokens=MAX_TOKENS))).token_ids
+
+
+async def finish(stream) -> GenerationResult:
+    async for event in stream:
+        if isinstance(event, GenerationResult):
+            return event
+    raise AssertionError("the stream ended without a result")
+
+
+def test_a_stream_on_the_old_block_runs_to_its_end_while_the_new_block_loads_and_serves():
+    async def scenario() -> None:
+        async with swarm() as s:
+            reference = await unbroken_run(s)
+            async with s.coordinator("job-old", agent_spans={(0, 3)}) as old:
+                stream = old.stream(old.request(PROMPT, max_tokens=MAX_TOKENS))
+                first = await anext(stream)  # the old block's session is open, mid-generation
+                assert first.token_id is not None
+
+                # Re-placed onto 3:6: the new block loads beside the old one, on the same port.
+                await s.assign(2, (3, 6))
+                assert await until(lambda: s.channel.answered(2), "the new block to be ready") == {
+                    "type": "ready",
+                    "assignment": 2,
+                    "url": s.url,
+                }
+                assert s.spans_held() == [(0, 3), (3, 6)]
+                assert s.agent.serving.assignment == 2
+                async with raw_client(s.url) as client:
+                    pong = await client.ping(7)
+                assert (pong.info["layer_start"], pong.info["layer_end"]) == (3, 6)
+
+                # New jobs are served on the new block, and (until released) on the old one too.
+                async with s.coordinator("job-new", agent_spans={(3, 6)}) as new:
+                    served = await new.generate(new.request(PROMPT, max_tokens=MAX_TOKENS))
+                assert served.token_ids == reference
+                assert len(served.receipts) == 2
+                hello = await s.hello("job-probe", (0, 3))
+                assert isinstance(hello, wire.Hello)
+                assert (hello.info["layer_start"], hello.info["layer_end"]) == (0, 3)
+
+                # Released: no new job on the old block, but it stays for the stream in flight.
+                await s.agent._on_message(s.channel, protocol.Release(assignment=1, model=MODEL))
+                refused = await s.hello("job-late", (0, 3))
+                assert isinstance(refused, wire.Error)
+                assert refused.code == "stage_draining"
+                assert s.spans_held() == [(0, 3), (3, 6)]
+
+                result = await finish(stream)
+                assert result.token_ids == reference
+                assert result.verification is not None
+                assert result.verification.steps == result.steps
+            # The job ended: the old block goes.
+            await until(lambda: s.spans_held() == [(3, 6)], "the released block to unload")
+            hello = await s.hello("job-after", (3, 6))
+            assert isinstance(hello, wire.Hello)
+            gone = await s.hello("job-gone", (0, 3))
+            assert isinstance(gone, wire.Error)
+            assert gone.code == "ticket_mismatch"
+            assert [m["type"] for m in s.channel.sent] == ["ready", "ready"]
+
+    asyncio.run(scenario())
+
+
+def test_with_no_room_for_both_blocks_the_agent_drains_the_old_one_before_it_loads_the_new_one():
+    async def scenario() -> None:
+        async with swarm(max_layers=4) as s:
+            reference = await unbroken_run(s)
+            async with s.coordinator("job-old", agent_spans={(0, 3)}) as old:
+                stream = old.stream(old.request(PROMPT, max_tokens=MAX_TOKENS))
+                await anext(stream)
+
+                await s.assign(2, (3, 6))  # 3 + 3 layers > the cap of 4
+                # The old block takes no new job, and the new one waits for it to drain.
+                await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the old block to retire")
+                refused = await s.hello("job-late", (0, 3))
+                assert isinstance(refused, wire.Error)
+                assert refused.code == "stage_draining"
+                assert s.channel.answered(2) is None
+                assert s.spans_held() == [(0, 3)]
+
+                result = await finish(stream)
+                assert result.token_ids == reference
+            assert await until(lambda: s.channel.answered(2), "the new block to be ready") == {
+                "type": "ready",
+                "assignment": 2,
+                "url": s.url,
+            }
+            assert s.spans_held() == [(3, 6)]
+            async with s.coordinator("job-new", agent_spans={(3, 6)}) as new:
+                served = await new.generate(new.request(PROMPT, max_tokens=MAX_TOKENS))
+            assert served.token_ids == reference
+            # The control plane's release of the old block, once the new one was ready, changes nothing.
+            await s.agent._on_message(s.channel, protocol.Release(assignment=1, model=MODEL))
+            assert s.spans_held() == [(3, 6)]
+
+    asyncio.run(scenario())
+
+
+def test_an_assignment_sent_again_after_a_reconnect_is_answered_ready_without_a_reload():
+    async def scenario() -> None:
+        async with swarm() as s:
+            stage = s.agent.blocks[1].stage
+
+            await s.assign(1, (0, 3))
+
+            await until(lambda: len(s.channel.sent) == 2, "the answer to the assignment sent again")
+            assert s.channel.sent == [{"type": "ready", "assignment": 1, "url": s.url}] * 2
+            assert s.agent.blocks[1].stage is stage
+            assert s.agent.blocks[1].unloading is None
+
+    asyncio.run(scenario())
+
+
+def test_a_challenge_is_answered_by_the_block_serving_exactly_its_span():
+    async def scenario() -> None:
+        async with swarm() as s:
+            await s.assign(2, (3, 6))
+            await until(lambda: s.channel.answered(2), "the new block to be ready")
+            for challenge, span in enumerate(((0, 3), (3, 6), (0, 6)), start=10):
+                request = protocol.Challenge(
+                    challenge=challenge, seed=5, tokens=2, model=MODEL, layer_start=span[0], layer_end=span[1]
+                )
+                await s.agent._on_message(s.channel, request)
+            await asyncio.gather(*s.agent._tasks)
+            answers = {m["challenge"]: m for m in s.channel.sent if m["type"] == "challenge_result"}
+            assert (answers[10]["tokens"], answers[11]["tokens"]) == (2, 2)
+            assert answers[10]["output"] != answers[11]["output"]
+            assert answers[12]["code"] == "wrong_block"
+
+    asyncio.run(scenario())
