@@ -193,9 +193,11 @@ def join_agent(
     threads: int = 1,
     dtype: str = "float32",
     cheat: str | None = None,
+    wan: str = "",
 ) -> subprocess.Popen:
     """Start ``swarm-worker join`` as a process that logs to ``log_path``. ``cheat`` (tests
-    only) is a mode of ``worker_agent.cheat`` that the agent then runs with."""
+    only) is a mode of ``worker_agent.cheat`` that the agent then runs with; ``wan`` emulates a
+    WAN on its outgoing data-plane frames (e.g. ``"rtt=50ms"``)."""
     command = [
         sys.executable,
         "-m",
@@ -216,6 +218,8 @@ def join_agent(
     ]
     if max_layers is not None:
         command += ["--max-layers", str(max_layers)]
+    if wan:
+        command += ["--wan", wan]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if cheat is not None:
         command += ["--cheat", cheat]
