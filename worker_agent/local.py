@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker_agent.keys import generate_signing_key, load_signing_key, node_id, public_key_bytes, write_key
-from worker_agent.tickets import issue_ticket
+from worker_agent.tickets import ticket_for_stage
 
 _READY = re.compile(r"^READY (ws://\S+) node=(\S+) model=(\S+) layers=(\d+):(\d+)")
 
@@ -84,16 +84,7 @@ class LocalSwarm:
 
     def ticket(self, job: str, agent: Agent | dict, ttl_s: float = 3600) -> bytes:
         """A ticket for one agent, given as an ``Agent`` or as its PING info (node, model, span)."""
-        info = agent if isinstance(agent, dict) else vars(agent)
-        return issue_ticket(
-            self.issuer_key,
-            job=job,
-            node=info["node"],
-            model=info["model"],
-            layer_start=info["layer_start"],
-            layer_end=info["layer_end"],
-            ttl_s=ttl_s,
-        )
+        return ticket_for_stage(self.issuer_key, job, agent if isinstance(agent, dict) else vars(agent), ttl_s)
 
     def node_keys(self) -> list[bytes]:
         return [public_key_bytes(load_signing_key(self.workdir / f"node{i}.key")) for i in range(len(self.spans))]

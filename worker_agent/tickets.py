@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,20 @@ def issue_ticket(
     body = msgpack.packb(dict(sorted(fields.items())), use_bin_type=True)
     sig = signing_key.sign(SIGNING_CONTEXT + body).signature
     return msgpack.packb({"body": body, "sig": sig, "key": bytes(signing_key.verify_key)}, use_bin_type=True)
+
+
+def ticket_for_stage(signing_key: SigningKey, job: str, stage: Mapping[str, Any], ttl_s: float = 600) -> bytes:
+    """A ticket for a stage named by its identity (``node``, ``model``, ``layer_start``,
+    ``layer_end``: a PING's info, or any map of those keys)."""
+    return issue_ticket(
+        signing_key,
+        job=job,
+        node=stage["node"],
+        model=stage["model"],
+        layer_start=stage["layer_start"],
+        layer_end=stage["layer_end"],
+        ttl_s=ttl_s,
+    )
 
 
 def _unpack(data: bytes, what: str) -> Any:

@@ -35,22 +35,10 @@ def local_issuer(key_path: str, job: str, ttl_s: float = 3600):
     """A function that signs a ticket for a stage's identity (its PING info) with a local issuer key."""
     # Imported per command: `--help` answers without loading torch.
     from worker_agent.keys import load_signing_key
-    from worker_agent.tickets import issue_ticket
+    from worker_agent.tickets import ticket_for_stage
 
     key = load_signing_key(key_path)
-
-    def ticket(info: dict) -> bytes:
-        return issue_ticket(
-            key,
-            job=job,
-            node=info["node"],
-            model=info["model"],
-            layer_start=info["layer_start"],
-            layer_end=info["layer_end"],
-            ttl_s=ttl_s,
-        )
-
-    return ticket
+    return lambda info: ticket_for_stage(key, job, info, ttl_s)
 
 
 async def local_tickets(urls: list[str], key_path: str, job: str, ttl_s: float = 3600) -> list[bytes | None]:
