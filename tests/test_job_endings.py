@@ -107,7 +107,7 @@ def test_a_stage_lost_with_no_spare_fails_charged_exactly_the_delivered_tokens(c
     assert state == JobState.FAILED
     assert events[-1]["type"] == "job.error"
     # No node holds the span of the one that died (these stages are in no registry): a clear error.
-    assert events[-1]["code"] == "no_replacement"
+    assert events[-1]["code"] == "stage_lost"
     assert "no replacement for stage 1 is available" in events[-1]["message"]
     assert delivered == LOST_AFTER  # each step it served (the prefill, then one per token) gave a token
     assert (job.state, job.completion_tokens) == (JobState.FAILED, delivered)

@@ -220,7 +220,9 @@ class Coordinator:
         )
         healed = await self.healer.replace(failure, [link.spec for link in failed.links])
         if healed is None:
-            raise StageError(f"{error}; no replacement for stage {error.stage} is available", code="no_replacement")
+            raise StageError(
+                f"{error}; no replacement for stage {error.stage} is available", code=error.code, stage=error.stage
+            )
         log.warning(
             "job %s: stage %d (%s) failed (%s); healed onto a new route",
             self.job,
@@ -230,7 +232,9 @@ class Coordinator:
         )
         if healed.assignments is None and not self._assignments_from_hello:
             # Fail closed: a route the control plane assigned is never swapped for the stages' own word.
-            raise StageError(f"{error}; the healer named no assignments for its route", code="no_replacement")
+            raise StageError(
+                f"{error}; the healer named no assignments for its route", code=error.code, stage=error.stage
+            )
         stages = list(healed.stages)
         audit = healed.audit_stages
         if audit is None:
