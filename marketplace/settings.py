@@ -227,6 +227,11 @@ SWARM_MAX_HEALS = env_int("SWARM_MAX_HEALS", 2, minimum=0)
 # stalled: the coordinator heals around that stage.
 SWARM_STALL_TIMEOUT_S = env_float("SWARM_STALL_TIMEOUT_S", 10.0, minimum=0.5)
 SWARM_JOB_STALE_S = env_float("SWARM_JOB_STALE_S", 60.0, minimum=1.0)  # no progress this long: coordinator lost
+# A job whose settlement raised is tried again after SWARM_SETTLE_RETRY_S, doubling up to
+# SWARM_SETTLE_RETRY_MAX_S; after SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins.
+SWARM_SETTLE_RETRY_S = env_float("SWARM_SETTLE_RETRY_S", 30.0, minimum=0.0)
+SWARM_SETTLE_RETRY_MAX_S = env_float("SWARM_SETTLE_RETRY_MAX_S", 3600.0, minimum=0.0)
+SWARM_SETTLE_FLAG_AFTER = env_int("SWARM_SETTLE_FLAG_AFTER", 3, minimum=1)
 SWARM_MAX_TOKENS_LIMIT = env_int("SWARM_MAX_TOKENS_LIMIT", 2048, minimum=1)
 # Prices when an admin set none for a model: nano-dollars per million (prompt, completion) tokens.
 SWARM_DEFAULT_PRICES = (

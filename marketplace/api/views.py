@@ -36,7 +36,7 @@ def join_command(request: Request, token: str) -> str:
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
-    """A provider's own nodes. Another provider's node answers 404, as if it did not exist."""
+    """A provider's own nodes. Another provider's node, or a deleted one, answers 404, as if it did not exist."""
 
     serializer_class = s.NodeSerializer
     permission_classes = [permissions.IsAuthenticated, IsProvider]
@@ -44,7 +44,11 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
     def get_queryset(self):
         if getattr(self, "swagger_fake_view", False):  # schema generation has no user
             return Node.objects.none()
-        return Node.objects.filter(owner=self.request.user).prefetch_related("assignments").order_by("id")
+        return (
+            Node.objects.filter(owner=self.request.user, deleted_at__isnull=True)
+            .prefetch_related("assignments")
+            .order_by("id")
+        )
 
     @extend_schema(request=s.NodeCreateSerializer, responses={201: s.NodeCreatedSerializer})
     def create(self, request: Request) -> Response | JsonResponse:

@@ -245,7 +245,11 @@ def stopped_answering(job_pk: int, now=None) -> str | None:
 
 def reconcile_jobs(now=None) -> list[str]:
     """End jobs whose coordinator went silent (its process died) as failed, keeping the tokens their
-    record shows delivered, and settle every ended job whose hold is still open. Returns job ids."""
+    record shows delivered, and settle every ended job whose hold is still open. Returns job ids.
+
+    Each job settles in its own transaction: one that raises is rolled back alone, recorded
+    (``settle_failure``) and tried again only after a backoff, so it never blocks the jobs behind
+    it nor fails in a loop; past SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.SWARM_JOB_STALE_S)
     stale = (
@@ -263,12 +267,46 @@ def reconcile_jobs(now=None) -> list[str]:
             error_message="the job's coordinator stopped reporting",
         ):
             touched.append(job.public_id)
-    for job in Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True).order_by("pk"):
+    due = Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True).filter(
+        Q(settle_retry_at__isnull=True) | Q(settle_retry_at__lte=now)
+    )
+    for job in due.only("pk", "public_id").order_by("pk"):
         try:
             settle(job.pk)  # its own transaction: one job that cannot settle never blocks the others
-        except Exception:
-            log.exception("job %s could not be settled; it stays open for an admin", job.public_id)
+        except Exception as exc:
+            settle_failure(job.pk, exc, now=now)
             continue
         if job.public_id not in touched:
             touched.append(job.public_id)
     return touched
+
+
+def settle_retry_delay_s(failures: int) -> float:
+    """How long to wait before settling a job again after ``failures`` failures in a row: doubling
+    from SWARM_SETTLE_RETRY_S, at most SWARM_SETTLE_RETRY_MAX_S."""
+    exponent = min(max(failures - 1, 0), 32)  # 2**32 times any base is past every cap
+    return min(settings.SWARM_SETTLE_RETRY_S * 2**exponent, settings.SWARM_SETTLE_RETRY_MAX_S)
+
+
+def settle_failure(job_pk: int, error: BaseException, now: datetime | None = None) -> Job:
+    """Record that settling a job raised ``error`` (the settlement itself was rolled back): count
+    it, keep the error, put the next try off, and flag the job for admins once it failed
+    SWARM_SETTLE_FLAG_AFTER times in a row."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_pk)
+        job.settle_failures += 1
+        job.settle_error = f"{type(error).__name__}: {error}"[:2000]
+        job.settle_retry_at = now + timedelta(seconds=settle_retry_delay_s(job.settle_failures))
+        job.settle_flagged = job.settle_flagged or job.settle_failures >= settings.SWARM_SETTLE_FLAG_AFTER
+        job.save(update_fields=["settle_failures", "settle_error", "settle_retry_at", "settle_flagged"])
+    log.error(
+        "job %s could not be settled (failure %d%s; next try at %s): %s",
+        job.public_id,
+        job.settle_failures,
+        ", flagged for admins" if job.settle_flagged else "",
+        job.settle_retry_at.isoformat(),
+        job.settle_error,
+        exc_info=error,
+    )
+    return job
