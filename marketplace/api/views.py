@@ -15,7 +15,7 @@ from rest_framework.response import Response
 from marketplace.api import serializers as s
 from marketplace.api.errors import error_response
 from marketplace.jobs import services as jobs_services
-from marketplace.jobs.errors import ApiKeyNameTaken
+from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken
 from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services
 from marketplace.nodes.errors import NodeError, NodeNameTaken
@@ -127,7 +127,7 @@ class ApiKeyViewSet(
         data.is_valid(raise_exception=True)
         try:
             api_key, key = jobs_services.create_api_key(request.user, data.validated_data["name"])
-        except ApiKeyNameTaken as exc:
+        except (ApiKeyNameTaken, ApiKeyLimitReached) as exc:
             return error_response(exc)
         return Response(s.ApiKeySerializer(api_key).data | {"key": key}, status=status.HTTP_201_CREATED)
 

@@ -20,7 +20,13 @@ from django.db.models import Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest, NoCapacity
+from marketplace.jobs.errors import (
+    ApiKeyLimitReached,
+    ApiKeyNameTaken,
+    AuthenticationFailed,
+    InvalidRequest,
+    NoCapacity,
+)
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
@@ -47,26 +53,32 @@ def create_api_key(user, name: str) -> tuple[ApiKey, str]:
     """A new key for a customer; the plaintext is returned once and never stored.
 
     Refused (``ApiKeyNameTaken``) when the customer has an active key of that name, or the name
-    is the playground's; a revoked key's name may be used again.
+    is the playground's; a revoked key's name may be used again. Refused (``ApiKeyLimitReached``)
+    when the customer already has SWARM_API_KEYS_PER_ACCOUNT active keys (the playground's own
+    key is not counted).
     """
     if name == PLAYGROUND_KEY_NAME:
         raise ApiKeyNameTaken("This name is kept for the playground's own key.", param="name")
-    return _create_key(user, name)
+    return _create_key(user, name, limited=True)
 
 
 @transaction.atomic
 def create_playground_key(user) -> tuple[ApiKey, str]:
     """The customer's key for the dashboard's playground, under the name no other key may take."""
-    return _create_key(user, PLAYGROUND_KEY_NAME)
+    return _create_key(user, PLAYGROUND_KEY_NAME, limited=False)
 
 
-def _create_key(user, name: str) -> tuple[ApiKey, str]:
+def _create_key(user, name: str, *, limited: bool) -> tuple[ApiKey, str]:
     if not user.is_customer:
         raise InvalidRequest("only customers can create API keys", code="not_a_customer")
     # Lock the customer's row so two requests creating the same name at once cannot both pass the check.
     get_user_model().objects.select_for_update().filter(pk=user.pk).first()
-    if ApiKey.objects.filter(user=user, name=name, revoked_at__isnull=True).exists():
+    active = ApiKey.objects.filter(user=user, revoked_at__isnull=True)
+    if active.filter(name=name).exists():
         raise ApiKeyNameTaken("You already have an active key with this name.", param="name")
+    limit = settings.SWARM_API_KEYS_PER_ACCOUNT
+    if limited and active.exclude(name=PLAYGROUND_KEY_NAME).count() >= limit:
+        raise ApiKeyLimitReached(f"You have {limit} active API keys, the most an account may have: revoke one first.")
     secret = secrets.token_urlsafe(32)
     key = f"{KEY_PREFIX}{secret}"
     api_key = ApiKey.objects.create(user=user, name=name, prefix=key[: len(KEY_PREFIX) + 8], key_hash=_hash(key))
@@ -98,7 +110,18 @@ def authenticate_key(header: str | None) -> ApiKey:
 
 
 def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
-    """The request's prompt as the model's token ids, exactly as its coordinator would tokenize it."""
+    """The request's prompt as the model's token ids, exactly as its coordinator would tokenize it.
+
+    A prompt over SWARM_MAX_PROMPT_BYTES is refused (``context_length_exceeded``) before the
+    tokenizer sees it: tokenizing megabytes costs seconds and hundreds of megabytes of memory."""
+    size, limit = params.prompt_bytes(), settings.SWARM_MAX_PROMPT_BYTES
+    if size > limit:
+        raise InvalidRequest(
+            f"The prompt is {size} bytes of text; this server accepts at most {limit}. Shorten the "
+            + ("messages." if params.chat else "prompt."),
+            param="messages" if params.chat else "prompt",
+            code="context_length_exceeded",
+        )
     prompt = params.chat_messages() if params.chat else params.prompt
     return encode_prompt(models.load_tokenizer(model), prompt, chat=params.chat)
 
