@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
+from drf_spectacular.authentication import BasicScheme
 from rest_framework import exceptions
 from rest_framework.authentication import BasicAuthentication
 
@@ -74,3 +75,9 @@ class ThrottledBasicAuthentication(BasicAuthentication):
             raise
         accounts.clear_login_failures(userid, address)
         return authenticated
+
+
+class ThrottledBasicScheme(BasicScheme):
+    """The OpenAPI schema names it as plain HTTP basic auth."""
+
+    target_class = ThrottledBasicAuthentication

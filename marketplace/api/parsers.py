@@ -7,6 +7,7 @@ playground); ``BoundedJSONParser`` is the REST API's JSON parser (settings ``DEF
 
 from __future__ import annotations
 
+import io
 import json
 
 from django.conf import settings
@@ -16,6 +17,7 @@ from rest_framework.parsers import JSONParser
 from marketplace.jobs.errors import InvalidRequest
 
 MAX_JSON_DEPTH = 32  # arrays and objects inside one another; OpenAI's bodies need 4
+TOO_DEEP = f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels."
 
 
 def depth(value: object) -> int:
@@ -47,21 +49,24 @@ def loads_bounded(raw: bytes | str) -> object:
     else:
         nested_too_deep = depth(value) > MAX_JSON_DEPTH
     if nested_too_deep:
-        raise InvalidRequest(
-            f"The request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json"
-        )
+        raise InvalidRequest(TOO_DEEP, code="invalid_json")
     return value
 
 
 class BoundedJSONParser(JSONParser):
-    """DRF's JSON parser, refusing (400) a body over SWARM_MAX_REQUEST_BYTES or nested deeper than
-    MAX_JSON_DEPTH."""
+    """DRF's JSON parser (strict: NaN and Infinity refused), also refusing (400) a body over
+    SWARM_MAX_REQUEST_BYTES or nested deeper than MAX_JSON_DEPTH."""
 
     def parse(self, stream, media_type=None, parser_context=None):
         raw = stream.read(settings.SWARM_MAX_REQUEST_BYTES + 1) if stream is not None else b""
         if len(raw) > settings.SWARM_MAX_REQUEST_BYTES:
             raise ParseError(f"The request body is larger than {settings.SWARM_MAX_REQUEST_BYTES} bytes.")
         try:
-            return loads_bounded(raw)
-        except InvalidRequest as exc:
-            raise ParseError(str(exc)) from None
+            value = super().parse(io.BytesIO(raw), media_type, parser_context)
+        except RecursionError:
+            value, too_deep = None, True
+        else:
+            too_deep = depth(value) > MAX_JSON_DEPTH
+        if too_deep:
+            raise ParseError(TOO_DEEP)
+        return value
