@@ -21,14 +21,57 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("SWARM_DATA_DIR", str(BASE_DIR / ".data")))
 
 # --- core -------------------------------------------------------------------------------
+# The one production switch: a real secret key is required, DEBUG must be off, and cookies,
+# HTTPS and HSTS are locked down (see "security" below).
+PRODUCTION = env_bool("SWARM_PRODUCTION", False)
 DEBUG = env_bool("DJANGO_DEBUG", False)
+INSECURE_DEFAULT_SECRET_KEY = "insecure-embedded-default-key-change-me"
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
+if PRODUCTION:
+    if not SECRET_KEY or SECRET_KEY == INSECURE_DEFAULT_SECRET_KEY or SECRET_KEY.startswith("django-insecure"):
+        raise ImproperlyConfigured("SWARM_PRODUCTION=1 needs DJANGO_SECRET_KEY set to a secret of your own")
+    if len(SECRET_KEY) < 32:
+        raise ImproperlyConfigured("SWARM_PRODUCTION=1 needs a DJANGO_SECRET_KEY of at least 32 characters")
+    if DEBUG:
+        raise ImproperlyConfigured("SWARM_PRODUCTION=1 refuses DJANGO_DEBUG=1")
 if not SECRET_KEY:
     if not DEBUG and env_bool("SWARM_REQUIRE_SECRET_KEY", False):
         raise ImproperlyConfigured("DJANGO_SECRET_KEY must be set in production")
-    SECRET_KEY = "insecure-embedded-default-key-change-me"
+    SECRET_KEY = INSECURE_DEFAULT_SECRET_KEY
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+
+# --- security -----------------------------------------------------------------------------
+# Behind SWARM_PRODUCTION: cookies only over HTTPS, plain HTTP redirected (/healthz excepted, for
+# health checks), HSTS. Behind a proxy that ends TLS, SWARM_PROXY_SSL_HEADER=1 trusts its
+# X-Forwarded-Proto header to say the request was HTTPS.
+SESSION_COOKIE_SECURE = PRODUCTION
+CSRF_COOKIE_SECURE = PRODUCTION
+SESSION_COOKIE_HTTPONLY = True
+SECURE_SSL_REDIRECT = env_bool("SWARM_SSL_REDIRECT", PRODUCTION)
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SECURE_HSTS_SECONDS = env_int("SWARM_HSTS_SECONDS", 31_536_000 if PRODUCTION else 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = PRODUCTION
+SECURE_CONTENT_TYPE_NOSNIFF = True
+if env_bool("SWARM_PROXY_SSL_HEADER", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+# --- accounts -------------------------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {
+        "NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
+        "OPTIONS": {"min_length": env_int("SWARM_PASSWORD_MIN_LENGTH", 10, minimum=8)},
+    },
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+# Failed sign-ins (the login form and HTTP basic auth of the API alike), counted in the cache per
+# username and client address and per address: past either limit within a window of
+# SWARM_LOGIN_WINDOW_S, sign-ins from there are refused (429, or the form's error) until it ends.
+SWARM_LOGIN_FAILURES_PER_USER = env_int("SWARM_LOGIN_FAILURES_PER_USER", 5, minimum=1)
+SWARM_LOGIN_FAILURES_PER_ADDRESS = env_int("SWARM_LOGIN_FAILURES_PER_ADDRESS", 50, minimum=1)
+SWARM_LOGIN_WINDOW_S = env_int("SWARM_LOGIN_WINDOW_S", 300, minimum=1)
 
 INSTALLED_APPS = [
     "daphne",
@@ -171,10 +214,15 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.BasicAuthentication",
+        "marketplace.api.auth.ThrottledBasicAuthentication",
     ],
+    "DEFAULT_PARSER_CLASSES": [
+        "marketplace.api.parsers.BoundedJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    "DEFAULT_PAGINATION_CLASS": "marketplace.api.pagination.BoundedLimitOffsetPagination",
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
 }
 SPECTACULAR_SETTINGS = {
@@ -227,6 +275,11 @@ SWARM_MAX_HEALS = env_int("SWARM_MAX_HEALS", 2, minimum=0)
 # stalled: the coordinator heals around that stage.
 SWARM_STALL_TIMEOUT_S = env_float("SWARM_STALL_TIMEOUT_S", 10.0, minimum=0.5)
 SWARM_JOB_STALE_S = env_float("SWARM_JOB_STALE_S", 60.0, minimum=1.0)  # no progress this long: coordinator lost
+# A job whose settlement raised is tried again after SWARM_SETTLE_RETRY_S, doubling up to
+# SWARM_SETTLE_RETRY_MAX_S; after SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins.
+SWARM_SETTLE_RETRY_S = env_float("SWARM_SETTLE_RETRY_S", 30.0, minimum=0.0)
+SWARM_SETTLE_RETRY_MAX_S = env_float("SWARM_SETTLE_RETRY_MAX_S", 3600.0, minimum=0.0)
+SWARM_SETTLE_FLAG_AFTER = env_int("SWARM_SETTLE_FLAG_AFTER", 3, minimum=1)
 SWARM_MAX_TOKENS_LIMIT = env_int("SWARM_MAX_TOKENS_LIMIT", 2048, minimum=1)
 # Prices when an admin set none for a model: nano-dollars per million (prompt, completion) tokens.
 SWARM_DEFAULT_PRICES = (
@@ -234,6 +287,13 @@ SWARM_DEFAULT_PRICES = (
     env_int("SWARM_PRICE_COMPLETION_PER_MILLION", 200_000_000, minimum=0),  # $0.20 per million
 )
 SWARM_JOIN_TOKEN_TTL_S = env_int("SWARM_JOIN_TOKEN_TTL_S", 7 * 24 * 3600, minimum=60)
+# Active API keys one customer may hold (the dashboard playground's own key is not counted).
+SWARM_API_KEYS_PER_ACCOUNT = env_int("SWARM_API_KEYS_PER_ACCOUNT", 50, minimum=1)
+# A request's prompt (a completion's prompt, or a chat's message contents together), in UTF-8 bytes,
+# refused before it is tokenized; and the largest JSON body the inference API reads.
+SWARM_MAX_PROMPT_BYTES = env_int("SWARM_MAX_PROMPT_BYTES", 256 * 1024, minimum=1)
+SWARM_MAX_REQUEST_BYTES = env_int("SWARM_MAX_REQUEST_BYTES", 4 * 1024 * 1024, minimum=1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = SWARM_MAX_REQUEST_BYTES
 
 # --- trust: challenges, audits, strikes, reputation ---------------------------------------------
 # Where challenge answers and audits are checked against the trusted float32 blocks: "inline" (the

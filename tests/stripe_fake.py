@@ -127,6 +127,7 @@ class FakeStripe:
         self.charges: dict[str, dict] = {}
         self.accounts: dict[str, dict] = {}
         self.transfers: dict[str, dict] = {}
+        self.disputes: dict[str, dict] = {}
         self._failures: list[Failure] = []
         self._idempotent: dict[str, tuple[str, dict, Answer]] = {}
         self._ids = itertools.count(1)
@@ -535,7 +536,16 @@ class FakeStripe:
                 "reason": reason,
                 "status": "needs_response",
             }
+            self.disputes[dispute["id"]] = dispute
             return self.event("charge.dispute.created", dispute)
+
+    def close_dispute(self, dispute_id: str, status: str) -> dict:
+        """The card issuer decided: "won" (the money stays with the merchant), "lost" (it went
+        back to the cardholder) or "warning_closed" (an inquiry that never became a chargeback)."""
+        with self._lock:
+            dispute = self.disputes[dispute_id]
+            dispute["status"] = status
+            return self.event("charge.dispute.closed", dispute)
 
 
 def sign(payload: str, secret: str, timestamp: int | None = None) -> str:

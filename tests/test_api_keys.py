@@ -228,3 +228,41 @@ def test_the_service_keeps_the_playground_keys_name_for_the_playground(customer)
         "This name is kept for the playground's own key.",
     )
     assert keys_snapshot() == []
+
+
+def test_a_customer_at_the_key_limit_is_refused_until_one_is_revoked(customer, client_for, settings):
+    settings.SWARM_API_KEYS_PER_ACCOUNT = 3
+    client = client_for(customer)
+    for name in ("a", "b", "c"):
+        assert client.post(KEYS, {"name": name}, format="json").status_code == 201
+    before = keys_snapshot()
+
+    refused = client.post(KEYS, {"name": "d"}, format="json")
+    unchanged = keys_snapshot()
+    client.delete(key_url(ApiKey.objects.get(name="a")))
+    after_revoking = client.post(KEYS, {"name": "d"}, format="json")
+
+    assert refused.status_code == 400
+    assert refused.json() == {
+        "error": {
+            "message": "You have 3 active API keys, the most an account may have: revoke one first.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "api_key_limit_reached",
+        }
+    }
+    assert unchanged == before
+    assert after_revoking.status_code == 201
+
+
+def test_the_playground_key_does_not_count_against_the_key_limit(customer, settings):
+    settings.SWARM_API_KEYS_PER_ACCOUNT = 1
+    services.create_playground_key(customer)
+
+    api_key, _ = services.create_api_key(customer, "only")
+
+    assert sorted(ApiKey.objects.filter(user=customer).values_list("name", flat=True)) == [
+        "Playground (dashboard)",
+        "only",
+    ]
+    assert api_key.name == "only"

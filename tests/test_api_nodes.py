@@ -320,7 +320,7 @@ def test_draining_an_offline_node_changes_nothing(
     assert pushed.messages == []
 
 
-def test_delete_removes_the_node_and_releases_its_assignments(
+def test_delete_hides_the_node_and_releases_its_assignments(
     provider, make_joined_node, measure_ring, client_for, pushed, swarm_settings, django_capture_on_commit_callbacks
 ):
     doomed = make_joined_node(provider, "gpu-1", compute=250.0).node
@@ -333,9 +333,10 @@ def test_delete_removes_the_node_and_releases_its_assignments(
         response = client_for(provider).delete(node_url(doomed))
 
     assert response.status_code == 204
-    assert not Node.objects.filter(pk=doomed.pk).exists()
-    assert list(Assignment.objects.values_list("pk", "node_id", "state", "layer_start", "layer_end")) == [
-        (kept_assignment.pk, kept.pk, AssignmentState.ASSIGNED, 15, 30)
+    assert Node.objects.get(pk=doomed.pk).state == NodeState.DELETED  # kept: jobs it served still settle
+    assert [n["id"] for n in client_for(provider).get("/api/v1/nodes/").json()["results"]] == [kept.pk]
+    assert list(Assignment.objects.exclude(node=doomed).values_list("pk", "state", "layer_start", "layer_end")) == [
+        (kept_assignment.pk, AssignmentState.ASSIGNED, 15, 30)
     ]
     assert not Assignment.objects.filter(node_id=doomed.pk, state__in=["assigned", "ready"]).exists()
     assert pushed.messages == [

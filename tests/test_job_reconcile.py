@@ -127,3 +127,61 @@ def test_a_job_that_cannot_settle_does_not_block_the_others(customer, monkeypatc
     assert (stuck.settled_at, stuck.charged_amount) == (None, 0)
     assert ended.settled_at is not None
     assert ended.charged_amount == 40_000 + 6_000
+
+
+def test_a_job_that_keeps_failing_to_settle_backs_off_and_is_flagged_for_admins(customer, monkeypatch, settings):
+    settings.SWARM_SETTLE_RETRY_S, settings.SWARM_SETTLE_RETRY_MAX_S, settings.SWARM_SETTLE_FLAG_AFTER = 30, 45, 3
+    stuck = running_job(customer, "chatcmpl-stuck")
+    finish_job(stuck.pk, state=JobState.SUCCEEDED, completion_tokens=2, finish_reason="stop")
+    tries = []
+
+    def settle(job_pk: int) -> int:
+        tries.append(job_pk)
+        raise KeyError("node-gone")
+
+    monkeypatch.setattr("marketplace.jobs.services.settle", settle)
+    start = timezone.now()
+    seen = []
+    for offset in (0, 10, 29, 31, 60, 76, 200):  # due at 0, then 30 after it, then 45 (capped) after that
+        reconcile_jobs(now=start + timedelta(seconds=offset))
+        stuck.refresh_from_db()
+        seen.append((offset, len(tries), stuck.settle_failures, stuck.settle_flagged))
+
+    assert seen == [
+        (0, 1, 1, False),
+        (10, 1, 1, False),
+        (29, 1, 1, False),
+        (31, 2, 2, False),
+        (60, 2, 2, False),
+        (76, 3, 3, True),
+        (200, 4, 4, True),
+    ]
+    assert stuck.settle_error == "KeyError: 'node-gone'"
+    assert stuck.settle_retry_at == start + timedelta(seconds=200 + 45)
+    assert (stuck.settled_at, stuck.charged_amount) == (None, 0)
+    assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 340_000
+
+
+def test_a_flagged_settlement_shows_in_the_admin_and_settles_once_retried(customer, monkeypatch, settings, client):
+    settings.SWARM_SETTLE_FLAG_AFTER = 1
+    stuck = running_job(customer, "chatcmpl-stuck")
+    finish_job(stuck.pk, state=JobState.SUCCEEDED, completion_tokens=2, finish_reason="stop")
+    monkeypatch.setattr("marketplace.jobs.services.settle", lambda job_pk: 1 / 0)
+    reconcile_jobs()
+    monkeypatch.undo()
+    admin = type(customer).objects.create_superuser(username="root", email="root@example.com", password="x")
+    client.force_login(admin)
+
+    listing = client.get("/admin/jobs/job/?settle_flagged__exact=1")
+    retried = client.post(
+        "/admin/jobs/job/", {"action": "retry_settlement", "_selected_action": [stuck.pk]}, follow=True
+    )
+    settled = reconcile_jobs()
+
+    assert listing.status_code == 200
+    assert "chatcmpl-stuck" in listing.content.decode()
+    assert "ZeroDivisionError: division by zero" in listing.content.decode()
+    assert "1 job(s) will be settled at the next reconcile." in retried.content.decode()
+    assert settled == ["chatcmpl-stuck"]
+    stuck.refresh_from_db()
+    assert (stuck.settle_flagged, stuck.settle_failures, stuck.charged_amount) == (False, 1, 40_000 + 6_000)

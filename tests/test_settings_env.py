@@ -195,6 +195,84 @@ def test_settings_demand_a_secret_key_when_told_to(load_settings):
     assert str(error.value) == "DJANGO_SECRET_KEY must be set in production"
 
 
+SECRET = "k" * 50
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({}, "SWARM_PRODUCTION=1 needs DJANGO_SECRET_KEY set to a secret of your own"),
+        (
+            {"DJANGO_SECRET_KEY": "insecure-embedded-default-key-change-me"},
+            "SWARM_PRODUCTION=1 needs DJANGO_SECRET_KEY set to a secret of your own",
+        ),
+        (
+            {"DJANGO_SECRET_KEY": "django-insecure-" + SECRET},
+            "SWARM_PRODUCTION=1 needs DJANGO_SECRET_KEY set to a secret of your own",
+        ),
+        ({"DJANGO_SECRET_KEY": "short"}, "SWARM_PRODUCTION=1 needs a DJANGO_SECRET_KEY of at least 32 characters"),
+        ({"DJANGO_SECRET_KEY": SECRET, "DJANGO_DEBUG": "1"}, "SWARM_PRODUCTION=1 refuses DJANGO_DEBUG=1"),
+    ],
+    ids=["unset", "the-public-default", "django-insecure", "too-short", "debug-on"],
+)
+def test_production_refuses_a_public_or_missing_secret_key_and_debug(load_settings, environ, message):
+    with pytest.raises(ImproperlyConfigured) as error:
+        load_settings(SWARM_PRODUCTION="1", **environ)
+
+    assert str(error.value) == message
+
+
+def test_production_turns_on_secure_cookies_https_and_hsts(load_settings):
+    values = load_settings(SWARM_PRODUCTION="1", DJANGO_SECRET_KEY=SECRET)
+
+    assert values["SECRET_KEY"] == SECRET
+    assert {
+        name: values[name]
+        for name in (
+            "SESSION_COOKIE_SECURE",
+            "CSRF_COOKIE_SECURE",
+            "SECURE_SSL_REDIRECT",
+            "SECURE_HSTS_SECONDS",
+            "SECURE_HSTS_INCLUDE_SUBDOMAINS",
+        )
+    } == {
+        "SESSION_COOKIE_SECURE": True,
+        "CSRF_COOKIE_SECURE": True,
+        "SECURE_SSL_REDIRECT": True,
+        "SECURE_HSTS_SECONDS": 31_536_000,
+        "SECURE_HSTS_INCLUDE_SUBDOMAINS": True,
+    }
+    assert values["SECURE_REDIRECT_EXEMPT"] == [r"^healthz$"]
+    assert "SECURE_PROXY_SSL_HEADER" not in values
+
+
+def test_production_behind_a_tls_proxy_trusts_its_header_and_may_leave_redirects_to_it(load_settings):
+    values = load_settings(
+        SWARM_PRODUCTION="1", DJANGO_SECRET_KEY=SECRET, SWARM_PROXY_SSL_HEADER="1", SWARM_SSL_REDIRECT="0"
+    )
+
+    assert values["SECURE_PROXY_SSL_HEADER"] == ("HTTP_X_FORWARDED_PROTO", "https")
+    assert (values["SECURE_SSL_REDIRECT"], values["SESSION_COOKIE_SECURE"]) == (False, True)
+
+
+def test_the_embedded_default_keeps_plain_http_cookies_and_the_demo_key(load_settings):
+    values = load_settings()
+
+    assert values["SECRET_KEY"] == "insecure-embedded-default-key-change-me"
+    assert (values["SESSION_COOKIE_SECURE"], values["CSRF_COOKIE_SECURE"], values["SECURE_SSL_REDIRECT"]) == (
+        False,
+        False,
+        False,
+    )
+    assert values["SECURE_HSTS_SECONDS"] == 0
+    assert [v["NAME"].rsplit(".", 1)[1] for v in values["AUTH_PASSWORD_VALIDATORS"]] == [
+        "UserAttributeSimilarityValidator",
+        "MinimumLengthValidator",
+        "CommonPasswordValidator",
+        "NumericPasswordValidator",
+    ]
+
+
 def test_settings_default_to_the_embedded_services(load_settings, tmp_path):
     values = load_settings()
 

@@ -391,3 +391,68 @@ def test_concurrent_deliveries_of_one_payment_credit_it_once(fake_stripe, custom
     assert services.credits(customer) == TEN_DOLLARS
     assert [kind for kind, *_ in ledger()] == ["topup"]
     assert StripeEvent.objects.count() == 2
+
+
+@pytest.mark.parametrize(
+    ("changes", "paid"),
+    [
+        ({"amount_total": 100_000}, "100000 'usd'"),
+        ({"amount_total": 999}, "999 'usd'"),
+        ({"currency": "eur"}, "1000 'eur'"),
+    ],
+    ids=["more-than-the-top-up", "less-than-the-top-up", "another-currency"],
+)
+def test_a_session_paid_for_another_amount_or_currency_credits_nothing_and_is_flagged(
+    fake_stripe, customer, top_up, changes, paid
+):
+    event = fake_stripe.complete_session(top_up.stripe_session_id)
+    event["data"]["object"].update(changes)
+
+    response = deliver(event)
+
+    assert response.json() == {"received": True, "outcome": "needs_review"}
+    assert balances(customer) == {"credit": 0, "frozen": 0, "clearing": 0}
+    assert ledger() == []
+    top_up.refresh_from_db()
+    assert (top_up.state, top_up.needs_review) == ("pending", True)
+    assert top_up.failure == f"the session was paid {paid}, not the top-up's 1000 'usd': not credited"
+
+
+def test_a_won_dispute_unfreezes_the_credit(fake_stripe, customer, paid):
+    created = fake_stripe.dispute(paid.stripe_session_id)
+    deliver(created)
+
+    closed = fake_stripe.close_dispute(created["data"]["object"]["id"], "won")
+    response = deliver(closed)
+    replay = deliver(fake_stripe.event("charge.dispute.closed", closed["data"]["object"]))
+
+    assert response.json() == {"received": True, "outcome": "unfrozen"}
+    assert replay.json() == {"received": True, "outcome": "already_handled"}
+    assert balances(customer) == {"credit": TEN_DOLLARS, "frozen": 0, "clearing": -TEN_DOLLARS}
+    assert ledger()[-1] == ("dispute_won", "customer_frozen", "customer_credit", TEN_DOLLARS, closed["id"])
+    paid.refresh_from_db()
+    assert (paid.state, paid.frozen) == ("paid", 0)
+
+
+def test_a_won_dispute_of_spent_credit_pays_back_the_debt_it_left(fake_stripe, customer, paid):
+    spend(customer, 4)
+    created = fake_stripe.dispute(paid.stripe_session_id)
+    deliver(created)
+
+    deliver(fake_stripe.close_dispute(created["data"]["object"]["id"], "won"))
+
+    assert balances(customer) == {"credit": 6 * NANO_PER_DOLLAR, "frozen": 0, "clearing": -TEN_DOLLARS}
+
+
+def test_a_lost_dispute_keeps_the_credit_debited(fake_stripe, customer, paid):
+    created = fake_stripe.dispute(paid.stripe_session_id)
+    deliver(created)
+
+    closed = fake_stripe.close_dispute(created["data"]["object"]["id"], "lost")
+    response = deliver(closed)
+
+    assert response.json() == {"received": True, "outcome": "dispute_lost"}
+    assert balances(customer) == {"credit": 0, "frozen": 0, "clearing": 0}
+    assert ledger()[-1] == ("dispute_lost", "customer_frozen", "stripe_clearing", TEN_DOLLARS, closed["id"])
+    paid.refresh_from_db()
+    assert (paid.state, paid.frozen) == ("dispute_lost", 0)

@@ -1,12 +1,16 @@
-"""The sign-up form: it checks the inputs' shape (UserCreationForm's username and password
-rules); the account rules (at least one role, an email not in use) are the ``sign_up`` service's,
-shown on the form by the view."""
+"""The sign-up form: it checks the inputs' shape (UserCreationForm's username rules, and the
+password validators of AUTH_PASSWORD_VALIDATORS); the account rules (at least one role, an email
+not in use, the same password validators) are the ``sign_up`` service's, shown on the form by the
+view. The sign-in form refuses a sign-in after too many failures (``accounts.services``)."""
 
 from __future__ import annotations
 
 from django import forms
 from django.contrib.auth import get_user_model
-from django.contrib.auth.forms import UserCreationForm
+from django.contrib.auth.forms import AuthenticationForm, UserCreationForm
+
+from marketplace.accounts import services
+from marketplace.accounts.errors import TooManyLoginAttempts
 
 
 class SignUpForm(UserCreationForm):
@@ -21,3 +25,27 @@ class SignUpForm(UserCreationForm):
     class Meta:
         model = get_user_model()
         fields = ("username",)
+
+
+class ThrottledAuthenticationForm(AuthenticationForm):
+    """Django's sign-in form, refusing a sign-in from an address past the failed sign-in limit
+    (``throttled`` tells the view to answer 429) and counting each failure."""
+
+    throttled = False
+
+    def clean(self):
+        username = self.cleaned_data.get("username") or ""
+        address = self.request.META.get("REMOTE_ADDR", "") if self.request is not None else ""
+        try:
+            services.check_login_allowed(username, address)
+        except TooManyLoginAttempts as exc:
+            self.throttled = True
+            raise forms.ValidationError(str(exc), code="throttled") from None
+        try:
+            cleaned = super().clean()
+        except forms.ValidationError:
+            if self.cleaned_data.get("password"):
+                services.record_login_failure(username, address)
+            raise
+        services.clear_login_failures(username, address)
+        return cleaned

@@ -42,7 +42,11 @@ HTTP_ERRORS: dict[str, HttpError] = {
     # Requests that break a rule or carry a bad input.
     "invalid_request": HttpError(400, INVALID, public_code=False),
     "invalid_json": HttpError(400, INVALID),
+    "request_too_large": HttpError(413, INVALID),
     "api_key_name_taken": HttpError(400, INVALID),
+    "api_key_limit_reached": HttpError(400, INVALID),
+    "weak_password": HttpError(400, INVALID),
+    "context_length_exceeded": HttpError(400, INVALID),
     "email_taken": HttpError(400, INVALID),
     "invalid_webhook_payload": HttpError(400, INVALID),
     "invalid_webhook_signature": HttpError(400, INVALID),

@@ -19,12 +19,14 @@ import uuid
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from marketplace.api import ratelimit
 from marketplace.api.auth import api_key_required
 from marketplace.api.errors import allow_method, error_body, error_response
+from marketplace.api.parsers import loads_bounded
 from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
 from marketplace.db import release_connections
@@ -35,6 +37,7 @@ from marketplace.jobs.models import ApiKey
 from marketplace.jobs.params import (
     DEFAULT_MAX_TOKENS,
     MAX_STOP,
+    SEED_RANGE,
     TEMPERATURE_RANGE,
     TOP_P_RANGE,
     ChatMessage,
@@ -52,9 +55,15 @@ PROGRESS_CHECK_S = 5.0
 
 def _json_body(request: HttpRequest) -> dict:
     try:
-        body = json.loads(request.body or b"")
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidRequest("The request body is not valid JSON.") from None
+        raw = request.body or b""
+    except RequestDataTooBig:
+        raise InvalidRequest(
+            f"The request body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes.", code="request_too_large"
+        ) from None
+    try:
+        body = loads_bounded(raw)
+    except InvalidRequest as exc:
+        raise InvalidRequest(str(exc)) from None  # OpenAI's shape for a malformed body: code null
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     return body
@@ -74,7 +83,7 @@ def _messages(body: dict) -> tuple[ChatMessage, ...]:
         raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
     clean = []
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
             raise InvalidRequest(f"messages[{index}] needs a role of {sorted(ROLES)}.", param=f"messages.{index}.role")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text is supported
@@ -121,6 +130,8 @@ def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise InvalidRequest("'seed' must be an integer.", param="seed")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise InvalidRequest(f"'seed' must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}].", param="seed")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean.", param="stream")

@@ -15,7 +15,7 @@ from rest_framework.response import Response
 from marketplace.api import serializers as s
 from marketplace.api.errors import error_response
 from marketplace.jobs import services as jobs_services
-from marketplace.jobs.errors import ApiKeyNameTaken
+from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken
 from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services
 from marketplace.nodes.errors import NodeError, NodeNameTaken
@@ -36,7 +36,7 @@ def join_command(request: Request, token: str) -> str:
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
-    """A provider's own nodes. Another provider's node answers 404, as if it did not exist."""
+    """A provider's own nodes. Another provider's node, or a deleted one, answers 404, as if it did not exist."""
 
     serializer_class = s.NodeSerializer
     permission_classes = [permissions.IsAuthenticated, IsProvider]
@@ -44,7 +44,11 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
     def get_queryset(self):
         if getattr(self, "swagger_fake_view", False):  # schema generation has no user
             return Node.objects.none()
-        return Node.objects.filter(owner=self.request.user).prefetch_related("assignments").order_by("id")
+        return (
+            Node.objects.filter(owner=self.request.user, deleted_at__isnull=True)
+            .prefetch_related("assignments")
+            .order_by("id")
+        )
 
     @extend_schema(request=s.NodeCreateSerializer, responses={201: s.NodeCreatedSerializer})
     def create(self, request: Request) -> Response | JsonResponse:
@@ -123,7 +127,7 @@ class ApiKeyViewSet(
         data.is_valid(raise_exception=True)
         try:
             api_key, key = jobs_services.create_api_key(request.user, data.validated_data["name"])
-        except ApiKeyNameTaken as exc:
+        except (ApiKeyNameTaken, ApiKeyLimitReached) as exc:
             return error_response(exc)
         return Response(s.ApiKeySerializer(api_key).data | {"key": key}, status=status.HTTP_201_CREATED)
 

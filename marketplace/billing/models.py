@@ -104,6 +104,7 @@ class TopUpState(models.TextChoices):
     EXPIRED = "expired"  # the Checkout Session expired unpaid
     REFUNDED = "refunded"  # some or all of it was refunded
     DISPUTED = "disputed"  # the payment is disputed: its credit is frozen
+    DISPUTE_LOST = "dispute_lost"  # the dispute was lost: the frozen credit went back to the cardholder
 
 
 class TopUp(models.Model):

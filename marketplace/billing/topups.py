@@ -12,6 +12,11 @@ card, authentication, permission) marks the top-up failed and raises ``TopUpRefu
 
 Refunds and disputes take back only the credit the customer still has: what was already spent is
 recorded on the top-up as a shortfall and flagged for review, and the balance never goes negative.
+A dispute freezes the disputed credit until it closes: won (or an inquiry closed without a
+chargeback) returns it to the customer's credit; lost sends it back out through Stripe clearing.
+
+A completed session credits the top-up's own recorded amount, and only when Stripe reports that
+exact amount and currency paid; a mismatch credits nothing and flags the top-up for review.
 """
 
 from __future__ import annotations
@@ -128,12 +133,18 @@ def _top_up_for_charge(charge_or_dispute: Mapping) -> TopUp | None:
 
 
 def _credit(top_up: TopUp, session: Mapping, event_id: str) -> str:
-    """Credit a paid session's amount once: only the event that moves the top-up out of pending credits."""
-    if session.get("currency") != top_up.currency:
-        TopUp.objects.filter(pk=top_up.pk).update(needs_review=True)
-        logger.error(
-            "Top-up %s was paid in %r, not %r: not credited", top_up.pk, session.get("currency"), top_up.currency
+    """Credit a paid session's amount once: only the event that moves the top-up out of pending credits.
+
+    The session must have been paid in the top-up's currency and for exactly its amount; anything
+    else is credited to nobody and flagged for review (the top-up stays pending)."""
+    paid = session.get("amount_total")
+    if session.get("currency") != top_up.currency or isinstance(paid, bool) or paid != top_up.amount_cents:
+        mismatch = (
+            f"the session was paid {paid!r} {session.get('currency')!r}, "
+            f"not the top-up's {top_up.amount_cents} {top_up.currency!r}: not credited"
         )
+        TopUp.objects.filter(pk=top_up.pk).update(needs_review=True, failure=mismatch[:255])
+        logger.error("Top-up %s: %s", top_up.pk, mismatch)
         return "needs_review"
     claimed = TopUp.objects.filter(pk=top_up.pk, state=TopUpState.PENDING).update(
         state=TopUpState.PAID,
@@ -146,7 +157,7 @@ def _credit(top_up: TopUp, session: Mapping, event_id: str) -> str:
     transfer(
         account(AccountKind.STRIPE_CLEARING),
         account(AccountKind.CUSTOMER_CREDIT, top_up.customer),
-        int(session["amount_total"]) * NANO_PER_CENT,
+        top_up.amount_cents * NANO_PER_CENT,
         kind="topup",
         reference=event_id,
         memo=f"top-up {top_up.pk}",
@@ -246,6 +257,45 @@ def _dispute_created(event_id: str, dispute: Mapping) -> tuple[TopUp | None, str
     return top_up, "frozen"
 
 
+def _dispute_closed(event_id: str, dispute: Mapping) -> tuple[TopUp | None, str]:
+    """Unfreeze a dispute's credit once it is decided: back to the customer's credit when won (or
+    an inquiry closed without a chargeback), out to Stripe clearing when lost (the cardholder got
+    the money back). Only what the dispute froze moves, and only once."""
+    top_up = _top_up_for_charge(dispute)
+    if top_up is None:
+        return None, "ignored"
+    status = dispute.get("status")
+    if status not in ("won", "warning_closed", "lost"):
+        return top_up, "ignored"
+    amount = min(int(dispute.get("amount") or 0) * NANO_PER_CENT, top_up.frozen)
+    if top_up.state != TopUpState.DISPUTED or amount <= 0:
+        return top_up, "already_handled"
+    frozen = account(AccountKind.CUSTOMER_FROZEN, top_up.customer)
+    left = top_up.frozen - amount
+    if status == "lost":
+        transfer(
+            frozen,
+            account(AccountKind.STRIPE_CLEARING),
+            amount,
+            kind="dispute_lost",
+            reference=event_id,
+            memo=f"top-up {top_up.pk}",
+        )
+        state, outcome = TopUpState.DISPUTE_LOST, "dispute_lost"
+    else:
+        transfer(
+            frozen,
+            account(AccountKind.CUSTOMER_CREDIT, top_up.customer),
+            amount,
+            kind="dispute_won",
+            reference=event_id,
+            memo=f"top-up {top_up.pk}",
+        )
+        state, outcome = (TopUpState.REFUNDED if top_up.refunded_cents else TopUpState.PAID), "unfrozen"
+    TopUp.objects.filter(pk=top_up.pk).update(frozen=left, state=TopUpState.DISPUTED if left else state)
+    return top_up, outcome
+
+
 HANDLERS: dict[str, Callable[[str, Mapping], tuple[TopUp | None, str]]] = {
     "checkout.session.completed": _session_completed,
     "checkout.session.async_payment_succeeded": _async_payment_succeeded,
@@ -253,4 +303,5 @@ HANDLERS: dict[str, Callable[[str, Mapping], tuple[TopUp | None, str]]] = {
     "checkout.session.expired": _session_expired,
     "charge.refunded": _charge_refunded,
     "charge.dispute.created": _dispute_created,
+    "charge.dispute.closed": _dispute_closed,
 }

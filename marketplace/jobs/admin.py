@@ -1,18 +1,32 @@
-"""Admin: jobs, read only; unverified ones are flagged with the reason and paid to nobody."""
+"""Admin: jobs, read only; unverified ones are flagged with the reason and paid to nobody, and
+ones whose settlement keeps failing are flagged with the error (and can be retried at once)."""
 
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db.models import QuerySet
 
 from marketplace.jobs.models import Job
 
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    list_display = ("public_id", "customer", "model", "state", "completion_tokens", "charged_amount", "verified")
-    list_filter = ("verified", "state", "model")
+    list_display = (
+        "public_id",
+        "customer",
+        "model",
+        "state",
+        "completion_tokens",
+        "charged_amount",
+        "verified",
+        "settled_at",
+        "settle_flagged",
+        "settle_error",
+    )
+    list_filter = ("settle_flagged", "verified", "state", "model")
     search_fields = ("public_id",)
     exclude = ("transcripts",)
+    actions = ["retry_settlement"]
 
     def get_readonly_fields(self, request, obj=None):
         return [f.name for f in Job._meta.fields if f.name != "transcripts"]
@@ -22,3 +36,8 @@ class JobAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+    @admin.action(description="Settle again at the next reconcile (after fixing the cause)")
+    def retry_settlement(self, request, queryset: QuerySet[Job]) -> None:
+        count = queryset.filter(settled_at__isnull=True).update(settle_retry_at=None)
+        self.message_user(request, f"{count} job(s) will be settled at the next reconcile.", messages.SUCCESS)

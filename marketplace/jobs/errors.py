@@ -58,6 +58,12 @@ class ApiKeyNameTaken(InvalidRequest):
     code = "api_key_name_taken"
 
 
+class ApiKeyLimitReached(InvalidRequest):
+    """The customer already has SWARM_API_KEYS_PER_ACCOUNT active keys; one must be revoked first."""
+
+    code = "api_key_limit_reached"
+
+
 class JobNotFound(ApiError):
     """No job of the calling customer has that id."""
 

@@ -69,6 +69,13 @@ class Job(models.Model):
     hold_amount = models.BigIntegerField(default=0)
     charged_amount = models.BigIntegerField(default=0)
     settled_at = models.DateTimeField(null=True, blank=True)
+    # A settlement that raised: how many times in a row, the last error, and when the periodic
+    # reconcile tries again (backing off); past SWARM_SETTLE_FLAG_AFTER failures it is flagged
+    # for admins (Django admin, Jobs filtered by "settlement flagged").
+    settle_failures = models.PositiveIntegerField(default=0)
+    settle_error = models.TextField(blank=True)
+    settle_retry_at = models.DateTimeField(null=True, blank=True)
+    settle_flagged = models.BooleanField(default=False)
 
     receipts = models.JSONField(default=list)  # the stages' signed receipts (JSON form)
     # The coordinator's own record of each session: sha256 (hex) of the bytes it sent to the first

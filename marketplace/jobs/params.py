@@ -16,6 +16,7 @@ MAX_STOP = 4  # stop strings a request may give, as OpenAI allows
 TEMPERATURE_RANGE = (0.0, 2.0)  # [low, high], as OpenAI allows
 TOP_P_RANGE = (0.0, 1.0)  # (low, high]: a top_p of 0 would keep no token
 DEFAULT_MAX_TOKENS = 256  # completion tokens when the request names no limit
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as OpenAI's API takes it
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,12 @@ class RequestParams:
             raise InvalidRequest(f"'max_tokens' must be an integer >= 1, got {self.max_tokens!r}.", param="max_tokens")
         check_number("temperature", self.temperature, TEMPERATURE_RANGE, low_open=False)
         check_number("top_p", self.top_p, TOP_P_RANGE, low_open=True)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequest(f"'seed' must be an integer, got {self.seed!r}.", param="seed")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        ):
+            raise InvalidRequest(f"'seed' must be a 64-bit integer, got {self.seed!r}.", param="seed")
         if len(self.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest(f"'stop' must be up to {MAX_STOP} non-empty strings.", param="stop")
         if (self.messages is None) == (self.prompt is None):
@@ -56,6 +61,12 @@ class RequestParams:
     @property
     def chat(self) -> bool:
         return self.messages is not None
+
+    def prompt_bytes(self) -> int:
+        """The prompt's text in UTF-8 bytes: a completion's prompt, or every message's content."""
+        if self.messages is not None:
+            return sum(len(m.content.encode()) for m in self.messages)
+        return len((self.prompt or "").encode())
 
     def chat_messages(self) -> list[dict]:
         """The conversation in the shape chat templates take: [{role, content}]."""

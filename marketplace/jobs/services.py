@@ -20,7 +20,13 @@ from django.db.models import Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest, NoCapacity
+from marketplace.jobs.errors import (
+    ApiKeyLimitReached,
+    ApiKeyNameTaken,
+    AuthenticationFailed,
+    InvalidRequest,
+    NoCapacity,
+)
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
@@ -47,26 +53,32 @@ def create_api_key(user, name: str) -> tuple[ApiKey, str]:
     """A new key for a customer; the plaintext is returned once and never stored.
 
     Refused (``ApiKeyNameTaken``) when the customer has an active key of that name, or the name
-    is the playground's; a revoked key's name may be used again.
+    is the playground's; a revoked key's name may be used again. Refused (``ApiKeyLimitReached``)
+    when the customer already has SWARM_API_KEYS_PER_ACCOUNT active keys (the playground's own
+    key is not counted).
     """
     if name == PLAYGROUND_KEY_NAME:
         raise ApiKeyNameTaken("This name is kept for the playground's own key.", param="name")
-    return _create_key(user, name)
+    return _create_key(user, name, limited=True)
 
 
 @transaction.atomic
 def create_playground_key(user) -> tuple[ApiKey, str]:
     """The customer's key for the dashboard's playground, under the name no other key may take."""
-    return _create_key(user, PLAYGROUND_KEY_NAME)
+    return _create_key(user, PLAYGROUND_KEY_NAME, limited=False)
 
 
-def _create_key(user, name: str) -> tuple[ApiKey, str]:
+def _create_key(user, name: str, *, limited: bool) -> tuple[ApiKey, str]:
     if not user.is_customer:
         raise InvalidRequest("only customers can create API keys", code="not_a_customer")
     # Lock the customer's row so two requests creating the same name at once cannot both pass the check.
     get_user_model().objects.select_for_update().filter(pk=user.pk).first()
-    if ApiKey.objects.filter(user=user, name=name, revoked_at__isnull=True).exists():
+    active = ApiKey.objects.filter(user=user, revoked_at__isnull=True)
+    if active.filter(name=name).exists():
         raise ApiKeyNameTaken("You already have an active key with this name.", param="name")
+    limit = settings.SWARM_API_KEYS_PER_ACCOUNT
+    if limited and active.exclude(name=PLAYGROUND_KEY_NAME).count() >= limit:
+        raise ApiKeyLimitReached(f"You have {limit} active API keys, the most an account may have: revoke one first.")
     secret = secrets.token_urlsafe(32)
     key = f"{KEY_PREFIX}{secret}"
     api_key = ApiKey.objects.create(user=user, name=name, prefix=key[: len(KEY_PREFIX) + 8], key_hash=_hash(key))
@@ -98,7 +110,18 @@ def authenticate_key(header: str | None) -> ApiKey:
 
 
 def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
-    """The request's prompt as the model's token ids, exactly as its coordinator would tokenize it."""
+    """The request's prompt as the model's token ids, exactly as its coordinator would tokenize it.
+
+    A prompt over SWARM_MAX_PROMPT_BYTES is refused (``context_length_exceeded``) before the
+    tokenizer sees it: tokenizing megabytes costs seconds and hundreds of megabytes of memory."""
+    size, limit = params.prompt_bytes(), settings.SWARM_MAX_PROMPT_BYTES
+    if size > limit:
+        raise InvalidRequest(
+            f"The prompt is {size} bytes of text; this server accepts at most {limit}. Shorten the "
+            + ("messages." if params.chat else "prompt."),
+            param="messages" if params.chat else "prompt",
+            code="context_length_exceeded",
+        )
     prompt = params.chat_messages() if params.chat else params.prompt
     return encode_prompt(models.load_tokenizer(model), prompt, chat=params.chat)
 
@@ -245,7 +268,11 @@ def stopped_answering(job_pk: int, now=None) -> str | None:
 
 def reconcile_jobs(now=None) -> list[str]:
     """End jobs whose coordinator went silent (its process died) as failed, keeping the tokens their
-    record shows delivered, and settle every ended job whose hold is still open. Returns job ids."""
+    record shows delivered, and settle every ended job whose hold is still open. Returns job ids.
+
+    Each job settles in its own transaction: one that raises is rolled back alone, recorded
+    (``settle_failure``) and tried again only after a backoff, so it never blocks the jobs behind
+    it nor fails in a loop; past SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.SWARM_JOB_STALE_S)
     stale = (
@@ -263,12 +290,46 @@ def reconcile_jobs(now=None) -> list[str]:
             error_message="the job's coordinator stopped reporting",
         ):
             touched.append(job.public_id)
-    for job in Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True).order_by("pk"):
+    due = Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True).filter(
+        Q(settle_retry_at__isnull=True) | Q(settle_retry_at__lte=now)
+    )
+    for job in due.only("pk", "public_id").order_by("pk"):
         try:
             settle(job.pk)  # its own transaction: one job that cannot settle never blocks the others
-        except Exception:
-            log.exception("job %s could not be settled; it stays open for an admin", job.public_id)
+        except Exception as exc:
+            settle_failure(job.pk, exc, now=now)
             continue
         if job.public_id not in touched:
             touched.append(job.public_id)
     return touched
+
+
+def settle_retry_delay_s(failures: int) -> float:
+    """How long to wait before settling a job again after ``failures`` failures in a row: doubling
+    from SWARM_SETTLE_RETRY_S, at most SWARM_SETTLE_RETRY_MAX_S."""
+    exponent = min(max(failures - 1, 0), 32)  # 2**32 times any base is past every cap
+    return min(settings.SWARM_SETTLE_RETRY_S * 2**exponent, settings.SWARM_SETTLE_RETRY_MAX_S)
+
+
+def settle_failure(job_pk: int, error: BaseException, now: datetime | None = None) -> Job:
+    """Record that settling a job raised ``error`` (the settlement itself was rolled back): count
+    it, keep the error, put the next try off, and flag the job for admins once it failed
+    SWARM_SETTLE_FLAG_AFTER times in a row."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_pk)
+        job.settle_failures += 1
+        job.settle_error = f"{type(error).__name__}: {error}"[:2000]
+        job.settle_retry_at = now + timedelta(seconds=settle_retry_delay_s(job.settle_failures))
+        job.settle_flagged = job.settle_flagged or job.settle_failures >= settings.SWARM_SETTLE_FLAG_AFTER
+        job.save(update_fields=["settle_failures", "settle_error", "settle_retry_at", "settle_flagged"])
+    log.error(
+        "job %s could not be settled (failure %d%s; next try at %s): %s",
+        job.public_id,
+        job.settle_failures,
+        ", flagged for admins" if job.settle_flagged else "",
+        job.settle_retry_at.isoformat(),
+        job.settle_error,
+        exc_info=error,
+    )
+    return job

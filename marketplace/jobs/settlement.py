@@ -68,7 +68,8 @@ def settle(job_pk: int) -> int:
         )
     job.charged_amount = charge
     job.settled_at = timezone.now()
-    job.save(update_fields=["charged_amount", "settled_at"])
+    job.settle_flagged, job.settle_retry_at = False, None  # settled: nothing left for an admin (the error stays)
+    job.save(update_fields=["charged_amount", "settled_at", "settle_flagged", "settle_retry_at"])
     _credit_verified_work(job)  # in this transaction: the charge and the providers' shares land together
     return charge
 

@@ -12,6 +12,7 @@ class NodeState(models.TextChoices):
     DRAINING = "draining", "draining"  # finishing work, gets no new assignment
     OFFLINE = "offline", "offline"  # missed heartbeats past the timeout
     EJECTED = "ejected", "ejected"  # removed by strikes or an admin; cannot come back by itself
+    DELETED = "deleted", "deleted"  # deleted by its owner; the row stays so its jobs settle and pay it
 
 
 class Node(models.Model):
@@ -48,6 +49,9 @@ class Node(models.Model):
     online_s = models.FloatField(default=0.0)  # seconds heartbeating since it joined (uptime's numerator)
     ejected_at = models.DateTimeField(null=True, blank=True)
     ejection_reason = models.TextField(blank=True)
+    # Set when its owner deleted it (state DELETED): hidden from the owner's lists, never placed or
+    # routed, but kept, because jobs it served settle afterwards and pay its owner.
+    deleted_at = models.DateTimeField(null=True, blank=True)
     connected = models.BooleanField(default=False)
     connected_since = models.DateTimeField(null=True, blank=True)  # when the current control channel opened
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
@@ -62,7 +66,10 @@ class Node(models.Model):
     class Meta:
         ordering = ["id"]
         constraints = [
-            models.UniqueConstraint(fields=["owner", "name"], name="node_name_unique_per_owner"),
+            # A deleted node's name is free for a new node of the same owner.
+            models.UniqueConstraint(
+                fields=["owner", "name"], condition=models.Q(deleted_at__isnull=True), name="node_name_unique_per_owner"
+            ),
         ]
 
     def __str__(self) -> str:

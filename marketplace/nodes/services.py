@@ -73,7 +73,7 @@ def create_node(*, owner, name: str, region: str = "local") -> tuple[Node, str]:
     """Add a node for a provider; returns it with its one-time join token (shown once)."""
     if not owner.is_provider:
         raise NodeNotAllowed("only providers can add nodes")
-    if Node.objects.filter(owner=owner, name=name).exists():
+    if Node.objects.filter(owner=owner, name=name, deleted_at__isnull=True).exists():
         raise NodeNameTaken("You already have a node with this name.", param="name")
     token, token_hash = _new_token()
     expires = timezone.now() + timedelta(seconds=settings.SWARM_JOIN_TOKEN_TTL_S)
@@ -184,6 +184,8 @@ def authenticate(*, node_id: str, nonce: bytes, signature: str) -> Node:
     _verify(bytes.fromhex(node.public_key), CONTROL_CONTEXT + nonce + node_id.encode(), signature, InvalidHandshake)
     if node.state == NodeState.EJECTED:
         raise NodeNotAllowed("this node was ejected")
+    if node.state == NodeState.DELETED:
+        raise NodeNotAllowed("this node was deleted by its owner")
     return node
 
 
@@ -292,13 +294,31 @@ def mark_ejected(node: Node, *, reason: str, by=None) -> bool:
         raise NodeNotAllowed("only admins eject nodes")
     if not (
         Node.objects.filter(pk=node.pk)
-        .exclude(state=NodeState.EJECTED)
+        .exclude(state__in=[NodeState.EJECTED, NodeState.DELETED])
         .update(state=NodeState.EJECTED, ejected_at=timezone.now(), ejection_reason=reason[:2000], connected=False)
     ):
         return False
     if node.node_id:
         push(node.node_id, protocol.to_wire(protocol.Stop(reason=f"ejected: {reason}"[: protocol.MAX_TEXT_CHARS])))
     log.warning("node %s ejected: %s", node.node_id, reason)
+    notify_node_changed(node.pk)
+    return True
+
+
+def mark_deleted(node: Node) -> bool:
+    """Soft-delete a node for its owner: it leaves every list of theirs and every placement and
+    route, its agent cannot reconnect, and its join token stops working; the row stays for the
+    jobs, earnings and strikes that name it. Placement's ``delete_node`` is the verb callers use.
+    True when it changed."""
+    if not Node.objects.filter(pk=node.pk, deleted_at__isnull=True).update(
+        state=NodeState.DELETED,
+        deleted_at=timezone.now(),
+        connected=False,
+        join_token_hash=None,
+        join_token_expires_at=None,
+    ):
+        return False
+    log.info("node %s deleted by its owner; kept for settlement", node.node_id)
     notify_node_changed(node.pk)
     return True
 

@@ -90,6 +90,8 @@ class Payout(models.Model):
     provider = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="payouts")
     amount = models.BigIntegerField()  # nano-dollars; sent in whole cents (the rest stays available)
     cents = models.BigIntegerField()  # what the Stripe transfer carries
+    # Of ``amount``, the sub-cent rests of the provider's earlier sent payouts, carried into this one.
+    carried_in = models.BigIntegerField(default=0)
     state = models.CharField(max_length=16, choices=PayoutState.choices, default=PayoutState.PENDING)
     idempotency_key = models.CharField(max_length=64, unique=True)
     stripe_transfer_id = models.CharField(max_length=64, blank=True)

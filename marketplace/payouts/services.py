@@ -5,7 +5,8 @@ Every step is one atomic set of balanced ledger transfers plus the rows that exp
     job settled and verified   platform_revenue   -> provider_pending    (charge minus the fee, per node)
     challenge window passed    provider_pending   -> provider_available  (no open strike on the node)
     strike upheld              provider_pending   -> platform_revenue    (claw-back of the node's pending pay)
-    batch built                provider_available -> provider_payout     (providers above the minimum)
+    batch built                provider_available -> provider_payout     (providers above the minimum, with
+                                                                          earlier payouts' sub-cent rests)
     transfer sent              provider_payout    -> payouts             (whole cents; sub-cent rest back)
     transfer given up          provider_payout    -> provider_available  (flagged for admins)
 
@@ -22,9 +23,10 @@ from datetime import timedelta
 import stripe
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F, Sum
 from django.utils import timezone
 
-from marketplace.billing.models import AccountKind
+from marketplace.billing.models import AccountKind, LedgerAccount
 from marketplace.billing.services import account, transfer
 from marketplace.billing.stripe_client import PaymentProviderUnavailable, call_stripe
 from marketplace.nodes.models import Node
@@ -211,10 +213,25 @@ def _apply_account(connect: ConnectAccount, remote: dict) -> None:
 # --- batches and transfers ------------------------------------------------------------------------
 
 
+def carried_rest(provider_id: int) -> int:
+    """The sub-cent rests of the provider's sent payouts (each transfer carries whole cents, the
+    rest stayed available) not yet carried into a later payout: nano-dollars, in its available
+    account but in no earning. A failed payout gave its whole amount back, so what it carried is
+    due again."""
+    payouts = Payout.objects.filter(provider_id=provider_id)
+    rests = payouts.filter(state=PayoutState.SENT).aggregate(total=Sum(F("amount") - F("cents") * NANO_PER_CENT))[
+        "total"
+    ]
+    carried = payouts.exclude(state=PayoutState.FAILED).aggregate(total=Sum("carried_in"))["total"]
+    return max(0, (rests or 0) - (carried or 0))
+
+
 @transaction.atomic
 def build_batch() -> PayoutBatch | None:
     """Gather the available earnings of every provider above the minimum with a payout-ready
-    account into one batch awaiting an admin's approval; None when nobody is due."""
+    account into one batch awaiting an admin's approval; None when nobody is due. Each payout also
+    carries the sub-cent rests of the provider's earlier payouts (``carried_rest``), so no part
+    of a cent is left behind for good."""
     ready = set(ConnectAccount.objects.filter(payouts_enabled=True).values_list("provider_id", flat=True))
     batch = None
     for provider_id in sorted(ready):
@@ -223,7 +240,14 @@ def build_batch() -> PayoutBatch | None:
             .filter(provider_id=provider_id, state=EarningState.AVAILABLE, payout__isnull=True)
             .order_by("pk")
         )
-        amount = sum(e.amount for e in earnings)
+        # Lock the provider's accounts (in primary-key order, as transfers do) before reading the
+        # rests, so two batches built at once cannot both carry them.
+        accounts = [
+            account(kind, provider_id) for kind in (AccountKind.PROVIDER_AVAILABLE, AccountKind.PROVIDER_PAYOUT)
+        ]
+        list(LedgerAccount.objects.select_for_update().filter(pk__in=[a.pk for a in accounts]).order_by("pk"))
+        carried = carried_rest(provider_id)
+        amount = sum(e.amount for e in earnings) + carried
         if amount < settings.SWARM_PAYOUT_MINIMUM or amount < NANO_PER_CENT:
             continue
         if batch is None:
@@ -233,6 +257,7 @@ def build_batch() -> PayoutBatch | None:
             provider_id=provider_id,
             amount=amount,
             cents=amount // NANO_PER_CENT,
+            carried_in=carried,
             idempotency_key=f"payout-{batch.pk}-{provider_id}",
         )
         Earning.objects.filter(pk__in=[e.pk for e in earnings]).update(state=EarningState.BATCHED, payout=payout)

@@ -170,12 +170,20 @@ def eject_node(node: Node, *, reason: str, by=None) -> Node:
 
 @transaction.atomic
 def delete_node(node: Node) -> None:
-    """The owner deletes a node: its agent is told to stop and its blocks are released."""
+    """The owner deletes a node: its agent is told to stop and its blocks are released.
+
+    A node that never joined has no history and goes. One that joined is soft-deleted
+    (``nodes.services.mark_deleted``): jobs it served may still be running or waiting to settle,
+    and its earnings, strikes and challenges point at it, so its row stays and its owner is paid
+    for the verified work it did; it is never placed or routed again."""
     if node.node_id:
         push(node.node_id, protocol.to_wire(protocol.Stop(reason="the node was deleted by its owner")))
     release_node(node.pk)
     notify_node_changed(node.pk)
-    node.delete()
+    if node.node_id:
+        nodes.mark_deleted(node)
+    else:
+        node.delete()
     _placement_changed()
 
 

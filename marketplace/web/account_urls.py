@@ -10,7 +10,7 @@ app_name = "accounts"
 
 urlpatterns = [
     path("signup/", account_views.sign_up, name="signup"),
-    path("login/", auth_views.LoginView.as_view(template_name="accounts/login.html"), name="login"),
+    path("login/", account_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     # The dashboard home (per-role overview) lives with the dashboards; sign-in lands on it.
     path("", home, name="home"),

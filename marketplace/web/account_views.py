@@ -1,15 +1,33 @@
-"""Sign-up page: the form checks the inputs, the accounts service applies the account rules."""
+"""Sign-up and sign-in pages: the forms check the inputs, the accounts service applies the
+account rules (roles, email, password validators, the failed sign-in limit)."""
 
 from __future__ import annotations
 
 from django.contrib.auth import login
+from django.contrib.auth import views as auth_views
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods
 
 from marketplace.accounts import services
 from marketplace.accounts.errors import AccountError
-from marketplace.accounts.forms import SignUpForm
+from marketplace.accounts.forms import SignUpForm, ThrottledAuthenticationForm
+
+FIELD_OF_PARAM = {"password": "password1"}  # the service's input names, as this form calls them
+
+
+class LoginView(auth_views.LoginView):
+    """Django's sign-in page; 429 when too many sign-ins failed from this address (the form says
+    how long to wait)."""
+
+    template_name = "accounts/login.html"
+    form_class = ThrottledAuthenticationForm
+
+    def form_invalid(self, form):
+        response = super().form_invalid(form)
+        if form.throttled:
+            response.status_code = 429
+        return response
 
 
 @require_http_methods(["GET", "POST"])
@@ -26,7 +44,7 @@ def sign_up(request: HttpRequest) -> HttpResponse:
                 customer=data["customer"],
             )
         except AccountError as exc:
-            form.add_error(exc.param, str(exc))
+            form.add_error(FIELD_OF_PARAM.get(exc.param, exc.param), str(exc))
         else:
             login(request, user, backend="django.contrib.auth.backends.ModelBackend")
             return redirect("accounts:home")

@@ -76,16 +76,16 @@ def node_status(node: Node, now: datetime | None = None) -> NodeStatus:
 
 def provider_nodes(user) -> list[NodeStatus]:
     now = timezone.now()
-    return [node_status(node, now) for node in Node.objects.filter(owner=user).order_by("id")]
+    return [node_status(node, now) for node in Node.objects.filter(owner=user, deleted_at__isnull=True).order_by("id")]
 
 
 def node_of(user, pk: int) -> Node | None:
     """The provider's own node; None for another provider's (which must look absent)."""
-    return Node.objects.filter(owner=user, pk=pk).first()
+    return Node.objects.filter(owner=user, pk=pk, deleted_at__isnull=True).first()
 
 
 def node_counts(user) -> dict[str, int]:
-    counts = dict(Node.objects.filter(owner=user).values_list("state").annotate(n=Count("id")))
+    counts = dict(Node.objects.filter(owner=user, deleted_at__isnull=True).values_list("state").annotate(n=Count("id")))
     return {state: counts.get(state, 0) for state in NodeState.values}
 
 

@@ -10,7 +10,6 @@ nodes) live in admin_views.py: POST forms with CSRF, for staff only.
 from __future__ import annotations
 
 import functools
-import json
 import uuid
 from collections.abc import Callable
 
@@ -28,6 +27,7 @@ from django_htmx.http import HttpResponseClientRedirect
 
 from marketplace.api.errors import allow_method, error_response
 from marketplace.api.openai import complete_for_key, releases_db
+from marketplace.api.parsers import loads_bounded
 from marketplace.api.views import join_command
 from marketplace.billing import selectors as billing
 from marketplace.billing.errors import PaymentProviderUnavailable
@@ -35,7 +35,7 @@ from marketplace.billing.models import TopUpState
 from marketplace.billing.topups import start_top_up
 from marketplace.errors import DomainError
 from marketplace.jobs import services as jobs_services
-from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest
+from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken, AuthenticationFailed, InvalidRequest
 from marketplace.nodes import services as node_services
 from marketplace.nodes.errors import NodeError, NodeNameTaken
 from marketplace.payouts import services as payout_services
@@ -243,7 +243,7 @@ def keys(request: HttpRequest) -> HttpResponse:
         return _keys_panel(request, form)
     try:
         api_key, key = jobs_services.create_api_key(request.user, form.cleaned_data["name"])
-    except ApiKeyNameTaken as exc:
+    except (ApiKeyNameTaken, ApiKeyLimitReached) as exc:
         form.add_error(exc.param, str(exc))
         return _keys_panel(request, form)
     return _keys_panel(request, ApiKeyForm(), created=api_key, key=key)
@@ -343,8 +343,8 @@ async def playground_chat(request: HttpRequest) -> HttpResponse:
     if not user.is_customer:
         return error_response(InvalidRequest("The playground is for customers.", code="not_a_customer"))
     try:
-        data = json.loads(request.body or b"")
-    except (ValueError, UnicodeDecodeError):
+        data = loads_bounded(request.body or b"")
+    except InvalidRequest:
         data = None
     if not isinstance(data, dict):
         return error_response(InvalidRequest("The request body must be a JSON object.", code="invalid_json"))

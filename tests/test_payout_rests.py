@@ -1,0 +1,120 @@
+"""A payout is a Stripe transfer in whole cents; the part below a cent stays in the provider's
+available account and is carried into their next batch's payout, so nothing is left behind."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from marketplace.billing.models import AccountKind
+from marketplace.billing.services import account, transfer
+from marketplace.jobs.models import Job
+from marketplace.jobs.services import create_api_key
+from marketplace.payouts import services
+from marketplace.payouts.models import Earning, EarningState, Payout, PayoutState
+
+pytest_plugins = ["tests.factories", "tests.stripe_fake"]
+pytestmark = [pytest.mark.billing, pytest.mark.django_db]
+
+CENT = 10_000_000  # nano-dollars
+
+
+@pytest.fixture
+def connected(fake_stripe, provider, settings):
+    """Alice, with a payout-ready Stripe Connect account and a $0.01 payout minimum."""
+    settings.SWARM_PAYOUT_MINIMUM = CENT
+    services.start_onboarding(provider)
+    fake_stripe.complete_onboarding(provider.connect.stripe_account_id)
+    services.refresh_connect(provider)
+    return provider
+
+
+@pytest.fixture
+def earn(connected, customer, make_joined_node):
+    """Give alice an available earning of ``amount`` nano-dollars, as a released job's share would."""
+    node = make_joined_node(connected).node
+    api_key, _ = create_api_key(customer, "k")
+    jobs = iter(range(1000))
+
+    def give(amount: int) -> Earning:
+        job = Job.objects.create(
+            public_id=f"chatcmpl-{next(jobs)}", kind="chat", customer=customer, api_key=api_key, model="m"
+        )
+        earning = Earning.objects.create(
+            node=node,
+            provider=connected,
+            job=job,
+            amount=amount,
+            layer_tokens=1,
+            state=EarningState.AVAILABLE,
+            available_at=timezone.now() - timedelta(seconds=1),
+        )
+        transfer(
+            account(AccountKind.PLATFORM_REVENUE),
+            account(AccountKind.PROVIDER_AVAILABLE, connected),
+            amount,
+            kind="earning",
+            job=job,
+        )
+        return earning
+
+    return give
+
+
+def pay(admin) -> Payout:
+    """Build a batch, approve it and send its transfer; the provider's one payout."""
+    batch = services.build_batch()
+    services.approve_batch(batch, by=admin)
+    services.send_payouts()
+    return batch.payouts.get()
+
+
+def test_the_sub_cent_rest_of_a_payout_is_carried_into_the_next_batch(earn, connected, admin, fake_stripe):
+    earn(3 * CENT + 4_000_000)  # $0.034
+    first = pay(admin)
+    earn(2 * CENT + 7_000_000)  # $0.027
+
+    second = pay(admin)
+
+    assert (first.amount, first.cents, first.carried_in, first.state) == (34_000_000, 3, 0, PayoutState.SENT)
+    assert (second.amount, second.cents, second.carried_in, second.state) == (
+        31_000_000,
+        3,
+        4_000_000,
+        PayoutState.SENT,
+    )
+    assert [t["amount"] for t in fake_stripe.transfers.values()] == [3, 3]
+    assert account(AccountKind.PROVIDER_AVAILABLE, connected).balance == 1_000_000  # the newest rest, carried next
+    assert services.carried_rest(connected.pk) == 1_000_000
+
+
+def test_over_many_batches_every_whole_cent_earned_is_paid(earn, connected, admin, fake_stripe):
+    for _ in range(3):
+        earn(CENT + 5_000_000)  # $0.015 each
+        pay(admin)
+
+    assert [t["amount"] for t in fake_stripe.transfers.values()] == [1, 2, 1]  # 4.5 cents earned, 4 sent
+    assert account(AccountKind.PROVIDER_AVAILABLE, connected).balance == 5_000_000
+    assert services.build_batch() is None  # half a cent alone is below the minimum: it waits for more
+
+
+def test_a_rest_carried_into_a_payout_that_failed_is_carried_again(earn, connected, admin, fake_stripe):
+    earn(CENT + 6_000_000)
+    pay(admin)
+    earn(2 * CENT)
+    fake_stripe.fail_next(400, message="Your destination account was rejected.")  # permanent
+
+    failed = pay(admin)
+    earn(CENT)
+    retried = pay(admin)
+
+    assert (failed.carried_in, failed.state) == (6_000_000, PayoutState.FAILED)
+    assert (retried.amount, retried.cents, retried.carried_in, retried.state) == (
+        3 * CENT + 6_000_000,
+        3,
+        6_000_000,
+        PayoutState.SENT,
+    )
+    assert account(AccountKind.PROVIDER_AVAILABLE, connected).balance == 6_000_000
