@@ -30,8 +30,11 @@ async def stage_servers(
     rogue_class: type[Stage] | None = None,
     trusted: bytes | None = None,
     keys: Sequence | None = None,
+    server_class: type[StageServer] = StageServer,
+    rogue_server: type[StageServer] | None = None,
 ) -> AsyncIterator[list[PipelineStage]]:
-    """Stages over ``spans`` (the one at index ``rogue`` of ``rogue_class``) trusting ``trusted``
+    """Stages over ``spans`` (the one at index ``rogue`` of ``rogue_class``, served by
+    ``rogue_server``) trusting ``trusted``
     (default: the control plane's ticket key), signing with ``keys`` (default: new ones); yields
     the route."""
     trusted = trusted if trusted is not None else issuer_public_key()
@@ -45,7 +48,8 @@ async def stage_servers(
             trusted_keys=[trusted],
         )
         bound = asyncio.get_running_loop().create_future()
-        tasks.append(asyncio.create_task(StageServer(stage).serve("127.0.0.1", 0, ready=bound.set_result)))
+        server = rogue_server if index == rogue and rogue_server is not None else server_class
+        tasks.append(asyncio.create_task(server(stage).serve("127.0.0.1", 0, ready=bound.set_result)))
         port = await asyncio.wait_for(bound, 30)
         route.append(PipelineStage(stage.node, stage.node_key.hex(), f"ws://127.0.0.1:{port}", start, end, "local"))
     try:

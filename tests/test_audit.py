@@ -145,7 +145,7 @@ def test_only_the_audited_stages_are_kept(tiny_swarm, plain):
     assert verify_audit(material, receipt_of(result, material), trusted_block(2, 4)).passed
 
 
-def test_a_stage_whose_taps_do_not_arrive_is_reported_missing(tiny_swarm, plain):
+def test_a_stage_whose_taps_do_not_arrive_is_reported_missing_and_owes_both_gaps(tiny_swarm, plain):
     job = "audit-no-taps"
 
     async def main():
@@ -161,7 +161,9 @@ def test_a_stage_whose_taps_do_not_arrive_is_reported_missing(tiny_swarm, plain)
 
     assert result.token_ids == plain.token_ids
     assert result.verification is not None
-    assert result.audit_missing == [0, 1]  # stage 0's output is stage 1's input
+    # Stage 0's tap is both its own outputs and stage 1's inputs: both gaps are stage 0's to answer for.
+    assert [(gap.stage, gap.owed_by) for gap in result.audit_missing] == [(0, 0), (1, 0)]
+    assert all(gap.session == result.session for gap in result.audit_missing)
     assert [m.stage for m in result.audits] == [2]
 
 

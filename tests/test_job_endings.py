@@ -186,7 +186,7 @@ def test_the_final_event_goes_out_before_audits_are_recorded(control_plane, api_
     recorded: list[int] = []
     settled_first: list[bool] = []
 
-    def slow_record_audits(job, materials):
+    def slow_record_audits(job, materials, gaps=()):
         settled_first.append(Job.objects.get(pk=job.pk).settled_at is not None)
         recording.set()
         assert release.wait(60), "the test never let the audits through"

@@ -27,9 +27,18 @@ Errors (trust code fails closed: it raises, it never returns False)::
 
     AuditError (errors.py)   code audit_malformed: material that does not parse or is inconsistent
                              in itself; audit_wrong_block: a trusted block that cannot replay it
-    └── AuditFailed          the node is at fault: code audit_hash_mismatch, the material is not
-                             what the receipt signed; code audit_mismatch, the replay's outputs
+    └── AuditFailed          a node is at fault (``.upstream``: the audited stage's predecessor,
+                             which sent the recorded inputs; otherwise the audited node): code
+                             audit_hash_mismatch, the material is not what the receipts signed;
+                             audit_forged_tap, the predecessor's copy of its output (its tap)
+                             is not what it signed it sent; audit_mismatch, the replay's outputs
                              differ from the recorded ones (``.report`` says where)
+
+Who owes which bytes: in ring topology an audited stage's inputs are its predecessor's tap and its
+outputs its own tap (or, for the last stage, its result). So an input that is not what the
+predecessor signed as its output is the predecessor's forgery, never the audited node's fault;
+an input that is what the predecessor signed but not what the audited node signed it received
+means the audited node's receipt lies.
 
 A receipt that does not verify raises its own ``ReceiptError``.
 """
@@ -63,9 +72,12 @@ class AuditFailed(AuditError):
 
     code = "audit_hash_mismatch"
 
-    def __init__(self, message: str, *, code: str | None = None, report: AuditReport | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: str | None = None, report: AuditReport | None = None, upstream: bool = False
+    ) -> None:
         super().__init__(message, code=code)
         self.report = report
+        self.upstream = upstream  # the audited stage's predecessor is at fault, not the audited node
 
 
 def _is_int(value: object) -> bool:
@@ -253,12 +265,17 @@ def per_token_metrics(output: torch.Tensor, reference: torch.Tensor) -> tuple[tu
     return tuple(cosines), tuple(rel_norms)
 
 
-def check_hashes(material: AuditMaterial, receipt: Receipt) -> None:
-    """Raise ``AuditFailed`` (audit_hash_mismatch) unless ``material`` is exactly the traffic
-    that ``receipt`` signs for; a receipt that does not verify raises its ``ReceiptError``."""
+def check_hashes(material: AuditMaterial, receipt: Receipt, upstream: Receipt | None = None) -> None:
+    """Raise ``AuditFailed`` unless ``material`` is exactly the traffic that ``receipt`` signs for;
+    a receipt that does not verify raises its ``ReceiptError``. With ``upstream`` (the receipt of
+    the stage before, which sent the recorded inputs as its tap), each input is first checked
+    against what that stage signed as its output: a difference is its forgery (audit_forged_tap,
+    ``.upstream``), not the audited node's fault."""
     if not isinstance(material, AuditMaterial) or not isinstance(receipt, Receipt):
         raise AuditFailed("check_hashes takes an AuditMaterial and a Receipt")
     receipt.verify_signature()
+    if upstream is not None:
+        _check_upstream(material, upstream)
     where = f"stage {material.stage} (node {material.node}) of session {material.session!r}"
     for name in ("job", "session", "node", "model", "layer_start", "layer_end"):
         if getattr(receipt, name) != getattr(material, name):
@@ -277,6 +294,28 @@ def check_hashes(material: AuditMaterial, receipt: Receipt) -> None:
             raise AuditFailed(f"{where} step {step}: the recorded input is not what the node signed")
         if digest(sent_out) != signed_out:
             raise AuditFailed(f"{where} step {step}: the recorded output is not what the node signed")
+
+
+def _check_upstream(material: AuditMaterial, upstream: Receipt) -> None:
+    if not isinstance(upstream, Receipt):
+        raise AuditFailed("the upstream receipt must be a Receipt")
+    upstream.verify_signature()
+    where = f"stage {material.stage - 1} (node {upstream.node}) of session {material.session!r}"
+    if (upstream.job, upstream.session, upstream.layer_end) != (material.job, material.session, material.layer_start):
+        raise AuditError(f"{where}: its receipt is not for the stage before the audited one", code="audit_malformed")
+    if upstream.steps != len(material.steps):
+        raise AuditFailed(
+            f"{where}: it signs {upstream.steps} steps, the audited stage's traffic holds {len(material.steps)}",
+            code="audit_forged_tap",
+            upstream=True,
+        )
+    for step, ((_, signed_out), tapped) in enumerate(zip(upstream.hashes, material.inputs, strict=True)):
+        if digest(tapped) != signed_out:
+            raise AuditFailed(
+                f"{where} step {step}: its tap (the audited stage's recorded input) is not the output it signed",
+                code="audit_forged_tap",
+                upstream=True,
+            )
 
 
 def _check_thresholds(min_cosine: float, max_rel_norm: float) -> None:
@@ -348,12 +387,13 @@ def verify_audit(
     receipt: Receipt,
     block: Block,
     *,
+    upstream: Receipt | None = None,
     min_cosine: float = DEFAULT_MIN_COSINE,
     max_rel_norm: float = DEFAULT_MAX_REL_NORM,
 ) -> AuditReport:
     """``check_hashes``, then ``replay``; raises ``AuditFailed`` (audit_mismatch, with ``.report``)
     when any output row is out of bounds, and returns the report when every row passes."""
-    check_hashes(material, receipt)
+    check_hashes(material, receipt, upstream)
     report = replay(material, block, min_cosine=min_cosine, max_rel_norm=max_rel_norm)
     if not report.passed:
         step, row = report.first_failure

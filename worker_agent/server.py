@@ -412,7 +412,11 @@ class StageServer:
         if tap:
             # A coordinator that went away is _end_job's business, not an error to report.
             with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
-                await route.coordinator.send(wire.Result(**frame_args))
+                await self.send_tap(route.coordinator, wire.Result(**frame_args))
+
+    async def send_tap(self, coordinator: Conn, tap: wire.Result) -> None:
+        """Send the coordinator its copy of an output this stage forwarded to its ring successor."""
+        await coordinator.send(tap)
 
     async def _peer(self, job: str, route: JobRoute) -> Conn:
         """The connection to this job's ring successor, opened on first use."""

@@ -155,8 +155,8 @@ async def _run(job_pk: int) -> str:
     # Only once the client has its final event: replaying audits takes seconds to minutes, and
     # settlement does not wait for them either (a failed audit claws back through its strike).
     await in_thread(settle, job_pk)
-    if result.audits:
-        await in_thread(_record_audits, job_pk, result.audits)
+    if result.audits or result.audit_missing:
+        await in_thread(_record_audits, job_pk, result.audits, result.audit_missing)
     return JobState.SUCCEEDED
 
 
@@ -266,5 +266,5 @@ async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_to
     await layer.group_send(group, {"type": "job.error", "code": code, "message": message})
 
 
-def _record_audits(job_pk: int, materials: list) -> list[int]:
-    return record_audits(Job.objects.get(pk=job_pk), materials)
+def _record_audits(job_pk: int, materials: list, gaps: list) -> list[int]:
+    return record_audits(Job.objects.get(pk=job_pk), materials, gaps)

@@ -98,16 +98,16 @@ def credit_earnings(job, layer_tokens_by_node: dict[str, int]) -> list[Earning]:
     return earnings
 
 
-def release_earnings(now=None, *, withheld: Iterable[int] = ()) -> int:
+def release_earnings(now=None, *, withheld: Iterable[int] = (), unless=None) -> int:
     """Earnings whose challenge window has passed become available, except those of the ``withheld``
-    node pks (verification passes the nodes with an open strike:
+    node pks and those matching ``unless`` (a condition on an earning; verification passes the
+    nodes with an open strike and the jobs whose audits are not all passed:
     ``verification.strikes.release_earnings_in_good_standing``). Returns how many were released."""
     now = now or timezone.now()
-    due = (
-        Earning.objects.filter(state=EarningState.PENDING, available_at__lte=now)
-        .exclude(node_id__in=withheld)
-        .values_list("pk", flat=True)
-    )
+    due = Earning.objects.filter(state=EarningState.PENDING, available_at__lte=now).exclude(node_id__in=withheld)
+    if unless is not None:
+        due = due.exclude(unless)
+    due = due.values_list("pk", flat=True)
     released = 0
     for pk in list(due):
         with transaction.atomic():

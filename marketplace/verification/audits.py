@@ -1,7 +1,14 @@
 """Live audits: ``choose_audit_stages`` picks, at admission, which stages of a job are audited (each
 node at its own rate; every session is tapped, so nodes cannot tell); ``record_audits`` stores the
-material the coordinator kept and ``verify_audit`` checks its hashes against the node's signed
-receipt and replays it on the trusted block. A failure opens a strike."""
+material the coordinator kept and ``verify_audit`` checks its hashes against the signed receipts
+and replays it on the trusted block. A failure opens a strike.
+
+Audits fail closed and blame the node that owed the evidence: an audited stage whose material did
+not all arrive, or does not make valid material, is a failed audit of the stage whose bytes were
+missing (its predecessor, for a tap of its inputs; itself, for its outputs). A recorded input that
+is not what the predecessor signed as its output is the predecessor's forged tap: its strike, and
+none for the audited node. A job's earnings stay pending while any of its audits is unchecked
+(``strikes.withheld_earnings``)."""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from marketplace.verification.strikes import open_strike
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
 from worker_agent.audit import AuditFailed, AuditMaterial
 from worker_agent.audit import verify_audit as replay_audit
+from worker_agent.coordinator.pipeline import AuditGap
 from worker_agent.errors import SwarmError
 from worker_agent.receipts import MissingReceipt
 
@@ -44,11 +52,35 @@ def choose_audit_stages(route: list[dict], rng: random.Random | None = None) -> 
 
 
 @transaction.atomic
-def record_audits(job, materials: list[AuditMaterial]) -> list[int]:
-    """Store the material a job's coordinator kept and queue its replay."""
+def record_audits(job, materials: list[AuditMaterial], gaps: list[AuditGap] | tuple = ()) -> list[int]:
+    """Store the material a job's coordinator kept and queue its replay; each gap (an audited stage
+    whose material could not be had) is a failed audit of the stage that owed the bytes."""
     nodes = {s["node"]: index for index, s in enumerate(job.route)}
     node_pks = dict(Node.objects.filter(node_id__in=list(nodes)).values_list("node_id", "pk"))
     created = []
+    for gap in gaps:
+        if not (0 <= gap.owed_by < len(job.route) and 0 <= gap.stage < len(job.route)):
+            log.warning("job %s: an audit gap names stage %d of %d", job.public_id, gap.owed_by, len(job.route))
+            continue
+        owed = job.route[gap.owed_by]
+        if owed["node"] not in node_pks:
+            continue
+        audit, new = Audit.objects.get_or_create(
+            job=job,
+            session=gap.session,
+            stage=gap.stage,
+            defaults={
+                "node_id": node_pks[owed["node"]],
+                "model": job.model,
+                "layer_start": owed["layer_start"],
+                "layer_end": owed["layer_end"],
+                "material": b"",
+            },
+        )
+        if new:
+            created.append(audit.pk)
+            reason = f"stage {gap.owed_by} (node {owed['node']}): {gap.reason}"
+            _finish_audit(audit.pk, CheckState.FAILED, reason, {"code": "audit_missing"})
     for material in materials:
         if material.node not in node_pks or nodes[material.node] != material.stage:
             log.warning("job %s: audit material for %s does not match the route", job.public_id, material.node)
@@ -76,9 +108,13 @@ def verify_audit(audit_pk: int) -> Audit:
     audit = Audit.objects.select_related("job", "node").get(pk=audit_pk)
     if audit.state != CheckState.PENDING:
         return audit
+    upstream = None
     try:
         material = AuditMaterial.from_bytes(bytes(audit.material))
         receipt = session_receipt(audit.job, material.session, material.stage, material.node)
+        if material.stage > 0:
+            before = audit.job.route[material.stage - 1]
+            upstream = session_receipt(audit.job, material.session, material.stage - 1, before["node"])
     except MissingReceipt:
         return _finish_audit(audit_pk, CheckState.ERROR, "the job holds no receipt of this node for the session", {})
     except SwarmError as exc:
@@ -91,19 +127,26 @@ def verify_audit(audit_pk: int) -> Audit:
     reference_dtype = "float32"
     try:
         try:
-            report = replay_audit(material, receipt, block, **thresholds())
+            report = replay_audit(material, receipt, block, upstream=upstream, **thresholds())
         except AuditFailed as exc:
             if exc.code != "audit_mismatch":
                 raise
             fallback = trusted_block(audit.model, audit.layer_start, audit.layer_end, FALLBACK_DTYPE)
             try:
-                report = replay_audit(material, receipt, fallback, **thresholds())
+                report = replay_audit(material, receipt, fallback, upstream=upstream, **thresholds())
             except AuditFailed:
                 raise exc from None  # the float32 replay's evidence is the one on record
             reference_dtype = FALLBACK_DTYPE
     except AuditFailed as exc:  # the node's fault: its bytes disagree with what it signed, or with the replay
         failed = exc.report
         metrics = _audit_metrics(failed) if failed is not None else {}
+        if exc.upstream:  # the predecessor forged its tap: the failure and the strike are its own
+            before = audit.job.route[audit.stage - 1]
+            Audit.objects.filter(pk=audit_pk).update(
+                node=Node.objects.get(node_id=before["node"]),
+                layer_start=before["layer_start"],
+                layer_end=before["layer_end"],
+            )
         return _finish_audit(audit_pk, CheckState.FAILED, f"{exc} ({exc.code})", {**metrics, "code": exc.code})
     except SwarmError as exc:  # malformed material, a wrong trusted block: the verifier's problem, no strike
         log.error("audit %s could not be checked: %s", audit_pk, exc)

@@ -9,13 +9,14 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from marketplace.nodes.models import Node
 from marketplace.payouts.services import claw_back, release_earnings
 from marketplace.placement.services import eject_node
 from marketplace.verification.errors import StrikeDecisionRefused
-from marketplace.verification.models import Strike, StrikeState
+from marketplace.verification.models import Audit, CheckState, Strike, StrikeState
 from marketplace.verification.standing import refresh_reputation
 
 log = logging.getLogger("swarm.verification")
@@ -84,6 +85,16 @@ def uphold_overdue_strikes(now=None) -> list[int]:
 
 def release_earnings_in_good_standing(now=None) -> int:
     """Earnings past their challenge window become available, except a node's with an open strike
-    (withheld until the strike is decided). Returns how many were released."""
+    (withheld until the strike is decided) and a job's whose audits are not all passed
+    (``withheld_earnings``). Returns how many were released."""
     withheld = Strike.objects.filter(state=StrikeState.OPEN).values("node_id")
-    return release_earnings(now, withheld=withheld)
+    return release_earnings(now, withheld=withheld, unless=withheld_earnings())
+
+
+def withheld_earnings():
+    """What keeps an earning pending, as a condition on the earning's job and node: its job has an
+    audit not yet passed or failed (pending, or one the verifier could not check), or its node
+    failed an audit in that job (the strike decides what happens to it)."""
+    unchecked = Audit.objects.filter(job_id=OuterRef("job_id"), state__in=[CheckState.PENDING, CheckState.ERROR])
+    failed = Audit.objects.filter(job_id=OuterRef("job_id"), node_id=OuterRef("node_id"), state=CheckState.FAILED)
+    return Exists(unchecked) | Exists(failed)

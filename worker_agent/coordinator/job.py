@@ -30,7 +30,7 @@ from worker_agent import model as models
 from worker_agent.audit import AuditMaterial
 from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.heal import Healer, HealRecord, StageFailure
-from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, Pipeline, StageSpec
+from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, AuditGap, Pipeline, StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import GenerationRequest, GenerationState, TokenEvent
 from worker_agent.coverage import JobVerification, verify_job
@@ -58,7 +58,7 @@ class GenerationResult:
     verification: JobVerification | None = None
     verification_error: str = ""  # why the receipts failed verification (non-strict streams only)
     audits: list[AuditMaterial] = field(default_factory=list)  # one per audited stage, in stage order
-    audit_missing: list[int] = field(default_factory=list)  # audited stages whose traffic did not all arrive
+    audit_missing: list[AuditGap] = field(default_factory=list)  # audited stages without material, and who owed it
     heals: list[HealRecord] = field(default_factory=list)  # the stages that failed under it, and when
 
     @property
@@ -94,7 +94,7 @@ class GenerationResult:
                 }
                 for audit in self.audits
             ],
-            "audit_missing": self.audit_missing,
+            "audit_missing": [vars(gap) for gap in self.audit_missing],
             "heals": [heal.to_json() for heal in self.heals],
         }
 
@@ -130,6 +130,7 @@ class Coordinator:
         self.wan = wan
         self.stall_timeout_s = stall_timeout_s
         self._session_ids = itertools.count()  # shared by every route the job heals onto: ids never repeat
+        self.hidden_size = models.load_config(model).hidden_size  # the registry's, never a stage's word
         self.pipeline = self._pipeline(stages, audit_stages)
         self.pipeline.assignments = assignments
         self._assignments_from_hello = assignments is None
@@ -153,6 +154,8 @@ class Coordinator:
             audit_stages=audit_stages,
             stall_timeout_s=self.stall_timeout_s,
             session_ids=self._session_ids,
+            model=self.model_id,
+            hidden_size=self.hidden_size,
         )
 
     async def __aenter__(self) -> Coordinator:

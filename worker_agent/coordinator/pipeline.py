@@ -64,6 +64,16 @@ class Transcript:
     received: list[bytes] = field(default_factory=list)  # per step: digest of bytes from the last stage
 
 
+@dataclass(frozen=True)
+class AuditGap:
+    """An audited stage's material that cannot be had: whose bytes are missing or unusable."""
+
+    session: str
+    stage: int  # the audited stage
+    owed_by: int  # the stage that owed the bytes: the audited one (its outputs) or its predecessor (its tap)
+    reason: str
+
+
 @dataclass
 class _Capture:
     """One audited session's traffic at the boundaries its audited stages need: boundary ``b``
@@ -226,6 +236,8 @@ class Pipeline:
         audit_stages: Collection[int] = (),
         stall_timeout_s: float = STALL_TIMEOUT_S,
         session_ids: Iterator[int] | None = None,
+        model: str | None = None,
+        hidden_size: int | None = None,
     ) -> None:
         if topology not in ("ring", "star"):
             raise ValueError(f"topology must be 'ring' or 'star', got {topology!r}")
@@ -254,6 +266,8 @@ class Pipeline:
         # Who is assigned each span of this route, as the coordinator knows it (from the control
         # plane, or from the stages' HELLO without one): its sessions' receipts are verified against it.
         self.assignments: list[StageAssignment] | None = None
+        self.model = model  # the model id, as the coordinator knows it (audit material)
+        self.hidden_size = hidden_size  # its hidden size: every tensor's width; a tap of another is dropped
         self._captures: dict[str, _Capture] = {}  # audited session -> its traffic so far
 
     def _spawn(self, coro) -> None:
@@ -355,7 +369,10 @@ class Pipeline:
                 key = (item.session, item.step)
                 if key in self._reached:
                     self._reached[key] = max(self._reached[key], index + 1)
-            if self._captures:
+            # A tap of another dtype or width is not the stage's output as the next stage takes it:
+            # it is not kept, and the audit it was owed to counts it missing, owed by this stage.
+            usable = result.dtype == self.dtype and (self.hidden_size is None or result.shape[1] == self.hidden_size)
+            if self._captures and usable:
                 for item, chunk in zip(result.items, result.item_bytes(), strict=True):
                     self._capture(item, index + 1, chunk)
             if self.topology == "star":
@@ -374,10 +391,13 @@ class Pipeline:
         if capture is not None:
             capture.put(boundary, item.step, chunk)
 
-    async def take_audits(self, session: str, *, grace_s: float = TAP_GRACE_S) -> tuple[list[AuditMaterial], list[int]]:
-        """A closed session's audit material, one per audited stage, and the audited stages whose
-        traffic did not all arrive (within ``grace_s``) or does not make valid material. The
-        pipeline forgets the session's traffic either way."""
+    async def take_audits(
+        self, session: str, *, grace_s: float = TAP_GRACE_S
+    ) -> tuple[list[AuditMaterial], list[AuditGap]]:
+        """A closed session's audit material, one per audited stage, and for the audited stages
+        whose traffic did not all arrive (within ``grace_s``) or does not make valid material, who
+        owed it (``AuditGap``): a stage's inputs are its predecessor's tap, its outputs its own.
+        The pipeline forgets the session's traffic either way."""
         capture = self._captures.get(session)
         if capture is None or not capture.steps:
             self.forget(session)
@@ -389,32 +409,50 @@ class Pipeline:
                 capture.arrived.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(capture.arrived.wait(), left)
-            materials, missing = [], []
+            materials: list[AuditMaterial] = []
+            missing: list[AuditGap] = []
             for stage in self.audit_stages:
-                try:
-                    materials.append(self._material(session, stage, capture))
-                except AuditError as exc:
-                    log.warning("session %s: no audit material for stage %d: %s", session, stage, exc)
-                    missing.append(stage)
+                steps = len(capture.steps)
+                if stage > 0 and not capture.has(stage):
+                    gap = AuditGap(
+                        session,
+                        stage,
+                        stage - 1,
+                        f"its tap of {steps} steps (stage {stage}'s inputs) did not all arrive",
+                    )
+                elif not capture.has(stage + 1):
+                    gap = AuditGap(session, stage, stage, f"its outputs of {steps} steps did not all arrive")
+                else:
+                    try:
+                        materials.append(self._material(session, stage, capture))
+                        continue
+                    except AuditError as exc:
+                        gap = AuditGap(session, stage, stage, f"its traffic does not make valid material: {exc}")
+                log.warning(
+                    "session %s: no audit material for stage %d: stage %d %s", session, stage, gap.owed_by, gap.reason
+                )
+                missing.append(gap)
             return materials, missing
         finally:
             self.forget(session)
 
     def _material(self, session: str, stage: int, capture: _Capture) -> AuditMaterial:
-        if not (capture.has(stage) and capture.has(stage + 1)):
-            raise AuditError(f"its traffic of {len(capture.steps)} steps did not all arrive")
-        info = self.links[stage].info
+        """The material of one audited stage. Nothing in it comes from the stage's own word: the
+        node and span are the assignment's, the model and hidden size the coordinator's."""
+        if self.assignments is None or self.model is None or self.hidden_size is None:
+            raise AuditError("the pipeline knows no assignments, model or hidden size to audit against")
+        assigned = self.assignments[stage]
         steps = range(len(capture.steps))
         return AuditMaterial(
             job=self.job,
             session=session,
             stage=stage,
-            node=info.get("node"),
-            model=info.get("model"),
-            layer_start=info.get("layer_start"),
-            layer_end=info.get("layer_end"),
+            node=assigned.node,
+            model=self.model,
+            layer_start=assigned.layer_start,
+            layer_end=assigned.layer_end,
             dtype=self.dtype,
-            hidden_size=info.get("hidden_size"),
+            hidden_size=self.hidden_size,
             steps=tuple(capture.steps),
             inputs=tuple(capture.boundaries[stage][step] for step in steps),
             outputs=tuple(capture.boundaries[stage + 1][step] for step in steps),
