@@ -261,6 +261,10 @@ SWARM_REBALANCE_CV = env_float("SWARM_REBALANCE_CV", 0.25, minimum=0.0)
 SWARM_REBALANCE_MIN_INTERVAL_S = env_float("SWARM_REBALANCE_MIN_INTERVAL_S", 60.0, minimum=0.0)
 # ... and only when the new placement is predicted to serve this fraction more tokens/s (0.15: 15 %).
 SWARM_REPLACE_MARGIN = env_float("SWARM_REPLACE_MARGIN", 0.15, minimum=0.0)
+# Speed is measured, not claimed (marketplace/nodes/capacity.py): a node's claim counts up to this
+# many times the speed a passed challenge proved, or, unproven, this many times the median claim.
+SWARM_SPEED_VERIFIED_SLACK = env_float("SWARM_SPEED_VERIFIED_SLACK", 4.0, minimum=1.0)
+SWARM_SPEED_CLAIM_OUTLIER = env_float("SWARM_SPEED_CLAIM_OUTLIER", 4.0, minimum=1.0)
 # The control plane's ed25519 key that signs job tickets (created on first use if missing).
 SWARM_TICKET_KEY_PATH = Path(env_str("SWARM_TICKET_KEY_PATH", str(DATA_DIR / "ticket.key")))
 # Where a job's coordinator runs: "inprocess" (the web process's event loop) or "celery" (a task

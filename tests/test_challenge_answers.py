@@ -80,6 +80,10 @@ def test_honest_answer_passes_with_per_token_metrics(serving, django_capture_on_
     assert challenge.metrics["min_cosine"] >= 0.9999
     assert challenge.elapsed_ms == 3.5
     assert Strike.objects.count() == 0
+    # Timed by the control plane from sending to the right answer: a speed the node proved.
+    took = (challenge.answered_at - challenge.sent_at).total_seconds()
+    serving.refresh_from_db()
+    assert serving.verified_layer_tokens_per_s == pytest.approx(2 * 4 / took)
 
 
 def test_bfloat16_answer_passes_against_the_float32_verifier(serving, django_capture_on_commit_callbacks):

@@ -36,6 +36,8 @@ class Node(models.Model):
     dtypes = models.JSONField(default=list)
     max_layers = models.PositiveIntegerField(null=True, blank=True)  # a cap the owner set; else from memory
     compute_layer_tokens_per_s = models.FloatField(default=0.0)  # decode, batch 1, from `swarm-worker bench`
+    # The best speed the control plane itself measured (a passed challenge, timed): see nodes/capacity.py.
+    verified_layer_tokens_per_s = models.FloatField(null=True, blank=True)
     uplink_mbps = models.FloatField(null=True, blank=True)
     data_url = models.CharField(max_length=255, blank=True)  # ws://host:port of its data plane
     agent_version = models.CharField(max_length=32, blank=True)

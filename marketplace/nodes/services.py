@@ -356,3 +356,12 @@ def record_links(node_pk: int, results: list) -> int:
         if uplink is not None and result["target"].startswith("region:"):
             Node.objects.filter(pk=node_pk).update(uplink_mbps=uplink)
     return len(results)
+
+
+def record_verified_speed(node_pk: int, layer_tokens_per_s: float) -> None:
+    """A speed the control plane measured itself (a passed challenge): the node's best one is kept."""
+    if not (layer_tokens_per_s > 0):
+        return
+    node = Node.objects.only("verified_layer_tokens_per_s").get(pk=node_pk)
+    if node.verified_layer_tokens_per_s is None or layer_tokens_per_s > node.verified_layer_tokens_per_s:
+        Node.objects.filter(pk=node_pk).update(verified_layer_tokens_per_s=layer_tokens_per_s)

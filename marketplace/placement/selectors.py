@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db.models import Max
 
+from marketplace.nodes.capacity import credible_speeds
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.placement.allocation import Stage
 from marketplace.placement.errors import PlacementError
@@ -116,7 +117,7 @@ def link_maps(node_ids: list[str]) -> tuple[dict[tuple[str, str], float], dict[s
 def _costs(nodes: list[str]) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
     """Measured round trips between ``nodes`` (and the regions) and each node's time per layer, ms."""
     rtt, _ = link_maps(nodes)
-    speed = dict(Node.objects.filter(node_id__in=nodes).values_list("node_id", "compute_layer_tokens_per_s"))
+    speed = credible_speeds(Node.objects.filter(node_id__in=nodes))
     return rtt, {node: 1000.0 / value for node, value in speed.items() if value}
 
 

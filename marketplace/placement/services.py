@@ -25,6 +25,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from marketplace.nodes import services as nodes
+from marketplace.nodes.capacity import credible_speeds
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import push
@@ -196,10 +197,9 @@ def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacit
     nodes = list(
         query.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False).exclude(pk__in=busy).order_by("pk")
     )
+    speeds = credible_speeds(nodes)
     capacities = [
-        NodeCapacity(
-            node=n.node_id, compute=max(n.compute_layer_tokens_per_s, 1e-6), max_layers=cap, reputation=n.reputation
-        )
+        NodeCapacity(node=n.node_id, compute=speeds[n.node_id], max_layers=cap, reputation=n.reputation)
         for n in nodes
         if (cap := layer_cap(n, model)) >= 1
     ]
@@ -414,7 +414,7 @@ def rebalance_if_needed(now=None) -> list[str]:
         # A placement still loading is not judged yet: its blocks would count as missing.
         if not live or any(a.state != AssignmentState.READY for a in live):
             continue
-        speed = {a.node.node_id: max(a.node.compute_layer_tokens_per_s, 1e-6) for a in live}
+        speed = credible_speeds(a.node for a in live)
         for pipeline in {a.pipeline for a in live}:
             stages = [Stage(a.node.node_id, a.layer_start, a.layer_end) for a in live if a.pipeline == pipeline]
             covered = sum(s.layer_end - s.layer_start for s in stages)
@@ -433,8 +433,9 @@ def _replacement_pays(model: str, live: list[Assignment]) -> bool:
     n_layers = models.n_layers(model)
     _, capacities = _candidates(model, lock=False)
     compute = {c.node: c.compute for c in capacities}
+    serving = credible_speeds(a.node for a in live)
     for a in live:  # a serving node busy elsewhere is not a candidate, but its stage still counts
-        compute.setdefault(a.node.node_id, max(a.node.compute_layer_tokens_per_s, 1e-6))
+        compute.setdefault(a.node.node_id, serving[a.node.node_id])
     current = []
     for pipeline in sorted({a.pipeline for a in live}):
         stages = sorted((Stage(a.node.node_id, a.layer_start, a.layer_end) for a in live if a.pipeline == pipeline),

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
-from marketplace.nodes.services import push
+from marketplace.nodes.services import push, record_verified_speed
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.verification.dispatch import CHALLENGE_TASK, thresholds, verify_after_commit
 from marketplace.verification.errors import InvalidAnswer, NotChallengeable
@@ -183,6 +183,11 @@ def verify_challenge(challenge_pk: int) -> Challenge:
         challenge.checked_at = timezone.now()
         if comparison.passed:
             challenge.state = CheckState.PASSED
+            # Timed here, from sending to the right answer: a speed the node proved, not claimed.
+            took = (challenge.answered_at - challenge.sent_at).total_seconds() if challenge.answered_at else 0
+            if took > 0:
+                layers = challenge.layer_end - challenge.layer_start
+                record_verified_speed(challenge.node_id, layers * challenge.tokens / took)
         else:
             challenge.state = CheckState.FAILED
             challenge.reason = "output disagrees with the trusted recompute: " + "; ".join(comparison.failures)
