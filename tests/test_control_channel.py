@@ -487,7 +487,6 @@ def test_a_flood_of_messages_is_rate_limited_then_closed(pending_agent):
     assert fresh(node).last_heartbeat_at is not None
 
 
-
 def push_on_commit(node_id: str, message: dict) -> None:
     with transaction.atomic():
         services.push(node_id, message)

@@ -225,7 +225,7 @@ def peek_seq(frame: bytes) -> int | None:
     try:
         header = _unpack_header(frame)[0]
         seq = header.get("seq") if isinstance(header, dict) else None
-        return seq if isinstance(seq, int) else None
+        return seq if _is_int(seq) else None
     except Exception:
         return None
 
