@@ -115,6 +115,7 @@ def data_plane(frames: int, connections: int, seed: int, hang_s: float) -> dict:
 def serve_control_plane(port: int, setup_path: Path) -> None:
     """The child process: a fresh control plane (SQLite, in-memory channel layer) with a provider,
     a joined node, a second node and a customer's API key; writes them to ``setup_path``."""
+    # Imported here: only the child process that serves the control plane sets Django up.
     import django
     from django.core.management import call_command
 

@@ -49,6 +49,7 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
     node_id: str | None = None
     connected_at = None
     nonce: bytes = b""
+    closing = False  # a refusal closed the channel: frames already queued behind it are dropped
 
     async def connect(self) -> None:
         self.bucket = TokenBucket(settings.SWARM_CONTROL_RATE_PER_S, settings.SWARM_CONTROL_BURST)
@@ -59,6 +60,8 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         """Only JSON text frames: anything else closes the channel with a protocol error."""
+        if self.closing:
+            return
         if not self.bucket.take(time.monotonic()):
             await self._rate_limited()
             return
@@ -166,12 +169,15 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
             log.info("node %s disconnected (%s)", self.node_id, code)
 
     async def _send(self, message: protocol.Message) -> None:
+        if self.closing:
+            return
         await self.send(text_data=protocol.encode(message))
 
     async def _refuse(self, message: str, code: int) -> None:
         log.warning("control channel refused: %s", message)
         kind = "unauthorized" if code == CLOSE_UNAUTHORIZED else "protocol"
         await self._send(protocol.error(kind, message))
+        self.closing = True
         await self.close(code=code)
 
 
