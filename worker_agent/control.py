@@ -53,6 +53,7 @@ import json
 import logging
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -80,6 +81,10 @@ log = logging.getLogger("swarm.agent")
 HTTP_TIMEOUT_S = 30.0
 MAX_BACKOFF_S = 30.0
 PROBE_BYTES = 256 * 1024  # size of the frame that measures uplink
+PROBE_MAX_REPLY = 64 * 1024  # bytes a probed peer may answer with (an ERROR or PONG is far smaller)
+PROBE_TIMEOUT_S = 10.0  # one target's whole measurement
+PROBE_BUDGET_S = 60.0  # all the targets of one probe request
+MAX_PROBE_TARGETS = 64  # targets measured per probe request; the rest are left out
 DRAIN_TIMEOUT_S = 60.0  # how long a released or displaced block waits for its jobs in flight to end
 
 
@@ -506,10 +511,22 @@ class Agent:
         """RTT and uplink to each peer's data plane; RTT to each coordinator region's probe URL
         (a region without a URL is the control plane's own)."""
         results = []
-        for target in targets[:64]:
-            url = target.url or f"{self.state.control_plane}/healthz"
+        deadline = time.monotonic() + PROBE_BUDGET_S
+        for target in targets[:MAX_PROBE_TARGETS]:
+            url = probe_url(target, self.state.control_plane)
+            if url is None:
+                log.warning("not probing %s: %r is not a URL that target can have", target.target, target.url)
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("probe budget of %gs spent; %s and later targets left out", PROBE_BUDGET_S, target.target)
+                break
+            timeout = min(PROBE_TIMEOUT_S, left)
             try:
-                measured = await probe_link(url) if url.startswith("ws") else await asyncio.to_thread(probe_http, url)
+                if url.startswith("ws"):
+                    measured = await asyncio.wait_for(probe_link(url, timeout), timeout)
+                else:
+                    measured = await asyncio.wait_for(asyncio.to_thread(probe_http, url, timeout), timeout)
             except (OSError, websockets.WebSocketException, TimeoutError, SwarmError, ValueError) as exc:
                 log.warning("cannot probe %s at %s: %s", target.target, url, exc)
                 continue
@@ -595,6 +612,32 @@ def challenge_result(
     )
 
 
+def probe_url(target: protocol.ProbeTarget, control_plane: str) -> str | None:
+    """The URL to measure ``target`` at, or None when it is not one that target can have: a
+    peer node is measured only at a data-plane ``ws://``/``wss://`` URL (host and port), a
+    coordinator region (``region:<name>``) at an ``http(s)://`` URL, or the control plane's own
+    ``/healthz`` when it names none. Only targets the control plane sent are ever probed."""
+    url = target.url
+    if target.target.startswith("region:"):
+        schemes: tuple[str, ...] = ("http", "https")
+        if url is None:
+            return f"{control_plane.rstrip('/')}/healthz"
+    else:
+        schemes = ("ws", "wss")
+    if url is None:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in schemes or not parts.hostname or parts.username or parts.password:
+        return None
+    if parts.scheme in ("ws", "wss") and port is None:
+        return None
+    return url
+
+
 def probe_http(url: str, timeout: float = 10.0, tries: int = 3) -> dict:
     """Best-of-``tries`` round trip of a small HTTP GET (connection set-up excluded as far as
     urllib allows: the first try warms DNS and routes)."""
@@ -602,13 +645,15 @@ def probe_http(url: str, timeout: float = 10.0, tries: int = 3) -> dict:
     for _ in range(tries):
         started = time.perf_counter()
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            response.read()
+            response.read(PROBE_MAX_REPLY)
         best = min(best, time.perf_counter() - started)
     return {"rtt_ms": round(best * 1000, 3)}
 
 
 async def probe_link(url: str, timeout: float = 10.0) -> dict:
-    async with connect(url, open_timeout=timeout, compression=None, max_size=None) as ws:
+    """RTT and uplink to a data-plane URL. A reply over PROBE_MAX_REPLY bytes closes the
+    connection (the probe fails) before it is read whole."""
+    async with connect(url, open_timeout=timeout, compression=None, max_size=PROBE_MAX_REPLY) as ws:
         started = time.perf_counter()
         await ws.send(wire.encode(wire.Ping(nonce=1), seq=1))
         await asyncio.wait_for(ws.recv(), timeout)
