@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 MAX_CHALLENGE_TOKENS = 64  # keeps a challenge a few milliseconds of work and its answer small
 INPUT_STD = 6.0  # standard deviation of every input entry: a mid-network residual stream's scale
 MAX_SEED = 2**63  # seeds are in [0, MAX_SEED): what torch.Generator.manual_seed takes as an int64
+DECODE_STEPS = 3  # single-token steps after the prefill, as a generating session sends them
 MIN_COSINE = 0.99
 MAX_REL_NORM = 0.05
 
@@ -84,6 +85,16 @@ def challenge_input(seed: int, tokens: int, hidden_size: int) -> torch.Tensor:
     _check_int("hidden_size", hidden_size, 1, 1 << 20)
     generator = torch.Generator().manual_seed(seed)
     return INPUT_STD * torch.randn(tokens, hidden_size, generator=generator, dtype=torch.float32)  # (tokens, hidden)
+
+
+def session_steps(tokens: int) -> list[tuple[int, int]]:
+    """How a challenge of ``tokens`` rows travels as a session: (start position, rows) per FORWARD,
+    a prefill of all but the last ``DECODE_STEPS`` rows, then one row per step as a generating
+    session decodes. Causal attention makes the rows' outputs those of one prefill of all of them."""
+    _check_int("tokens", tokens, 1, MAX_CHALLENGE_TOKENS)
+    decode = min(DECODE_STEPS, tokens - 1)
+    prefill = tokens - decode
+    return [(0, prefill)] + [(prefill + i, 1) for i in range(decode)]
 
 
 def run_challenge(block: Block, seed: int, tokens: int, cheat: Cheat | None = None) -> torch.Tensor:
