@@ -209,6 +209,8 @@ class Nonce(Message):
 
     @classmethod
     def _from_wire(cls, obj: Mapping[str, Any]) -> Nonce:
+        if "nonce" not in obj:
+            raise ProtocolError("challenge needs the field 'nonce'", code=MISSING_FIELD)
         text = obj["nonce"]
         try:
             raw = bytes.fromhex(text) if isinstance(text, str) else None

@@ -23,7 +23,7 @@ from datetime import timedelta
 
 from celery import current_app
 from django.conf import settings
-from django.db import close_old_connections, transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from marketplace.nodes.live import notify_node_changed
@@ -87,7 +87,7 @@ def _run_in_thread(challenge_pk: int) -> None:
     except Exception:
         log.exception("challenge %s could not be run", challenge_pk)
     finally:
-        close_old_connections()
+        connection.close()  # this thread's own connection: it ends with the thread
 
 
 def send_due_challenges(now=None, rng: random.Random | None = None) -> list[int]:
