@@ -7,33 +7,12 @@ token), the hardware and a measured benchmark, and saves ``<key>.join.json`` so 
 restarted agent reconnects without a token. The control channel (a WebSocket) opens with a
 signed answer to the server's fresh nonce; over it the agent sends heartbeats with its load and
 receives assignments (model + layer span: it loads that block and serves it on its data-plane
-port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers), and
-seeded spot-challenges (``challenge.py``) of the block it serves.
+port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers). Seeded
+spot-challenges do not come this way: they arrive on the data plane as ordinary sessions of a
+ticketed job (``coordinator/challenger.py``), so the agent serves them as it serves any job.
 
 Every message is built and parsed by ``control_protocol`` (typed, versioned, bounded); a frame
-it refuses is logged and dropped. A challenge, from the control plane::
-
-    {"type": "challenge",
-     "challenge": 17,                # the control plane's id for it, echoed in the answer
-     "seed": 123456789,              # 0 <= seed < 2**63: the input is challenge_input(seed, ...)
-     "tokens": 8,                    # 1..MAX_CHALLENGE_TOKENS token rows (positions 0..tokens-1)
-     "model": "smollm2-135m",        # the block the challenge is for: the agent must be serving
-     "layer_start": 0, "layer_end": 10}  # exactly this model and span
-
-and the agent's answer (``challenge_result``), computed on a worker thread so heartbeats and
-live traffic go on::
-
-    {"type": "challenge_result", "challenge": 17,
-     "output": "<base64>",           # encode_output: (tokens, hidden) float32 little-endian
-     "tokens": 8, "hidden_size": 576,
-     "elapsed_ms": 41.2}             # wall time of the block's run, milliseconds
-
-or, when the request is invalid or the agent is not serving exactly that block::
-
-    {"type": "challenge_result", "challenge": 17, "error": "<message>", "code": "<code>"}
-
-with code ``challenge_invalid`` (a malformed request), ``not_serving`` (no block loaded),
-``wrong_block`` (another model or span) or ``compute_failed``.
+it refuses is logged and dropped.
 
 Re-placement is make before break. An agent assigned another block keeps serving the blocks it
 holds for the jobs in flight while it loads the new one, all on one data-plane port
@@ -42,7 +21,7 @@ do not, it drains the oldest block first: no new job on it, its jobs in flight e
 ``DRAIN_TIMEOUT_S``), then it is unloaded and the new one loaded. A ``release`` of a block does the
 same without a new one: no new job, unloaded once its jobs end. The control plane sends it once
 the block that supersedes it reports ready. Heartbeats report the primary block (the newest one
-still taking jobs); a challenge is answered by the block serving exactly the span it names.
+still taking jobs).
 """
 
 from __future__ import annotations
@@ -55,7 +34,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,7 +44,6 @@ from websockets.asyncio.client import connect
 
 from worker_agent import __version__, wire
 from worker_agent import control_protocol as protocol
-from worker_agent.challenge import check_challenge, encode_output, run_challenge
 from worker_agent.cheat import Cheat, warning_banner
 from worker_agent.control_protocol import ProtocolError, control_signature, join_signature
 from worker_agent.errors import SwarmError
@@ -230,7 +207,7 @@ class Agent:
         self.state = state
         self.host, self.port, self.advertise_url = host, port, advertise_url
         self.dtype, self.device, self.wan = dtype, device, wan
-        self.cheat = cheat  # tests only: wrong results on purpose, on live traffic and challenges
+        self.cheat = cheat  # tests only: wrong results on purpose, on the data plane
         self.trusted_key: bytes | None = None
         self.max_layers = max_layers  # the owner's cap on layers held at once (all blocks); None: no cap
         self.drain_timeout_s = drain_timeout_s
@@ -242,8 +219,6 @@ class Agent:
         self.draining = False
         self.stopped = asyncio.Event()
         self._lock = asyncio.Lock()
-        # One challenge at a time: each competes with live traffic for the same CPU or GPU.
-        self._challenge_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         if cheat is not None:
             log.warning("\n%s", warning_banner(cheat))
@@ -355,10 +330,6 @@ class Agent:
             case protocol.Probe(targets=targets):
                 results = await self._probe(targets)
                 await ws.send(protocol.encode(protocol.ProbeResult(results=results)))
-            case protocol.Challenge():
-                task = asyncio.create_task(self._challenge(ws, message))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
             case protocol.Error(code=code, message=text):
                 log.warning("control plane says: %s (%s)", text, code)
             case _:
@@ -482,20 +453,6 @@ class Agent:
         else:
             log.info("unloaded %s layers %d:%d (assignment %s)", model, start, end, block.assignment)
 
-    async def _challenge(self, ws, request: protocol.Challenge) -> None:
-        async with self._challenge_lock:
-            named = (request.model, request.layer_start, request.layer_end)
-            block = next((b for b in self.blocks.values() if b.key == named), self.serving)
-            stage = block.stage if block is not None else None
-            reply = await asyncio.to_thread(challenge_result, stage, request, self.cheat)
-        if reply.error is not None:
-            log.warning("challenge %s refused: %s (%s)", reply.challenge, reply.error, reply.code)
-        else:
-            log.info("challenge %s answered in %.1f ms", reply.challenge, reply.elapsed_ms)
-        # The channel may have dropped meanwhile; the control plane then counts it unanswered.
-        with contextlib.suppress(websockets.ConnectionClosed):
-            await ws.send(protocol.encode(reply))
-
     async def _stop_serving(self) -> None:
         """Close the data-plane port and forget every block."""
         stop, task = self._server_stop, self._server_task
@@ -537,79 +494,6 @@ class Agent:
 
 def _failed(assignment: int, error: str) -> protocol.Failed:
     return protocol.Failed(assignment=assignment, error=error[: protocol.MAX_TEXT_CHARS])
-
-
-def answer_challenge(stage: Stage | None, message: Mapping, cheat: Cheat | None = None) -> dict:
-    """The ``challenge_result`` JSON object for a challenge's JSON object, even a malformed one
-    (refused with ``challenge_invalid``, echoing whatever id it carried). Blocking: runs the block."""
-    challenge = message.get("challenge")
-
-    def refuse(error: str) -> dict:
-        return {"type": "challenge_result", "challenge": challenge, "error": error, "code": "challenge_invalid"}
-
-    if isinstance(challenge, bool) or not isinstance(challenge, int):
-        return refuse(f"challenge id must be an integer, got {challenge!r}")
-    model, start, end = message.get("model"), message.get("layer_start"), message.get("layer_end")
-    if not isinstance(model, str) or not all(
-        isinstance(value, int) and not isinstance(value, bool) for value in (start, end)
-    ):
-        return refuse(
-            f"a challenge names a model (string) and a layer span (integers), got "
-            f"model={model!r} layer_start={start!r} layer_end={end!r}"
-        )
-    try:
-        request = protocol.Challenge(
-            challenge=challenge,
-            seed=message.get("seed"),
-            tokens=message.get("tokens"),
-            model=model,
-            layer_start=start,
-            layer_end=end,
-        )
-    except ProtocolError as exc:
-        return refuse(str(exc))
-    return protocol.to_wire(challenge_result(stage, request, cheat))
-
-
-def challenge_result(
-    stage: Stage | None, request: protocol.Challenge, cheat: Cheat | None = None
-) -> protocol.ChallengeResult:
-    """The answer to a well-formed challenge, given the Stage being served (or None). Blocking:
-    runs the block, so call it off the event loop."""
-
-    def refuse(error: str, code: str) -> protocol.ChallengeResult:
-        return protocol.ChallengeResult(challenge=request.challenge, error=error[: protocol.MAX_TEXT_CHARS], code=code)
-
-    model, start, end = request.model, request.layer_start, request.layer_end
-    try:
-        check_challenge(request.seed, request.tokens)  # this agent's limits, tighter than the wire's
-    except SwarmError as exc:
-        return refuse(str(exc), exc.code)
-    if stage is None:
-        return refuse(
-            f"this agent serves no block, so it cannot answer for {model} layers {start}:{end}",
-            "not_serving",
-        )
-    if (stage.model, stage.layer_start, stage.layer_end) != (model, start, end):
-        return refuse(
-            f"this agent serves {stage.model} layers {stage.layer_start}:{stage.layer_end}, "
-            f"not {model} layers {start}:{end}",
-            "wrong_block",
-        )
-    started = time.perf_counter()
-    try:
-        output = run_challenge(stage.block, request.seed, request.tokens, cheat=cheat)  # (tokens, hidden)
-    except Exception as exc:
-        log.exception("challenge %s failed", request.challenge)
-        return refuse(f"the block failed on this challenge: {exc}", "compute_failed")
-    elapsed_ms = 1000 * (time.perf_counter() - started)
-    return protocol.ChallengeResult(
-        challenge=request.challenge,
-        output=encode_output(output),
-        tokens=request.tokens,
-        hidden_size=int(output.shape[1]),
-        elapsed_ms=round(elapsed_ms, 3),
-    )
 
 
 def probe_url(target: protocol.ProbeTarget, control_plane: str) -> str | None:

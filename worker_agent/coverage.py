@@ -140,6 +140,21 @@ def _check_session(transcript: SessionTranscript, chain: list[Receipt]) -> None:
             )
 
 
+def verify_stage_session(
+    *, job: str, model: str, assignment: StageAssignment, receipt: Receipt, transcript: SessionTranscript
+) -> None:
+    """Verify one stage's receipt for a session the coordinator ran through that stage alone (a
+    seeded challenge): signed by the assigned node for its span, job and model, and its per-step
+    input and output hashes exactly the bytes the coordinator sent and received. Raises a
+    ``ReceiptError`` subclass naming the first failure."""
+    _attribute(receipt, job, model, {assignment.node: assignment})
+    if receipt.session != transcript.session:
+        raise MissingReceipt(
+            f"receipt of node {receipt.node} is for session {receipt.session!r}, not {transcript.session!r}"
+        )
+    _check_session(transcript, [receipt])
+
+
 def verify_job(
     *,
     job: str,

@@ -3,8 +3,9 @@
 Handshake: the server sends a fresh random nonce; the agent answers with its node id and an
 ed25519 signature over ``swarm-control-v1\\0 || nonce || node id``. A forged signature, an unknown
 node or a replayed answer (signed over another connection's nonce) closes the channel with code
-4401. Then: heartbeats (with load) from the agent; assignments, drain, stop, probe and challenge
-requests from the control plane; ready / failed / probe and challenge results from the agent.
+4401. Then: heartbeats (with load) from the agent; assignments, drain, stop and probe
+requests from the control plane; ready / failed / probe results from the agent. Seeded challenges
+travel the data plane (``marketplace.verification.challenges``).
 Every frame is decoded by the protocol: a frame that is not a message at all closes the channel
 (4400); a malformed message is answered with an error and the channel stays open.
 
@@ -28,8 +29,6 @@ from marketplace.nodes.errors import InvalidHandshake, NodeError
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement
 from marketplace.placement.selectors import assignments_of_node
-from marketplace.verification import challenges as challenge_checks
-from marketplace.verification.errors import VerificationError
 from worker_agent import control_protocol as protocol
 from worker_agent.control_protocol import FRAMING_CODES, MessageType, ProtocolError
 
@@ -141,13 +140,6 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
             case protocol.ProbeResult():
                 results = protocol.to_wire(message)["results"]
                 await database_sync_to_async(services.record_links)(self.node_pk, results)
-            case protocol.ChallengeResult():
-                try:
-                    await database_sync_to_async(challenge_checks.record_challenge_answer)(
-                        self.node_pk, protocol.to_wire(message)
-                    )
-                except VerificationError as exc:
-                    await self._send(protocol.error(exc.code, str(exc)))
             case _:
                 # A message of this protocol that only the control plane sends.
                 await self._send(protocol.error(protocol.UNKNOWN_TYPE, f"unknown type {str(message.TYPE)!r}"))

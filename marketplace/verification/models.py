@@ -1,6 +1,6 @@
 """Spot-checks of nodes' computation and the strikes they lead to.
 
-A ``Challenge`` is a seeded input sent to one node over its control channel; an ``Audit`` is one
+A ``Challenge`` is a seeded input sent to one node over its data plane, as a job's session; an ``Audit`` is one
 stage of one live session whose exact inputs and outputs the coordinator kept (the node signed
 their hashes in its receipt). Both are replayed on the control plane's trusted float32 block and
 compared per token. A failed check becomes a ``Strike`` with its evidence; an admin upholds or
@@ -14,7 +14,7 @@ from django.db import models
 
 
 class CheckState(models.TextChoices):
-    SENT = "sent", "sent"  # challenge pushed to the agent, no answer yet
+    SENT = "sent", "sent"  # challenge opened, its session not finished yet
     ANSWERED = "answered", "answered"  # answer stored, not yet compared
     PENDING = "pending", "pending"  # audit material stored, not yet replayed
     PASSED = "passed", "passed"
@@ -34,7 +34,7 @@ class Challenge(models.Model):
     sent_at = models.DateTimeField()
     deadline_at = models.DateTimeField()
     answered_at = models.DateTimeField(null=True, blank=True)
-    elapsed_ms = models.FloatField(null=True, blank=True)  # compute time the agent reported
+    elapsed_ms = models.FloatField(null=True, blank=True)  # first FORWARD to last RESULT, timed here
     output = models.BinaryField(null=True, blank=True)  # the answer: float32 (tokens, hidden), little-endian
     metrics = models.JSONField(default=dict)  # per-token cosine and rel_norm, min/max, thresholds
     reason = models.TextField(blank=True)
