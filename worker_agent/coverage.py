@@ -131,12 +131,14 @@ def _check_session(transcript: SessionTranscript, chain: list[Receipt]) -> None:
         if inp != sent:
             raise EndpointMismatch(
                 f"session {session!r} step {i}: stage 0 (node {first.node}) input differs from what "
-                "the coordinator sent"
+                "the coordinator sent",
+                node=first.node,
             )
         if out != received:
             raise EndpointMismatch(
                 f"session {session!r} step {i}: stage {len(chain) - 1} (node {last.node}) output differs "
-                "from what the coordinator received"
+                "from what the coordinator received",
+                node=last.node,
             )
 
 
@@ -186,7 +188,9 @@ def verify_job(
                 "which the coordinator has no transcript of"
             )
         if (receipt.session, receipt.node) in found:
-            raise DuplicateReceipt(f"session {receipt.session!r}: node {receipt.node} sent two receipts")
+            raise DuplicateReceipt(
+                f"session {receipt.session!r}: node {receipt.node} sent two receipts", node=receipt.node
+            )
         found[(receipt.session, receipt.node)] = receipt
 
     tokens_by_node = dict.fromkeys(by_node, 0)
@@ -198,7 +202,8 @@ def verify_job(
             if stage_receipt is None:
                 raise MissingReceipt(
                     f"session {transcript.session!r}: no receipt from stage {k} (node {stage.node}, "
-                    f"layers {_span(stage.layer_start, stage.layer_end)})"
+                    f"layers {_span(stage.layer_start, stage.layer_end)})",
+                    node=stage.node,
                 )
             chain.append(stage_receipt)
         _check_session(transcript, chain)

@@ -74,6 +74,7 @@ class Audit(models.Model):
 class StrikeKind(models.TextChoices):
     CHALLENGE = "challenge", "failed challenge"
     AUDIT = "audit", "failed audit"
+    RECEIPT = "receipt", "unverifiable receipt"  # it made a job's receipts fail (none, not its own, false)
 
 
 class StrikeState(models.TextChoices):
@@ -87,6 +88,8 @@ class Strike(models.Model):
     kind = models.CharField(max_length=16, choices=StrikeKind.choices)
     challenge = models.OneToOneField(Challenge, on_delete=models.PROTECT, null=True, blank=True, related_name="strike")
     audit = models.OneToOneField(Audit, on_delete=models.PROTECT, null=True, blank=True, related_name="strike")
+    # A receipt strike's job: the node made its receipts fail verification.
+    job = models.ForeignKey("jobs.Job", on_delete=models.PROTECT, null=True, blank=True, related_name="strikes")
     evidence = models.JSONField(default=dict)  # kind, seed or job, per-token cosine and rel_norm, timings
     state = models.CharField(max_length=16, choices=StrikeState.choices, default=StrikeState.OPEN)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -102,7 +105,9 @@ class Strike(models.Model):
         indexes = [models.Index(fields=["node", "state"])]
         constraints = [
             models.CheckConstraint(
-                condition=models.Q(challenge__isnull=False) | models.Q(audit__isnull=False),
+                condition=models.Q(challenge__isnull=False)
+                | models.Q(audit__isnull=False)
+                | models.Q(job__isnull=False),
                 name="strike_has_evidence",
             ),
             models.CheckConstraint(

@@ -335,8 +335,12 @@ class Pipeline:
 
     async def close(self, sessions: list[str]) -> list[dict]:
         """Close sessions everywhere; returns all stages' receipts (wire dicts)."""
+        return [receipt for reply in await self.close_by_stage(sessions) for receipt in reply]
+
+    async def close_by_stage(self, sessions: list[str]) -> list[tuple[dict, ...]]:
+        """Close sessions everywhere; returns each stage's receipts (wire dicts), in route order."""
         replies = await asyncio.gather(*(link.request(wire.Close(self.job, tuple(sessions))) for link in self.links))
-        return [receipt for reply in replies for receipt in reply.receipts]
+        return [reply.receipts for reply in replies]
 
     def new_session_id(self) -> str:
         return f"s{next(self._session_ids)}"
