@@ -110,7 +110,7 @@ def strike_unverifiable_receipts(job, node_id: str, reason: str) -> Strike | Non
         return None
     return open_strike(
         node,
-        StrikeKind.RECEIPT,
+        str(StrikeKind.RECEIPT),
         job=job,
         evidence={"kind": "receipt", "job": job.public_id, "reason": reason[:2000]},
     )
