@@ -389,6 +389,7 @@ class SoakPlane:
         self.events: list[dict] = []
         self.started = 0
         self.stopping = threading.Event()
+        self.churn_thread: threading.Thread | None = None
 
     @property
     def base_url(self) -> str:
@@ -462,7 +463,7 @@ class SoakPlane:
     def wait_whole(self, node_pk: int | None = None, gone: int | None = None, timeout: float = 180.0) -> float | None:
         """Seconds until the swarm is whole again; None past the timeout."""
         started = time.monotonic()
-        while time.monotonic() - started < timeout:
+        while time.monotonic() - started < timeout and not self.stopping.is_set():
             for agent in self.agents:
                 if agent.process.poll() is not None:
                     raise RuntimeError(f"{agent.name} exited:\n{log_tail(agent.log)}")
@@ -506,7 +507,7 @@ class SoakPlane:
                 elif action == "freeze":
                     seconds = self.rng.uniform(*freeze_s)
                     victim.process.send_signal(signal.SIGSTOP)
-                    time.sleep(seconds)
+                    self.stopping.wait(seconds)
                     victim.process.send_signal(signal.SIGCONT)
                     event.update(victim=victim.name, frozen_s=round(seconds, 1))
                     event["whole_after_s"] = _round(self.wait_whole(), 1)
@@ -525,6 +526,9 @@ class SoakPlane:
     def stop(self) -> None:
         from worker_agent.local import stop_processes
 
+        self.stopping.set()  # the churn loop starts nothing more (also on Ctrl-C, mid-event)
+        if self.churn_thread is not None:
+            self.churn_thread.join(timeout=60)
         for process in self.every:
             if process.poll() is None:
                 process.send_signal(signal.SIGCONT)
@@ -583,6 +587,7 @@ async def soak_load(plane: SoakPlane, key: str, args) -> list[dict]:
         name="churn",
         daemon=True,
     )
+    plane.churn_thread = churn
     records: list[dict] = []
     counter = iter(range(1_000_000))
 
