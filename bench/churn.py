@@ -978,7 +978,7 @@ def main() -> int:
         "benchmark": "churn",
         "command": " ".join(["python", "bench/churn.py", *sys.argv[1:]]),
         "machine": info,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "part_output"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("part_output", "output")},
         "conditions": {
             "trials": "LocalSwarm `swarm-worker serve` agents on loopback, ring topology, greedy; the coordinator "
             "in the benchmark's process with a SpareHealer over the warm spares; a killed or retired agent is "
