@@ -28,7 +28,7 @@ from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.session import TokenEvent
 from worker_agent.kvcache import SessionLimits, SessionStore
 from worker_agent.local import LocalSwarm
-from worker_agent.tickets import issue_ticket
+from worker_agent.tickets import issue_peer_pass, issue_ticket
 
 pytestmark = pytest.mark.dataplane
 
@@ -64,7 +64,7 @@ async def _generate(swarm: LocalSwarm, between: Callable[[], Awaitable[Any]] | N
     job = job or _job("live")
     specs = [StageSpec(url, ticket) for url, ticket in zip(swarm.urls, swarm.tickets(job), strict=True)]
     outcome = None
-    async with Coordinator(MODEL, specs, job=job) as coordinator:
+    async with Coordinator(MODEL, specs, job=job, coordinator_key=swarm.coordinator_key(job)) as coordinator:
         stream = coordinator.stream(coordinator.request(PROMPT, max_tokens=MAX_TOKENS))
         for _ in range(TOKENS_BEFORE):
             assert isinstance(await anext(stream), TokenEvent)
@@ -103,7 +103,7 @@ def _around_live_session(
 
 
 async def _authenticated(swarm: LocalSwarm, client: RawClient, job: str, agent: int = 0) -> None:
-    reply = await client.hello(job, swarm.tickets(job)[agent])
+    reply = await client.hello(job, swarm.tickets(job)[agent], key=swarm.coordinator_key(job))
     assert isinstance(reply, wire.Hello)
     assert (reply.role, reply.info["node"]) == ("stage", swarm.agents[agent].node)
 
@@ -328,7 +328,7 @@ def test_a_forward_before_hello_is_refused_and_hello_still_works_after(tiny_swar
         async with raw_client(tiny_swarm.urls[0]) as client:
             seq = await client.send(_forward(job, [wire.Item("s0", 0, 0, 1)], _hidden(1)))
             refused = await client.recv()
-            hello = await client.hello(job, tiny_swarm.tickets(job)[0])
+            hello = await client.hello(job, tiny_swarm.tickets(job)[0], key=tiny_swarm.coordinator_key(job))
             return seq, refused, hello
 
     seq, refused, hello = _around_live_session(tiny_swarm, tiny_reference, bad)
@@ -388,7 +388,13 @@ def test_hello_with_a_ticket_from_an_untrusted_issuer_is_refused(tiny_swarm, tin
     stranger = SigningKey(b"\x07" * 32)
     agent = tiny_swarm.agents[0]
     ticket = issue_ticket(
-        stranger, job=job, node=agent.node, model=MODEL, layer_start=agent.layer_start, layer_end=agent.layer_end
+        stranger,
+        job=job,
+        node=agent.node,
+        model=MODEL,
+        layer_start=agent.layer_start,
+        layer_end=agent.layer_end,
+        coordinator_key=bytes(tiny_swarm.coordinator_key(job).verify_key),
     )
 
     error, closed = _around_live_session(
@@ -411,6 +417,7 @@ def test_hello_with_an_expired_ticket_is_refused(tiny_swarm, tiny_reference):
         model=MODEL,
         layer_start=agent.layer_start,
         layer_end=agent.layer_end,
+        coordinator_key=bytes(tiny_swarm.coordinator_key(job).verify_key),
         ttl_s=60,
         now=issued,
     )
@@ -432,6 +439,7 @@ def _ticket(swarm: LocalSwarm, job: str, **changes) -> bytes:
         "model": MODEL,
         "layer_start": agent.layer_start,
         "layer_end": agent.layer_end,
+        "coordinator_key": bytes(swarm.coordinator_key(job).verify_key),
         **changes,
     }
     return issue_ticket(swarm.issuer_key, **fields)
@@ -514,7 +522,8 @@ def test_a_peer_may_not_open_sessions(tiny_swarm, tiny_reference):
     async def bad():
         async with raw_client(tiny_swarm.urls[1]) as coordinator, raw_client(tiny_swarm.urls[1]) as peer:
             await _authenticated(tiny_swarm, coordinator, job, agent=1)
-            reply = await peer.hello(job, tiny_swarm.tickets(job)[1], role="peer", topology="ring")
+            peer_pass = issue_peer_pass(tiny_swarm.coordinator_key(job), tiny_swarm.tickets(job)[1])
+            reply = await peer.hello(job, peer_pass, role="peer", topology="ring")
             assert (type(reply), reply.role) == (wire.Hello, "stage")
             seq = await peer.send(wire.Open(job, ("x",)))
             error = await coordinator.recv()  # a ring peer's bad frame is reported to the job's coordinator
