@@ -657,3 +657,126 @@ def test_one_frame_with_a_new_session_and_a_running_one_is_served(tiny_swarm, ti
         [block.forward([WorkItem(new, 0, new_token)])[0], block.forward([WorkItem(old, 3, old_token)])[0]]
     )
     torch.testing.assert_close(reply.tensor(), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+# Tickets bound to the job: a ticket is not a bearer token, and a successor's pass only forwards
+
+
+async def _hello_reply(url: str, job: str, ticket: bytes, *, role: str = "coordinator", key=None) -> wire.Message:
+    async with raw_client(url) as client:
+        return await client.hello(job, ticket, role=role, key=key)
+
+
+def _ticket_for(swarm: LocalSwarm, job: str, agent: int, coordinator: SigningKey) -> bytes:
+    stage = swarm.agents[agent]
+    return issue_ticket(
+        swarm.issuer_key,
+        job=job,
+        node=stage.node,
+        model=MODEL,
+        layer_start=stage.layer_start,
+        layer_end=stage.layer_end,
+        coordinator_key=bytes(coordinator.verify_key),
+    )
+
+
+def test_a_stolen_coordinator_ticket_without_the_coordinator_key_is_refused(tiny_swarm, tiny_reference):
+    live_job = _job("live")
+    thief = SigningKey(b"\x09" * 32)
+
+    async def bad():
+        stolen = tiny_swarm.tickets(live_job)[2]
+        bare = await _hello_reply(tiny_swarm.urls[2], live_job, stolen)
+        forged = await _hello_reply(tiny_swarm.urls[2], live_job, stolen, key=thief)
+        return bare, forged
+
+    bare, forged = _around_live_session(tiny_swarm, tiny_reference, bad, job=live_job)
+
+    assert bare == wire.Error(
+        "proof_missing",
+        "HELLO as coordinator carries no proof of the job's coordinator key",
+        ref=1,
+        job=live_job,
+        fatal=True,
+    )
+    assert forged == wire.Error(
+        "proof_invalid",
+        "coordinator proof is not signed by the coordinator key the ticket names",
+        ref=1,
+        job=live_job,
+        fatal=True,
+    )
+
+
+def test_a_second_coordinator_with_another_key_cannot_take_over_a_live_job(tiny_swarm, tiny_reference):
+    live_job = _job("live")
+    usurper = SigningKey(b"\x0a" * 32)
+
+    async def bad():
+        # A ticket of its own for the live job (as a second issuance would be), proven with its own key,
+        # to the last stage, whose outputs are the job's results.
+        ticket = _ticket_for(tiny_swarm, live_job, 2, usurper)
+        return await _hello_reply(tiny_swarm.urls[2], live_job, ticket, key=usurper)
+
+    # The live session finishes with the reference tokens: its results kept going to its coordinator.
+    refused_hello = _around_live_session(tiny_swarm, tiny_reference, bad, job=live_job)
+
+    assert refused_hello == wire.Error(
+        "job_taken", f"job {live_job!r} is live here under another coordinator key", ref=1, job=live_job, fatal=True
+    )
+
+
+def test_a_successor_pass_only_forwards_and_dies_with_its_job(tiny_swarm):
+    job = _job("raw")
+    key = tiny_swarm.coordinator_key(job)
+    # What the coordinator handed stage 0 in HELLO for its ring successor, stage 1.
+    successor_pass = issue_peer_pass(key, tiny_swarm.tickets(job)[1])
+
+    async def scenario():
+        async with raw_client(tiny_swarm.urls[1]) as coordinator:
+            await _authenticated(tiny_swarm, coordinator, job, agent=1)
+            as_coordinator = await _hello_reply(tiny_swarm.urls[1], job, successor_pass)
+            async with raw_client(tiny_swarm.urls[1]) as peer:
+                accepted = await peer.hello(job, successor_pass, role="peer", topology="ring")
+                seq = await peer.send(wire.Open(job, ("mine",)))
+                refused_open = await coordinator.recv()  # a ring peer's bad frame goes to the job's coordinator
+        # The coordinator has left: the job is over on the stage.
+        await asyncio.sleep(0.5)
+        after_peer = await _hello_reply(tiny_swarm.urls[1], job, successor_pass, role="peer")
+        after_coordinator = await _hello_reply(tiny_swarm.urls[1], job, successor_pass)
+        return as_coordinator, accepted, seq, refused_open, after_peer, after_coordinator
+
+    as_coordinator, accepted, seq, refused_open, after_peer, after_coordinator = _run(scenario())
+
+    untrusted = f"ticket is signed by an untrusted key {bytes(key.verify_key).hex()}"
+    assert as_coordinator == wire.Error("ticket_untrusted", untrusted, ref=1, job=job, fatal=True)
+    assert (type(accepted), accepted.role) == (wire.Hello, "stage")
+    assert refused_open == wire.Error(
+        "not_allowed", "a peer stage may only send FORWARD, not Open", ref=seq, job=job, session="mine"
+    )
+    assert after_peer == wire.Error(
+        "unknown_job", f"no coordinator has opened job {job!r} here", ref=1, job=job, fatal=True
+    )
+    assert after_coordinator == wire.Error("ticket_untrusted", untrusted, ref=1, job=job, fatal=True)
+
+
+def test_a_ticket_past_its_jobs_deadline_is_refused(tiny_swarm):
+    job = _job("raw")
+    key = tiny_swarm.coordinator_key(job)
+    stage = tiny_swarm.agents[0]
+    deadline = time.time() - 1  # the job's timeout (plus margin) has passed
+    ticket = issue_ticket(
+        tiny_swarm.issuer_key,
+        job=job,
+        node=stage.node,
+        model=MODEL,
+        layer_start=stage.layer_start,
+        layer_end=stage.layer_end,
+        coordinator_key=bytes(key.verify_key),
+        expires_at=deadline,
+    )
+
+    error = _run(_hello_reply(tiny_swarm.urls[0], job, ticket, key=key))
+
+    assert (error.code, error.job, error.fatal) == ("ticket_expired", job, True)
+    assert error.message.startswith(f"ticket expired at {deadline:.3f}, now is ")
