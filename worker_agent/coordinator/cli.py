@@ -26,6 +26,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 import websockets
+from nacl.signing import SigningKey
 
 from worker_agent.errors import SwarmError
 
@@ -69,8 +70,6 @@ async def local_tickets(urls: list[str], issue) -> list[bytes | None]:
 
 async def run_generate(args: argparse.Namespace) -> int:
     # Imported per command: `--help` answers without loading torch.
-    from nacl.signing import SigningKey
-
     from worker_agent.coordinator.heal import SpareHealer
     from worker_agent.coordinator.job import Coordinator, GenerationResult
     from worker_agent.coordinator.pipeline import StageSpec
