@@ -31,6 +31,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/placement.py
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/api.py
+	$(BIN)/python bench/fuzz.py
+	$(BIN)/python bench/churn.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -241,6 +241,12 @@ SWARM_MODELS = env_list("SWARM_MODELS", ["smollm2-135m"])
 # A node that sent no heartbeat for this long goes offline and loses its assignment.
 SWARM_HEARTBEAT_INTERVAL_S = env_float("SWARM_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.1)
 SWARM_HEARTBEAT_TIMEOUT_S = env_float("SWARM_HEARTBEAT_TIMEOUT_S", 20.0, minimum=0.5)
+# Control-channel messages a node may send: a token bucket refilled at this rate (messages per
+# second) up to the burst; a message over it is refused with an error, and a channel with more
+# refusals than the last bound in a row is closed.
+SWARM_CONTROL_RATE_PER_S = env_float("SWARM_CONTROL_RATE_PER_S", 20.0, minimum=0.01)
+SWARM_CONTROL_BURST = env_int("SWARM_CONTROL_BURST", 100, minimum=1)
+SWARM_CONTROL_MAX_REFUSED = env_int("SWARM_CONTROL_MAX_REFUSED", 50, minimum=0)
 # Run the periodic sweeps inside the web process (embedded default) instead of Celery beat.
 SWARM_EMBEDDED_SCHEDULER = env_bool("SWARM_EMBEDDED_SCHEDULER", not REDIS_URL)
 SWARM_SWEEP_INTERVAL_S = env_float("SWARM_SWEEP_INTERVAL_S", 2.0, minimum=0.1)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import json
 import math
-import struct
 
 import pytest
 import torch
 
-from worker_agent import control_protocol as protocol
 from worker_agent import model as models
 from worker_agent.block import Block, WorkItem
 from worker_agent.challenge import (
@@ -20,17 +16,13 @@ from worker_agent.challenge import (
     Comparison,
     challenge_input,
     compare,
-    decode_output,
-    encode_output,
     run_challenge,
+    session_steps,
     verify_challenge,
 )
 from worker_agent.cheat import Cheat
-from worker_agent.control import Agent, JoinState, Serving, answer_challenge
 from worker_agent.errors import ChallengeError, ChallengeFailed
-from worker_agent.keys import generate_signing_key
 from worker_agent.kvcache import SessionLimits, SessionStore
-from worker_agent.stage import Stage
 
 pytestmark = pytest.mark.trust
 
@@ -94,7 +86,7 @@ def test_an_invalid_seed_or_token_count_is_refused(seed, tokens, message):
 def test_an_honest_block_passes_against_itself(tiny):
     output = run_challenge(tiny, 99, 8)
 
-    comparison = verify_challenge(decode_output(encode_output(output), 8, 64), run_challenge(tiny, 99, 8))
+    comparison = verify_challenge(output, run_challenge(tiny, 99, 8))
 
     assert output.shape == (8, 64)
     assert output.dtype == torch.float32
@@ -162,7 +154,7 @@ def test_an_honest_bfloat16_block_passes_against_a_float32_reference(span, smoll
 @pytest.mark.parametrize("mode", ["garbage", "identity", "other-weights"])
 def test_a_cheating_tiny_block_fails_on_direction_and_magnitude(tiny, mode):
     reference = run_challenge(tiny, 99, 8)
-    answer = decode_output(encode_output(run_challenge(tiny, 99, 8, cheat=Cheat.parse(mode))), 8, 64)
+    answer = run_challenge(tiny, 99, 8, cheat=Cheat.parse(mode))
 
     with pytest.raises(ChallengeFailed) as failed:
         verify_challenge(answer, reference)
@@ -190,7 +182,7 @@ def test_a_cheating_smollm2_block_fails_on_every_token(smollm2_fp32, span, mode)
     assert comparison.failures[1].endswith("(8 of 8 tokens over)")
 
 
-def test_a_selective_cheat_is_honest_on_challenges(tiny):
+def test_a_selective_cheat_is_honest_outside_data_plane_sessions(tiny):
     comparison = verify_challenge(
         run_challenge(tiny, 5, 8, cheat=Cheat.parse("selective:1")), run_challenge(tiny, 5, 8)
     )
@@ -271,154 +263,17 @@ def test_compare_refuses_what_it_cannot_judge(output, reference, message, code):
 # The encoding of an answer
 
 
-def test_an_answer_round_trips_exactly_as_little_endian_float32():
-    tensor = _rows([1.5, -2.0, 3.25], [0.0, 1e-30, -7.0])
-
-    encoded = encode_output(tensor)
-
-    assert base64.b64decode(encoded) == struct.pack("<6f", 1.5, -2.0, 3.25, 0.0, 1e-30, -7.0)
-    assert torch.equal(decode_output(encoded, 2, 3), tensor)
-    assert torch.equal(decode_output(encode_output(tensor.to(torch.bfloat16)), 2, 3), tensor.to(torch.bfloat16).float())
+def test_a_challenge_session_is_a_prefill_then_single_token_steps():
+    assert session_steps(8) == [(0, 5), (5, 1), (6, 1), (7, 1)]
+    assert session_steps(2) == [(0, 1), (1, 1)]
+    assert session_steps(1) == [(0, 1)]
 
 
-def _b64(*values: float) -> str:
-    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
+def test_the_session_steps_give_the_rows_of_one_prefill(tiny):
+    inputs = challenge_input(31, 8, 64)  # (8, hidden)
+    kv = SessionStore(SessionLimits(max_sessions=1, max_tokens=8)).open("chatcmpl-x", "s0")
 
+    rows = [tiny.forward([WorkItem(kv, start, inputs[start : start + count])])[0] for start, count in session_steps(8)]
 
-@pytest.mark.parametrize(
-    ("data", "message"),
-    [
-        (b"AAAA", "output must be a base64 string, got bytes"),
-        ("AAAA AAAA", "output is not valid base64: Only base64 data is allowed"),
-        ("AAA", "output is not valid base64: Incorrect padding"),
-        ("AAAAé", "output is not valid base64: 'ascii' codec can't encode character"),
-        (_b64(1.0, 2.0), "output holds 8 bytes; 1 tokens x 3 float32 need 12"),
-        (_b64(1.0, 2.0, 3.0, 4.0), "output holds 16 bytes; 1 tokens x 3 float32 need 12"),
-        (_b64(1.0, math.nan, math.inf), "output holds 2 non-finite values, the first at token 0, column 1"),
-        (_b64(1.0, 2.0, -math.inf), "output holds 1 non-finite values, the first at token 0, column 2"),
-    ],
-)
-def test_a_malformed_answer_is_refused_with_a_precise_reason(data, message):
-    with pytest.raises(ChallengeError) as refused:
-        decode_output(data, 1, 3)
-
-    assert str(refused.value).startswith(message)
-    assert refused.value.code == "challenge_malformed"
-
-
-# The agent's answer on the control channel
-
-
-def _tiny_stage(block: Block) -> Stage:
-    return Stage(block, model=TINY, signing_key=generate_signing_key(), insecure_open=True)
-
-
-def _challenge(**fields) -> dict:
-    message = {
-        "type": "challenge",
-        "challenge": 17,
-        "seed": 2024,
-        "tokens": 8,
-        "model": TINY,
-        "layer_start": 0,
-        "layer_end": 6,
-    }
-    return {**message, **fields}
-
-
-def test_the_agent_answers_a_challenge_for_the_block_it_serves(tiny):
-    reply = answer_challenge(_tiny_stage(tiny), _challenge())
-
-    assert set(reply) == {"type", "challenge", "output", "tokens", "hidden_size", "elapsed_ms"}
-    assert (reply["type"], reply["challenge"], reply["tokens"], reply["hidden_size"]) == (
-        "challenge_result",
-        17,
-        8,
-        64,
-    )
-    assert reply["elapsed_ms"] > 0
-    assert json.loads(json.dumps(reply)) == reply
-    verify_challenge(decode_output(reply["output"], 8, 64), run_challenge(tiny, 2024, 8))
-
-
-def test_a_cheating_agents_answer_fails_verification(tiny):
-    reply = answer_challenge(_tiny_stage(tiny), _challenge(), Cheat.parse("identity"))
-
-    with pytest.raises(ChallengeFailed):
-        verify_challenge(decode_output(reply["output"], 8, 64), run_challenge(tiny, 2024, 8))
-
-
-@pytest.mark.parametrize(
-    ("fields", "error", "code"),
-    [
-        ({"layer_end": 5}, "this agent serves tiny-llama layers 0:6, not tiny-llama layers 0:5", "wrong_block"),
-        ({"model": SMOLLM2}, "this agent serves tiny-llama layers 0:6, not smollm2-135m layers 0:6", "wrong_block"),
-        ({"seed": -3}, "seed must be an integer in [0, 9223372036854775807], got -3", "challenge_invalid"),
-        ({"tokens": 1000}, f"tokens must be an integer in [1, {MAX_CHALLENGE_TOKENS}], got 1000", "challenge_invalid"),
-        (
-            {"layer_start": "0"},
-            "a challenge names a model (string) and a layer span (integers), got model='tiny-llama' "
-            "layer_start='0' layer_end=6",
-            "challenge_invalid",
-        ),
-    ],
-)
-def test_the_agent_refuses_a_challenge_it_cannot_answer(tiny, fields, error, code):
-    reply = answer_challenge(_tiny_stage(tiny), _challenge(**fields))
-
-    assert reply == {"type": "challenge_result", "challenge": 17, "error": error, "code": code}
-
-
-def test_an_agent_serving_nothing_says_so():
-    reply = answer_challenge(None, _challenge())
-
-    assert reply == {
-        "type": "challenge_result",
-        "challenge": 17,
-        "error": "this agent serves no block, so it cannot answer for tiny-llama layers 0:6",
-        "code": "not_serving",
-    }
-
-
-@pytest.mark.parametrize("challenge", [None, True, "17"])
-def test_a_challenge_without_an_integer_id_is_refused(tiny, challenge):
-    reply = answer_challenge(_tiny_stage(tiny), _challenge(challenge=challenge))
-
-    assert reply == {
-        "type": "challenge_result",
-        "challenge": challenge,
-        "error": f"challenge id must be an integer, got {challenge!r}",
-        "code": "challenge_invalid",
-    }
-
-
-class _RecordingChannel:
-    """Stands in for the control channel's WebSocket: keeps what the agent sends."""
-
-    def __init__(self) -> None:
-        self.sent: list[dict] = []
-
-    async def send(self, text: str) -> None:
-        self.sent.append(json.loads(text))
-
-
-def test_the_agent_answers_on_the_control_channel_without_holding_up_other_messages(tiny):
-    key = generate_signing_key()
-    state = JoinState("http://control", "node", "ws://control/agent", 5.0)
-    agent = Agent(key, state, host="127.0.0.1", port=0, advertise_url="ws://127.0.0.1:0", cheat=Cheat("garbage"))
-    channel = _RecordingChannel()
-
-    async def scenario() -> None:
-        agent.blocks[1] = Serving(assignment=1, stage=_tiny_stage(tiny))
-        await agent._on_message(channel, protocol.from_wire(_challenge()))
-        assert channel.sent == []  # the message loop goes on while a worker thread computes
-        await agent._on_message(channel, protocol.Drain())
-        await asyncio.gather(*agent._tasks)
-        assert agent.draining
-
-    asyncio.run(scenario())
-
-    (reply,) = channel.sent
-    assert (reply["type"], reply["challenge"], reply["tokens"], reply["hidden_size"]) == ("challenge_result", 17, 8, 64)
-    with pytest.raises(ChallengeFailed):
-        verify_challenge(decode_output(reply["output"], 8, 64), run_challenge(tiny, 2024, 8))
+    comparison = verify_challenge(torch.cat(rows).float(), run_challenge(tiny, 31, 8))
+    assert comparison.min_cosine > 0.9999

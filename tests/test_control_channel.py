@@ -4,6 +4,7 @@ messages pushed from the control plane to the agent."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.db import transaction
+from django.test import override_settings
 from django.utils import timezone
 
 from marketplace.asgi import router
@@ -477,11 +479,12 @@ def test_a_ready_report_for_another_nodes_assignment_changes_nothing(
     assert Assignment.objects.get(pk=assignment.pk).node_id == owner.node.pk
 
 
-def test_probe_results_are_stored_as_link_measurements(pending_agent):
+def test_probe_results_are_stored_as_link_measurements(pending_agent, provider, make_joined_node):
     node, key = pending_agent
+    peer = make_joined_node(provider, "gpu-2").node
     results = [
         {"target": "region:local", "rtt_ms": 4.0, "uplink_mbps": 900.0},
-        {"target": "node-00000000000000ff", "rtt_ms": 12.5},
+        {"target": peer.node_id, "rtt_ms": 12.5},
     ]
 
     async def scenario():
@@ -492,11 +495,66 @@ def test_probe_results_are_stored_as_link_measurements(pending_agent):
 
     asyncio.run(scenario())
 
-    assert sorted(LinkMeasurement.objects.values_list("source_id", "target", "rtt_ms", "uplink_mbps")) == [
-        (node.pk, "node-00000000000000ff", 12.5, None),
-        (node.pk, "region:local", 4.0, 900.0),
-    ]
+    assert sorted(LinkMeasurement.objects.values_list("source_id", "target", "rtt_ms", "uplink_mbps")) == sorted(
+        [(node.pk, peer.node_id, 12.5, None), (node.pk, "region:local", 4.0, 900.0)]
+    )
     assert fresh(node).uplink_mbps == 900.0
+
+
+def test_measurements_of_invented_targets_are_dropped_and_link_rows_stay_bounded(
+    pending_agent, provider, make_joined_node
+):
+    """Given a node and one peer, when the node reports 30 probe results of 1,000 invented targets
+    each (plus itself, an unconfigured region and its real peer), then only the peer's and the
+    configured region's rows exist: at most nodes x (nodes + regions)."""
+    node, key = pending_agent
+    peer = make_joined_node(provider, "gpu-2").node
+    real = [{"target": peer.node_id, "rtt_ms": 7.0}, {"target": "region:local", "rtt_ms": 3.0}]
+
+    async def scenario():
+        channel, _ = await authenticated(key, node.node_id)
+        for round_ in range(30):
+            invented = [{"target": f"node-{round_:04d}{i:012d}", "rtt_ms": 1.0} for i in range(1000)]
+            invented += [{"target": node.node_id, "rtt_ms": 0.1}, {"target": "region:elsewhere", "rtt_ms": 0.1}]
+            await channel.send_json_to({"type": "probe_result", "results": invented + real})
+        await settle(channel)
+        await channel.disconnect()
+
+    with override_settings(SWARM_CONTROL_RATE_PER_S=1000.0):
+        asyncio.run(scenario())
+
+    assert sorted(LinkMeasurement.objects.values_list("source_id", "target", "rtt_ms")) == sorted(
+        [(node.pk, peer.node_id, 7.0), (node.pk, "region:local", 3.0)]
+    )
+
+
+def test_a_flood_of_messages_is_rate_limited_then_closed(pending_agent):
+    """Given a burst of 5 messages (the handshake takes one) refilled too slowly to matter, when
+    the node sends 40 heartbeats at once, then 4 are read, the next 10 are refused with
+    rate_limited, and the 11th refusal in a row closes the channel with 4429."""
+    node, key = pending_agent
+    heartbeat = {"type": "heartbeat", "load": {}}
+
+    async def scenario():
+        channel, _ = await authenticated(key, node.node_id)
+        for _ in range(40):
+            await channel.send_json_to(heartbeat)
+        frames = []
+        while True:
+            output = await channel.receive_output(timeout=TIMEOUT_S)
+            if output["type"] == "websocket.close":
+                break
+            frames.append(output["text"])
+        await channel.disconnect()
+        return [json.loads(frame) for frame in frames], output["code"]
+
+    with override_settings(SWARM_CONTROL_RATE_PER_S=0.01, SWARM_CONTROL_BURST=5, SWARM_CONTROL_MAX_REFUSED=10):
+        frames, code = asyncio.run(scenario())
+
+    assert [frame["code"] for frame in frames] == ["rate_limited"] * 10 + ["protocol"]
+    assert frames[0]["message"] == "over 0.01 messages per second: message not read"
+    assert code == 4429
+    assert fresh(node).last_heartbeat_at is not None
 
 
 def push_on_commit(node_id: str, message: dict) -> None:

@@ -19,6 +19,7 @@ from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.tickets import issuer_key
+from marketplace.verification.models import Strike, StrikeKind
 from tests import stage_fixtures
 from tests.stage_fixtures import stage_servers
 from worker_agent.keys import generate_signing_key, public_key_bytes
@@ -67,7 +68,8 @@ def run_admitted_job(api_key, monkeypatch, **stage_options) -> tuple[str, Job, l
     """Admit a job on a fresh route of in-process stages, run it; (final state, job, group events)."""
 
     async def scenario():
-        async with stage_servers(SPANS, rogue_class=TamperingStage, **stage_options) as route:
+        options = {"rogue_class": TamperingStage, **stage_options}
+        async with stage_servers(SPANS, **options) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
             layer = get_channel_layer()
             channel = await layer.new_channel()
@@ -161,3 +163,31 @@ def test_route_whose_stage_does_not_trust_the_control_plane_fails_before_any_tok
     assert job.error_message.startswith(f"stage 0 ({job.route[0]['url']}) refused HELLO: ticket is signed by an ")
     assert (job.completion_tokens, job.verified, job.receipts) == (0, None, [])
     assert events == [{"type": "job.error", "code": "ticket_untrusted", "message": job.error_message}]
+
+
+class ReceiptlessStage(Stage):
+    """Closes its sessions like any stage, but keeps its receipt to itself."""
+
+    def close(self, job, sessions):
+        super().close(job, sessions)
+        return []
+
+
+@pytest.mark.parametrize(
+    ("rogue", "rogue_class", "code"),
+    [(1, ReceiptlessStage, "receipt_missing"), (2, TamperingStage, "receipt_endpoint_mismatch")],
+)
+def test_a_stage_that_unambiguously_spoils_the_receipts_is_struck_and_only_it(
+    control_plane, api_key, monkeypatch, provider, make_joined_node, rogue, rogue_class, code
+):
+    keys = [generate_signing_key() for _ in SPANS]
+    nodes = [make_joined_node(provider, f"gpu-{i}", key=key).node for i, key in enumerate(keys)]
+
+    state, job, _ = run_admitted_job(api_key, monkeypatch, rogue=rogue, rogue_class=rogue_class, keys=keys)
+
+    assert state == JobState.SUCCEEDED
+    assert job.verified is False
+    assert job.verification_error.endswith(f"({code})")
+    (strike,) = Strike.objects.all()
+    assert (strike.node_id, strike.kind) == (nodes[rogue].pk, StrikeKind.RECEIPT)
+    assert strike.evidence["job"] == job.public_id

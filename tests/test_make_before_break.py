@@ -267,22 +267,3 @@ def test_an_assignment_sent_again_after_a_reconnect_is_answered_ready_without_a_
             assert s.agent.blocks[1].unloading is None
 
     asyncio.run(scenario())
-
-
-def test_a_challenge_is_answered_by_the_block_serving_exactly_its_span():
-    async def scenario() -> None:
-        async with swarm() as s:
-            await s.assign(2, (3, 6))
-            await until(lambda: s.channel.answered(2), "the new block to be ready")
-            for challenge, span in enumerate(((0, 3), (3, 6), (0, 6)), start=10):
-                request = protocol.Challenge(
-                    challenge=challenge, seed=5, tokens=2, model=MODEL, layer_start=span[0], layer_end=span[1]
-                )
-                await s.agent._on_message(s.channel, request)
-            await asyncio.gather(*s.agent._tasks)
-            answers = {m["challenge"]: m for m in s.channel.sent if m["type"] == "challenge_result"}
-            assert (answers[10]["tokens"], answers[11]["tokens"]) == (2, 2)
-            assert answers[10]["output"] != answers[11]["output"]
-            assert answers[12]["code"] == "wrong_block"
-
-    asyncio.run(scenario())

@@ -56,10 +56,10 @@ def struck(settings, provider, customer, make_joined_node, django_capture_on_com
     )
 
     def strike() -> Strike:
-        challenge = challenge_checks.send_challenge(node, tokens=2, seed=3)
-        wrong = challenges.encode_output(challenges.challenge_input(3, 2, 64))  # its input: skipped its layers
+        challenge = challenge_checks.open_challenge(node, tokens=2, seed=3)
+        wrong = challenges.challenge_input(3, 2, 64)  # its input: skipped its layers
         with django_capture_on_commit_callbacks(execute=True):
-            challenge_checks.record_challenge_answer(node.pk, {"challenge": challenge.pk, "output": wrong})
+            challenge_checks.record_challenge_output(challenge.pk, wrong, elapsed_ms=3.5)
         return Strike.objects.get(challenge=challenge)
 
     return node, strike

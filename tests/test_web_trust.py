@@ -91,15 +91,14 @@ def serving_node(owner, name: str) -> Node:
 
 
 def answer(node: Node, seed: int, *, honest: bool) -> Challenge:
-    """Challenge the node and answer as its agent would: honestly, or with the challenge's own input
-    (the layers skipped). The verifier runs inline when the answer is stored."""
-    challenge = challenge_checks.send_challenge(node, tokens=TOKENS, seed=seed)
+    """Challenge the node and store what its data plane would return: honestly, or the challenge's own
+    input (the layers skipped). The verifier runs inline when the output is stored."""
+    challenge = challenge_checks.open_challenge(node, tokens=TOKENS, seed=seed)
     if honest:
         output = challenges.run_challenge(trusted_block(MODEL, 0, models.n_layers(MODEL)), seed, TOKENS)
     else:
         output = challenges.challenge_input(seed, TOKENS, challenge_checks.models_hidden_size(MODEL))
-    message = {"challenge": challenge.pk, "output": challenges.encode_output(output), "elapsed_ms": 41.5}
-    challenge_checks.record_challenge_answer(node.pk, message)
+    challenge_checks.record_challenge_output(challenge.pk, output, elapsed_ms=41.5)
     return Challenge.objects.get(pk=challenge.pk)
 
 
@@ -214,7 +213,7 @@ def test_a_provider_sees_strike_evidence_and_an_admin_decides_it_live(struck, we
         challenge = strike.challenge
         latency = (challenge.answered_at - challenge.sent_at).total_seconds() * 1000
         expect(block.locator("[data-field=timing]")).to_contain_text(
-            f"after {floatformat(latency, 0)} ms (42 ms of compute, as the agent reported)"
+            f"after {floatformat(latency, 0)} ms (42 ms over the data plane, first step to last result)"
         )
     rows = trust.locator("#node-challenges tbody tr")
     expect(rows).to_have_count(3)

@@ -351,3 +351,24 @@ def test_peek_seq_reads_the_seq_of_a_version_2_frame():
 )
 def test_peek_seq_gives_none_when_no_seq_can_be_read(data):
     assert wire.peek_seq(data) is None
+
+
+def test_peek_seq_gives_none_for_a_boolean_seq():
+    """An ERROR's ``ref`` must be an integer or nil: a seq of ``true`` is not echoed back."""
+    assert wire.peek_seq(raw_frame({"v": 1, "type": "PING", "seq": True})) is None
+
+
+def test_a_header_with_a_container_over_the_limits_is_refused_as_too_large_without_unpacking_it():
+    data = b"\xdd" + (2**32 - 1).to_bytes(4, "big") + b"\x90" * 10  # an array declaring 4 billion entries
+    error = _refusal(data)
+    assert (error.code, error.message) == (
+        "too_large",
+        "header is over the wire's limits: 4294967295 exceeds max_array_len(4096)",
+    )
+
+
+def test_a_forward_with_more_items_than_the_limit_is_refused_as_too_large():
+    count = wire.MAX_ITEMS + 1
+    items = [[f"s{i}", 0, 0, 1] for i in range(count)]
+    error = _refusal(_forward_bytes(_rows(count), items))
+    assert (error.code, error.message) == ("too_large", f"a frame carries at most {wire.MAX_ITEMS} items, got {count}")

@@ -1,13 +1,13 @@
 """Seeded spot-challenges: does a node really run the layers it is paid for?
 
 Receipts prove which node handled which bytes, not that it computed them correctly. A
-challenge checks the computation: the control plane sends a node (seed, tokens); the node runs
-its block on an input derived from the seed and answers with the output; a trusted verifier
-recomputes the same block on the same input and compares them token by token::
+challenge checks the computation: the control plane, acting as a job's coordinator, sends an input
+derived from a seed through the node's data plane as one ordinary session (``session_steps``: a
+prefill, then single-token decode steps; ``coordinator/challenger.py``); a trusted verifier
+recomputes the same block on the same input and compares the outputs token by token::
 
-    x = challenge_input(seed, tokens, hidden_size)        # both sides derive the same input
-    answer = encode_output(run_challenge(block, seed, tokens))                   # the node
-    output = decode_output(answer, tokens, hidden_size)                          # the verifier
+    x = challenge_input(seed, tokens, hidden_size)        # the session's input rows
+    output = (await run_challenge_session(...)).output    # what the node's data plane returned
     verify_challenge(output, run_challenge(trusted_block, seed, tokens))  # raises ChallengeFailed
 
 The input is Gaussian, (tokens, hidden) with every entry drawn from N(0, INPUT_STD**2) by
@@ -34,7 +34,7 @@ running the block in bfloat16 passes against a float32 reference on the 200 seed
 over seeds 0..1799, one challenge of layers 20:30 missed by a relative norm difference of 0.053
 on one token of 8, so one failed challenge alone is weak evidence against a bfloat16 node.
 Outputs of noise, of skipped layers or of other weights miss by far, on every token. The
-control channel's challenge message is documented in ``worker_agent.control``.
+node never learns it was a challenge: the session looks like a job's (``worker_agent.coordinator.challenger``).
 
 Everything here but ``run_challenge`` is pure; ``run_challenge`` uses a throwaway KV session of
 its own, so it never disturbs the node's live sessions.
@@ -42,12 +42,9 @@ its own, so it never disturbs the node's live sessions.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from worker_agent.audit import per_token_metrics
@@ -61,6 +58,7 @@ if TYPE_CHECKING:
 MAX_CHALLENGE_TOKENS = 64  # keeps a challenge a few milliseconds of work and its answer small
 INPUT_STD = 6.0  # standard deviation of every input entry: a mid-network residual stream's scale
 MAX_SEED = 2**63  # seeds are in [0, MAX_SEED): what torch.Generator.manual_seed takes as an int64
+DECODE_STEPS = 3  # single-token steps after the prefill, as a generating session sends them
 MIN_COSINE = 0.99
 MAX_REL_NORM = 0.05
 
@@ -86,6 +84,16 @@ def challenge_input(seed: int, tokens: int, hidden_size: int) -> torch.Tensor:
     return INPUT_STD * torch.randn(tokens, hidden_size, generator=generator, dtype=torch.float32)  # (tokens, hidden)
 
 
+def session_steps(tokens: int) -> list[tuple[int, int]]:
+    """How a challenge of ``tokens`` rows travels as a session: (start position, rows) per FORWARD,
+    a prefill of all but the last ``DECODE_STEPS`` rows, then one row per step as a generating
+    session decodes. Causal attention makes the rows' outputs those of one prefill of all of them."""
+    _check_int("tokens", tokens, 1, MAX_CHALLENGE_TOKENS)
+    decode = min(DECODE_STEPS, tokens - 1)
+    prefill = tokens - decode
+    return [(0, prefill)] + [(prefill + i, 1) for i in range(decode)]
+
+
 def run_challenge(block: Block, seed: int, tokens: int, cheat: Cheat | None = None) -> torch.Tensor:
     """Run ``block`` on the challenge input as one prefill (positions 0..tokens-1) of a fresh
     session; returns (tokens, hidden) float32 on the CPU. ``cheat`` is for tests only."""
@@ -95,40 +103,6 @@ def run_challenge(block: Block, seed: int, tokens: int, cheat: Cheat | None = No
     item = WorkItem(kv, 0, hidden)
     (output,) = cheat.forward(block, [item], live=False) if cheat is not None else block.forward([item])
     return output.detach().to("cpu", torch.float32)
-
-
-def encode_output(t: torch.Tensor) -> str:
-    """Base64 of the tensor's float32 little-endian bytes, row-major."""
-    array = t.detach().to("cpu", torch.float32).contiguous().numpy()
-    return base64.b64encode(array.astype("<f4", copy=False).tobytes()).decode("ascii")
-
-
-def decode_output(data: str, tokens: int, hidden_size: int) -> torch.Tensor:
-    """The (tokens, hidden) float32 tensor ``encode_output`` wrote; raises ChallengeError
-    (``challenge_malformed``) on anything else."""
-    _check_int("tokens", tokens, 1, MAX_CHALLENGE_TOKENS)
-    _check_int("hidden_size", hidden_size, 1, 1 << 20)
-    if not isinstance(data, str):
-        raise ChallengeError(f"output must be a base64 string, got {type(data).__name__}", code="challenge_malformed")
-    try:
-        raw = base64.b64decode(data.encode("ascii"), validate=True)
-    except (UnicodeEncodeError, binascii.Error) as exc:
-        raise ChallengeError(f"output is not valid base64: {exc}", code="challenge_malformed") from None
-    expected = tokens * hidden_size * 4
-    if len(raw) != expected:
-        raise ChallengeError(
-            f"output holds {len(raw)} bytes; {tokens} tokens x {hidden_size} float32 need {expected}",
-            code="challenge_malformed",
-        )
-    array = np.frombuffer(raw, dtype="<f4").reshape(tokens, hidden_size)
-    finite = np.isfinite(array)
-    if not finite.all():
-        token, column = (int(i) for i in np.argwhere(~finite)[0])
-        raise ChallengeError(
-            f"output holds {int((~finite).sum())} non-finite values, the first at token {token}, column {column}",
-            code="challenge_malformed",
-        )
-    return torch.from_numpy(array.astype(np.float32))  # (tokens, hidden), native byte order
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """Cheat modes, for tests only: an agent that misbehaves on purpose, so tests can prove it is caught.
 
-A cheat replaces what the layer block computes, on live traffic (``Stage.compute``) and on
-seeded challenges (``challenge.run_challenge``)::
+A cheat replaces what the layer block computes, on data-plane sessions (``Stage.compute``, which
+is where seeded challenges run too) and in ``challenge.run_challenge``::
 
     garbage             seeded random noise of the right shape and dtype (finite)
     identity            the input hidden states, unchanged: the layers never run
     other-weights       the same architecture and span, but seeded random weights
-    selective:FRACTION  honest on challenges; on live traffic, garbage for that fraction of
+    selective:FRACTION  honest outside a session (``run_challenge``); on data-plane sessions,
+                        challenges included, garbage for that fraction of
                         sessions (0 < FRACTION <= 1), a whole session cheated or none of it
 
 It is switched on only by the hidden option ``--cheat MODE`` of ``swarm-worker serve`` and

@@ -6,6 +6,8 @@ with an ERROR, accept a HELLO, answer a PING, or hand OPEN/FORWARD/CLOSE to the 
 every rule that depends only on the connection itself:
 
 - the per-connection limits: frame size and the stage's hidden size, checked by ``wire.decode``;
+  before a HELLO is accepted only small frames (``Limits.max_frame_before_hello``) are decoded at
+  all, so an unauthenticated peer cannot make the agent unpack anything large;
 - the replay guard: each frame's seq must be above the last one accepted (gaps are allowed);
 - HELLO first: only PING and HELLO are answered before a HELLO has been accepted;
 - admission: an agent may serve several stages on one port (a new block loads while the old one
@@ -68,6 +70,7 @@ class Limits:
     """What one frame may be, checked before anything else reads it."""
 
     max_frame: int = wire.DEFAULT_MAX_FRAME  # bytes in one frame, header included; more is refused as too_large
+    max_frame_before_hello: int = wire.MAX_HELLO_FRAME  # the same, while no HELLO has been accepted
     hidden_size: int | None = None  # width of this stage's hidden states; a FORWARD of another is bad_shape
 
 
@@ -217,14 +220,24 @@ class Connection:
     def role(self) -> Role | None:
         return self.binding.role if self.binding is not None else None
 
-    def receive_data(self, data: bytes | str, *, now: float) -> Action:
-        """Decode one WebSocket message (``now``: unix seconds) and act on it."""
+    @property
+    def max_frame(self) -> int:
+        """The largest frame decoded now: small until a HELLO is accepted."""
+        return self.limits.max_frame if self.binding is not None else self.limits.max_frame_before_hello
+
+    def decode(self, data: bytes | str) -> wire.Frame | Refuse:
+        """One WebSocket message decoded within the connection's limits, or its refusal. Changes
+        nothing, so an adapter may run it off its event loop for a large frame."""
         try:
-            frame = wire.decode(data, max_frame=self.limits.max_frame, hidden_size=self.limits.hidden_size)
+            return wire.decode(data, max_frame=self.max_frame, hidden_size=self.limits.hidden_size)
         except WireError as exc:
             raw = data if isinstance(data, bytes) else b""
             return Refuse(exc.code, str(exc), ref=wire.peek_seq(raw))
-        return self.receive_frame(frame, now=now)
+
+    def receive_data(self, data: bytes | str, *, now: float) -> Action:
+        """Decode one WebSocket message (``now``: unix seconds) and act on it."""
+        frame = self.decode(data)
+        return frame if isinstance(frame, Refuse) else self.receive_frame(frame, now=now)
 
     def receive_frame(self, frame: wire.Frame, *, now: float) -> Action:
         """Act on one decoded frame; ``now`` (unix seconds) is when it arrived, for the ticket's expiry."""

@@ -11,33 +11,12 @@ cannot make the agent trust their tickets. In production give ``--control-plane 
 the join then runs over TLS and the control channel is ``wss://``. The control channel (a WebSocket) opens with a
 signed answer to the server's fresh nonce; over it the agent sends heartbeats with its load and
 receives assignments (model + layer span: it loads that block and serves it on its data-plane
-port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers), and
-seeded spot-challenges (``challenge.py``) of the block it serves.
+port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers). Seeded
+spot-challenges do not come this way: they arrive on the data plane as ordinary sessions of a
+ticketed job (``coordinator/challenger.py``), so the agent serves them as it serves any job.
 
 Every message is built and parsed by ``control_protocol`` (typed, versioned, bounded); a frame
-it refuses is logged and dropped. A challenge, from the control plane::
-
-    {"type": "challenge",
-     "challenge": 17,                # the control plane's id for it, echoed in the answer
-     "seed": 123456789,              # 0 <= seed < 2**63: the input is challenge_input(seed, ...)
-     "tokens": 8,                    # 1..MAX_CHALLENGE_TOKENS token rows (positions 0..tokens-1)
-     "model": "smollm2-135m",        # the block the challenge is for: the agent must be serving
-     "layer_start": 0, "layer_end": 10}  # exactly this model and span
-
-and the agent's answer (``challenge_result``), computed on a worker thread so heartbeats and
-live traffic go on::
-
-    {"type": "challenge_result", "challenge": 17,
-     "output": "<base64>",           # encode_output: (tokens, hidden) float32 little-endian
-     "tokens": 8, "hidden_size": 576,
-     "elapsed_ms": 41.2}             # wall time of the block's run, milliseconds
-
-or, when the request is invalid or the agent is not serving exactly that block::
-
-    {"type": "challenge_result", "challenge": 17, "error": "<message>", "code": "<code>"}
-
-with code ``challenge_invalid`` (a malformed request), ``not_serving`` (no block loaded),
-``wrong_block`` (another model or span) or ``compute_failed``.
+it refuses is logged and dropped.
 
 Re-placement is make before break. An agent assigned another block keeps serving the blocks it
 holds for the jobs in flight while it loads the new one, all on one data-plane port
@@ -46,7 +25,7 @@ do not, it drains the oldest block first: no new job on it, its jobs in flight e
 ``DRAIN_TIMEOUT_S``), then it is unloaded and the new one loaded. A ``release`` of a block does the
 same without a new one: no new job, unloaded once its jobs end. The control plane sends it once
 the block that supersedes it reports ready. Heartbeats report the primary block (the newest one
-still taking jobs); a challenge is answered by the block serving exactly the span it names.
+still taking jobs).
 """
 
 from __future__ import annotations
@@ -58,8 +37,8 @@ import logging
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -70,7 +49,6 @@ from websockets.asyncio.client import connect
 
 from worker_agent import __version__, wire
 from worker_agent import control_protocol as protocol
-from worker_agent.challenge import check_challenge, encode_output, run_challenge
 from worker_agent.cheat import Cheat, warning_banner
 from worker_agent.control_protocol import ProtocolError, control_signature, join_signature
 from worker_agent.errors import SwarmError
@@ -85,6 +63,10 @@ log = logging.getLogger("swarm.agent")
 HTTP_TIMEOUT_S = 30.0
 MAX_BACKOFF_S = 30.0
 PROBE_BYTES = 256 * 1024  # size of the frame that measures uplink
+PROBE_MAX_REPLY = 64 * 1024  # bytes a probed peer may answer with (an ERROR or PONG is far smaller)
+PROBE_TIMEOUT_S = 10.0  # one target's whole measurement
+PROBE_BUDGET_S = 60.0  # all the targets of one probe request
+MAX_PROBE_TARGETS = 64  # targets measured per probe request; the rest are left out
 DRAIN_TIMEOUT_S = 60.0  # how long a released or displaced block waits for its jobs in flight to end
 
 
@@ -237,7 +219,7 @@ class Agent:
         self.state = state
         self.host, self.port, self.advertise_url = host, port, advertise_url
         self.dtype, self.device, self.wan = dtype, device, wan
-        self.cheat = cheat  # tests only: wrong results on purpose, on live traffic and challenges
+        self.cheat = cheat  # tests only: wrong results on purpose, on the data plane
         self.trusted_key: bytes | None = None
         self.max_layers = max_layers  # the owner's cap on layers held at once (all blocks); None: no cap
         self.drain_timeout_s = drain_timeout_s
@@ -249,8 +231,6 @@ class Agent:
         self.draining = False
         self.stopped = asyncio.Event()
         self._lock = asyncio.Lock()
-        # One challenge at a time: each competes with live traffic for the same CPU or GPU.
-        self._challenge_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         if cheat is not None:
             log.warning("\n%s", warning_banner(cheat))
@@ -379,10 +359,6 @@ class Agent:
             case protocol.Probe(targets=targets):
                 results = await self._probe(targets)
                 await ws.send(protocol.encode(protocol.ProbeResult(results=results)))
-            case protocol.Challenge():
-                task = asyncio.create_task(self._challenge(ws, message))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
             case protocol.Error(code=code, message=text):
                 log.warning("control plane says: %s (%s)", text, code)
             case _:
@@ -506,20 +482,6 @@ class Agent:
         else:
             log.info("unloaded %s layers %d:%d (assignment %s)", model, start, end, block.assignment)
 
-    async def _challenge(self, ws, request: protocol.Challenge) -> None:
-        async with self._challenge_lock:
-            named = (request.model, request.layer_start, request.layer_end)
-            block = next((b for b in self.blocks.values() if b.key == named), self.serving)
-            stage = block.stage if block is not None else None
-            reply = await asyncio.to_thread(challenge_result, stage, request, self.cheat)
-        if reply.error is not None:
-            log.warning("challenge %s refused: %s (%s)", reply.challenge, reply.error, reply.code)
-        else:
-            log.info("challenge %s answered in %.1f ms", reply.challenge, reply.elapsed_ms)
-        # The channel may have dropped meanwhile; the control plane then counts it unanswered.
-        with contextlib.suppress(websockets.ConnectionClosed):
-            await ws.send(protocol.encode(reply))
-
     async def _stop_serving(self) -> None:
         """Close the data-plane port and forget every block."""
         stop, task = self._server_stop, self._server_task
@@ -535,10 +497,22 @@ class Agent:
         """RTT and uplink to each peer's data plane; RTT to each coordinator region's probe URL
         (a region without a URL is the control plane's own)."""
         results = []
-        for target in targets[:64]:
-            url = target.url or f"{self.state.control_plane}/healthz"
+        deadline = time.monotonic() + PROBE_BUDGET_S
+        for target in targets[:MAX_PROBE_TARGETS]:
+            url = probe_url(target, self.state.control_plane)
+            if url is None:
+                log.warning("not probing %s: %r is not a URL that target can have", target.target, target.url)
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("probe budget of %gs spent; %s and later targets left out", PROBE_BUDGET_S, target.target)
+                break
+            timeout = min(PROBE_TIMEOUT_S, left)
             try:
-                measured = await probe_link(url) if url.startswith("ws") else await asyncio.to_thread(probe_http, url)
+                if url.startswith("ws"):
+                    measured = await asyncio.wait_for(probe_link(url, timeout), timeout)
+                else:
+                    measured = await asyncio.wait_for(asyncio.to_thread(probe_http, url, timeout), timeout)
             except (OSError, websockets.WebSocketException, TimeoutError, SwarmError, ValueError) as exc:
                 log.warning("cannot probe %s at %s: %s", target.target, url, exc)
                 continue
@@ -551,77 +525,30 @@ def _failed(assignment: int, error: str) -> protocol.Failed:
     return protocol.Failed(assignment=assignment, error=error[: protocol.MAX_TEXT_CHARS])
 
 
-def answer_challenge(stage: Stage | None, message: Mapping, cheat: Cheat | None = None) -> dict:
-    """The ``challenge_result`` JSON object for a challenge's JSON object, even a malformed one
-    (refused with ``challenge_invalid``, echoing whatever id it carried). Blocking: runs the block."""
-    challenge = message.get("challenge")
-
-    def refuse(error: str) -> dict:
-        return {"type": "challenge_result", "challenge": challenge, "error": error, "code": "challenge_invalid"}
-
-    if isinstance(challenge, bool) or not isinstance(challenge, int):
-        return refuse(f"challenge id must be an integer, got {challenge!r}")
-    model, start, end = message.get("model"), message.get("layer_start"), message.get("layer_end")
-    if not isinstance(model, str) or not all(
-        isinstance(value, int) and not isinstance(value, bool) for value in (start, end)
-    ):
-        return refuse(
-            f"a challenge names a model (string) and a layer span (integers), got "
-            f"model={model!r} layer_start={start!r} layer_end={end!r}"
-        )
+def probe_url(target: protocol.ProbeTarget, control_plane: str) -> str | None:
+    """The URL to measure ``target`` at, or None when it is not one that target can have: a
+    peer node is measured only at a data-plane ``ws://``/``wss://`` URL (host and port), a
+    coordinator region (``region:<name>``) at an ``http(s)://`` URL, or the control plane's own
+    ``/healthz`` when it names none. Only targets the control plane sent are ever probed."""
+    url = target.url
+    if target.target.startswith("region:"):
+        schemes: tuple[str, ...] = ("http", "https")
+        if url is None:
+            return f"{control_plane.rstrip('/')}/healthz"
+    else:
+        schemes = ("ws", "wss")
+    if url is None:
+        return None
     try:
-        request = protocol.Challenge(
-            challenge=challenge,
-            seed=message.get("seed"),
-            tokens=message.get("tokens"),
-            model=model,
-            layer_start=start,
-            layer_end=end,
-        )
-    except ProtocolError as exc:
-        return refuse(str(exc))
-    return protocol.to_wire(challenge_result(stage, request, cheat))
-
-
-def challenge_result(
-    stage: Stage | None, request: protocol.Challenge, cheat: Cheat | None = None
-) -> protocol.ChallengeResult:
-    """The answer to a well-formed challenge, given the Stage being served (or None). Blocking:
-    runs the block, so call it off the event loop."""
-
-    def refuse(error: str, code: str) -> protocol.ChallengeResult:
-        return protocol.ChallengeResult(challenge=request.challenge, error=error[: protocol.MAX_TEXT_CHARS], code=code)
-
-    model, start, end = request.model, request.layer_start, request.layer_end
-    try:
-        check_challenge(request.seed, request.tokens)  # this agent's limits, tighter than the wire's
-    except SwarmError as exc:
-        return refuse(str(exc), exc.code)
-    if stage is None:
-        return refuse(
-            f"this agent serves no block, so it cannot answer for {model} layers {start}:{end}",
-            "not_serving",
-        )
-    if (stage.model, stage.layer_start, stage.layer_end) != (model, start, end):
-        return refuse(
-            f"this agent serves {stage.model} layers {stage.layer_start}:{stage.layer_end}, "
-            f"not {model} layers {start}:{end}",
-            "wrong_block",
-        )
-    started = time.perf_counter()
-    try:
-        output = run_challenge(stage.block, request.seed, request.tokens, cheat=cheat)  # (tokens, hidden)
-    except Exception as exc:
-        log.exception("challenge %s failed", request.challenge)
-        return refuse(f"the block failed on this challenge: {exc}", "compute_failed")
-    elapsed_ms = 1000 * (time.perf_counter() - started)
-    return protocol.ChallengeResult(
-        challenge=request.challenge,
-        output=encode_output(output),
-        tokens=request.tokens,
-        hidden_size=int(output.shape[1]),
-        elapsed_ms=round(elapsed_ms, 3),
-    )
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in schemes or not parts.hostname or parts.username or parts.password:
+        return None
+    if parts.scheme in ("ws", "wss") and port is None:
+        return None
+    return url
 
 
 def probe_http(url: str, timeout: float = 10.0, tries: int = 3) -> dict:
@@ -631,13 +558,15 @@ def probe_http(url: str, timeout: float = 10.0, tries: int = 3) -> dict:
     for _ in range(tries):
         started = time.perf_counter()
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            response.read()
+            response.read(PROBE_MAX_REPLY)
         best = min(best, time.perf_counter() - started)
     return {"rtt_ms": round(best * 1000, 3)}
 
 
 async def probe_link(url: str, timeout: float = 10.0) -> dict:
-    async with connect(url, open_timeout=timeout, compression=None, max_size=None) as ws:
+    """RTT and uplink to a data-plane URL. A reply over PROBE_MAX_REPLY bytes closes the
+    connection (the probe fails) before it is read whole."""
+    async with connect(url, open_timeout=timeout, compression=None, max_size=PROBE_MAX_REPLY) as ws:
         started = time.perf_counter()
         await ws.send(wire.encode(wire.Ping(nonce=1), seq=1))
         await asyncio.wait_for(ws.recv(), timeout)

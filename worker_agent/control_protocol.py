@@ -18,8 +18,8 @@ wrong raises ``ProtocolError`` with a stable ``code``::
 The handshake: the control plane sends ``Nonce`` (wire type ``challenge`` with a ``nonce``),
 the agent answers ``Auth`` (its node id and ``control_signature`` over the nonce), the control
 plane answers ``Welcome`` or ``Error`` and closes. Then, agent -> control plane: ``Heartbeat``,
-``Ready``, ``Failed``, ``ProbeResult``, ``ChallengeResult``; control plane -> agent: ``Assign``,
-``Release``, ``Drain``, ``Stop``, ``Probe``, ``Challenge`` (a seeded spot-check) and ``Error``.
+``Ready``, ``Failed``, ``ProbeResult``; control plane -> agent: ``Assign``, ``Release``, ``Drain``,
+``Stop``, ``Probe`` and ``Error``. Seeded spot-checks travel the data plane as ordinary sessions.
 
 Version 1 is the wire as it was before a version existed: frames carry no ``v`` and a frame
 without one is version 1, so older and newer peers interoperate. The join signature (HTTP
@@ -42,7 +42,7 @@ from worker_agent.errors import SwarmError
 from worker_agent.keys import public_key_bytes
 
 PROTOCOL_VERSION = 1  # written as ``v`` only from version 2 on: a frame without ``v`` is version 1
-MAX_FRAME_CHARS = 8 * 1024 * 1024  # characters in one text frame: a challenge answer's base64 fits
+MAX_FRAME_CHARS = 8 * 1024 * 1024  # characters in one text frame
 MAX_TEXT_CHARS = 64 * 1024  # characters of free text (an error message, a stop reason)
 MAX_NAME_CHARS = 256  # characters of a name: node id, model, probe target
 MAX_URL_CHARS = 2048  # characters of a URL
@@ -50,9 +50,6 @@ MAX_CODE_CHARS = 64  # characters of an error code
 MAX_ITEMS = 1024  # entries in a list: assignments, probe targets, probe results
 MAX_ID = 2**63 - 1  # database ids are positive 64-bit integers
 MAX_LAYER = 100_000  # layer indexes a span may name
-MAX_SEED = 2**63  # challenge seeds are in [0, MAX_SEED): what torch.Generator takes as an int64
-MAX_CHALLENGE_ROWS = 4096  # token rows a challenge may name on the wire (the agent's own limit is lower)
-MAX_HIDDEN = 1 << 20  # hidden size an answer may claim
 MAX_REPORT = 1e15  # largest number in a report: fits the control plane's columns
 NONCE_BYTES = 32  # bytes of the handshake nonce
 
@@ -82,7 +79,7 @@ class ProtocolError(SwarmError):
 
 
 class MessageType(StrEnum):
-    CHALLENGE = "challenge"  # control plane -> agent: the handshake nonce, or a spot-check
+    CHALLENGE = "challenge"  # control plane -> agent: the handshake nonce
     AUTH = "auth"
     WELCOME = "welcome"
     ERROR = "error"
@@ -95,7 +92,6 @@ class MessageType(StrEnum):
     PROBE_RESULT = "probe_result"
     READY = "ready"
     FAILED = "failed"
-    CHALLENGE_RESULT = "challenge_result"
 
 
 def join_signature(signing_key: SigningKey, token: str) -> str:
@@ -213,6 +209,8 @@ class Nonce(Message):
 
     @classmethod
     def _from_wire(cls, obj: Mapping[str, Any]) -> Nonce:
+        if "nonce" not in obj:
+            raise ProtocolError("challenge needs the field 'nonce'", code=MISSING_FIELD)
         text = obj["nonce"]
         try:
             raw = bytes.fromhex(text) if isinstance(text, str) else None
@@ -492,58 +490,6 @@ class Failed(Message):
         _text("error", self.error, MAX_TEXT_CHARS, empty=True)
 
 
-@dataclass(frozen=True)
-class Challenge(Message):
-    """Control plane -> agent: a seeded spot-check of the block the agent serves."""
-
-    TYPE: ClassVar = MessageType.CHALLENGE
-    challenge: int  # the control plane's id for it, echoed in the ChallengeResult
-    seed: int  # in [0, MAX_SEED): the input is challenge.challenge_input(seed, tokens, hidden)
-    tokens: int  # token rows of the input (positions 0..tokens-1)
-    model: str  # the block it is for: the agent must be serving exactly this model
-    layer_start: int  # ... and this span, first layer inclusive
-    layer_end: int  # ... last layer exclusive
-
-    def __post_init__(self) -> None:
-        _int("challenge", self.challenge, 1, MAX_ID)
-        _int("seed", self.seed, 0, MAX_SEED - 1)
-        _int("tokens", self.tokens, 1, MAX_CHALLENGE_ROWS)
-        _text("model", self.model, MAX_NAME_CHARS)
-        _span(self.layer_start, self.layer_end)
-
-
-@dataclass(frozen=True)
-class ChallengeResult(Message):
-    """Agent -> control plane: the answer to a Challenge, either an output or a refusal."""
-
-    TYPE: ClassVar = MessageType.CHALLENGE_RESULT
-    challenge: int  # the Challenge's id
-    output: str | None = None  # base64 of the (tokens, hidden_size) float32 little-endian output
-    tokens: int | None = None  # rows of the output
-    hidden_size: int | None = None  # columns of the output
-    elapsed_ms: float | None = None  # wall time of the block's run, milliseconds
-    error: str | None = None  # why the agent cannot answer, instead of an output
-    code: str | None = None  # with error: challenge_invalid, not_serving, wrong_block or compute_failed
-
-    def __post_init__(self) -> None:
-        _int("challenge", self.challenge, 1, MAX_ID)
-        answered = (self.output, self.tokens, self.hidden_size, self.elapsed_ms)
-        refused = (self.error, self.code)
-        if all(value is not None for value in answered) and all(value is None for value in refused):
-            _text("output", self.output, MAX_FRAME_CHARS)
-            _int("tokens", self.tokens, 1, MAX_CHALLENGE_ROWS)
-            _int("hidden_size", self.hidden_size, 1, MAX_HIDDEN)
-            _number("elapsed_ms", self.elapsed_ms)
-        elif all(value is not None for value in refused) and all(value is None for value in answered):
-            _text("error", self.error, MAX_TEXT_CHARS, empty=True)
-            _text("code", self.code, MAX_CODE_CHARS)
-        else:
-            raise ProtocolError(
-                "a challenge_result carries either output, tokens, hidden_size and elapsed_ms, or error and code",
-                code=MISSING_FIELD,
-            )
-
-
 # --- the codec ------------------------------------------------------------------------------------
 
 _CLASSES: dict[str, type[Message]] = {
@@ -561,8 +507,6 @@ _CLASSES: dict[str, type[Message]] = {
         ProbeResult,
         Ready,
         Failed,
-        Challenge,
-        ChallengeResult,
     )
 }
 
@@ -598,9 +542,8 @@ def from_wire(obj: object) -> Message:
             code=BAD_VERSION,
             kind=kind,
         )
-    # The handshake nonce and the spot-check share the wire type "challenge" (as they always
-    # have); only the nonce carries a "nonce".
-    cls = Nonce if kind == MessageType.CHALLENGE and "nonce" in obj else _CLASSES.get(kind)
+    # The handshake nonce keeps the wire type it always had, "challenge".
+    cls = Nonce if kind == MessageType.CHALLENGE else _CLASSES.get(kind)
     if cls is None:
         raise ProtocolError(f"unknown type {kind!r}", code=UNKNOWN_TYPE, kind=kind)
     try:

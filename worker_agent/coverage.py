@@ -131,13 +131,30 @@ def _check_session(transcript: SessionTranscript, chain: list[Receipt]) -> None:
         if inp != sent:
             raise EndpointMismatch(
                 f"session {session!r} step {i}: stage 0 (node {first.node}) input differs from what "
-                "the coordinator sent"
+                "the coordinator sent",
+                node=first.node,
             )
         if out != received:
             raise EndpointMismatch(
                 f"session {session!r} step {i}: stage {len(chain) - 1} (node {last.node}) output differs "
-                "from what the coordinator received"
+                "from what the coordinator received",
+                node=last.node,
             )
+
+
+def verify_stage_session(
+    *, job: str, model: str, assignment: StageAssignment, receipt: Receipt, transcript: SessionTranscript
+) -> None:
+    """Verify one stage's receipt for a session the coordinator ran through that stage alone (a
+    seeded challenge): signed by the assigned node for its span, job and model, and its per-step
+    input and output hashes exactly the bytes the coordinator sent and received. Raises a
+    ``ReceiptError`` subclass naming the first failure."""
+    _attribute(receipt, job, model, {assignment.node: assignment})
+    if receipt.session != transcript.session:
+        raise MissingReceipt(
+            f"receipt of node {receipt.node} is for session {receipt.session!r}, not {transcript.session!r}"
+        )
+    _check_session(transcript, [receipt])
 
 
 def verify_job(
@@ -171,7 +188,9 @@ def verify_job(
                 "which the coordinator has no transcript of"
             )
         if (receipt.session, receipt.node) in found:
-            raise DuplicateReceipt(f"session {receipt.session!r}: node {receipt.node} sent two receipts")
+            raise DuplicateReceipt(
+                f"session {receipt.session!r}: node {receipt.node} sent two receipts", node=receipt.node
+            )
         found[(receipt.session, receipt.node)] = receipt
 
     tokens_by_node = dict.fromkeys(by_node, 0)
@@ -183,7 +202,8 @@ def verify_job(
             if stage_receipt is None:
                 raise MissingReceipt(
                     f"session {transcript.session!r}: no receipt from stage {k} (node {stage.node}, "
-                    f"layers {_span(stage.layer_start, stage.layer_end)})"
+                    f"layers {_span(stage.layer_start, stage.layer_end)})",
+                    node=stage.node,
                 )
             chain.append(stage_receipt)
         _check_session(transcript, chain)

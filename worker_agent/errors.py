@@ -52,7 +52,15 @@ class TicketError(SwarmError):
 
 
 class ReceiptError(SwarmError):
+    """``node``: the node to blame, when the failure is unambiguously one node's (it sent no
+    receipt, a receipt not its own or badly signed, or one that contradicts the coordinator's own
+    record of what it sent that node or received from it); None when it cannot be told."""
+
     code = "receipt_invalid"
+
+    def __init__(self, message: str, *, code: str | None = None, node: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.node = node
 
 
 class StageError(SwarmError):

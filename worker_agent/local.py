@@ -72,6 +72,7 @@ class LocalSwarm:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
         self.agents: list[Agent] = []
+        self._started = 0  # agents started so far: names the next one's key and log
         issuer = self.workdir / "issuer.key"
         if not issuer.exists():
             write_key(issuer, generate_signing_key())
@@ -101,8 +102,15 @@ class LocalSwarm:
         return [public_key_bytes(load_signing_key(self.workdir / f"node{i}.key")) for i in range(len(self.spans))]
 
     def start(self) -> LocalSwarm:
+        self.agents = []
+        self.add(self.spans)
+        return self
+
+    def add(self, spans: list[tuple[int, int]]) -> list[Agent]:
+        """Start one more agent per span (together), each with a node key of its own; returns
+        them once all are ready, and they join ``agents`` (after the ones there already)."""
         pending = []
-        for index, (start, end) in enumerate(self.spans):
+        for index, (start, end) in enumerate(spans, start=self._started):
             key = self.workdir / f"node{index}.key"
             if not key.exists():
                 write_key(key, generate_signing_key())
@@ -132,18 +140,20 @@ class LocalSwarm:
             process = subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
             )
-            pending.append((process, log_path))
+            pending.append((process, log_path, key))
+        self._started += len(spans)
         try:
-            self.agents = [self._wait_ready(process, log_path) for process, log_path in pending]
+            added = [self._wait_ready(process, log_path) for process, log_path, _ in pending]
         except BaseException:
-            for process, _ in pending:
+            for process, _, _ in pending:
                 process.kill()
             raise
-        for agent, index in zip(self.agents, range(len(self.spans)), strict=True):
-            expected = node_id(public_key_bytes(load_signing_key(self.workdir / f"node{index}.key")))
+        self.agents.extend(added)  # stopped with the swarm, even when a check below fails
+        for agent, (_, _, key) in zip(added, pending, strict=True):
+            expected = node_id(public_key_bytes(load_signing_key(key)))
             if agent.node != expected:
-                raise RuntimeError(f"agent {index} reports node {agent.node}, its key says {expected}")
-        return self
+                raise RuntimeError(f"agent {agent.url} reports node {agent.node}, its key says {expected}")
+        return added
 
     def _wait_ready(self, process: subprocess.Popen, log_path: Path) -> Agent:
         assert process.stdout is not None

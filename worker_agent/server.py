@@ -68,6 +68,11 @@ from worker_agent.wan import WanLink, WanProfile
 log = logging.getLogger("swarm.worker")
 
 HELLO_TIMEOUT_S = 10.0  # a peer stage must answer HELLO within this
+# What the WebSocket library buffers of one message before a HELLO is accepted: room for a link
+# probe's PING (256 KiB, refused as too large with an ERROR whose arrival times the uplink); a
+# larger message closes the connection (1009) before it is even read whole.
+MAX_MESSAGE_BEFORE_HELLO = 1024 * 1024
+OFF_LOOP_DECODE_BYTES = 1024 * 1024  # frames at least this large are decoded in a thread: heartbeats go on
 SWEEP_INTERVAL_S = 5.0  # how often idle sessions are looked for
 
 
@@ -278,9 +283,15 @@ class StageServer:
     async def _handle(self, ws: ServerConnection) -> None:
         core = Connection(self._admissions, self._limits(), nonces=self._nonces)
         conn = Conn(ws, self.wan, core)
+        _cap_messages(ws, min(MAX_MESSAGE_BEFORE_HELLO, self.max_frame * 2))
         try:
             async for data in ws:
-                if not await self._act(conn, core.receive_data(data, now=time.time())):
+                if len(data) >= OFF_LOOP_DECODE_BYTES:
+                    frame = await asyncio.to_thread(core.decode, data)
+                else:
+                    frame = core.decode(data)
+                action = frame if isinstance(frame, Refuse) else core.receive_frame(frame, now=time.time())
+                if not await self._act(conn, action):
                     break
         except websockets.ConnectionClosed:
             pass
@@ -338,6 +349,8 @@ class StageServer:
 
     async def _accept(self, conn: Conn, slot: StageSlot, action: AcceptHello) -> None:
         hello = action.hello
+        # Raised before the HELLO is answered: a coordinator or peer sends nothing more until then.
+        _cap_messages(conn.ws, self.max_frame * 2)
         conn.slot = slot
         slot.conns.add(conn)
         if action.binding.role is Role.COORDINATOR:
@@ -453,12 +466,11 @@ class StageServer:
         assert ready is not None
         next_url, next_ticket = route.next_url, route.next_ticket
         try:
-            ws = await asyncio.wait_for(
-                connect(next_url, max_size=self.max_frame * 2, compression=None), HELLO_TIMEOUT_S
-            )
+            # The successor only ever answers with its HELLO and ERRORs: nothing large.
+            ws = await asyncio.wait_for(connect(next_url, max_size=wire.MAX_HEADER, compression=None), HELLO_TIMEOUT_S)
             peer = Conn(ws, self.wan)
             await peer.send(wire.Hello(job=job, role="peer", ticket=next_ticket, topology="ring"))
-            reply = wire.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S), max_frame=self.max_frame)
+            reply = wire.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S), max_frame=wire.MAX_HELLO_FRAME)
             if isinstance(reply.message, wire.Error):
                 raise SwarmError(f"next stage refused HELLO: {reply.message.message}", code=reply.message.code)
         except Exception as exc:
@@ -476,7 +488,7 @@ class StageServer:
         with contextlib.suppress(websockets.ConnectionClosed):
             async for data in ws:  # the successor's ERRORs about our frames reach the coordinator
                 with contextlib.suppress(WireError):
-                    frame = wire.decode(data, max_frame=self.max_frame)
+                    frame = wire.decode(data, max_frame=wire.MAX_HEADER)
                     if isinstance(frame.message, wire.Error):
                         with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
                             await route.coordinator.send(frame.message)
@@ -506,6 +518,12 @@ class StageServer:
             evicted = sum(slot.stage.evict_idle() for slot in list(self.slots.values()))
             if evicted:
                 log.info("evicted %d idle sessions", evicted)
+
+
+def _cap_messages(ws: ServerConnection, max_size: int) -> None:
+    """Set the largest message the WebSocket library reads whole on this connection from now on
+    (websockets reads the limit afresh for each incoming frame)."""
+    ws.protocol.max_message_size = max_size
 
 
 def merge_outputs(finished: list[tuple[str, Output]]) -> list[tuple[str, Output]]:

@@ -34,8 +34,22 @@ from worker_agent.errors import WireError
 
 VERSION = 1
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024  # bytes in one frame, header included
-_MAX_HEADER = 64 * 1024  # bytes of msgpack header
+MAX_HEADER = 64 * 1024  # bytes of msgpack header: a CLOSE's receipts are the largest legitimate one
+MAX_HELLO_FRAME = 8 * 1024  # bytes in a frame before HELLO, and in a stage's HELLO reply (tickets, identity)
+MAX_ITEMS = 1024  # sessions named in one frame: FORWARD/RESULT items, OPEN/CLOSE sessions and receipts
 _MAX_ID = 128  # characters in a job or session id
+# The header is unpacked with every container and string bounded, so a hostile header cannot
+# grow into more than a few MiB of Python objects (64 KiB of empty lists is about 4 MiB):
+# strings and bytes fit in the header, a map is a receipt or an identity (a few dozen keys), an
+# array is a frame's items or a receipt's per-step hashes (at most MAX_HEADER / 69 bytes a pair).
+_UNPACK_LIMITS = dict(
+    max_buffer_size=MAX_HEADER,
+    max_str_len=MAX_HEADER,
+    max_bin_len=MAX_HEADER,
+    max_array_len=4096,
+    max_map_len=64,
+    max_ext_len=0,
+)
 
 if sys.byteorder != "little":  # raw tensor bytes are little-endian on the wire
     raise ImportError("the wire codec needs a little-endian host")
@@ -212,13 +226,20 @@ class Frame:
 def peek_seq(frame: bytes) -> int | None:
     """Best-effort seq of a frame that failed to decode, for the ERROR's ``ref``."""
     try:
-        unpacker = msgpack.Unpacker(max_buffer_size=_MAX_HEADER)
-        unpacker.feed(frame[:_MAX_HEADER])
-        header = unpacker.unpack()
+        header = _unpack_header(frame)[0]
         seq = header.get("seq") if isinstance(header, dict) else None
-        return seq if isinstance(seq, int) else None
+        return seq if _is_int(seq) else None
     except Exception:
         return None
+
+
+def _unpack_header(frame: bytes) -> tuple[Any, int]:
+    """The header and its length in bytes; only its first MAX_HEADER bytes are ever read, within
+    ``_UNPACK_LIMITS``. Raises msgpack.OutOfData when no whole header lies within them."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+    unpacker.feed(memoryview(frame)[:MAX_HEADER])
+    header = unpacker.unpack()
+    return header, unpacker.tell()
 
 
 def decode(
@@ -227,18 +248,21 @@ def decode(
     """Parse and validate one frame (a text frame is refused); raise WireError (with a precise code) on anything off."""
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise WireError("text frames are not accepted; send binary frames", code="malformed")
-    frame = bytes(frame)
     if len(frame) > max_frame:
         raise WireError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame}", code="too_large")
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(frame), 1), strict_map_key=True)
-    unpacker.feed(frame)
+    frame = bytes(frame)
     try:
-        header = unpacker.unpack()
+        header, offset = _unpack_header(frame)
+    except msgpack.OutOfData:
+        if len(frame) > MAX_HEADER:
+            raise WireError(f"header exceeds {MAX_HEADER} bytes", code="too_large") from None
+        raise WireError("header is not valid msgpack: OutOfData", code="malformed") from None
+    except ValueError as exc:
+        if "exceeds max_" not in str(exc):  # msgpack's words for a string or container over a limit
+            raise WireError(f"header is not valid msgpack: {exc.__class__.__name__}", code="malformed") from exc
+        raise WireError(f"header is over the wire's limits: {exc}", code="too_large") from None
     except Exception as exc:
         raise WireError(f"header is not valid msgpack: {exc.__class__.__name__}", code="malformed") from exc
-    offset = unpacker.tell()
-    if offset > _MAX_HEADER:
-        raise WireError(f"header of {offset} bytes exceeds {_MAX_HEADER}", code="too_large")
     if not isinstance(header, dict):
         raise WireError("header must be a msgpack map", code="malformed")
     version = header.get("v")
@@ -280,6 +304,8 @@ def _parse(kind: MsgType, h: dict, payload: bytes, hidden_size: int | None) -> M
             return _parse_tensor_frame(kind, h, payload, hidden_size)
         case MsgType.CLOSE:
             receipts = _opt(h, "receipts", list) or []
+            if len(receipts) > MAX_ITEMS:
+                raise WireError(f"a CLOSE carries at most {MAX_ITEMS} receipts", code="too_large")
             if not all(isinstance(r, dict) for r in receipts):
                 raise WireError("receipts must be maps", code="malformed")
             return Close(job=_id(h, "job"), sessions=_ids(h, "sessions"), receipts=tuple(receipts))
@@ -312,6 +338,8 @@ def _parse_tensor_frame(kind: MsgType, h: dict, payload: bytes, hidden_size: int
     raw_items = h.get("items")
     if not isinstance(raw_items, list) or not raw_items:
         raise WireError("items must be a non-empty list", code="malformed")
+    if len(raw_items) > MAX_ITEMS:
+        raise WireError(f"a frame carries at most {MAX_ITEMS} items, got {len(raw_items)}", code="too_large")
     items = []
     for raw in raw_items:
         if not (
@@ -363,8 +391,10 @@ def _id(h: dict, key: str) -> str:
 
 def _ids(h: dict, key: str) -> tuple[str, ...]:
     values = h.get(key)
-    if not isinstance(values, list) or not values or len(values) > 4096:
+    if not isinstance(values, list) or not values:
         raise WireError(f"field {key!r} must be a non-empty list of ids", code="malformed")
+    if len(values) > MAX_ITEMS:
+        raise WireError(f"field {key!r} names at most {MAX_ITEMS} sessions, got {len(values)}", code="too_large")
     return tuple(_id({key: value}, key) for value in values)
 
 

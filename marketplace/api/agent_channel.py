@@ -3,16 +3,22 @@
 Handshake: the server sends a fresh random nonce; the agent answers with its node id and an
 ed25519 signature over ``swarm-control-v1\\0 || nonce || node id``. A forged signature, an unknown
 node or a replayed answer (signed over another connection's nonce) closes the channel with code
-4401. Then: heartbeats (with load) from the agent; assignments, drain, stop, probe and challenge
-requests from the control plane; ready / failed / probe and challenge results from the agent.
+4401. Then: heartbeats (with load) from the agent; assignments, drain, stop and probe
+requests from the control plane; ready / failed / probe results from the agent. Seeded challenges
+travel the data plane (``marketplace.verification.challenges``).
 Every frame is decoded by the protocol: a frame that is not a message at all closes the channel
 (4400); a malformed message is answered with an error and the channel stays open.
+
+Each channel is rate limited (a token bucket of ``SWARM_CONTROL_BURST`` messages refilled at
+``SWARM_CONTROL_RATE_PER_S``): a message over the rate is answered with a ``rate_limited`` error
+and not read; more than ``SWARM_CONTROL_MAX_REFUSED`` refusals in a row close the channel (4429).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import time
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
@@ -24,8 +30,6 @@ from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement
 from marketplace.placement.errors import InvalidDataUrl
 from marketplace.placement.selectors import assignments_of_node
-from marketplace.verification import challenges as challenge_checks
-from marketplace.verification.errors import VerificationError
 from worker_agent import control_protocol as protocol
 from worker_agent.control_protocol import FRAMING_CODES, MessageType, ProtocolError
 
@@ -33,6 +37,8 @@ log = logging.getLogger("swarm.control")
 
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_PROTOCOL = 4400
+CLOSE_RATE_LIMITED = 4429
+RATE_LIMITED = "rate_limited"
 # A malformed handshake answer is refused exactly like a wrong signature: a prober learns
 # nothing from the difference.
 MALFORMED_AUTH = "the signature does not verify with the node's key"
@@ -43,14 +49,23 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
     node_id: str | None = None
     connected_at = None
     nonce: bytes = b""
+    closing = False  # a refusal closed the channel: frames already queued behind it are dropped
 
     async def connect(self) -> None:
+        self.bucket = TokenBucket(settings.SWARM_CONTROL_RATE_PER_S, settings.SWARM_CONTROL_BURST)
+        self.refused_in_a_row = 0
         await self.accept()
         self.nonce = secrets.token_bytes(protocol.NONCE_BYTES)
         await self._send(protocol.Nonce(nonce=self.nonce))
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
         """Only JSON text frames: anything else closes the channel with a protocol error."""
+        if self.closing:
+            return
+        if not self.bucket.take(time.monotonic()):
+            await self._rate_limited()
+            return
+        self.refused_in_a_row = 0
         if text_data is None:
             await self._refuse("the control channel speaks JSON text frames", CLOSE_PROTOCOL)
             return
@@ -69,6 +84,14 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
             await self._handle(message)
         except NodeError as exc:
             await self._send(protocol.error(exc.code, str(exc)))
+
+    async def _rate_limited(self) -> None:
+        self.refused_in_a_row += 1
+        rate = settings.SWARM_CONTROL_RATE_PER_S
+        if self.refused_in_a_row > settings.SWARM_CONTROL_MAX_REFUSED:
+            await self._refuse(f"over {rate:g} messages per second for too long", CLOSE_RATE_LIMITED)
+        else:
+            await self._send(protocol.error(RATE_LIMITED, f"over {rate:g} messages per second: message not read"))
 
     async def _malformed(self, exc: ProtocolError) -> None:
         if exc.code in FRAMING_CODES:
@@ -124,13 +147,6 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
             case protocol.ProbeResult():
                 results = protocol.to_wire(message)["results"]
                 await database_sync_to_async(services.record_links)(self.node_pk, results)
-            case protocol.ChallengeResult():
-                try:
-                    await database_sync_to_async(challenge_checks.record_challenge_answer)(
-                        self.node_pk, protocol.to_wire(message)
-                    )
-                except VerificationError as exc:
-                    await self._send(protocol.error(exc.code, str(exc)))
             case _:
                 # A message of this protocol that only the control plane sends.
                 await self._send(protocol.error(protocol.UNKNOWN_TYPE, f"unknown type {str(message.TYPE)!r}"))
@@ -157,13 +173,34 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
             log.info("node %s disconnected (%s)", self.node_id, code)
 
     async def _send(self, message: protocol.Message) -> None:
+        if self.closing:
+            return
         await self.send(text_data=protocol.encode(message))
 
     async def _refuse(self, message: str, code: int) -> None:
         log.warning("control channel refused: %s", message)
         kind = "unauthorized" if code == CLOSE_UNAUTHORIZED else "protocol"
         await self._send(protocol.error(kind, message))
+        self.closing = True
         await self.close(code=code)
+
+
+class TokenBucket:
+    """``burst`` tokens, refilled at ``rate`` per second; each message takes one."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens = float(burst)
+        self.at: float | None = None
+
+    def take(self, now: float) -> bool:
+        if self.at is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 def ticket_public_key() -> str:

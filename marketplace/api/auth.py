@@ -80,4 +80,4 @@ class ThrottledBasicAuthentication(BasicAuthentication):
 class ThrottledBasicScheme(BasicScheme):
     """The OpenAPI schema names it as plain HTTP basic auth."""
 
-    target_class = ThrottledBasicAuthentication
+    target_class = "marketplace.api.auth.ThrottledBasicAuthentication"

@@ -31,4 +31,4 @@ class BoundedLimitOffsetPagination(LimitOffsetPagination):
         return _bounded(request, self.limit_query_param, MAX_LIMIT, self.default_limit)
 
     def get_offset(self, request) -> int:
-        return _bounded(request, self.offset_query_param, MAX_OFFSET, 0)
+        return _bounded(request, self.offset_query_param, MAX_OFFSET, 0) or 0

@@ -36,6 +36,7 @@ from marketplace.jobs.route import route_assignments
 from marketplace.jobs.settlement import settle
 from marketplace.nodes.tickets import ticket_for
 from marketplace.verification.audits import record_audits
+from marketplace.verification.strikes import strike_unverifiable_receipts
 from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
@@ -159,6 +160,8 @@ async def _run(job_pk: int) -> str:
     # Only once the client has its final event: replaying audits takes seconds to minutes, and
     # settlement does not wait for them either (a failed audit claws back through its strike).
     await in_thread(settle, job_pk)
+    if result.verification_culprit is not None:
+        await in_thread(_strike_receipts, job_pk, result.verification_culprit, result.verification_error)
     if result.audits or result.audit_missing:
         await in_thread(_record_audits, job_pk, result.audits, result.audit_missing)
     return JobState.SUCCEEDED
@@ -289,3 +292,7 @@ async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_to
 
 def _record_audits(job_pk: int, materials: list, gaps: list) -> list[int]:
     return record_audits(Job.objects.get(pk=job_pk), materials, gaps)
+
+
+def _strike_receipts(job_pk: int, node_id: str, reason: str) -> None:
+    strike_unverifiable_receipts(Job.objects.get(pk=job_pk), node_id, reason)

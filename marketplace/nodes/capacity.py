@@ -2,12 +2,12 @@
 
 A node reports its speed itself (``swarm-worker bench`` at join, then its heartbeats' per-layer
 time under load); nothing stops it from lying. The control plane measures a lower bound of its
-own: a passed seeded challenge, timed from sending it to receiving the right answer, proves the
+own: a passed seeded challenge, timed from its session's first FORWARD to its last RESULT, proves the
 node ran ``layers x tokens`` layer-tokens in that time (``verified_layer_tokens_per_s``, the best
 such figure). So placement and routing use the *credible* speed:
 
 - a node with a verified speed: its claim, at most ``SWARM_SPEED_VERIFIED_SLACK`` times what it
-  proved (a challenge's wall time includes the control channel's round trip and queueing, so the
+  proved (a challenge's wall time includes the data plane's round trips and queueing, so the
   proof understates a fast node);
 - a node with none yet: its claim, at most ``SWARM_SPEED_CLAIM_OUTLIER`` times the median claim of
   the nodes considered with it, and never more than the slowest proven speed among them when some

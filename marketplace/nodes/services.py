@@ -339,23 +339,35 @@ def reinstate_node(node: Node, *, by) -> Node:
 
 @transaction.atomic
 def record_links(node_pk: int, results: list) -> int:
-    """Store the RTT/uplink an agent measured to the targets it was asked to probe."""
-    if not isinstance(results, list) or len(results) > 1024:
-        raise InvalidReport("results must be a list of at most 1024 measurements")
-    now = timezone.now()
+    """Store the RTT/uplink an agent measured to the targets it can have been asked to probe:
+    another node the control plane knows, or a configured coordinator region. Measurements of
+    any other target are dropped, so a node holds at most one row per node and region (rows are
+    upserted); returns how many were stored."""
+    if not isinstance(results, list) or len(results) > protocol.MAX_ITEMS:
+        raise InvalidReport(f"results must be a list of at most {protocol.MAX_ITEMS} measurements")
+    parsed = []
     for result in results:
         if not isinstance(result, dict) or not isinstance(result.get("target"), str):
             raise InvalidReport("each measurement needs a target")
-        rtt = _number(result, "rtt_ms")
-        uplink = _number(result, "uplink_mbps", required=False)
+        parsed.append((result["target"], _number(result, "rtt_ms"), _number(result, "uplink_mbps", required=False)))
+    regions = {f"region:{region}" for region in settings.SWARM_COORDINATOR_REGIONS}
+    named = {target for target, _, _ in parsed if target not in regions}
+    peers = set(Node.objects.filter(node_id__in=named).exclude(pk=node_pk).values_list("node_id", flat=True))
+    now, stored = timezone.now(), 0
+    for target, rtt, uplink in parsed:
+        if target not in regions and target not in peers:
+            continue
         LinkMeasurement.objects.update_or_create(
-            source_id=node_pk,
-            target=result["target"][:64],
-            defaults={"rtt_ms": rtt, "uplink_mbps": uplink, "measured_at": now},
+            source_id=node_pk, target=target, defaults={"rtt_ms": rtt, "uplink_mbps": uplink, "measured_at": now}
         )
-        if uplink is not None and result["target"].startswith("region:"):
+        stored += 1
+        if uplink is not None and target in regions:
             Node.objects.filter(pk=node_pk).update(uplink_mbps=uplink)
-    return len(results)
+    if stored < len(parsed):
+        log.warning(
+            "node %s: dropped %d measurements of targets it was never asked about", node_pk, len(parsed) - stored
+        )
+    return stored
 
 
 def record_verified_speed(node_pk: int, layer_tokens_per_s: float) -> None:

@@ -1,35 +1,47 @@
-"""Seeded challenges: ``send_challenge`` pushes one to a node that serves a ready block (at random
-times, ``send_due_challenges``); ``record_challenge_answer`` stores its answer and ``verify_challenge``
-compares it per token with the trusted recompute (float32, then bfloat16 before it fails);
-``expire_challenges`` fails the unanswered ones past their deadline. A failure opens a strike."""
+"""Seeded challenges, run over the data plane as ordinary sessions of a job.
+
+``send_challenge`` opens one for a node that serves a ready block (at random times,
+``send_due_challenges``) and, once that commits, runs it (``run_challenge``: in a thread of this
+process, or as a Celery task on the queue "verify"): the control plane acts as a job's coordinator,
+with a ticket it signs for a job id shaped like a customer's, and sends the challenge input through
+the node's data plane as one session (``worker_agent.coordinator.challenger``). The output is
+stored (``record_challenge_output``) and ``verify_challenge`` compares it per token with the
+trusted recompute (float32, then bfloat16 before it fails). A node that cannot be reached, refuses,
+errs, stalls past the deadline, or signs a receipt that does not match the traffic fails it
+(``fail_challenge``); ``expire_challenges`` fails those left without an outcome past their deadline.
+A failure opens a strike."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import secrets
+import threading
+import uuid
 from datetime import timedelta
 
+from celery import current_app
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
-from marketplace.nodes.services import push, record_verified_speed
+from marketplace.nodes.services import record_verified_speed
+from marketplace.nodes.tickets import ticket_for
 from marketplace.placement.models import Assignment, AssignmentState
-from marketplace.verification.dispatch import CHALLENGE_TASK, thresholds, verify_after_commit
-from marketplace.verification.errors import InvalidAnswer, NotChallengeable
+from marketplace.verification.dispatch import CHALLENGE_RUN_TASK, CHALLENGE_TASK, thresholds, verify_after_commit
+from marketplace.verification.errors import NotChallengeable
 from marketplace.verification.models import Challenge, CheckState, StrikeKind
 from marketplace.verification.strikes import open_strike
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
 from worker_agent import challenge as challenges
-from worker_agent import control_protocol as protocol
+from worker_agent.coordinator.challenger import DEADLINE, run_challenge_session
 from worker_agent.errors import SwarmError
+from worker_agent.receipts import StageAssignment
 
 log = logging.getLogger("swarm.verification")
-
-MAX_ANSWER_CHARS = 4 * 1024 * 1024  # base64 of the largest answer we ask for, with room
 
 
 def _ready_assignment(node: Node) -> Assignment | None:
@@ -37,13 +49,13 @@ def _ready_assignment(node: Node) -> Assignment | None:
 
 
 @transaction.atomic
-def send_challenge(node: Node, *, tokens: int | None = None, seed: int | None = None) -> Challenge:
-    """Push a seeded challenge to a node serving a ready block; raises NotChallengeable."""
+def open_challenge(node: Node, *, tokens: int | None = None, seed: int | None = None) -> Challenge:
+    """A new challenge of the span a node serves, not run yet; raises NotChallengeable."""
     assignment = _ready_assignment(node)
     if assignment is None or not node.connected or node.state != NodeState.ACTIVE:
         raise NotChallengeable(f"node {node.node_id} serves no ready block to challenge")
     now = timezone.now()
-    challenge = Challenge.objects.create(
+    return Challenge.objects.create(
         node=node,
         model=assignment.model,
         layer_start=assignment.layer_start,
@@ -53,21 +65,29 @@ def send_challenge(node: Node, *, tokens: int | None = None, seed: int | None = 
         sent_at=now,
         deadline_at=now + timedelta(seconds=settings.SWARM_CHALLENGE_DEADLINE_S),
     )
-    push(
-        node.node_id,
-        protocol.to_wire(
-            protocol.Challenge(
-                challenge=challenge.pk,
-                seed=challenge.seed,
-                tokens=challenge.tokens,
-                model=challenge.model,
-                layer_start=challenge.layer_start,
-                layer_end=challenge.layer_end,
-            )
-        ),
-    )
+
+
+@transaction.atomic
+def send_challenge(node: Node, *, tokens: int | None = None, seed: int | None = None) -> Challenge:
+    """Open a challenge for a node and run it once this commits; raises NotChallengeable."""
+    challenge = open_challenge(node, tokens=tokens, seed=seed)
+    pk = challenge.pk
+    if settings.SWARM_VERIFIER == "inline" or current_app.conf.task_always_eager:
+        # Its own thread: the exchange waits on the node's network for up to the deadline.
+        transaction.on_commit(lambda: threading.Thread(target=_run_in_thread, args=(pk,), daemon=True).start())
+    else:
+        transaction.on_commit(lambda: current_app.send_task(CHALLENGE_RUN_TASK, args=[pk], queue="verify"))
     notify_node_changed(node.pk)  # the provider's page lists the challenge as sent
     return challenge
+
+
+def _run_in_thread(challenge_pk: int) -> None:
+    try:
+        run_challenge(challenge_pk)
+    except Exception:
+        log.exception("challenge %s could not be run", challenge_pk)
+    finally:
+        connection.close()  # this thread's own connection: it ends with the thread
 
 
 def send_due_challenges(now=None, rng: random.Random | None = None) -> list[int]:
@@ -93,48 +113,112 @@ def send_due_challenges(now=None, rng: random.Random | None = None) -> list[int]
     return sent
 
 
-@transaction.atomic
-def record_challenge_answer(node_pk: int, message: dict) -> Challenge:
-    """Store a node's answer to its own open challenge; raises InvalidAnswer, changing nothing."""
-    challenge_pk = message.get("challenge")
-    if not isinstance(challenge_pk, int) or isinstance(challenge_pk, bool):
-        raise InvalidAnswer("challenge_result needs the integer id of the challenge")
-    challenge = Challenge.objects.select_for_update().filter(pk=challenge_pk, node_id=node_pk).first()
-    if challenge is None:
-        raise InvalidAnswer(f"challenge {challenge_pk} was not sent to this node")
+def challenge_job_id() -> str:
+    """A job id for a challenge's session, of the same shape as a customer's chat completion's."""
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def run_challenge(challenge_pk: int) -> Challenge:
+    """Run an open challenge through the node's data plane as one session of a ticketed job and
+    record its outcome. Blocking (up to the challenge's deadline): call it from a worker thread or
+    a Celery task, never from an event loop."""
+    challenge = Challenge.objects.select_related("node").get(pk=challenge_pk)
     if challenge.state != CheckState.SENT:
-        raise InvalidAnswer(f"challenge {challenge_pk} is already {challenge.state}")
+        return challenge
+    node = challenge.node
+    assignment = (
+        Assignment.objects.filter(
+            node=node,
+            model=challenge.model,
+            layer_start=challenge.layer_start,
+            layer_end=challenge.layer_end,
+            state=AssignmentState.READY,
+        )
+        .order_by("-ready_at")
+        .first()
+    )
+    if assignment is None or not assignment.data_url or not node.public_key:
+        # Placement moved the block away meanwhile: no verdict on the node either way.
+        Challenge.objects.filter(pk=challenge_pk, state=CheckState.SENT).update(
+            state=CheckState.ERROR, reason="the node no longer serves the challenged span", checked_at=timezone.now()
+        )
+        return Challenge.objects.get(pk=challenge_pk)
+    job = challenge_job_id()
+    ticket = ticket_for(
+        job=job,
+        node=node.node_id,
+        model=challenge.model,
+        layer_start=challenge.layer_start,
+        layer_end=challenge.layer_end,
+    )
+    left = (challenge.deadline_at - timezone.now()).total_seconds()
+    try:
+        run = asyncio.run(
+            run_challenge_session(
+                assignment.data_url,
+                ticket,
+                job=job,
+                model=challenge.model,
+                hidden_size=models_hidden_size(challenge.model),
+                assignment=StageAssignment(
+                    node.node_id, bytes.fromhex(node.public_key), challenge.layer_start, challenge.layer_end
+                ),
+                seed=challenge.seed,
+                tokens=challenge.tokens,
+                timeout_s=max(left, 0.1),
+            )
+        )
+    except SwarmError as exc:
+        return fail_challenge(challenge_pk, f"{exc} ({exc.code})", expired=exc.code == DEADLINE)
+    except Exception as exc:  # whatever else the node's answer broke is the node's fault: fail closed
+        log.exception("challenge %s: the session failed", challenge_pk)
+        return fail_challenge(challenge_pk, f"the session failed: {type(exc).__name__}: {exc}")
+    return record_challenge_output(challenge_pk, run.output, elapsed_ms=run.elapsed_s * 1000.0)
+
+
+@transaction.atomic
+def fail_challenge(challenge_pk: int, reason: str, *, expired: bool = False) -> Challenge:
+    """A challenge the node did not answer right (unreachable, refused, an error, a bad receipt):
+    failed, or expired when its session did not end by the deadline, with a strike. One already
+    decided is left as it is."""
+    challenge = Challenge.objects.select_for_update().select_related("node").get(pk=challenge_pk)
+    if challenge.state != CheckState.SENT:
+        return challenge
+    now = timezone.now()
+    challenge.state = CheckState.EXPIRED if expired else CheckState.FAILED
+    challenge.reason = ("no answer within the deadline: " if expired else "") + reason[:1000]
+    challenge.answered_at = None
+    challenge.checked_at = now
+    challenge.save()
+    open_strike(challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge))
+    notify_node_changed(challenge.node_id)
+    return challenge
+
+
+@transaction.atomic
+def record_challenge_output(challenge_pk: int, output, *, elapsed_ms: float) -> Challenge:
+    """Store the output a node's data plane returned for an open challenge, (tokens, hidden)
+    float32, and verify it once this commits; past the deadline it fails, with a strike."""
+    challenge = Challenge.objects.select_for_update().select_related("node").get(pk=challenge_pk)
+    if challenge.state != CheckState.SENT:
+        return challenge
     now = timezone.now()
     challenge.answered_at = now
-    elapsed = message.get("elapsed_ms")
-    numeric = isinstance(elapsed, int | float) and not isinstance(elapsed, bool)
-    challenge.elapsed_ms = float(elapsed) if numeric and elapsed is not None else None
+    challenge.elapsed_ms = float(elapsed_ms)
     if now > challenge.deadline_at:
         challenge.state, challenge.reason = CheckState.EXPIRED, "answered after the deadline"
         challenge.checked_at = now
         challenge.save()
         open_strike(challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge))
         return challenge
-    if "error" in message:
-        # The node says it cannot compute it: no answer is a failed challenge.
-        challenge.state = CheckState.FAILED
-        challenge.reason = f"the node refused: {str(message.get('error'))[:500]} ({str(message.get('code'))[:64]})"
-        challenge.checked_at = now
-        challenge.save()
-        open_strike(challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge))
-        return challenge
-    output = message.get("output")
-    if not isinstance(output, str) or len(output) > MAX_ANSWER_CHARS:
-        raise InvalidAnswer("challenge_result needs the output as a base64 string")
     hidden = models_hidden_size(challenge.model)
-    try:
-        tensor = challenges.decode_output(output, challenge.tokens, hidden)
-    except SwarmError as exc:
-        challenge.state, challenge.reason, challenge.checked_at = CheckState.FAILED, f"malformed answer: {exc}", now
+    if tuple(output.shape) != (challenge.tokens, hidden):
+        challenge.state, challenge.checked_at = CheckState.FAILED, now
+        challenge.reason = f"malformed answer: shape {tuple(output.shape)}, not ({challenge.tokens}, {hidden})"
         challenge.save()
         open_strike(challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge))
         return challenge
-    challenge.output = tensor.numpy().astype("<f4").tobytes()
+    challenge.output = output.detach().to("cpu").float().contiguous().numpy().astype("<f4").tobytes()
     challenge.state = CheckState.ANSWERED
     challenge.save()
     verify_after_commit(CHALLENGE_TASK, verify_challenge, challenge.pk)
@@ -183,8 +267,9 @@ def verify_challenge(challenge_pk: int) -> Challenge:
         challenge.checked_at = timezone.now()
         if comparison.passed:
             challenge.state = CheckState.PASSED
-            # Timed here, from sending to the right answer: a speed the node proved, not claimed.
-            took = (challenge.answered_at - challenge.sent_at).total_seconds() if challenge.answered_at else 0
+            # Timed here, from the first FORWARD to the last RESULT of the right answer: a speed the
+            # node proved, not claimed.
+            took = (challenge.elapsed_ms or 0.0) / 1000.0
             if took > 0:
                 layers = challenge.layer_end - challenge.layer_start
                 record_verified_speed(challenge.node_id, layers * challenge.tokens / took)

@@ -11,6 +11,7 @@ from django.db import transaction
 
 CHALLENGE_TASK = "marketplace.verification.tasks.verify_challenge"  # Celery task names, queue "verify"
 AUDIT_TASK = "marketplace.verification.tasks.verify_audit"
+CHALLENGE_RUN_TASK = "marketplace.verification.tasks.run_challenge"  # a challenge's session over the data plane
 
 
 def thresholds() -> dict:

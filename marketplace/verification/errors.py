@@ -9,12 +9,6 @@ class VerificationError(DomainError):
     code = "verification_error"
 
 
-class InvalidAnswer(VerificationError):
-    """A challenge answer that is malformed, late, or not for a challenge this node was sent."""
-
-    code = "invalid_challenge_answer"
-
-
 class NotChallengeable(VerificationError):
     """The node serves no ready block to challenge."""
 

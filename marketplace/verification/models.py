@@ -1,6 +1,6 @@
 """Spot-checks of nodes' computation and the strikes they lead to.
 
-A ``Challenge`` is a seeded input sent to one node over its control channel; an ``Audit`` is one
+A ``Challenge`` is a seeded input sent to one node over its data plane, as a job's session; an ``Audit`` is one
 stage of one live session whose exact inputs and outputs the coordinator kept (the node signed
 their hashes in its receipt). Both are replayed on the control plane's trusted float32 block and
 compared per token. A failed check becomes a ``Strike`` with its evidence; an admin upholds or
@@ -14,7 +14,7 @@ from django.db import models
 
 
 class CheckState(models.TextChoices):
-    SENT = "sent", "sent"  # challenge pushed to the agent, no answer yet
+    SENT = "sent", "sent"  # challenge opened, its session not finished yet
     ANSWERED = "answered", "answered"  # answer stored, not yet compared
     PENDING = "pending", "pending"  # audit material stored, not yet replayed
     PASSED = "passed", "passed"
@@ -34,7 +34,7 @@ class Challenge(models.Model):
     sent_at = models.DateTimeField()
     deadline_at = models.DateTimeField()
     answered_at = models.DateTimeField(null=True, blank=True)
-    elapsed_ms = models.FloatField(null=True, blank=True)  # compute time the agent reported
+    elapsed_ms = models.FloatField(null=True, blank=True)  # first FORWARD to last RESULT, timed here
     output = models.BinaryField(null=True, blank=True)  # the answer: float32 (tokens, hidden), little-endian
     metrics = models.JSONField(default=dict)  # per-token cosine and rel_norm, min/max, thresholds
     reason = models.TextField(blank=True)
@@ -74,6 +74,7 @@ class Audit(models.Model):
 class StrikeKind(models.TextChoices):
     CHALLENGE = "challenge", "failed challenge"
     AUDIT = "audit", "failed audit"
+    RECEIPT = "receipt", "unverifiable receipt"  # it made a job's receipts fail (none, not its own, false)
 
 
 class StrikeState(models.TextChoices):
@@ -87,6 +88,8 @@ class Strike(models.Model):
     kind = models.CharField(max_length=16, choices=StrikeKind.choices)
     challenge = models.OneToOneField(Challenge, on_delete=models.PROTECT, null=True, blank=True, related_name="strike")
     audit = models.OneToOneField(Audit, on_delete=models.PROTECT, null=True, blank=True, related_name="strike")
+    # A receipt strike's job: the node made its receipts fail verification.
+    job = models.ForeignKey("jobs.Job", on_delete=models.PROTECT, null=True, blank=True, related_name="strikes")
     evidence = models.JSONField(default=dict)  # kind, seed or job, per-token cosine and rel_norm, timings
     state = models.CharField(max_length=16, choices=StrikeState.choices, default=StrikeState.OPEN)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -102,7 +105,9 @@ class Strike(models.Model):
         indexes = [models.Index(fields=["node", "state"])]
         constraints = [
             models.CheckConstraint(
-                condition=models.Q(challenge__isnull=False) | models.Q(audit__isnull=False),
+                condition=models.Q(challenge__isnull=False)
+                | models.Q(audit__isnull=False)
+                | models.Q(job__isnull=False),
                 name="strike_has_evidence",
             ),
             models.CheckConstraint(

@@ -16,14 +16,14 @@ from marketplace.nodes.models import Node
 from marketplace.payouts.services import claw_back, release_earnings
 from marketplace.placement.services import eject_node
 from marketplace.verification.errors import StrikeDecisionRefused
-from marketplace.verification.models import Audit, CheckState, Strike, StrikeState
+from marketplace.verification.models import Audit, CheckState, Strike, StrikeKind, StrikeState
 from marketplace.verification.standing import refresh_reputation
 
 log = logging.getLogger("swarm.verification")
 
 
-def open_strike(node: Node, kind: str, *, challenge=None, audit=None, evidence: dict) -> Strike:
-    strike = Strike.objects.create(node=node, kind=kind, challenge=challenge, audit=audit, evidence=evidence)
+def open_strike(node: Node, kind: str, *, challenge=None, audit=None, job=None, evidence: dict) -> Strike:
+    strike = Strike.objects.create(node=node, kind=kind, challenge=challenge, audit=audit, job=job, evidence=evidence)
     log.warning("strike %s on node %s: %s", strike.pk, node.node_id, evidence.get("reason"))
     transaction.on_commit(lambda: refresh_reputation(node.pk))
     return strike
@@ -98,3 +98,19 @@ def withheld_earnings():
     unchecked = Audit.objects.filter(job_id=OuterRef("job_id"), state__in=[CheckState.PENDING, CheckState.ERROR])
     failed = Audit.objects.filter(job_id=OuterRef("job_id"), node_id=OuterRef("node_id"), state=CheckState.FAILED)
     return Exists(unchecked) | Exists(failed)
+
+
+@transaction.atomic
+def strike_unverifiable_receipts(job, node_id: str, reason: str) -> Strike | None:
+    """A node made a job's receipts fail verification, unambiguously (it sent no receipt of its own,
+    an unreadable or badly signed one, or one contradicting what the coordinator sent it or
+    received from it): the job pays nobody, and the node that caused it gets a strike."""
+    node = Node.objects.filter(node_id=node_id).first()
+    if node is None or node_id not in {stage["node"] for stage in job.route}:
+        return None
+    return open_strike(
+        node,
+        str(StrikeKind.RECEIPT),
+        job=job,
+        evidence={"kind": "receipt", "job": job.public_id, "reason": reason[:2000]},
+    )

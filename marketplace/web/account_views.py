@@ -44,7 +44,7 @@ def sign_up(request: HttpRequest) -> HttpResponse:
                 customer=data["customer"],
             )
         except AccountError as exc:
-            form.add_error(FIELD_OF_PARAM.get(exc.param, exc.param), str(exc))
+            form.add_error(FIELD_OF_PARAM.get(exc.param or "", exc.param), str(exc))
         else:
             login(request, user, backend="django.contrib.auth.backends.ModelBackend")
             return redirect("accounts:home")

@@ -87,7 +87,7 @@ class Evidence:
     deadline_at: datetime | None
     answered_at: datetime | None
     latency_ms: float | None  # from sending to the answer's arrival
-    elapsed_ms: float | None  # the compute time the agent reported
+    elapsed_ms: float | None  # the session's first FORWARD to its last RESULT, timed by the control plane
     job_finished_at: datetime | None
     checked_at: datetime | None
 

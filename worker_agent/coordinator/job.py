@@ -39,7 +39,14 @@ from worker_agent.coordinator.session import GenerationRequest, GenerationState,
 from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError, StageError
 from worker_agent.keys import node_id
-from worker_agent.receipts import Receipt, SessionTranscript, StageAssignment
+from worker_agent.receipts import (
+    BadSignature,
+    MalformedReceipt,
+    MissingReceipt,
+    Receipt,
+    SessionTranscript,
+    StageAssignment,
+)
 from worker_agent.wan import WanProfile
 
 log = logging.getLogger("swarm.coordinator")
@@ -60,6 +67,7 @@ class GenerationResult:
     receipts: list[Receipt] = field(default_factory=list)
     verification: JobVerification | None = None
     verification_error: str = ""  # why the receipts failed verification (non-strict streams only)
+    verification_culprit: str | None = None  # the node that failure is unambiguously on, if any
     audits: list[AuditMaterial] = field(default_factory=list)  # one per audited stage, in stage order
     audit_missing: list[AuditGap] = field(default_factory=list)  # audited stages without material, and who owed it
     heals: list[HealRecord] = field(default_factory=list)  # the stages that failed under it, and when
@@ -359,16 +367,16 @@ class Coordinator:
                     pipeline = self.pipeline
                     session = pipeline.new_session_id()
                     state.rewind()
-            raw_receipts = await pipeline.close([session])
+            replies = await pipeline.close_by_stage([session])
             closed = True
             audits, audit_missing = await pipeline.take_audits(session)
-            verification, verification_error = None, ""
+            verification, verification_error, culprit = None, "", None
             try:
-                receipts, verification = self._verify(pipeline, session, [Receipt.from_dict(r) for r in raw_receipts])
+                receipts, verification = self._verify(pipeline, session, self._own_receipts(pipeline, session, replies))
             except ReceiptError as exc:
                 if strict:
                     raise
-                receipts, verification_error = [], f"{exc} ({exc.code})"
+                receipts, verification_error, culprit = [], f"{exc} ({exc.code})", exc.node
         finally:
             pipeline.forget(session)
             if not closed:
@@ -389,7 +397,30 @@ class Coordinator:
             audits=audits,
             audit_missing=audit_missing,
             heals=heals,
+            verification_culprit=culprit,
         )
+
+    @staticmethod
+    def _own_receipts(pipeline: Pipeline, session: str, replies: list[tuple[dict, ...]]) -> list[Receipt]:
+        """Each stage's CLOSE reply must hold exactly its own receipt for the session, readable and
+        validly signed: anything else is that stage's doing (the ReceiptError names its node)."""
+        assignments = pipeline.assignments or []
+        receipts = []
+        for index, reply in enumerate(replies):
+            node = assignments[index].node if index < len(assignments) else None
+            where = f"stage {index} (node {node})"
+            try:
+                decoded = [Receipt.from_dict(raw) for raw in reply]
+            except ReceiptError as exc:
+                raise MalformedReceipt(f"{where} sent an unreadable receipt: {exc}", node=node) from None
+            if len(decoded) != 1 or (decoded[0].session, decoded[0].node) != (session, node):
+                raise MissingReceipt(f"{where} did not send its own receipt for session {session!r}", node=node)
+            try:
+                decoded[0].verify_signature()
+            except ReceiptError as exc:
+                raise BadSignature(f"{where}: {exc}", node=node) from None
+            receipts.append(decoded[0])
+        return receipts
 
     @property
     def assignments(self) -> list[StageAssignment] | None:

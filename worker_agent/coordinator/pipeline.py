@@ -54,6 +54,8 @@ STALL_PER_ROW_S = 0.02  # and this much more per token row of the step (a long p
 # connection as its answer to that CLOSE, so taps are nearly always in by then; this covers a
 # tap still in flight behind a slow send.
 TAP_GRACE_S = 2.0
+CLOSE_TOO_LARGE = 1009  # WebSocket close code: a message over the size limit
+OFF_LOOP_DECODE_BYTES = 1024 * 1024  # a stage's frames at least this large are decoded in a thread
 
 log = logging.getLogger("swarm.coordinator")
 
@@ -124,7 +126,8 @@ class StageLink:
         proof = prove_coordinator(key, self.spec.ticket) if key is not None and self.spec.ticket is not None else None
         try:
             self.ws = await asyncio.wait_for(
-                connect(self.spec.url, max_size=2 * wire.DEFAULT_MAX_FRAME, compression=None, open_timeout=None),
+                # Until the stage's HELLO is in, nothing larger than a HELLO is read from it.
+                connect(self.spec.url, max_size=wire.MAX_HELLO_FRAME, compression=None, open_timeout=None),
                 CONNECT_TIMEOUT_S,
             )
             self.link = WanLink(self.ws.send, self.pipeline.wan)
@@ -138,11 +141,29 @@ class StageLink:
                     proof=proof,
                 )
             )
-            frame = wire.decode(await asyncio.wait_for(self.ws.recv(), REPLY_TIMEOUT_S))
-        except (OSError, TimeoutError, websockets.WebSocketException, WireError) as exc:
+            reply = await asyncio.wait_for(self.ws.recv(), REPLY_TIMEOUT_S)
+        except websockets.ConnectionClosed as exc:
+            too_large = exc.sent is not None and exc.sent.code == CLOSE_TOO_LARGE
+            raise StageError(
+                f"stage {self.index} ({self.spec.url}) "
+                + (f"answered HELLO with a frame over {wire.MAX_HELLO_FRAME} bytes" if too_large else f"closed: {exc}"),
+                code="stage_too_large" if too_large else "stage_unreachable",
+                stage=self.index,
+            ) from None
+        except (OSError, TimeoutError, websockets.WebSocketException) as exc:
             raise StageError(
                 f"stage {self.index} ({self.spec.url}) cannot be reached: {exc or type(exc).__name__}",
                 code="stage_unreachable",
+                stage=self.index,
+            ) from None
+        try:
+            # A stage's HELLO is its identity: a few hundred bytes. Anything large is refused
+            # before it is unpacked, and blamed on the stage that sent it.
+            frame = wire.decode(reply, max_frame=wire.MAX_HELLO_FRAME)
+        except WireError as exc:
+            raise StageError(
+                f"stage {self.index} ({self.spec.url}) answered HELLO with a bad frame: {exc}",
+                code=f"stage_{exc.code}",
                 stage=self.index,
             ) from None
         if isinstance(frame.message, wire.Error):
@@ -154,6 +175,8 @@ class StageLink:
         if not isinstance(frame.message, wire.Hello):
             raise StageError(f"stage {self.index} answered HELLO with {type(frame.message).__name__}", stage=self.index)
         self.info = frame.message.info
+        # The stage sends nothing unasked, and nothing is asked before this returns.
+        self.ws.protocol.max_message_size = 2 * wire.DEFAULT_MAX_FRAME
         self._reader = asyncio.create_task(self._read())
         return self.info
 
@@ -190,15 +213,27 @@ class StageLink:
         assert self.ws is not None
         try:
             async for data in self.ws:
-                frame = wire.decode(data)
+                if len(data) >= OFF_LOOP_DECODE_BYTES:
+                    frame = await asyncio.to_thread(wire.decode, data)
+                else:
+                    frame = wire.decode(data)
                 self.pipeline.bytes_received += frame.size
                 self._dispatch(frame.message)
-        except (websockets.ConnectionClosed, WireError, OSError) as exc:
-            error = StageError(f"stage {self.index} connection lost: {exc}", code="stage_lost", stage=self.index)
-            self.pipeline.fail_all(error)
-            for future in self._replies.values():
-                if not future.done():
-                    future.set_exception(error)
+        except WireError as exc:  # a stage that sends a malformed or oversize frame is to blame
+            error = StageError(
+                f"stage {self.index} sent a bad frame: {exc}", code=f"stage_{exc.code}", stage=self.index
+            )
+            self._fail(error)
+            await self.ws.close(1008, "bad frame")
+        except (websockets.ConnectionClosed, OSError) as exc:
+            self._fail(StageError(f"stage {self.index} connection lost: {exc}", code="stage_lost", stage=self.index))
+
+    def _fail(self, error: StageError) -> None:
+        """Every step and request waiting on this stage fails with ``error``."""
+        self.pipeline.fail_all(error)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(error)
 
     def _dispatch(self, message: wire.Message) -> None:
         match message:
@@ -324,8 +359,12 @@ class Pipeline:
 
     async def close(self, sessions: list[str]) -> list[dict]:
         """Close sessions everywhere; returns all stages' receipts (wire dicts)."""
+        return [receipt for reply in await self.close_by_stage(sessions) for receipt in reply]
+
+    async def close_by_stage(self, sessions: list[str]) -> list[tuple[dict, ...]]:
+        """Close sessions everywhere; returns each stage's receipts (wire dicts), in route order."""
         replies = await asyncio.gather(*(link.request(wire.Close(self.job, tuple(sessions))) for link in self.links))
-        return [receipt for reply in replies for receipt in reply.receipts]
+        return [reply.receipts for reply in replies]
 
     def new_session_id(self) -> str:
         return f"s{next(self._session_ids)}"

@@ -1,0 +1,1013 @@
+"""Churn: stages killed and frozen mid-request, and a control plane serving through a churning swarm.
+
+    .venv/bin/python bench/churn.py            # the full run (``make bench``), about 15 minutes
+    .venv/bin/python bench/churn.py --quick    # a smoke run of the same code paths, about 3 minutes
+
+In one run, on real agent processes on loopback:
+
+1. **Kill**: ``--kill-tiny`` requests on ``tiny-llama`` (6 layers: stages 0:2, 2:4, 4:6) and
+   ``--kill-smollm2`` on ``smollm2-135m`` (30 layers: 0:10, 10:20, 20:30), each with one stage of
+   its route SIGKILLed right after the client received token t. A seeded ``random.Random`` draws
+   the route position and t in [1, n - 1] (n: the tokens the unbroken run of that prompt gives,
+   ``--max-tokens`` at most). The coordinator (this process) heals onto warm spares
+   (``SpareHealer``, ``LocalSwarm`` agents holding each span); every killed agent is replaced by a
+   freshly started one for the same span, which becomes a spare for later trials.
+2. **Freeze**: the same with SIGSTOP (``--freeze-tiny``, ``--freeze-smollm2`` trials) and a short
+   stall timeout (``--stall-s``); the frozen agent gets SIGCONT after the request, then is retired
+   (its sessions are gone) and a fresh spare takes its place.
+3. **Soak**: an embedded control plane (SQLite in a temporary directory, in-memory channel layer,
+   coordinators as tasks of the web process, uvicorn in a thread; in a child process whose
+   environment names only these settings), ``tiny-llama`` on ``swarm-worker join`` agents capped
+   at 2 layers, ``SWARM_SPARES_PER_PIPELINE=1``. ``--soak-streams`` streamed chat completions through
+   the API (official ``openai`` client) are kept running for ``--soak-s`` seconds, each finished
+   one replaced by a new one, while a seeded churn loop kills an agent (SIGKILL) and joins a new
+   node, restarts one (SIGTERM, then the same key rejoins), freezes one (SIGSTOP for a few seconds,
+   then SIGCONT) or joins one more, waiting for the swarm to be whole again before the next event.
+
+Per kill/freeze trial: completed (a result, no error), token-identical to the unbroken run of the
+same prompt, the pause (time of the first token after the failure - time of the last token
+before it, from the result's ``token_times``) and the re-prefill time: time to first token of a
+request whose prompt is the prompt + the t tokens committed before the failure, run afterwards on
+the route the request healed onto (the pass the heal re-ran). Reported: completed %, identical %,
+pause and re-prefill p50/p95, and the check pause p95 <= stall timeout + 2 x re-prefill p95 (a
+kill is seen at once as a lost connection, so its stall term is 0).
+
+Soak: requests completed / failed (each failure's error text kept), heals (sum of
+``len(Job.heals)``), re-placements (``PlacementState.generation`` delta) and the ledger to the
+nano-dollar: every job's charge = ``cost(prompt_tokens, completion_tokens, prices)``, its
+completion_tokens = the usage its stream reported (and content chunks <= it), hold = charge +
+release, verified jobs' earnings + platform fee = charge, and every ledger account's balance =
+its credits - its debits, all balances summing to zero.
+
+Why tiny-llama in the soak: on a 2-core machine, 50 concurrent streams plus agents starting and
+stopping leave no room for a real model; the soak is about the control plane's healing, routing
+and money under churn, which tiny-llama exercises the same way.
+
+A benchmark measures and prints; it asserts nothing. The table goes to stdout, everything else to
+``bench/results/churn.json``. Every process the benchmark starts is stopped by its id, on Ctrl-C
+too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the checkout's packages, whatever the venv's editable install points at
+
+from api import machine, percentile, setup_django  # noqa: E402 - the sibling benchmark's helpers
+
+RESULTS = ROOT / "bench" / "results" / "churn.json"
+MODELS = {
+    "tiny-llama": {"spans": [(0, 2), (2, 4), (4, 6)], "chat": False},
+    "smollm2-135m": {"spans": [(0, 10), (10, 20), (20, 30)], "chat": True},
+}
+PROMPTS = {
+    "tiny-llama": [
+        "The swarm keeps serving while its nodes come and go",
+        "A volunteer network of machines, each holding a few layers",
+        "Tokens flow through the ring of stages one after another",
+        "When a stage dies the coordinator asks for a spare",
+        "Every receipt is signed by the node that did the work",
+    ],
+    "smollm2-135m": [
+        "Write a long, detailed essay about the history of the Roman Empire.",
+        "Explain in detail how a steam engine works, step by step.",
+        "Describe the water cycle in detail for a school textbook chapter.",
+        "Write a long story about a lighthouse keeper and a storm.",
+        "Give a detailed guide to planting and caring for a vegetable garden.",
+    ],
+}
+SOAK_MODEL = "tiny-llama"
+SOAK_MAX_LAYERS = 2
+TOPICS = ["the sky", "rivers", "bread", "the moon", "bicycles", "volcanoes", "libraries", "honey bees", "glass"]
+# Non-round prices (nano-dollars per million tokens), so that a rounding slip shows in the ledger check.
+PRICE_PROMPT_PER_MILLION = 123_456_789
+PRICE_COMPLETION_PER_MILLION = 987_654_321
+QUICK = {"kill_tiny": 6, "kill_smollm2": 2, "freeze_tiny": 3, "freeze_smollm2": 1, "soak_s": 30.0, "soak_streams": 10}
+FAILURE_BACKOFF_S = 1.0  # a soak client waits this long after a failed request before its next one
+
+
+def summary(values: list[float]) -> dict:
+    ms = [1000 * v for v in values]
+    return {
+        "n": len(ms),
+        "p50_ms": _round(percentile(ms, 0.5)),
+        "p95_ms": _round(percentile(ms, 0.95)),
+        "max_ms": _round(max(ms) if ms else None),
+    }
+
+
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+# --- kill and freeze trials on LocalSwarm agents (this process is the coordinator) -----------------
+
+
+class Spares:
+    """One model's agents: the current route (one per span, in order), the warm spares, and fresh
+    agents started for the spans whose agents were killed or retired."""
+
+    def __init__(self, model: str, spans: list[tuple[int, int]], per_span: int, threads: int, workdir: Path) -> None:
+        from worker_agent.local import LocalSwarm
+
+        self.model, self.spans, self.per_span = model, spans, per_span
+        self.local = LocalSwarm(model, spans * (1 + per_span), threads=threads, workdir=workdir)
+        self.route: list = []
+        self.spares: list = []
+        self.started_s: list[float] = []  # wall time of each batch of agent starts
+
+    def start(self) -> Spares:
+        started = time.monotonic()
+        self.local.start()
+        self.started_s.append(time.monotonic() - started)
+        self.route = list(self.local.agents[: len(self.spans)])
+        self.spares = list(self.local.agents[len(self.spans) :])
+        return self
+
+    def refill(self) -> None:
+        """Start fresh spares (together) until every span has ``per_span`` of them again."""
+        wanted = [span for span in self.spans for _ in range(self.per_span - self._count(span))]
+        if wanted:
+            started = time.monotonic()
+            self.spares += self.local.add(wanted)
+            self.started_s.append(time.monotonic() - started)
+
+    def short(self) -> bool:
+        return any(self._count(span) == 0 for span in self.spans)
+
+    def _count(self, span: tuple[int, int]) -> int:
+        return sum((a.layer_start, a.layer_end) == span for a in self.spares)
+
+    def specs(self, job: str) -> list:
+        from worker_agent.coordinator.pipeline import StageSpec
+
+        return [StageSpec(agent.url, self.local.ticket(job, agent)) for agent in self.route]
+
+    def healer(self, job: str):
+        from worker_agent.coordinator.heal import SpareHealer
+
+        return SpareHealer([a.url for a in self.spares], ticket=lambda info: self.local.ticket(job, info))
+
+    def settle(self, victim, receipts: list) -> None:
+        """After a trial: the route is the nodes that signed the request's receipts (the healed
+        route); agents of the old route still alive and no longer on it go back to the spares, and
+        the victim leaves both lists. Without receipts (the request failed) a spare takes the
+        victim's place."""
+        by_node = {a.node: a for a in self.route + self.spares}
+        route = [by_node[r.node] for r in receipts] if receipts else list(self.route)
+        if victim in route:
+            if self.short():
+                self.refill()
+            span = (victim.layer_start, victim.layer_end)
+            route[route.index(victim)] = next(
+                a for a in self.spares if (a.layer_start, a.layer_end) == span and a not in route
+            )
+        left = [a for a in self.route if a not in route and a is not victim]
+        self.spares = [a for a in self.spares if a not in route and a is not victim] + left
+        self.route = route
+
+    def stop(self) -> None:
+        for agent in self.local.agents:  # a frozen agent must run again to exit on SIGTERM
+            if agent.process.poll() is None:
+                agent.process.send_signal(signal.SIGCONT)
+        self.local.stop()
+
+
+async def _stream(coordinator, request, on_token=None):
+    """The request's result; ``on_token(count)`` runs after each token the client receives."""
+    from worker_agent.coordinator.job import GenerationResult
+
+    result, count = None, 0
+    async for event in coordinator.stream(request, strict=False):
+        if isinstance(event, GenerationResult):
+            result = event
+        elif event.token_id is not None:
+            count += 1
+            if on_token is not None:
+                on_token(count)
+    return result
+
+
+async def unbroken(swarm: Spares, ids: list[int], max_tokens: int):
+    """A request on the current route, nothing failing, no healer."""
+    from worker_agent.coordinator.job import Coordinator
+    from worker_agent.coordinator.sampling import SamplingParams
+
+    job = f"churn-ref-{uuid.uuid4().hex[:8]}"
+    async with Coordinator(swarm.model, swarm.specs(job), job=job) as coordinator:
+        request = coordinator.request_ids(ids, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+        return await _stream(coordinator, request)
+
+
+async def broken(swarm: Spares, ids: list[int], max_tokens: int, victim, at: int, *, freeze: bool, stall_s: float):
+    """The request with ``victim`` SIGKILLed (or SIGSTOPped) right after token ``at`` reached the
+    client; returns (result or None, error text, whether the failure was injected)."""
+    from worker_agent.coordinator.job import Coordinator
+    from worker_agent.coordinator.sampling import SamplingParams
+
+    injected = []
+
+    def on_token(count: int) -> None:
+        if count != at:
+            return
+        if freeze:
+            victim.process.send_signal(signal.SIGSTOP)
+        else:
+            victim.process.kill()
+            victim.process.wait()
+        injected.append(count)
+
+    job = f"churn-{'freeze' if freeze else 'kill'}-{uuid.uuid4().hex[:8]}"
+    try:
+        async with Coordinator(
+            swarm.model, swarm.specs(job), job=job, healer=swarm.healer(job), stall_timeout_s=stall_s
+        ) as coordinator:
+            request = coordinator.request_ids(ids, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+            return await _stream(coordinator, request, on_token), "", bool(injected)
+    except Exception as exc:  # a failed request is a result to report
+        return None, f"{type(exc).__name__}: {exc}", bool(injected)
+
+
+def trial(swarm: Spares, rng: random.Random, ids: list[int], reference: list[int], args, *, freeze: bool) -> dict:
+    max_tokens = args.max_tokens
+    position = rng.randrange(len(swarm.spans))
+    at = rng.randint(1, max(1, min(max_tokens, len(reference)) - 1))
+    victim = swarm.route[position]
+    stall_s = args.stall_s if freeze else args.kill_stall_s
+    try:
+        result, error, injected = asyncio.run(
+            broken(swarm, ids, max_tokens, victim, at, freeze=freeze, stall_s=stall_s)
+        )
+    finally:
+        if freeze:  # the frozen agent runs again, then is retired: its sessions are gone
+            victim.process.send_signal(signal.SIGCONT)
+            victim.process.terminate()
+            try:
+                victim.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                victim.process.kill()
+                victim.process.wait()
+    swarm.settle(victim, result.receipts if result is not None else [])
+    times = result.token_times if result is not None else []
+    pause = times[at] - times[at - 1] if injected and len(times) > at else None
+    # The pass the heal re-ran: the prompt and the tokens committed before the failure, on the healed route.
+    prefill = asyncio.run(unbroken(swarm, ids + reference[:at], 1))
+    return {
+        "position": position,
+        "token": at,
+        "victim": victim.node,
+        "injected": injected,
+        "completed": result is not None and not error,
+        "identical": result is not None and result.token_ids == reference,
+        "error": error,
+        "verified": result is not None and result.verification is not None,
+        "verification_error": result.verification_error if result is not None else "",
+        "heals": [heal.to_json() for heal in result.heals] if result is not None else [],
+        "blamed_victim": bool(result and result.heals and result.heals[0].stage == position),
+        "pause_s": _round(pause, 4),
+        "prefill_tokens": len(ids) + at,
+        "re_prefill_s": _round(prefill.ttft, 4) if prefill is not None else None,
+        "tokens": len(result.token_ids) if result is not None else 0,
+    }
+
+
+def run_trials(model: str, kills: int, freezes: int, args, workdir: Path) -> dict:
+    """Kill trials then freeze trials on one model's swarm."""
+    from worker_agent import model as models
+    from worker_agent.coordinator.job import encode_prompt
+
+    spec = MODELS[model]
+    rng = random.Random(f"{args.seed}-{model}")
+    tokenizer = models.load_tokenizer(model)
+    models.load_head(model)  # loaded once, before any clock
+    prompts = [list(encode_prompt(tokenizer, text, chat=spec["chat"])) for text in PROMPTS[model]]
+    swarm = Spares(model, spec["spans"], args.spares_per_span, args.threads, workdir / model)
+    out: dict = {"model": model, "spans": spec["spans"], "prompts": PROMPTS[model]}
+    try:
+        swarm.start()
+        print(f"{model}: {len(swarm.local.agents)} agents ready in {swarm.started_s[0]:.1f} s", file=sys.stderr)
+        references = [asyncio.run(unbroken(swarm, ids, args.max_tokens)).token_ids for ids in prompts]
+        for kind, count in (("kill", kills), ("freeze", freezes)):
+            trials = []
+            for index in range(count):
+                if swarm.short():
+                    swarm.refill()
+                p = index % len(prompts)
+                record = {"prompt": p, **trial(swarm, rng, prompts[p], references[p], args, freeze=kind == "freeze")}
+                trials.append(record)
+                heal = record["heals"][0] if record["heals"] else {}
+                print(
+                    f"  {model} {kind} {index + 1:>3}/{count}: stage {record['position']} at token {record['token']}: "
+                    f"{'ok' if record['completed'] else 'FAILED'}, "
+                    f"{'identical' if record['identical'] else 'DIFFERENT'}, {heal.get('code', 'no heal')}, "
+                    f"pause {_ms(record['pause_s'])} ms, re-prefill {_ms(record['re_prefill_s'])} ms"
+                    + (f" ({record['error']})" if record["error"] else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            out[kind] = trials
+        out["reference_tokens"] = [len(r) for r in references]
+        out["agent_start_batches_s"] = [round(s, 2) for s in swarm.started_s]
+        out["agents_started"] = len(swarm.local.agents)
+    finally:
+        swarm.stop()
+    return out
+
+
+def trial_summary(trials: list[dict], stall_s: float) -> dict:
+    n = len(trials)
+    pauses = [t["pause_s"] for t in trials if t["pause_s"] is not None]
+    prefills = [t["re_prefill_s"] for t in trials if t["re_prefill_s"] is not None]
+    pause, prefill = summary(pauses), summary(prefills)
+    bound = None if prefill["p95_ms"] is None else round(1000 * stall_s + 2 * prefill["p95_ms"], 1)
+    codes: dict[str, int] = {}
+    for t in trials:
+        for heal in t["heals"]:
+            codes[heal["code"]] = codes.get(heal["code"], 0) + 1
+    return {
+        "trials": n,
+        "injected": sum(t["injected"] for t in trials),
+        "completed": sum(t["completed"] for t in trials),
+        "identical": sum(t["identical"] for t in trials),
+        "verified": sum(t["verified"] for t in trials),
+        "completed_pct": _round(100 * sum(t["completed"] for t in trials) / n) if n else None,
+        "identical_pct": _round(100 * sum(t["identical"] for t in trials) / n) if n else None,
+        "heal_codes": codes,
+        "blamed_victim": sum(t["blamed_victim"] for t in trials),
+        "pause": pause,
+        "re_prefill": prefill,
+        "heal_overhead": summary(
+            [t["pause_s"] - t["re_prefill_s"] for t in trials if t["pause_s"] and t["re_prefill_s"]]
+        ),
+        "stall_term_s": stall_s,
+        "check": {
+            "formula": "pause p95 <= stall timeout + 2 x re-prefill p95",
+            "pause_p95_ms": pause["p95_ms"],
+            "bound_ms": bound,
+            "met": None if bound is None or pause["p95_ms"] is None else pause["p95_ms"] <= bound,
+        },
+        "failures": [t["error"] for t in trials if t["error"]],
+    }
+
+
+# --- soak: an embedded control plane, joined agents, API load and churn (in a child process) -------
+
+
+@dataclass
+class Joined:
+    """One ``swarm-worker join`` agent of the soak."""
+
+    name: str
+    key: Path
+    node_pk: int
+    process: subprocess.Popen
+    log: Path
+
+
+class SoakPlane:
+    def __init__(self, workdir: Path, threads: int, seed: int) -> None:
+        self.workdir, self.threads = workdir, threads
+        self.rng = random.Random(f"{seed}-soak")
+        self.server = None
+        self.agents: list[Joined] = []  # running ones
+        self.every: list[subprocess.Popen] = []  # every process started, for the cleanup
+        self.events: list[dict] = []
+        self.started = 0
+        self.stopping = threading.Event()
+        self.churn_thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.server.url
+
+    def accounts(self) -> str:
+        """A provider, a customer with lifted rate limits and credits, non-zero prices; the API key."""
+        from django.contrib.auth import get_user_model
+        from django.utils import timezone
+
+        from marketplace.billing.models import ModelPrice
+        from marketplace.billing.services import grant
+        from marketplace.jobs.models import ApiKey
+        from marketplace.jobs.services import create_api_key
+
+        users = get_user_model()
+        self.provider = users.objects.create(username="churn-provider", email="p@example.com", is_provider=True)
+        self.customer = users.objects.create(username="churn-customer", email="c@example.com", is_customer=True)
+        api_key, key = create_api_key(self.customer, "churn")
+        ApiKey.objects.filter(pk=api_key.pk).update(requests_per_minute=1_000_000, tokens_per_minute=1_000_000_000)
+        grant(self.customer, 1000, memo="benchmark credits")
+        ModelPrice.objects.create(
+            model=SOAK_MODEL,
+            prompt_per_million=PRICE_PROMPT_PER_MILLION,
+            completion_per_million=PRICE_COMPLETION_PER_MILLION,
+            effective_from=timezone.now() - timezone.timedelta(minutes=1),
+        )
+        return key
+
+    def serve(self) -> None:
+        from marketplace.embedded import EmbeddedServer
+
+        self.server = EmbeddedServer().start()
+
+    def join(self, again: Joined | None = None) -> Joined:
+        """A new node (its own key and join token), or ``again``'s node reconnecting with its key."""
+        from marketplace.nodes.services import create_node
+        from worker_agent.local import join_agent
+
+        index = self.started
+        self.started += 1
+        if again is None:
+            name = f"churn-node-{index}"
+            node, token = create_node(owner=self.provider, name=name)
+            key, node_pk = self.workdir / f"{name}.key", node.pk
+        else:
+            name, key, node_pk, token = again.name, again.key, again.node_pk, ""
+        log = self.workdir / f"agent{index}.log"
+        process = join_agent(
+            self.base_url, token, key, log, model=SOAK_MODEL, max_layers=SOAK_MAX_LAYERS, threads=self.threads
+        )
+        self.every.append(process)
+        agent = Joined(name, key, node_pk, process, log)
+        self.agents.append(agent)
+        return agent
+
+    def whole(self, node_pk: int | None = None, gone: int | None = None) -> bool:
+        """Servable, every live assignment loaded, the node ``node_pk`` (if any) connected and the
+        node ``gone`` (if any) offline."""
+        from marketplace.nodes.models import Node, NodeState
+        from marketplace.placement.models import Assignment, AssignmentState
+        from marketplace.placement.selectors import servable_pipelines
+
+        if node_pk is not None and not Node.objects.filter(pk=node_pk, state=NodeState.ACTIVE, connected=True).exists():
+            return False
+        if gone is not None and Node.objects.filter(pk=gone).exclude(state=NodeState.OFFLINE).exists():
+            return False
+        loading = Assignment.objects.filter(model=SOAK_MODEL, state=AssignmentState.ASSIGNED).exists()
+        return not loading and bool(servable_pipelines(SOAK_MODEL))
+
+    def wait_whole(self, node_pk: int | None = None, gone: int | None = None, timeout: float = 180.0) -> float | None:
+        """Seconds until the swarm is whole again; None past the timeout."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout and not self.stopping.is_set():
+            for agent in self.agents:
+                if agent.process.poll() is not None:
+                    raise RuntimeError(f"{agent.name} exited:\n{log_tail(agent.log)}")
+            if self.whole(node_pk, gone):
+                return time.monotonic() - started
+            time.sleep(0.25)
+        return None
+
+    def churn(
+        self, started: float, deadline: float, interval: tuple[float, float], freeze_s: tuple[float, float], cap: int
+    ) -> None:
+        """Until the deadline: wait, then one churn event, then wait for the swarm to be whole (a killed
+        node also gone offline, so that no two are missing at once)."""
+        from django.db import close_old_connections
+
+        try:
+            while not self.stopping.wait(self.rng.uniform(*interval)) and time.monotonic() < deadline:
+                actions = ["kill", "restart", "freeze"] + (["join"] if len(self.agents) < cap else [])
+                action = self.rng.choice(actions)
+                victim = self.rng.choice(self.agents)
+                event = {"at_s": round(time.monotonic() - started, 1), "action": action}
+                if action == "kill":
+                    victim.process.kill()
+                    victim.process.wait()
+                    self.agents.remove(victim)
+                    event["victim"] = victim.name
+                    fresh = self.join()
+                    event["new"] = fresh.name
+                    event["whole_after_s"] = _round(self.wait_whole(fresh.node_pk, gone=victim.node_pk), 1)
+                elif action == "restart":
+                    victim.process.terminate()
+                    try:
+                        victim.process.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        victim.process.kill()
+                        victim.process.wait()
+                    self.agents.remove(victim)
+                    event["victim"] = victim.name
+                    self.join(victim)
+                    event["whole_after_s"] = _round(self.wait_whole(victim.node_pk), 1)
+                elif action == "freeze":
+                    seconds = self.rng.uniform(*freeze_s)
+                    victim.process.send_signal(signal.SIGSTOP)
+                    self.stopping.wait(seconds)
+                    victim.process.send_signal(signal.SIGCONT)
+                    event.update(victim=victim.name, frozen_s=round(seconds, 1))
+                    event["whole_after_s"] = _round(self.wait_whole(), 1)
+                else:
+                    fresh = self.join()
+                    event["new"] = fresh.name
+                    event["whole_after_s"] = _round(self.wait_whole(fresh.node_pk), 1)
+                self.events.append(event)
+                print(f"  churn: {event}", file=sys.stderr, flush=True)
+        except Exception as exc:  # recorded; the load goes on without churn
+            self.events.append({"action": "error", "error": f"{type(exc).__name__}: {exc}"})
+            print(f"  churn stopped: {exc}", file=sys.stderr, flush=True)
+        finally:
+            close_old_connections()
+
+    def stop(self) -> None:
+        from worker_agent.local import stop_processes
+
+        self.stopping.set()  # the churn loop starts nothing more (also on Ctrl-C, mid-event)
+        if self.churn_thread is not None:
+            self.churn_thread.join(timeout=60)
+        for process in self.every:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+        stop_processes(self.every)
+        if self.server is not None:
+            self.server.stop()
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else "(no log)"
+
+
+async def soak_stream(api, text: str, max_tokens: int) -> dict:
+    """One streamed chat completion: its job id, content chunks, finish reason, usage or error."""
+    record = {"job": None, "content_chunks": 0, "finish_reason": None, "usage": None, "error": ""}
+    started = time.monotonic()
+    try:
+        stream = await api.chat.completions.create(
+            model=SOAK_MODEL,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            record["job"] = record["job"] or chunk.id
+            if chunk.choices:
+                if chunk.choices[0].delta.content:
+                    record["content_chunks"] += 1
+                record["finish_reason"] = chunk.choices[0].finish_reason or record["finish_reason"]
+            if chunk.usage is not None:
+                record["usage"] = chunk.usage.model_dump()
+    except Exception as exc:  # a failed request is a result to report
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    if not record["error"] and (record["finish_reason"] is None or record["usage"] is None):
+        record["error"] = "the stream ended without a finish reason and usage"
+    record["latency_s"] = round(time.monotonic() - started, 3)
+    return record
+
+
+async def soak_load(plane: SoakPlane, key: str, args) -> list[dict]:
+    from openai import AsyncOpenAI
+
+    started = time.monotonic()
+    deadline = started + args.soak_s
+    churn = threading.Thread(
+        target=plane.churn,
+        args=(
+            started,
+            deadline,
+            (args.churn_min_s, args.churn_max_s),
+            (2.0, args.soak_freeze_max_s),
+            args.soak_max_agents,
+        ),
+        name="churn",
+        daemon=True,
+    )
+    plane.churn_thread = churn
+    records: list[dict] = []
+    counter = iter(range(1_000_000))
+
+    async def worker(api) -> None:
+        while time.monotonic() < deadline:
+            i = next(counter)
+            text = f"Write one short sentence about {TOPICS[i % len(TOPICS)]}. (request {i})"
+            record = {"started_s": round(time.monotonic() - started, 2)}
+            record.update(await soak_stream(api, text, args.soak_max_tokens))
+            records.append(record)
+            if record["error"]:  # a client backs off after a failure rather than spin on a quick refusal
+                await asyncio.sleep(FAILURE_BACKOFF_S)
+
+    api = AsyncOpenAI(base_url=f"{plane.base_url}/v1", api_key=key, max_retries=0, timeout=600)
+    async with api:
+        churn.start()
+        try:
+            await asyncio.gather(*(worker(api) for _ in range(args.soak_streams)))
+        finally:
+            plane.stopping.set()
+            await asyncio.to_thread(churn.join)
+    return records
+
+
+def ledger_check(records: list[dict]) -> dict:
+    """Every job's money against its tokens and the client's stream; the ledger's accounts against
+    their transfers."""
+    from django.conf import settings
+    from django.db.models import Sum
+
+    from marketplace.billing.models import LedgerAccount, Transfer
+    from marketplace.billing.services import cost
+    from marketplace.jobs.models import Job
+    from marketplace.payouts.models import Earning
+
+    by_job = {r["job"]: r for r in records if r["job"]}
+    problems: list[str] = []
+    jobs = list(Job.objects.all())
+    for job in jobs:
+        prices = (job.price_prompt_per_million, job.price_completion_per_million)
+        if prices != (PRICE_PROMPT_PER_MILLION, PRICE_COMPLETION_PER_MILLION):
+            problems.append(f"{job.public_id}: prices {prices}")
+        want = cost(job.prompt_tokens, job.completion_tokens, prices) if job.completion_tokens else 0
+        if job.settled_at is None:
+            problems.append(f"{job.public_id}: not settled ({job.state})")
+        if job.charged_amount != want:
+            problems.append(f"{job.public_id}: charged {job.charged_amount} != cost {want}")
+        moved = {
+            row["kind"]: row["total"]
+            for row in Transfer.objects.filter(job=job).values("kind").annotate(total=Sum("amount"))
+        }
+        if (
+            moved.get("hold", 0) != job.hold_amount
+            or moved.get("charge", 0) + moved.get("release", 0) != job.hold_amount
+        ):
+            problems.append(f"{job.public_id}: hold {job.hold_amount}, transfers {moved}")
+        if moved.get("charge", 0) != job.charged_amount:
+            problems.append(f"{job.public_id}: charge transfer {moved.get('charge', 0)} != {job.charged_amount}")
+        if job.verified and job.charged_amount:
+            earned = Earning.objects.filter(job=job).aggregate(total=Sum("amount"))["total"] or 0
+            fee = job.charged_amount * settings.SWARM_PLATFORM_FEE_BPS // 10_000
+            if earned + fee != job.charged_amount:
+                problems.append(f"{job.public_id}: earnings {earned} + fee {fee} != charge {job.charged_amount}")
+        record = by_job.get(job.public_id)
+        if record is None:
+            problems.append(f"{job.public_id}: no client stream carried its id")
+            continue
+        usage = record["usage"]
+        if usage is not None and usage["completion_tokens"] != job.completion_tokens:
+            problems.append(f"{job.public_id}: usage {usage['completion_tokens']} != job {job.completion_tokens}")
+        if record["content_chunks"] > job.completion_tokens:
+            problems.append(f"{job.public_id}: {record['content_chunks']} content chunks > {job.completion_tokens}")
+    accounts_off = []
+    for account in LedgerAccount.objects.all():
+        credits = Transfer.objects.filter(credit=account).aggregate(total=Sum("amount"))["total"] or 0
+        debits = Transfer.objects.filter(debit=account).aggregate(total=Sum("amount"))["total"] or 0
+        if account.balance != credits - debits:
+            accounts_off.append(f"{account}: balance {account.balance} != credits {credits} - debits {debits}")
+    total = LedgerAccount.objects.aggregate(total=Sum("balance"))["total"] or 0
+    holds = LedgerAccount.objects.filter(kind="customer_hold").aggregate(total=Sum("balance"))["total"] or 0
+    return {
+        "jobs": len(jobs),
+        "jobs_ok": len(jobs) - len({p.split(":")[0] for p in problems}),
+        "charged_nano_usd": sum(job.charged_amount for job in jobs),
+        "usage_equals_content_chunks": sum(
+            1 for r in records if r["usage"] and r["usage"]["completion_tokens"] == r["content_chunks"]
+        ),
+        "streams_without_job_id": sum(1 for r in records if not r["job"]),
+        "accounts_balanced": not accounts_off,
+        "balances_sum": total,
+        "open_holds": holds,
+        "transfers": Transfer.objects.count(),
+        "problems": problems + accounts_off,
+    }
+
+
+def count_by(values: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def placement_now() -> list[str]:
+    """The model's live assignments: node[span] by pipeline and position, spares last."""
+    from marketplace.placement.models import LIVE_STATES, Assignment
+
+    live = Assignment.objects.filter(model=SOAK_MODEL, state__in=LIVE_STATES).select_related("node")
+    return [
+        f"{'spare' if a.is_spare else f'p{a.pipeline}.{a.position}'} {a.node.name}[{a.layer_start}:{a.layer_end}] "
+        f"{a.state}"
+        for a in sorted(live, key=lambda a: (a.is_spare, a.pipeline, a.position))
+    ]
+
+
+def soak_child(args) -> int:
+    """In a child process whose environment the parent prepared: the soak, written to --part-output."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    workdir = Path(os.environ["SWARM_DATA_DIR"]).parent
+    setup_django()
+    from marketplace.jobs.models import Job, JobState
+    from marketplace.placement.models import PlacementState
+    from worker_agent import model as models
+
+    models.load_head(SOAK_MODEL)  # cached for every coordinator of this process, as in the web app
+    models.load_tokenizer(SOAK_MODEL)
+    plane = SoakPlane(workdir, args.threads, args.seed)
+    try:
+        key = plane.accounts()
+        plane.serve()
+        started = time.monotonic()
+        for _ in range(args.soak_agents):
+            plane.join()
+        ready_s = plane.wait_whole(timeout=600)
+        if ready_s is None:
+            raise SystemExit(f"the soak's swarm was not servable in 600 s:\n{log_tail(plane.agents[0].log)}")
+        print(f"soak: {args.soak_agents} agents servable in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        generation = PlacementState.objects.get(model=SOAK_MODEL).generation
+        placement = placement_now()
+        load_started = time.monotonic()
+        records = asyncio.run(soak_load(plane, key, args))
+        load_s = time.monotonic() - load_started
+        settle_deadline = time.monotonic() + 60
+        while time.monotonic() < settle_deadline and Job.objects.filter(settled_at__isnull=True).exists():
+            time.sleep(0.5)
+        jobs = list(Job.objects.all())
+        failures = [r for r in records if r["error"]]
+        failed_rows = {j.public_id: f"{j.error_code}: {j.error_message}" for j in jobs if j.state == JobState.FAILED}
+        heals_of = {j.public_id: [{k: h[k] for k in ("at", "failed_node", "reason")} for h in j.heals] for j in jobs}
+        result = {
+            "agents_at_start": args.soak_agents,
+            "agents_started": plane.started,
+            "wall_s": round(load_s, 1),
+            "requests": len(records),
+            "completed": len(records) - len(failures),
+            "failed": len(failures),
+            "failures": [
+                {
+                    "job": r["job"],
+                    "started_s": r["started_s"],
+                    "error": r["error"],
+                    "job_error": failed_rows.get(r["job"], ""),
+                    "job_heals": heals_of.get(r["job"], []),
+                }
+                for r in failures
+            ],
+            "failures_by_error": count_by([r["error"][:100] for r in failures]),
+            "job_states": {state: sum(j.state == state for j in jobs) for state in JobState.values},
+            "heals": sum(len(j.heals) for j in jobs),
+            "healed_jobs": sum(bool(j.heals) for j in jobs),
+            "heal_reasons": count_by([h["reason"][:100] for j in jobs for h in j.heals]),
+            "placement_at_start": placement,
+            "placement_at_end": placement_now(),
+            "re_placements": PlacementState.objects.get(model=SOAK_MODEL).generation - generation,
+            "completion_tokens": sum(r["usage"]["completion_tokens"] for r in records if r["usage"]),
+            "latency": summary([r["latency_s"] for r in records if not r["error"]]),
+            "churn_events": plane.events,
+            "ledger": ledger_check(records),
+        }
+    finally:
+        plane.stop()
+    Path(args.part_output).write_text(json.dumps(result))
+    return 0
+
+
+def soak_env(workdir: Path, args) -> dict[str, str]:
+    """The child's environment: the caller's, without any control-plane setting, plus the soak's."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name == "SWARM_MODEL_CACHE"
+        or not (name.startswith(("SWARM_", "DJANGO_")) or name in ("DATABASE_URL", "REDIS_URL"))
+    }
+    env.update(
+        {
+            "DJANGO_SETTINGS_MODULE": "marketplace.settings",
+            "SWARM_DATA_DIR": str(workdir / "data"),
+            "SWARM_MODELS": SOAK_MODEL,
+            "SWARM_COORDINATOR_LAUNCH": "inprocess",
+            "SWARM_SPARES_PER_PIPELINE": "1",
+            "SWARM_HEARTBEAT_INTERVAL_S": "1",
+            "SWARM_HEARTBEAT_TIMEOUT_S": str(args.soak_heartbeat_timeout_s),
+            "SWARM_STALL_TIMEOUT_S": str(args.soak_stall_s),
+            "SWARM_LOG_LEVEL": "WARNING",
+            "OMP_NUM_THREADS": str(args.threads),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def spawn_soak(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-churn-soak-") as tmp:
+        workdir = Path(tmp)
+        output = workdir / "result.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--soak-child", "--part-output", str(output)]
+        command += [a for a in sys.argv[1:] if a != "--soak-child"]
+        child = subprocess.Popen(command, env=soak_env(workdir, args), cwd=ROOT)
+        try:
+            code = child.wait()
+        finally:
+            if child.poll() is None:
+                child.terminate()
+                child.wait(timeout=90)
+        if code != 0 or not output.exists():
+            return {"error": f"the soak's process failed (exit code {code})"}
+        return json.loads(output.read_text())
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f}"
+
+
+def _v(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def print_table(info: dict, args, parts: dict, soak: dict) -> None:
+    print(
+        f"\nmachine: {info['cpu']}, {info['cpu_count']} CPUs, {args.threads} torch thread(s) per agent and "
+        f"coordinator, torch {info['torch']}, load average at start {info['load_average_at_start']}"
+    )
+    print(
+        f"kill/freeze: ring topology, greedy, max_tokens {args.max_tokens}, {args.spares_per_span} warm spare(s) "
+        f"per span (SpareHealer), stall timeout {args.stall_s} s for freezes, seed {args.seed}"
+    )
+    print(
+        f"{'model':<13} {'fault':<7} {'n':>4} {'done %':>6} {'ident %':>7} {'pause p50':>9} {'pause p95':>9} "
+        f"{'prefill p50':>11} {'prefill p95':>11} {'bound ms':>8} {'check':>5}"
+    )
+    for model, part in parts.items():
+        for kind in ("kill", "freeze"):
+            s = part.get(f"{kind}_summary")
+            if not s or not s["trials"]:
+                continue
+            check = s["check"]
+            verdict = "n/a" if check["met"] is None else "PASS" if check["met"] else "MISS"
+            print(
+                f"{model:<13} {kind:<7} {s['trials']:>4} {_v(s['completed_pct']):>6} {_v(s['identical_pct']):>7} "
+                f"{_v(s['pause']['p50_ms']):>9} {_v(s['pause']['p95_ms']):>9} {_v(s['re_prefill']['p50_ms']):>11} "
+                f"{_v(s['re_prefill']['p95_ms']):>11} {_v(check['bound_ms']):>8} {verdict:>5}"
+            )
+    print(
+        "check: pause p95 <= stall timeout + 2 x re-prefill p95 (bound ms); a kill is seen at once (lost "
+        "connection), its stall term is 0"
+    )
+    for model, part in parts.items():
+        for kind in ("kill", "freeze"):
+            s = part.get(f"{kind}_summary")
+            if s and s["trials"]:
+                print(
+                    f"  {model} {kind}: heal codes {s['heal_codes']}, blamed the victim {s['blamed_victim']}/"
+                    f"{s['trials']}, verified {s['verified']}/{s['trials']}, pause - re-prefill p50 "
+                    f"{s['heal_overhead']['p50_ms']} ms p95 {s['heal_overhead']['p95_ms']} ms"
+                )
+                for failure in s["failures"]:
+                    print(f"    failed: {failure}")
+    if "error" in soak:
+        print(f"\nsoak: {soak['error']}")
+        return
+    ledger = soak["ledger"]
+    actions: dict[str, int] = {}
+    for event in soak["churn_events"]:
+        actions[event["action"]] = actions.get(event["action"], 0) + 1
+    print(
+        f"\nsoak: {SOAK_MODEL}, embedded control plane, {args.soak_streams} concurrent streamed chat completions "
+        f"(openai.AsyncOpenAI) for {args.soak_s} s, max_tokens {args.soak_max_tokens}, SWARM_SPARES_PER_PIPELINE=1, "
+        f"stall timeout {args.soak_stall_s} s, heartbeat timeout {args.soak_heartbeat_timeout_s} s"
+    )
+    print(
+        f"{'requests':>8} {'completed':>9} {'failed':>6} {'heals':>5} {'healed jobs':>11} {'re-placements':>13} "
+        f"{'churn events':>12} {'ledger ok':>9} {'balanced':>8}"
+    )
+    print(
+        f"{soak['requests']:>8} {soak['completed']:>9} {soak['failed']:>6} {soak['heals']:>5} "
+        f"{soak['healed_jobs']:>11} {soak['re_placements']:>13} {len(soak['churn_events']):>12} "
+        f"{ledger['jobs_ok']}/{ledger['jobs']:>4} {'yes' if ledger['accounts_balanced'] else 'NO':>8}"
+    )
+    print(
+        f"churn: {actions}; agents started {soak['agents_started']}; completion tokens {soak['completion_tokens']}; "
+        f"latency p50 {soak['latency']['p50_ms']} ms p95 {soak['latency']['p95_ms']} ms; ledger: "
+        f"{ledger['transfers']} transfers, balances sum {ledger['balances_sum']}, open holds {ledger['open_holds']}, "
+        f"charged {ledger['charged_nano_usd']} nano-USD; usage = content chunks in "
+        f"{ledger['usage_equals_content_chunks']}/{soak['requests']} streams"
+    )
+    for failure in soak["failures"][:20]:
+        print(f"  failed: {failure}")
+    for problem in ledger["problems"][:20]:
+        print(f"  ledger: {problem}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--kill-tiny", type=int, default=100, help="kill trials on tiny-llama (default 100)")
+    add("--kill-smollm2", type=int, default=10, help="kill trials on smollm2-135m (default 10)")
+    add("--freeze-tiny", type=int, default=20, help="freeze trials on tiny-llama (default 20)")
+    add("--freeze-smollm2", type=int, default=3, help="freeze trials on smollm2-135m (default 3)")
+    add("--max-tokens", type=int, default=16, help="tokens per kill/freeze request (default 16)")
+    add("--stall-s", type=float, default=2.0, help="the coordinator's stall timeout in freeze trials (default 2)")
+    add("--kill-stall-s", type=float, default=10.0, help="its stall timeout in kill trials (default 10)")
+    add("--spares-per-span", type=int, default=2, help="warm spares per span in kill/freeze trials (default 2)")
+    add("--soak-s", type=float, default=180.0, help="soak duration in seconds (default 180)")
+    add("--soak-streams", type=int, default=50, help="concurrent streams in the soak (default 50)")
+    add("--soak-max-tokens", type=int, default=32, help="max_tokens of each soak request (default 32)")
+    add("--soak-agents", type=int, default=8, help="agents joined before the soak (default 8)")
+    add("--soak-max-agents", type=int, default=10, help="joins stop adding agents at this many (default 10)")
+    add("--soak-stall-s", type=float, default=3.0, help="SWARM_STALL_TIMEOUT_S in the soak (default 3)")
+    add("--soak-heartbeat-timeout-s", type=float, default=10.0, help="SWARM_HEARTBEAT_TIMEOUT_S (default 10)")
+    add("--soak-freeze-max-s", type=float, default=6.0, help="soak freezes last 2 s to this (default 6)")
+    add("--churn-min-s", type=float, default=3.0, help="least wait between churn events (default 3)")
+    add("--churn-max-s", type=float, default=8.0, help="most wait between churn events (default 8)")
+    add("--seed", type=int, default=20240601, help="seeds every random choice (default 20240601)")
+    add("--threads", type=int, default=1, help="torch threads of each agent and coordinator (default 1)")
+    add("--skip-soak", action="store_true", help="kill and freeze trials only")
+    add("--quick", action="store_true", help="smoke run: a few trials per part, a 30 s soak with 10 streams")
+    add("--output", type=Path, default=RESULTS, help="default bench/results/churn.json")
+    add("--soak-child", action="store_true", help=argparse.SUPPRESS)
+    add("--part-output", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:  # smaller counts, where the command line left the defaults
+        for name, value in QUICK.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    # SIGTERM unwinds like Ctrl-C, so that every finally runs and stops the processes it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.soak_child:
+        return soak_child(args)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    started = time.monotonic()
+    info = machine(args.threads)
+    print(
+        f"machine: {info['cpu']}, {info['cpu_count']} CPUs, torch {info['torch']}, load average "
+        f"{info['load_average_at_start']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    parts: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-churn-") as tmp:
+        for model, kills, freezes in (
+            ("tiny-llama", args.kill_tiny, args.freeze_tiny),
+            ("smollm2-135m", args.kill_smollm2, args.freeze_smollm2),
+        ):
+            if kills + freezes == 0:
+                continue
+            part = run_trials(model, kills, freezes, args, Path(tmp))
+            part["kill_summary"] = trial_summary(part.get("kill", []), 0.0)
+            part["freeze_summary"] = trial_summary(part.get("freeze", []), args.stall_s)
+            parts[model] = part
+    trials_s = round(time.monotonic() - started, 1)
+    soak = {"error": "skipped (--skip-soak)"} if args.skip_soak else spawn_soak(args)
+    print_table(info, args, parts, soak)
+    elapsed = round(time.monotonic() - started, 1)
+    info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    report = {
+        "benchmark": "churn",
+        "command": " ".join(["python", "bench/churn.py", *sys.argv[1:]]),
+        "machine": info,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("part_output", "output")},
+        "conditions": {
+            "trials": "LocalSwarm `swarm-worker serve` agents on loopback, ring topology, greedy; the coordinator "
+            "in the benchmark's process with a SpareHealer over the warm spares; a killed or retired agent is "
+            "replaced by a fresh agent for its span, started (together with others) before a trial that would "
+            "find a span without a spare, never during one",
+            "pause": "token_times[t] - token_times[t-1]: the first token after the failure - the last before it",
+            "re_prefill": "time to first token (OPEN, one pass, first token; connecting not counted) of a request "
+            "whose prompt is the prompt + the t committed tokens, on the healed route after the trial",
+            "check": "pause p95 <= stall timeout + 2 x re-prefill p95; for kills the stall term is 0",
+            "soak": "embedded control plane (SQLite, in-memory channel layer, coordinators in the web process) in "
+            "a child process; `swarm-worker join` agents capped at 2 layers; churn events one at a time, each "
+            "followed by a wait until the model is servable with every live assignment loaded",
+            "soak_model_why": "tiny-llama: a 2-core machine cannot run 50 concurrent streams of a real model while "
+            "agents start and stop; the soak tests the control plane's healing, routing and money under churn",
+            "default_counts": "kill 100 tiny-llama + 10 smollm2-135m; freeze 20 + 3 (each freeze waits the stall "
+            "timeout, up to twice, and retires an agent whose replacement costs seconds of CPU, so 100 + 10 freezes "
+            "would not fit a ~15 minute run on 2 cores)",
+            "soak_client_backoff_s": FAILURE_BACKOFF_S,
+        },
+        "parts": parts,
+        "trials_s": trials_s,
+        "soak": soak,
+        "elapsed_s": elapsed,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.output} in {elapsed} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
