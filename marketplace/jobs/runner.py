@@ -34,7 +34,7 @@ from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_assignments
 from marketplace.jobs.settlement import settle
-from marketplace.nodes.tickets import ticket_for
+from marketplace.nodes.tickets import TICKET_MARGIN_S, ticket_for
 from marketplace.verification.audits import record_audits
 from marketplace.verification.strikes import strike_unverifiable_receipts
 from worker_agent.coordinator.heal import HealedRoute, StageFailure
@@ -46,9 +46,6 @@ from worker_agent.receipts import SessionTranscript
 
 log = logging.getLogger("swarm.jobs")
 PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered
-# A job's tickets outlive its timeout by this much: room for clock skew between the control plane
-# and the agents, and for the sessions' CLOSE once the job is stopped.
-TICKET_MARGIN_S = 30.0
 
 
 async def in_thread(fn, *args, **kwargs):

@@ -14,6 +14,10 @@ from nacl.signing import SigningKey
 from worker_agent.keys import generate_signing_key, load_signing_key, public_key_bytes, write_key
 from worker_agent.tickets import issue_ticket
 
+# A ticket outlives its job's deadline by this much: room for clock skew between the control plane
+# and the agents, and for the sessions' CLOSE once the job is stopped.
+TICKET_MARGIN_S = 30.0
+
 
 @cache
 def issuer_key() -> SigningKey:
