@@ -117,3 +117,38 @@ def test_a_node_coming_back_while_a_member_is_gone_is_placed_afresh(
 
     assert "f" in {row[0] for row in layout()}
     assert Node.objects.get(pk=newcomer.pk).assignments.filter(state__in=[ASSIGNED, READY]).count() == 1
+
+
+def test_a_node_joining_a_whole_placement_becomes_a_spare_and_nothing_that_serves_moves(
+    swarm, provider, make_joined_node, pushed, settings, django_capture_on_commit_callbacks
+):
+    """Capacity grew, but a fresh plan over the six would not serve the margin more tokens/s (set
+    out of reach here): the newcomer warms a spare of the span with the fewest replicas, and every
+    serving block stays."""
+    settings.SWARM_REPLACE_MARGIN = 100.0
+    before = layout()
+    newcomer = make_joined_node(provider, "f", compute=200.0, max_layers=16, last_heartbeat_at=NOW).node
+    services.mark_dirty(MODEL)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.place_dirty_models()
+
+    after = layout()
+    assert after[: len(before)] == before  # the same rows, spans and positions: nothing reloads
+    (joined,) = [row for row in after if row[0] == "f"]
+    # [0:16) is held by two pipelines, [16:30) by two pipelines and e's spare: f warms [0:16).
+    assert joined[4:8] == (0, 16, True, ASSIGNED)
+    assert Node.objects.get(pk=newcomer.pk).assignments.count() == 1
+
+
+def test_a_join_that_pays_is_placed_afresh(
+    swarm, provider, make_joined_node, settings, django_capture_on_commit_callbacks
+):
+    settings.SWARM_REPLACE_MARGIN = -1.0  # any plan pays
+    make_joined_node(provider, "f", compute=200.0, max_layers=16, last_heartbeat_at=NOW)
+    services.mark_dirty(MODEL)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.place_dirty_models()
+
+    assert ASSIGNED in {row[7] for row in layout() if row[0] != "f"}  # some serving block moved

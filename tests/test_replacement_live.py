@@ -6,7 +6,8 @@ A live control plane (uvicorn in a thread, the test database) places ``tiny-llam
 three ``swarm-worker join`` agents capped at 2 layers; each agent delays its outgoing data-plane
 frames (an emulated 30 ms round trip) so that streams last seconds. A fourth agent joins before the
 streams start, but placement runs only when this test calls it (no periodic scheduler here): once
-every stream has its first token, the model is placed again over the four, which moves blocks.
+every stream has its first token, the model is placed again over the four, which moves blocks
+(the re-placement margin is set so that any plan pays).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def test_a_replacement_during_twenty_streams_fails_none(tmp_path):
         SWARM_COORDINATOR_REGIONS=["local"],
         SWARM_DEFAULT_PRICES=PRICES,
         SWARM_TICKET_KEY_PATH=tmp_path / "ticket.key",
+        # Any plan pays: the fourth node's joining re-places the model (it would otherwise only
+        # warm a spare, and nothing that serves would move).
+        SWARM_REPLACE_MARGIN=-1.0,
     )
     overrides.enable()
     issuer_key.cache_clear()

@@ -68,6 +68,7 @@ from worker_agent.wan import WanLink, WanProfile
 log = logging.getLogger("swarm.worker")
 
 HELLO_TIMEOUT_S = 10.0  # a peer stage must answer HELLO within this
+PEER_CLOSE_S = 5.0  # how long dropping a successor's connection may take, in the background
 # What the WebSocket library buffers of one message before a HELLO is accepted: room for a link
 # probe's PING (256 KiB, refused as too large with an ERROR whose arrival times the uplink); a
 # larger message closes the connection (1009) before it is even read whole.
@@ -168,6 +169,7 @@ class StageServer:
         self._admissions: list[Admission] = []
         self._nonces = ProofNonces()  # coordinator proofs accepted on this port: each is good once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._closing: set[asyncio.Task] = set()  # successor connections being dropped
         self._running = False
         self.batches_run = 0
         self.largest_batch = 0
@@ -378,9 +380,21 @@ class StageServer:
             ready.set_exception(SwarmError("the job's route was re-pointed", code="next_unreachable"))
             ready.exception()  # retrieved: nobody may be waiting on it
         if peer is not None:
+            self._drop_peer(peer)
+
+    def _drop_peer(self, peer: Conn) -> None:
+        """Close a connection to a ring successor in the background: a frozen successor never
+        answers the closing handshake, and nothing this stage serves may wait on it."""
+
+        async def close() -> None:
             with contextlib.suppress(Exception):
-                await peer.aclose()
-                await asyncio.wait_for(peer.ws.close(), 1)
+                await asyncio.wait_for(peer.aclose(), PEER_CLOSE_S)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(peer.ws.close(), PEER_CLOSE_S)
+
+        task = asyncio.create_task(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _error(self, conn: Conn, error: wire.Error) -> None:
         log.warning(
@@ -506,8 +520,7 @@ class StageServer:
         for task in route.tasks:
             task.cancel()
         if route.peer is not None:
-            await route.peer.aclose()
-            await route.peer.ws.close()
+            self._drop_peer(route.peer)
         # A ring peer's connection stays: it is bound to this job, whose sessions are gone, so it can
         # forward into nothing unless the job's own coordinator (same key: a heal that closed its old
         # connection first) opens sessions again; a new peer HELLO finds no job here.

@@ -122,24 +122,34 @@ def _costs(nodes: list[str]) -> tuple[dict[tuple[str, str], float], dict[str, fl
 
 
 def route_request(model: str):
-    """The lowest-latency chain of ready stages (from any pipeline) for one request, and the
-    coordinator region it starts from; None when the model is not servable."""
-    stages = [stage for pipeline in servable_pipelines(model) for stage in pipeline]
+    """The lowest-latency chain of routable stages for one request, and the coordinator region it
+    starts from; None when no chain covers the model. Stages are every routable block of the
+    model, on pipelines and warm spares alike: while a pipeline has a member reported failed (or
+    being replaced), a spare holding its span keeps the model servable, as it does for a request
+    healing around it (``route_around``)."""
+    if not PlacementState.objects.filter(model=model).exists():
+        return None
+    stages = [_pipeline_stage(a) for a in live_assignments(model) if _routable(a)]
     if not stages:
         return None
     rtt, layer_ms = _costs(sorted({stage.node for stage in stages}))
     best = None
     for region in settings.SWARM_COORDINATOR_REGIONS:
         source = region_target(region)
-        candidate = route(
-            [Stage(s.node, s.layer_start, s.layer_end) for s in stages],
-            models.n_layers(model),
-            rtt,
-            layer_ms,
-            source=source,
-        )
+        try:
+            candidate = route(
+                [Stage(s.node, s.layer_start, s.layer_end) for s in stages],
+                models.n_layers(model),
+                rtt,
+                layer_ms,
+                source=source,
+            )
+        except PlacementError:
+            return None  # no chain of routable stages covers every layer
         if best is None or candidate.cost_ms < best[1].cost_ms:
             best = (region, candidate)
+    if best is None:
+        return None
     region, chosen = best
     by_key = {(s.node, s.layer_start, s.layer_end): s for s in stages}
     return region, [by_key[(s.node, s.layer_start, s.layer_end)] for s in chosen.stages], chosen.cost_ms

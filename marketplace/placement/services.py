@@ -16,7 +16,9 @@ only once the new assignment is ready, or has failed to load (``assignment_ready
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
@@ -222,8 +224,11 @@ def place_model(model: str) -> list[Assignment]:
     When the only change since the last placement is pipeline members leaving (offline, draining,
     ejected, deleted) and spares hold their spans, the placement is repaired (``_repair``): the
     spares take the departed members' positions and every surviving member keeps its block and
-    position. Anything else (a node joining or coming back, a block that failed to load, a
-    rebalance that pays, a gap no spare covers) is planned afresh by ``allocation.place``."""
+    position. When the only change is nodes joining or coming back while every pipeline is whole,
+    and a fresh plan over all of them would not serve ``SWARM_REPLACE_MARGIN`` more tokens/s, the
+    newcomers become warm spares (``_join_as_spares``) and nothing that serves moves. Anything
+    else (a block that failed to load, a rebalance that pays, a gap no spare covers, a join that
+    pays) is planned afresh by ``allocation.place``."""
     state, _ = PlacementState.objects.select_for_update().get_or_create(model=model)
     nodes, capacities = _candidates(model, lock=True)
     n_layers = models.n_layers(model)
@@ -239,9 +244,12 @@ def place_model(model: str) -> list[Assignment]:
     state.dirty = False
     state.placed_at = now
     repaired = _repair(live, capacities, n_layers, state.coordinator_regions)
+    joined = None if repaired is not None else _join_as_spares(model, live, capacities, n_layers)
     if repaired is not None:
         wanted, state.coordinator_regions = repaired
         how = "repaired"
+    elif joined is not None:
+        wanted, how = joined, "joined as spares"
     else:
         try:
             plan = (
@@ -427,6 +435,39 @@ def rebalance_if_needed(now=None) -> list[str]:
                     marked.append(state.model)
                 break
     return marked
+
+
+def _join_as_spares(
+    model: str, live: dict[str, Assignment], capacities: list[NodeCapacity], n_layers: int
+) -> Wanted | None:
+    """The live placement kept as it is, with each node that joined (or came back) since as a warm
+    spare of the span it can hold with the fewest replicas; None when something else changed (a
+    member left, a pipeline is not whole) or a fresh plan would pay by the margin."""
+    placeable = {c.node: c for c in capacities}
+    newcomers = [placeable[node] for node in placeable if node not in live]
+    if not newcomers or any(node not in placeable for node in live):
+        return None
+    members = [a for a in live.values() if not a.is_spare]
+    pipelines = {a.pipeline for a in members}
+    for pipeline in pipelines:
+        spans = sorted((a.layer_start, a.layer_end) for a in members if a.pipeline == pipeline)
+        if spans[0][0] != 0 or spans[-1][1] != n_layers or any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
+            return None
+    if not members or _replacement_pays(model, list(live.values())):
+        return None
+    replicas = Counter((a.layer_start, a.layer_end) for a in live.values())
+    wanted: Wanted = {
+        node: (a.pipeline, a.position, a.layer_start, a.layer_end, a.is_spare) for node, a in live.items()
+    }
+    spare_pipeline = max(a.pipeline for a in live.values()) + 1
+    for newcomer in sorted(newcomers, key=lambda c: c.node):
+        fits = [span for span in sorted(replicas) if span[1] - span[0] <= newcomer.max_layers]
+        if not fits:
+            continue  # holds no span of this placement: it stays idle until a placement that pays
+        span = min(fits, key=lambda span: (replicas[span], -(span[1] - span[0]), span))
+        replicas[span] += 1
+        wanted[newcomer.node] = (spare_pipeline, 0, span[0], span[1], True)
+    return wanted
 
 
 def _replacement_pays(model: str, live: list[Assignment]) -> bool:

@@ -311,6 +311,7 @@ class Pipeline:
         self.stall_timeout_s = stall_timeout_s
         # (session, step) of a step in flight -> how many stages have put out their part of it so far
         self._reached: dict[tuple[str, int], int] = {}
+        self._moved_at: dict[tuple[str, int], float] = {}  # ... and when the last of them did (loop time)
         self._tasks: set[asyncio.Task] = set()
         self.audit_stages = tuple(sorted(set(audit_stages)))  # stage indices whose traffic is kept
         # Who is assigned each span of this route, as the coordinator knows it (from the control
@@ -380,6 +381,7 @@ class Pipeline:
         future = asyncio.get_running_loop().create_future()
         self._waiting[(session, step)] = future
         self._reached[(session, step)] = 0
+        self._moved_at[(session, step)] = asyncio.get_running_loop().time()
         self.transcripts[session].sent.append(digest(payload))
         capture = self._captures.get(session)
         if capture is not None:
@@ -390,15 +392,17 @@ class Pipeline:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(lambda: self._spawn(self._flush()))
         stall = self.stall_timeout_s + STALL_PER_ROW_S * count
+        key, loop = (session, step), asyncio.get_running_loop()
         try:
             while True:
-                reached = self._reached.get((session, step), 0)
+                # The stall is counted from the step's last progress (a stage putting its part out).
+                left = self._moved_at.get(key, loop.time()) + stall - loop.time()
                 try:
-                    return await asyncio.wait_for(asyncio.shield(future), stall)
+                    return await asyncio.wait_for(asyncio.shield(future), max(left, 0.0))
                 except TimeoutError:
-                    if self._reached.get((session, step), 0) > reached:
+                    if loop.time() - self._moved_at.get(key, 0.0) < stall:
                         continue  # a stage put its part out meanwhile: slow, not stalled
-                    blamed = min(reached, len(self.links) - 1)
+                    blamed = min(self._reached.get(key, 0), len(self.links) - 1)
                     raise StageError(
                         f"session {session} step {step}: stage {blamed} made no progress in {stall:.1f}s",
                         code="stage_stalled",
@@ -407,6 +411,7 @@ class Pipeline:
         finally:
             self._waiting.pop((session, step), None)
             self._reached.pop((session, step), None)
+            self._moved_at.pop((session, step), None)
             if not future.done():
                 future.cancel()
 
@@ -430,8 +435,9 @@ class Pipeline:
         if index + 1 < len(self.links):
             for item in result.items:
                 key = (item.session, item.step)
-                if key in self._reached:
-                    self._reached[key] = max(self._reached[key], index + 1)
+                if key in self._reached and index + 1 > self._reached[key]:
+                    self._reached[key] = index + 1
+                    self._moved_at[key] = asyncio.get_running_loop().time()
             # A tap of another dtype or width is not the stage's output as the next stage takes it:
             # it is not kept, and the audit it was owed to counts it missing, owed by this stage.
             usable = result.dtype == self.dtype and (self.hidden_size is None or result.shape[1] == self.hidden_size)
