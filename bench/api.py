@@ -259,6 +259,8 @@ async def api_stream(client, model: str, text: str, max_tokens: int) -> dict:
 
 async def direct_stream(model: str, stages: list, index: int, max_tokens: int, text: str) -> dict:
     """The same request on a fresh Coordinator over the same stages, as a job's coordinator runs it."""
+    from nacl.signing import SigningKey
+
     from marketplace.nodes.tickets import ticket_for
     from worker_agent.coordinator.job import Coordinator, GenerationResult
     from worker_agent.coordinator.pipeline import StageSpec
@@ -266,10 +268,12 @@ async def direct_stream(model: str, stages: list, index: int, max_tokens: int, t
     from worker_agent.receipts import StageAssignment
 
     job = f"bench-direct-{index}-{secrets.token_hex(4)}"
+    key = SigningKey.generate()  # this job's coordinator key, as the runner makes one per job
+    grant = {"coordinator_key": bytes(key.verify_key), "expires_at": time.time() + 600}
     specs = [
         StageSpec(
             s.data_url,
-            ticket_for(job=job, node=s.node, model=model, layer_start=s.layer_start, layer_end=s.layer_end),
+            ticket_for(job=job, node=s.node, model=model, layer_start=s.layer_start, layer_end=s.layer_end, **grant),
         )
         for s in stages
     ]
@@ -277,7 +281,9 @@ async def direct_stream(model: str, stages: list, index: int, max_tokens: int, t
     started = time.perf_counter()
     first = None
     result = None
-    async with Coordinator(model, specs, job=job, topology="ring", assignments=assignments) as coordinator:
+    async with Coordinator(
+        model, specs, job=job, topology="ring", assignments=assignments, coordinator_key=key
+    ) as coordinator:
         request = coordinator.request(
             text, chat=True, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0, top_p=1.0)
         )

@@ -209,7 +209,9 @@ async def unbroken(swarm: Spares, ids: list[int], max_tokens: int):
     from worker_agent.coordinator.sampling import SamplingParams
 
     job = f"churn-ref-{uuid.uuid4().hex[:8]}"
-    async with Coordinator(swarm.model, swarm.specs(job), job=job) as coordinator:
+    async with Coordinator(
+        swarm.model, swarm.specs(job), job=job, coordinator_key=swarm.local.coordinator_key(job)
+    ) as coordinator:
         request = coordinator.request_ids(ids, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
         return await _stream(coordinator, request)
 
@@ -235,7 +237,12 @@ async def broken(swarm: Spares, ids: list[int], max_tokens: int, victim, at: int
     job = f"churn-{'freeze' if freeze else 'kill'}-{uuid.uuid4().hex[:8]}"
     try:
         async with Coordinator(
-            swarm.model, swarm.specs(job), job=job, healer=swarm.healer(job), stall_timeout_s=stall_s
+            swarm.model,
+            swarm.specs(job),
+            job=job,
+            healer=swarm.healer(job),
+            stall_timeout_s=stall_s,
+            coordinator_key=swarm.local.coordinator_key(job),
         ) as coordinator:
             request = coordinator.request_ids(ids, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
             return await _stream(coordinator, request, on_token), "", bool(injected)

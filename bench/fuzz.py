@@ -84,7 +84,14 @@ def data_plane(frames: int, connections: int, seed: int, hang_s: float) -> dict:
             results = await asyncio.gather(
                 *(
                     fuzz_connection(
-                        url, job=job, ticket=ticket, seed=seed + i, count=each, hello=i % 2 == 0, hang_s=hang_s
+                        url,
+                        job=job,
+                        ticket=ticket,
+                        key=swarm.coordinator_key(job),
+                        seed=seed + i,
+                        count=each,
+                        hello=i % 2 == 0,
+                        hang_s=hang_s,
                     )
                     for i in range(connections)
                 )

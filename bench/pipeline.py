@@ -316,7 +316,14 @@ async def run_swarm(
     processes |= {f"agent {a.layer_start}:{a.layer_end}": psutil.Process(a.process.pid) for a in swarm.agents}
     mem = {name: {"after_load": memory(process.pid)} for name, process in processes.items()}
     rows = []
-    async with Coordinator(MODEL, specs, job=job, topology=topology, wan=WanProfile.parse(swarm.wan)) as coordinator:
+    async with Coordinator(
+        MODEL,
+        specs,
+        job=job,
+        topology=topology,
+        wan=WanProfile.parse(swarm.wan),
+        coordinator_key=swarm.coordinator_key(job),
+    ) as coordinator:
         meter = FrameMeter(coordinator.pipeline)
         meter.install()
         # Opens the ring's links between agents and pages every stage's weights in.

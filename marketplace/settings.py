@@ -271,6 +271,9 @@ SWARM_REPLACE_MARGIN = env_float("SWARM_REPLACE_MARGIN", 0.15, minimum=0.0)
 # many times the speed a passed challenge proved, or, unproven, this many times the median claim.
 SWARM_SPEED_VERIFIED_SLACK = env_float("SWARM_SPEED_VERIFIED_SLACK", 4.0, minimum=1.0)
 SWARM_SPEED_CLAIM_OUTLIER = env_float("SWARM_SPEED_CLAIM_OUTLIER", 4.0, minimum=1.0)
+# Host names an agent may advertise as its data-plane URL whatever address its control channel
+# comes from (agents behind a reverse proxy or NAT); otherwise the URL's host must be that address.
+SWARM_AGENT_URL_HOSTS = env_list("SWARM_AGENT_URL_HOSTS", [])
 # The control plane's ed25519 key that signs job tickets (created on first use if missing).
 SWARM_TICKET_KEY_PATH = Path(env_str("SWARM_TICKET_KEY_PATH", str(DATA_DIR / "ticket.key")))
 # Where a job's coordinator runs: "inprocess" (the web process's event loop) or "celery" (a task

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from worker_agent import wire
 from worker_agent.control_protocol import control_signature
+from worker_agent.tickets import prove_coordinator
 
 HIDDEN = 64  # tiny-llama's hidden size
 
@@ -260,11 +262,21 @@ class FrameStats:
 
 
 async def fuzz_connection(
-    url: str, *, job: str, ticket: bytes, seed: int, count: int, hello: bool, window: int = 200, hang_s: float = 30.0
+    url: str,
+    *,
+    job: str,
+    ticket: bytes,
+    key: SigningKey,
+    seed: int,
+    count: int,
+    hello: bool,
+    window: int = 200,
+    hang_s: float = 30.0,
 ) -> FrameStats:
     """Send ``count`` fuzzed frames to the agent at ``url`` in windows, each closed by a PING
     sentinel whose answer (a PONG, or an ERROR referring to it) proves everything before it was
-    dealt with. ``hello``: say a valid HELLO first on every connection (frames after HELLO)."""
+    dealt with. ``hello``: say a valid HELLO first on every connection (frames after HELLO), as
+    the coordinator holding ``key``, the key ``ticket`` names."""
     stats = FrameStats()
     seqs = itertools.count(1)
     source = frames(seed, job, ticket, seqs)
@@ -274,7 +286,7 @@ async def fuzz_connection(
         if ws is None:
             ws = await connect(url, max_size=None, compression=None, open_timeout=hang_s)
             if hello:
-                hello_frame = wire.Hello(job=job, ticket=ticket, topology="star")
+                hello_frame = wire.Hello(job=job, ticket=ticket, topology="star", proof=prove_coordinator(key, ticket))
                 await ws.send(wire.encode(hello_frame, next(seqs)))
                 assert isinstance(wire.decode(await asyncio.wait_for(ws.recv(), hang_s)).message, wire.Hello)
         # A frame built from a HELLO travels alone: its refusal closes the connection, and the

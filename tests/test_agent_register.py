@@ -10,6 +10,7 @@ import pytest
 from django.utils import timezone
 
 from marketplace.nodes.models import Node, NodeState
+from marketplace.nodes.tickets import issuer_public_key
 from tests.factories import GIB, db_snapshot, join_payload, public_hex
 from worker_agent.control_protocol import join_signature
 from worker_agent.keys import generate_signing_key, public_key_bytes
@@ -58,6 +59,7 @@ def test_agent_joins_with_its_token_and_key(pending, agent, swarm_settings):
         "node": expected_id,
         "control_url": "ws://testserver/ws/agent/",
         "heartbeat_interval_s": 5.0,
+        "ticket_key": issuer_public_key().hex(),  # pinned by the agent
     }
     node.refresh_from_db()
     assert node.node_id == expected_id

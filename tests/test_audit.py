@@ -59,9 +59,11 @@ def trusted_block(start: int, end: int) -> Block:
     return Block(models.load_block(MODEL, start, end))
 
 
-async def _generate(urls, tickets, job, *, topology="ring", audit_stages=(), prompts=(PROMPT,)):
+async def _generate(urls, tickets, job, *, key, topology="ring", audit_stages=(), prompts=(PROMPT,)):
     specs = [StageSpec(url, ticket) for url, ticket in zip(urls, tickets, strict=True)]
-    async with Coordinator(MODEL, specs, job=job, topology=topology, audit_stages=audit_stages) as coordinator:
+    async with Coordinator(
+        MODEL, specs, job=job, topology=topology, audit_stages=audit_stages, coordinator_key=key
+    ) as coordinator:
         results = [await coordinator.generate(coordinator.request(p, max_tokens=MAX_TOKENS)) for p in prompts]
         # Nothing of a session stays behind in the coordinator once it is over.
         assert coordinator.pipeline._captures == {}
@@ -69,7 +71,7 @@ async def _generate(urls, tickets, job, *, topology="ring", audit_stages=(), pro
 
 
 def generate(swarm, job, **kwargs) -> GenerationResult:
-    (result,) = asyncio.run(_generate(swarm.urls, swarm.tickets(job), job, **kwargs))
+    (result,) = asyncio.run(_generate(swarm.urls, swarm.tickets(job), job, key=swarm.coordinator_key(job), **kwargs))
     return result
 
 
@@ -84,7 +86,14 @@ def sessions(tiny_swarm) -> list[GenerationResult]:
     """An honest ring job of two sessions (two prompts) that keeps every stage's traffic."""
     job = "audit-ring"
     results = asyncio.run(
-        _generate(tiny_swarm.urls, tiny_swarm.tickets(job), job, audit_stages=(0, 1, 2), prompts=(PROMPT, OTHER_PROMPT))
+        _generate(
+            tiny_swarm.urls,
+            tiny_swarm.tickets(job),
+            job,
+            key=tiny_swarm.coordinator_key(job),
+            audit_stages=(0, 1, 2),
+            prompts=(PROMPT, OTHER_PROMPT),
+        )
     )
     assert all(len(result.audits[0].steps) >= 4 for result in results)  # room to tamper with step 3
     return results
@@ -150,7 +159,8 @@ def test_a_stage_whose_taps_do_not_arrive_is_reported_missing_and_owes_both_gaps
 
     async def main():
         specs = [StageSpec(url, ticket) for url, ticket in zip(tiny_swarm.urls, tiny_swarm.tickets(job), strict=True)]
-        async with Coordinator(MODEL, specs, job=job, audit_stages=(0, 1, 2)) as coordinator:
+        key = tiny_swarm.coordinator_key(job)
+        async with Coordinator(MODEL, specs, job=job, audit_stages=(0, 1, 2), coordinator_key=key) as coordinator:
             pipeline = coordinator.pipeline
             on_result = pipeline.on_result
             # As if stage 0 never sent its taps: its output reaches stage 1 only.
@@ -406,16 +416,23 @@ async def in_process_stages(spans, *, lazy: int):
 
 def test_a_node_that_skips_its_layers_passes_receipts_and_fails_its_audit():
     job = "audit-lazy"
+    key = SigningKey.generate()
 
     async def main():
         async with in_process_stages(SPANS, lazy=1) as (urls, stages, issuer):
             tickets = [
                 issue_ticket(
-                    issuer, job=job, node=s.node, model=MODEL, layer_start=s.layer_start, layer_end=s.layer_end
+                    issuer,
+                    job=job,
+                    node=s.node,
+                    model=MODEL,
+                    layer_start=s.layer_start,
+                    layer_end=s.layer_end,
+                    coordinator_key=bytes(key.verify_key),
                 )
                 for s in stages
             ]
-            return await _generate(urls, tickets, job, audit_stages=(0, 1, 2))
+            return await _generate(urls, tickets, job, key=key, audit_stages=(0, 1, 2))
 
     (result,) = asyncio.run(main())
 

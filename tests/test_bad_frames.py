@@ -28,7 +28,7 @@ from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.session import TokenEvent
 from worker_agent.kvcache import SessionLimits, SessionStore
 from worker_agent.local import LocalSwarm
-from worker_agent.tickets import issue_ticket
+from worker_agent.tickets import issue_peer_pass, issue_ticket
 
 pytestmark = pytest.mark.dataplane
 
@@ -64,7 +64,7 @@ async def _generate(swarm: LocalSwarm, between: Callable[[], Awaitable[Any]] | N
     job = job or _job("live")
     specs = [StageSpec(url, ticket) for url, ticket in zip(swarm.urls, swarm.tickets(job), strict=True)]
     outcome = None
-    async with Coordinator(MODEL, specs, job=job) as coordinator:
+    async with Coordinator(MODEL, specs, job=job, coordinator_key=swarm.coordinator_key(job)) as coordinator:
         stream = coordinator.stream(coordinator.request(PROMPT, max_tokens=MAX_TOKENS))
         for _ in range(TOKENS_BEFORE):
             assert isinstance(await anext(stream), TokenEvent)
@@ -103,7 +103,7 @@ def _around_live_session(
 
 
 async def _authenticated(swarm: LocalSwarm, client: RawClient, job: str, agent: int = 0) -> None:
-    reply = await client.hello(job, swarm.tickets(job)[agent])
+    reply = await client.hello(job, swarm.tickets(job)[agent], key=swarm.coordinator_key(job))
     assert isinstance(reply, wire.Hello)
     assert (reply.role, reply.info["node"]) == ("stage", swarm.agents[agent].node)
 
@@ -328,7 +328,7 @@ def test_a_forward_before_hello_is_refused_and_hello_still_works_after(tiny_swar
         async with raw_client(tiny_swarm.urls[0]) as client:
             seq = await client.send(_forward(job, [wire.Item("s0", 0, 0, 1)], _hidden(1)))
             refused = await client.recv()
-            hello = await client.hello(job, tiny_swarm.tickets(job)[0])
+            hello = await client.hello(job, tiny_swarm.tickets(job)[0], key=tiny_swarm.coordinator_key(job))
             return seq, refused, hello
 
     seq, refused, hello = _around_live_session(tiny_swarm, tiny_reference, bad)
@@ -388,7 +388,13 @@ def test_hello_with_a_ticket_from_an_untrusted_issuer_is_refused(tiny_swarm, tin
     stranger = SigningKey(b"\x07" * 32)
     agent = tiny_swarm.agents[0]
     ticket = issue_ticket(
-        stranger, job=job, node=agent.node, model=MODEL, layer_start=agent.layer_start, layer_end=agent.layer_end
+        stranger,
+        job=job,
+        node=agent.node,
+        model=MODEL,
+        layer_start=agent.layer_start,
+        layer_end=agent.layer_end,
+        coordinator_key=bytes(tiny_swarm.coordinator_key(job).verify_key),
     )
 
     error, closed = _around_live_session(
@@ -411,6 +417,7 @@ def test_hello_with_an_expired_ticket_is_refused(tiny_swarm, tiny_reference):
         model=MODEL,
         layer_start=agent.layer_start,
         layer_end=agent.layer_end,
+        coordinator_key=bytes(tiny_swarm.coordinator_key(job).verify_key),
         ttl_s=60,
         now=issued,
     )
@@ -432,6 +439,7 @@ def _ticket(swarm: LocalSwarm, job: str, **changes) -> bytes:
         "model": MODEL,
         "layer_start": agent.layer_start,
         "layer_end": agent.layer_end,
+        "coordinator_key": bytes(swarm.coordinator_key(job).verify_key),
         **changes,
     }
     return issue_ticket(swarm.issuer_key, **fields)
@@ -514,7 +522,8 @@ def test_a_peer_may_not_open_sessions(tiny_swarm, tiny_reference):
     async def bad():
         async with raw_client(tiny_swarm.urls[1]) as coordinator, raw_client(tiny_swarm.urls[1]) as peer:
             await _authenticated(tiny_swarm, coordinator, job, agent=1)
-            reply = await peer.hello(job, tiny_swarm.tickets(job)[1], role="peer", topology="ring")
+            peer_pass = issue_peer_pass(tiny_swarm.coordinator_key(job), tiny_swarm.tickets(job)[1])
+            reply = await peer.hello(job, peer_pass, role="peer", topology="ring")
             assert (type(reply), reply.role) == (wire.Hello, "stage")
             seq = await peer.send(wire.Open(job, ("x",)))
             error = await coordinator.recv()  # a ring peer's bad frame is reported to the job's coordinator
@@ -648,3 +657,126 @@ def test_one_frame_with_a_new_session_and_a_running_one_is_served(tiny_swarm, ti
         [block.forward([WorkItem(new, 0, new_token)])[0], block.forward([WorkItem(old, 3, old_token)])[0]]
     )
     torch.testing.assert_close(reply.tensor(), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+# Tickets bound to the job: a ticket is not a bearer token, and a successor's pass only forwards
+
+
+async def _hello_reply(url: str, job: str, ticket: bytes, *, role: str = "coordinator", key=None) -> wire.Message:
+    async with raw_client(url) as client:
+        return await client.hello(job, ticket, role=role, key=key)
+
+
+def _ticket_for(swarm: LocalSwarm, job: str, agent: int, coordinator: SigningKey) -> bytes:
+    stage = swarm.agents[agent]
+    return issue_ticket(
+        swarm.issuer_key,
+        job=job,
+        node=stage.node,
+        model=MODEL,
+        layer_start=stage.layer_start,
+        layer_end=stage.layer_end,
+        coordinator_key=bytes(coordinator.verify_key),
+    )
+
+
+def test_a_stolen_coordinator_ticket_without_the_coordinator_key_is_refused(tiny_swarm, tiny_reference):
+    live_job = _job("live")
+    thief = SigningKey(b"\x09" * 32)
+
+    async def bad():
+        stolen = tiny_swarm.tickets(live_job)[2]
+        bare = await _hello_reply(tiny_swarm.urls[2], live_job, stolen)
+        forged = await _hello_reply(tiny_swarm.urls[2], live_job, stolen, key=thief)
+        return bare, forged
+
+    bare, forged = _around_live_session(tiny_swarm, tiny_reference, bad, job=live_job)
+
+    assert bare == wire.Error(
+        "proof_missing",
+        "HELLO as coordinator carries no proof of the job's coordinator key",
+        ref=1,
+        job=live_job,
+        fatal=True,
+    )
+    assert forged == wire.Error(
+        "proof_invalid",
+        "coordinator proof is not signed by the coordinator key the ticket names",
+        ref=1,
+        job=live_job,
+        fatal=True,
+    )
+
+
+def test_a_second_coordinator_with_another_key_cannot_take_over_a_live_job(tiny_swarm, tiny_reference):
+    live_job = _job("live")
+    usurper = SigningKey(b"\x0a" * 32)
+
+    async def bad():
+        # A ticket of its own for the live job (as a second issuance would be), proven with its own key,
+        # to the last stage, whose outputs are the job's results.
+        ticket = _ticket_for(tiny_swarm, live_job, 2, usurper)
+        return await _hello_reply(tiny_swarm.urls[2], live_job, ticket, key=usurper)
+
+    # The live session finishes with the reference tokens: its results kept going to its coordinator.
+    refused_hello = _around_live_session(tiny_swarm, tiny_reference, bad, job=live_job)
+
+    assert refused_hello == wire.Error(
+        "job_taken", f"job {live_job!r} is live here under another coordinator key", ref=1, job=live_job, fatal=True
+    )
+
+
+def test_a_successor_pass_only_forwards_and_dies_with_its_job(tiny_swarm):
+    job = _job("raw")
+    key = tiny_swarm.coordinator_key(job)
+    # What the coordinator handed stage 0 in HELLO for its ring successor, stage 1.
+    successor_pass = issue_peer_pass(key, tiny_swarm.tickets(job)[1])
+
+    async def scenario():
+        async with raw_client(tiny_swarm.urls[1]) as coordinator:
+            await _authenticated(tiny_swarm, coordinator, job, agent=1)
+            as_coordinator = await _hello_reply(tiny_swarm.urls[1], job, successor_pass)
+            async with raw_client(tiny_swarm.urls[1]) as peer:
+                accepted = await peer.hello(job, successor_pass, role="peer", topology="ring")
+                seq = await peer.send(wire.Open(job, ("mine",)))
+                refused_open = await coordinator.recv()  # a ring peer's bad frame goes to the job's coordinator
+        # The coordinator has left: the job is over on the stage.
+        await asyncio.sleep(0.5)
+        after_peer = await _hello_reply(tiny_swarm.urls[1], job, successor_pass, role="peer")
+        after_coordinator = await _hello_reply(tiny_swarm.urls[1], job, successor_pass)
+        return as_coordinator, accepted, seq, refused_open, after_peer, after_coordinator
+
+    as_coordinator, accepted, seq, refused_open, after_peer, after_coordinator = _run(scenario())
+
+    untrusted = f"ticket is signed by an untrusted key {bytes(key.verify_key).hex()}"
+    assert as_coordinator == wire.Error("ticket_untrusted", untrusted, ref=1, job=job, fatal=True)
+    assert (type(accepted), accepted.role) == (wire.Hello, "stage")
+    assert refused_open == wire.Error(
+        "not_allowed", "a peer stage may only send FORWARD, not Open", ref=seq, job=job, session="mine"
+    )
+    assert after_peer == wire.Error(
+        "unknown_job", f"no coordinator has opened job {job!r} here", ref=1, job=job, fatal=True
+    )
+    assert after_coordinator == wire.Error("ticket_untrusted", untrusted, ref=1, job=job, fatal=True)
+
+
+def test_a_ticket_past_its_jobs_deadline_is_refused(tiny_swarm):
+    job = _job("raw")
+    key = tiny_swarm.coordinator_key(job)
+    stage = tiny_swarm.agents[0]
+    deadline = time.time() - 1  # the job's timeout (plus margin) has passed
+    ticket = issue_ticket(
+        tiny_swarm.issuer_key,
+        job=job,
+        node=stage.node,
+        model=MODEL,
+        layer_start=stage.layer_start,
+        layer_end=stage.layer_end,
+        coordinator_key=bytes(key.verify_key),
+        expires_at=deadline,
+    )
+
+    error = _run(_hello_reply(tiny_swarm.urls[0], job, ticket, key=key))
+
+    assert (error.code, error.job, error.fatal) == ("ticket_expired", job, True)
+    assert error.message.startswith(f"ticket expired at {deadline:.3f}, now is ")

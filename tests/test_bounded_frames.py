@@ -112,7 +112,7 @@ def test_a_header_bomb_after_hello_is_refused_within_the_header_limits(agent):
 
     async def attack():
         async with raw_client(agent.urls[0]) as client:
-            hello = await client.hello(job, agent.tickets(job)[0])
+            hello = await client.hello(job, agent.tickets(job)[0], key=agent.coordinator_key(job))
             assert isinstance(hello, wire.Hello)
             refusals = []
             for size in (900 * 1024, 60 * 1024):
@@ -136,7 +136,7 @@ def test_too_many_items_in_one_frame_are_refused(agent):
 
     async def attack():
         async with raw_client(agent.urls[0]) as client:
-            await client.hello(job, agent.tickets(job)[0])
+            await client.hello(job, agent.tickets(job)[0], key=agent.coordinator_key(job))
             seq = client.next_seq()
             items = [[f"s{i}", 0, 0, 1] for i in range(count)]
             header = forward_header(seq, job, items, rows=count, hidden=HIDDEN)
@@ -168,7 +168,7 @@ def test_pings_are_answered_while_large_frames_are_decoded(agent):
         events: list[str] = []
         done = asyncio.Event()
         async with raw_client(agent.urls[0]) as heavy, raw_client(agent.urls[0]) as light:
-            await heavy.hello(job, agent.tickets(job)[0])
+            await heavy.hello(job, agent.tickets(job)[0], key=agent.coordinator_key(job))
             await heavy.send(wire.Open(job, ("s0",)))
             assert isinstance(await heavy.recv(), wire.Open)
             payload = wire.tensor_payload(hidden, "f32")
@@ -307,10 +307,11 @@ def test_a_ring_successors_oversize_hello_is_reported_against_the_successor(agen
 
     async def scenario():
         async with hostile_stage(_oversize_hello(16 * MIB)) as successor, raw_client(agent.urls[0]) as client:
-            await client.send(
-                wire.Hello(job=job, ticket=agent.tickets(job)[0], topology="ring", next_url=successor, next_ticket=b"t")
+            ticket = agent.tickets(job)[0]
+            hello = await client.hello(
+                job, ticket, topology="ring", key=agent.coordinator_key(job), next_url=successor, next_ticket=b"t"
             )
-            assert isinstance(await client.recv(), wire.Hello)
+            assert isinstance(hello, wire.Hello)
             await client.send(wire.Open(job, ("s0",)))
             assert isinstance(await client.recv(), wire.Open)
             hidden = torch.zeros(1, HIDDEN)

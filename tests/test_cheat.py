@@ -224,7 +224,8 @@ def test_a_served_agent_with_a_cheat_warns_and_cheats_over_the_wire(monkeypatch)
 
     async def exchange(swarm: LocalSwarm) -> wire.Message:
         async with raw_client(swarm.urls[0]) as client:
-            assert isinstance(await client.hello("job", swarm.tickets("job")[0]), wire.Hello)
+            hello = await client.hello("job", swarm.tickets("job")[0], key=swarm.coordinator_key("job"))
+            assert isinstance(hello, wire.Hello)
             await client.send(wire.Open("job", ("s",)))
             assert isinstance(await client.recv(), wire.Open)
             payload = wire.tensor_payload(rows, "f32")

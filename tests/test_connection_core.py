@@ -29,13 +29,15 @@ from worker_agent.connection import (
 )
 from worker_agent.errors import SessionError
 from worker_agent.keys import node_id
-from worker_agent.tickets import issue_ticket
+from worker_agent.tickets import ProofNonces, issue_peer_pass, issue_ticket, prove_coordinator
 
 pytestmark = pytest.mark.dataplane
 
 NOW = 1_700_000_000.0  # unix seconds every frame is fed at
 HIDDEN = 8
 ISSUER = SigningKey(b"\x01" * 32)
+COORDINATOR = SigningKey(b"\x04" * 32)  # the job's coordinator key, which its tickets name
+COORDINATOR_PUB = bytes(COORDINATOR.verify_key)
 NODE_KEY = SigningKey(b"\x02" * 32)
 NODE = node_id(bytes(NODE_KEY.verify_key))
 OTHER_NODE = node_id(bytes(SigningKey(b"\x03" * 32).verify_key))
@@ -53,11 +55,18 @@ LIMITS = Limits(max_frame=4096, hidden_size=HIDDEN)
 
 
 def _ticket(job: str = JOB, *, signer: SigningKey = ISSUER, ttl_s: float = 600, **changes) -> bytes:
-    fields = {"node": NODE, "model": MODEL, "layer_start": SPAN[0], "layer_end": SPAN[1], **changes}
+    fields = {
+        "node": NODE,
+        "model": MODEL,
+        "layer_start": SPAN[0],
+        "layer_end": SPAN[1],
+        "coordinator_key": COORDINATOR_PUB,
+        **changes,
+    }
     return issue_ticket(signer, job=job, ttl_s=ttl_s, now=NOW, **fields)
 
 
-def _connection(*, admission: Admission = ADMISSION, coordinated_jobs: frozenset[str] = frozenset()) -> Connection:
+def _connection(*, admission: Admission = ADMISSION, coordinated_jobs: dict[str, bytes] | None = None) -> Connection:
     return Connection(admission, LIMITS, coordinated_jobs=coordinated_jobs)
 
 
@@ -65,12 +74,26 @@ def _feed(connection: Connection, message: wire.Message, seq: int, *, now: float
     return connection.receive_frame(wire.Frame(seq, message, size=0), now=now)
 
 
-def _hello(job: str = JOB, *, ticket: bytes | None = None, role: str = "coordinator", **fields) -> wire.Hello:
-    return wire.Hello(job=job, role=role, ticket=_ticket(job) if ticket is None else ticket, **fields)
+def _hello(
+    job: str = JOB,
+    *,
+    ticket: bytes | None = None,
+    role: str = "coordinator",
+    key: SigningKey = COORDINATOR,
+    **fields,
+) -> wire.Hello:
+    """A HELLO as the job's coordinator does it (the ticket and a fresh proof of ``key``), or as
+    its ring peer (a pass ``key`` signed for this stage)."""
+    if role == "peer":
+        ticket = issue_peer_pass(key, _ticket(job, coordinator_key=bytes(key.verify_key))) if ticket is None else ticket
+        return wire.Hello(job=job, role=role, ticket=ticket, **fields)
+    ticket = _ticket(job) if ticket is None else ticket
+    fields.setdefault("proof", prove_coordinator(key, ticket, now=NOW))
+    return wire.Hello(job=job, role=role, ticket=ticket, **fields)
 
 
 def _bound(role: str = "coordinator") -> Connection:
-    connection = _connection(coordinated_jobs=frozenset({JOB}))
+    connection = _connection(coordinated_jobs={JOB: COORDINATOR_PUB})
     assert isinstance(_feed(connection, _hello(role=role), 1), AcceptHello)
     return connection
 
@@ -86,7 +109,7 @@ def test_a_valid_hello_binds_the_connection_to_the_tickets_job_node_model_and_sp
 
     action = _feed(connection, hello, 1)
 
-    binding = Binding(JOB, Role.COORDINATOR, NODE, MODEL, 2, 4, expires_at=NOW + 600)
+    binding = Binding(JOB, Role.COORDINATOR, NODE, MODEL, 2, 4, expires_at=NOW + 600, coordinator_key=COORDINATOR_PUB)
     assert action == AcceptHello(hello, binding)
     assert action.kind is ActionKind.ACCEPT_HELLO
     assert (connection.state, connection.binding, connection.role) == (State.BOUND, binding, Role.COORDINATOR)
@@ -233,7 +256,7 @@ def test_hello_as_a_stage_is_refused():
 
 
 def test_a_peer_hello_for_a_job_without_a_coordinator_here_is_refused():
-    connection = _connection(coordinated_jobs=frozenset({"other-job"}))
+    connection = _connection(coordinated_jobs={"other-job": COORDINATOR_PUB})
 
     action = _feed(connection, _hello(role="peer"), 1)
 
@@ -243,7 +266,9 @@ def test_a_peer_hello_for_a_job_without_a_coordinator_here_is_refused():
 def test_a_peer_hello_for_a_coordinated_job_binds_the_peer_role():
     connection = _bound(role="peer")
 
-    assert connection.binding == Binding(JOB, Role.PEER, NODE, MODEL, 2, 4, expires_at=NOW + 600)
+    assert connection.binding == Binding(
+        JOB, Role.PEER, NODE, MODEL, 2, 4, expires_at=NOW + 600, coordinator_key=COORDINATOR_PUB
+    )
 
 
 def test_a_coordinator_may_open_forward_and_close_its_jobs_sessions():
@@ -388,23 +413,22 @@ def test_a_frame_the_stage_turns_down_is_refused_with_its_first_session_and_keep
 # Several stages behind one port: a block being replaced and its successor
 
 NEW_SPAN = (4, 6)
-NEW = Admission(NODE, MODEL, NEW_SPAN[0], NEW_SPAN[1], frozenset({bytes(ISSUER.verify_key)}), jobs=frozenset())
+NEW = Admission(NODE, MODEL, NEW_SPAN[0], NEW_SPAN[1], frozenset({bytes(ISSUER.verify_key)}), jobs={})
 
 
-def _old(*, accepting: bool = True, jobs: frozenset[str] = frozenset()) -> Admission:
-    return Admission(NODE, MODEL, SPAN[0], SPAN[1], ADMISSION.trusted_keys, accepting=accepting, jobs=jobs)
+def _old(*, accepting: bool = True, jobs: dict[str, bytes] | None = None) -> Admission:
+    return Admission(NODE, MODEL, SPAN[0], SPAN[1], ADMISSION.trusted_keys, accepting=accepting, jobs=jobs or {})
 
 
 def test_the_ticket_names_which_of_several_stages_a_hello_binds_to():
     for span, expected in ((SPAN, (2, 4)), (NEW_SPAN, (4, 6))):
         connection = Connection([NEW, _old()], LIMITS)
-        hello = wire.Hello(job=JOB, ticket=_ticket(layer_start=span[0], layer_end=span[1]))
+        hello = _hello(ticket=_ticket(layer_start=span[0], layer_end=span[1]))
 
         action = _feed(connection, hello, 1)
 
-        assert action == AcceptHello(
-            hello, Binding(JOB, Role.COORDINATOR, NODE, MODEL, *expected, expires_at=NOW + 600)
-        )
+        binding = Binding(JOB, Role.COORDINATOR, NODE, MODEL, *expected, NOW + 600, COORDINATOR_PUB)
+        assert action == AcceptHello(hello, binding)
         assert connection.binding.key == (MODEL, *expected)
 
 
@@ -420,9 +444,9 @@ def test_a_ticket_for_a_span_no_stage_serves_is_refused_against_the_primary_stag
 
 def test_a_stage_being_released_refuses_a_new_job_and_admits_the_jobs_open_on_it():
     refused_hello = _feed(Connection([NEW, _old(accepting=False)], LIMITS), _hello(), 1)
-    open_job = Connection([NEW, _old(accepting=False, jobs=frozenset({JOB}))], LIMITS)
+    open_job = Connection([NEW, _old(accepting=False, jobs={JOB: COORDINATOR_PUB})], LIMITS)
     peer = _feed(open_job, _hello(role="peer"), 1)
-    reconnect = _feed(Connection([NEW, _old(accepting=False, jobs=frozenset({JOB}))], LIMITS), _hello(), 1)
+    reconnect = _feed(Connection([NEW, _old(accepting=False, jobs={JOB: COORDINATOR_PUB})], LIMITS), _hello(), 1)
 
     assert refused_hello == Refuse(
         "stage_draining",
@@ -437,7 +461,7 @@ def test_a_stage_being_released_refuses_a_new_job_and_admits_the_jobs_open_on_it
 
 
 def test_a_ring_peer_must_join_a_job_open_on_the_stage_its_ticket_names():
-    action = _feed(Connection([NEW, _old(jobs=frozenset({"other"}))], LIMITS), _hello(role="peer"), 1)
+    action = _feed(Connection([NEW, _old(jobs={"other": COORDINATOR_PUB})], LIMITS), _hello(role="peer"), 1)
 
     assert action == Refuse("unknown_job", f"no coordinator has opened job {JOB!r} here", ref=1, job=JOB, close=True)
 
@@ -454,3 +478,113 @@ def test_an_agent_serving_no_block_refuses_every_hello():
     action = _feed(Connection([], LIMITS), _hello(), 1)
 
     assert action == Refuse("not_serving", "this agent serves no block now", ref=1, job=JOB, close=True)
+
+
+# Tickets bound to the job: who may be the coordinator, and what the ring predecessor may do
+
+STRANGER = SigningKey(b"\x06" * 32)
+
+
+def test_a_stolen_coordinator_ticket_without_the_coordinator_key_is_refused():
+    ticket = _ticket()
+
+    no_proof = _feed(_connection(), wire.Hello(job=JOB, ticket=ticket), 1)
+    wrong_key = _feed(_connection(), _hello(ticket=ticket, proof=prove_coordinator(STRANGER, ticket, now=NOW)), 1)
+
+    assert no_proof == Refuse(
+        "proof_missing",
+        "HELLO as coordinator carries no proof of the job's coordinator key",
+        ref=1,
+        job=JOB,
+        close=True,
+    )
+    assert wrong_key == Refuse(
+        "proof_invalid",
+        "coordinator proof is not signed by the coordinator key the ticket names",
+        ref=1,
+        job=JOB,
+        close=True,
+    )
+
+
+def test_a_coordinator_proof_is_good_for_one_hello_on_the_stage():
+    nonces = ProofNonces()
+    hello = _hello()
+
+    first = Connection(ADMISSION, LIMITS, nonces=nonces)
+    replay = Connection(ADMISSION, LIMITS, nonces=nonces)
+
+    assert isinstance(_feed(first, hello, 1), AcceptHello)
+    assert _feed(replay, hello, 1) == Refuse(
+        "proof_replayed", "this coordinator proof was used before", ref=1, job=JOB, close=True
+    )
+
+
+def test_a_reused_successor_pass_cannot_say_hello_as_coordinator():
+    peer_pass = issue_peer_pass(COORDINATOR, _ticket())
+
+    action = _feed(_connection(coordinated_jobs={JOB: COORDINATOR_PUB}), wire.Hello(job=JOB, ticket=peer_pass), 1)
+
+    assert action == Refuse(
+        "ticket_untrusted", f"ticket is signed by an untrusted key {COORDINATOR_PUB.hex()}", ref=1, job=JOB, close=True
+    )
+
+
+def test_a_successor_pass_is_refused_once_its_job_has_ended_here():
+    action = _feed(_connection(coordinated_jobs={}), _hello(role="peer"), 1)
+
+    assert action == Refuse("unknown_job", f"no coordinator has opened job {JOB!r} here", ref=1, job=JOB, close=True)
+
+
+def test_a_peer_pass_signed_by_another_coordinator_key_is_refused():
+    action = _feed(_connection(coordinated_jobs={JOB: COORDINATOR_PUB}), _hello(role="peer", key=STRANGER), 1)
+
+    assert action == Refuse(
+        "ticket_untrusted", f"the peer pass is not signed by job {JOB!r}'s coordinator", ref=1, job=JOB, close=True
+    )
+
+
+def test_a_ticket_is_not_a_peer_pass():
+    action = _feed(_connection(coordinated_jobs={JOB: COORDINATOR_PUB}), _hello(role="peer", ticket=_ticket()), 1)
+
+    assert (action.code, action.close) == ("ticket_invalid", True)
+
+
+def test_a_second_coordinator_with_another_key_for_a_live_job_is_refused():
+    other = SigningKey(b"\x08" * 32)
+    ticket = _ticket(coordinator_key=bytes(other.verify_key))
+    connection = _connection(coordinated_jobs={JOB: COORDINATOR_PUB})
+
+    action = _feed(connection, _hello(ticket=ticket, key=other), 1)
+
+    assert action == Refuse(
+        "job_taken", f"job {JOB!r} is live here under another coordinator key", ref=1, job=JOB, close=True
+    )
+    assert connection.binding is None
+
+
+def test_the_jobs_coordinator_reconnecting_with_the_same_key_is_admitted():
+    connection = _connection(coordinated_jobs={JOB: COORDINATOR_PUB})
+
+    action = _feed(connection, _hello(), 1)
+
+    assert isinstance(action, AcceptHello)
+    assert action.binding.coordinator_key == COORDINATOR_PUB
+
+
+def test_a_bound_connection_is_closed_once_its_ticket_expires():
+    connection = _connection(coordinated_jobs={JOB: COORDINATOR_PUB})
+    assert isinstance(_feed(connection, _hello(ticket=_ticket(ttl_s=60)), 1), AcceptHello)
+
+    before = _feed(connection, wire.Open(JOB, ("s0",)), 2, now=NOW + 59)
+    after = _feed(connection, wire.Open(JOB, ("s1",)), 3, now=NOW + 60)
+
+    assert before == OpenSessions(2, JOB, ("s0",))
+    assert after == Refuse(
+        "ticket_expired",
+        f"the ticket this connection was admitted with expired at {NOW + 60:.3f}",
+        ref=3,
+        job=JOB,
+        close=True,
+    )
+    assert connection.state is State.CLOSED

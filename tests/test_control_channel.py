@@ -21,6 +21,7 @@ from marketplace.nodes import services
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
+from marketplace.placement.selectors import servable_pipelines
 from marketplace.placement.services import place_model
 from tests.factories import GIB, MODEL, db_snapshot, join_payload
 from worker_agent.control_protocol import control_signature
@@ -38,9 +39,13 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_PROTOCOL = 4400
 
 
-async def open_channel() -> tuple[WebsocketCommunicator, bytes]:
-    """Connect as an agent would; returns the channel and the server's challenge nonce."""
+AGENT_ADDRESS = "10.0.0.7"  # where the test agents' control channels come from
+
+
+async def open_channel(client: str = AGENT_ADDRESS) -> tuple[WebsocketCommunicator, bytes]:
+    """Connect as an agent would (from ``client``); returns the channel and the server's challenge nonce."""
     channel = WebsocketCommunicator(router, "/ws/agent/")
+    channel.scope["client"] = [client, 40000]
     connected, _ = await channel.connect(timeout=TIMEOUT_S)
     assert connected
     challenge = await channel.receive_json_from(timeout=TIMEOUT_S)
@@ -55,9 +60,9 @@ def auth_message(key, nonce: bytes, node_id: str) -> dict:
     return {"type": "auth", "node": node_id, "signature": control_signature(key, nonce, node_id)}
 
 
-async def authenticated(key, node_id: str) -> tuple[WebsocketCommunicator, dict]:
+async def authenticated(key, node_id: str, client: str = AGENT_ADDRESS) -> tuple[WebsocketCommunicator, dict]:
     """A channel past the handshake; returns it and the welcome."""
-    channel, nonce = await open_channel()
+    channel, nonce = await open_channel(client)
     await channel.send_json_to(auth_message(key, nonce, node_id))
     welcome = await channel.receive_json_from(timeout=TIMEOUT_S)
     assert welcome["type"] == "welcome", welcome
@@ -386,6 +391,71 @@ def test_a_ready_report_marks_the_assignment_ready_and_asks_for_link_probes(prov
     assert probe == {"type": "probe", "model": MODEL, "targets": [{"target": "region:local", "url": None}]}
 
 
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        (
+            "ws://10.0.0.99:9100",
+            "data URL 'ws://10.0.0.99:9100' must point at the address this agent connects from (10.0.0.7) "
+            "or a host allowed by SWARM_AGENT_URL_HOSTS",
+        ),
+        ("http://10.0.0.7:9100", "data URL 'http://10.0.0.7:9100' must use ws:// or wss://, not 'http'"),
+        ("ws://10.0.0.7:80", "data URL 'ws://10.0.0.7:80' must name a port in 1024-65535, not 80"),
+        ("ws://10.0.0.7", "data URL 'ws://10.0.0.7' must name a port in 1024-65535, not None"),
+        (
+            "ws://evil.example:9100",
+            "data URL 'ws://evil.example:9100' must point at the address this agent connects from (10.0.0.7) "
+            "or a host allowed by SWARM_AGENT_URL_HOSTS",
+        ),
+    ],
+    ids=["other_host", "bad_scheme", "low_port", "no_port", "unlisted_name"],
+)
+def test_a_ready_report_with_a_url_the_control_plane_will_not_route_to_fails_the_assignment(
+    provider, make_joined_node, swarm_settings, url, reason
+):
+    joined = make_joined_node(provider, max_layers=None)
+    (assignment,) = place_model(MODEL)
+
+    async def scenario():
+        channel, _ = await authenticated(joined.key, joined.node.node_id)
+        await channel.send_json_to({"type": "ready", "assignment": assignment.pk, "url": url})
+        error = await channel.receive_json_from(timeout=TIMEOUT_S)
+        await channel.disconnect()
+        return error
+
+    error = asyncio.run(scenario())
+
+    assert error == {"type": "error", "code": "invalid_data_url", "message": reason}
+    assignment.refresh_from_db()
+    assert (assignment.state, assignment.data_url, assignment.error) == (
+        AssignmentState.FAILED,
+        "",
+        f"invalid_data_url: {reason}",
+    )
+    assert servable_pipelines(MODEL) == []  # never routed to
+
+
+def test_a_ready_report_may_name_a_host_the_operator_allowed(provider, make_joined_node, swarm_settings):
+    swarm_settings.SWARM_AGENT_URL_HOSTS = ["agents.example.net"]
+    joined = make_joined_node(provider, max_layers=None)
+    (assignment,) = place_model(MODEL)
+
+    async def scenario():
+        channel, _ = await authenticated(joined.key, joined.node.node_id)
+        await channel.send_json_to(
+            {"type": "ready", "assignment": assignment.pk, "url": "wss://agents.example.net:8443/n1"}
+        )
+        probe = await channel.receive_json_from(timeout=TIMEOUT_S)
+        await channel.disconnect()
+        return probe
+
+    probe = asyncio.run(scenario())
+
+    assignment.refresh_from_db()
+    assert (assignment.state, assignment.data_url) == (AssignmentState.READY, "wss://agents.example.net:8443/n1")
+    assert probe["type"] == "probe"
+
+
 def test_a_ready_report_for_another_nodes_assignment_changes_nothing(
     provider, second_provider, make_joined_node, swarm_settings
 ):
@@ -397,7 +467,7 @@ def test_a_ready_report_for_another_nodes_assignment_changes_nothing(
     async def scenario():
         channel, _ = await authenticated(other.key, other.node.node_id)
         unchanged = await database_sync_to_async(lambda: list(Assignment.objects.order_by("pk").values()))()
-        await channel.send_json_to({"type": "ready", "assignment": assignment.pk, "url": "ws://evil:1"})
+        await channel.send_json_to({"type": "ready", "assignment": assignment.pk, "url": "ws://10.0.0.7:9100"})
         await settle(channel)
         await channel.disconnect()
         return unchanged

@@ -10,9 +10,11 @@ import asyncio
 import base64
 import json
 import signal
+import time
 import urllib.request
 
 import pytest
+from nacl.signing import SigningKey
 
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.nodes.tickets import ticket_for
@@ -53,16 +55,20 @@ def api(server, method: str, path: str, user: str, password: str, body: dict | N
 
 
 def generate_through(pipeline, job: str) -> list[int]:
+    key = SigningKey.generate()  # the job's coordinator key, as the runner makes one per job
+    grant = {"coordinator_key": bytes(key.verify_key), "expires_at": time.time() + 600}
     specs = [
         StageSpec(
             stage.data_url,
-            ticket_for(job=job, node=stage.node, model=MODEL, layer_start=stage.layer_start, layer_end=stage.layer_end),
+            ticket_for(
+                job=job, node=stage.node, model=MODEL, layer_start=stage.layer_start, layer_end=stage.layer_end, **grant
+            ),
         )
         for stage in pipeline
     ]
 
     async def run():
-        async with Coordinator(MODEL, specs, job=job) as coordinator:
+        async with Coordinator(MODEL, specs, job=job, coordinator_key=key) as coordinator:
             result = await coordinator.generate(
                 coordinator.request("What is the capital of France?", chat=True, max_tokens=12)
             )

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 
 import pytest
+from nacl.signing import SigningKey
 
 from worker_agent import model as models
 from worker_agent.block import Block
@@ -62,11 +63,22 @@ async def stages(spans, *, rogue: int | None = None):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+COORDINATOR_KEY = SigningKey(b"\x05" * 32)  # the job's coordinator key, which every ticket names
+
+
 def specs_for(urls, servers, issuer, job):
     return [
         StageSpec(
             url,
-            issue_ticket(issuer, job=job, node=s.node, model=MODEL, layer_start=s.layer_start, layer_end=s.layer_end),
+            issue_ticket(
+                issuer,
+                job=job,
+                node=s.node,
+                model=MODEL,
+                layer_start=s.layer_start,
+                layer_end=s.layer_end,
+                coordinator_key=bytes(COORDINATOR_KEY.verify_key),
+            ),
         )
         for url, s in zip(urls, servers, strict=True)
     ]
@@ -75,7 +87,9 @@ def specs_for(urls, servers, issuer, job):
 async def generate(spans, *, rogue=None, topology="ring"):
     async with stages(spans, rogue=rogue) as (urls, servers, issuer):
         specs = specs_for(urls, servers, issuer, "job-verify")
-        async with Coordinator(MODEL, specs, job="job-verify", topology=topology) as coordinator:
+        async with Coordinator(
+            MODEL, specs, job="job-verify", topology=topology, coordinator_key=COORDINATOR_KEY
+        ) as coordinator:
             return await coordinator.generate(coordinator.request("Hello", max_tokens=5))
 
 

@@ -44,7 +44,13 @@ def test_twenty_thousand_fuzzed_frames_neither_crash_hang_nor_grow_an_agent():
             results = await asyncio.gather(
                 *(
                     fuzz_connection(
-                        swarm.urls[0], job=job, ticket=ticket, seed=SEED + i, count=FRAMES // 4, hello=i < 2
+                        swarm.urls[0],
+                        job=job,
+                        ticket=ticket,
+                        key=swarm.coordinator_key(job),
+                        seed=SEED + i,
+                        count=FRAMES // 4,
+                        hello=i < 2,
                     )
                     for i in range(4)
                 )

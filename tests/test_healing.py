@@ -86,7 +86,9 @@ def reference(swarm: Swarm, sampling: SamplingParams | None = None) -> list[int]
 
     async def main():
         job = f"job-reference-{uuid.uuid4().hex[:8]}"
-        async with Coordinator(MODEL, swarm.specs(job), job=job) as coordinator:
+        async with Coordinator(
+            MODEL, swarm.specs(job), job=job, coordinator_key=swarm.local.coordinator_key(job)
+        ) as coordinator:
             request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS, sampling=sampling)
             return (await _run(coordinator, request)).token_ids
 
@@ -120,6 +122,7 @@ def broken_run(
             topology=topology,
             healer=swarm.healer(job),
             stall_timeout_s=STALL_S,
+            coordinator_key=swarm.local.coordinator_key(job),
         ) as coordinator:
             request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS, sampling=sampling)
             return await _run(coordinator, request, on_token)
@@ -195,7 +198,12 @@ def test_without_a_spare_the_request_ends_with_a_clear_error(swarm):
 
     async def main():
         async with Coordinator(
-            MODEL, swarm.specs(job), job=job, healer=swarm.healer(job, spans=[]), stall_timeout_s=STALL_S
+            MODEL,
+            swarm.specs(job),
+            job=job,
+            healer=swarm.healer(job, spans=[]),
+            stall_timeout_s=STALL_S,
+            coordinator_key=swarm.local.coordinator_key(job),
         ) as coordinator:
             request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS)
             await _run(coordinator, request, lambda count: seen.append(count) or (count == 4 and kill()))

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from nacl.signing import SigningKey
 
 from tests.wire_client import raw_client
 from worker_agent import control_protocol as protocol
@@ -83,9 +84,21 @@ class Swarm:
         self.agent.trusted_key = public_key_bytes(self.issuer)
         self.channel = RecordingChannel()
         self.plain: dict[tuple[int, int], tuple[str, Stage]] = {}
+        self.coordinator_keys: dict[str, SigningKey] = {}  # job -> its coordinator key
+
+    def coordinator_key(self, job: str) -> SigningKey:
+        return self.coordinator_keys.setdefault(job, SigningKey.generate())
 
     def ticket(self, job: str, node: str, span: tuple[int, int]) -> bytes:
-        return issue_ticket(self.issuer, job=job, node=node, model=MODEL, layer_start=span[0], layer_end=span[1])
+        return issue_ticket(
+            self.issuer,
+            job=job,
+            node=node,
+            model=MODEL,
+            layer_start=span[0],
+            layer_end=span[1],
+            coordinator_key=bytes(self.coordinator_key(job).verify_key),
+        )
 
     def spec(self, job: str, span: tuple[int, int], *, on_agent: bool) -> StageSpec:
         if on_agent:
@@ -95,7 +108,7 @@ class Swarm:
 
     def coordinator(self, job: str, *, agent_spans: set[tuple[int, int]]) -> Coordinator:
         specs = [self.spec(job, span, on_agent=span in agent_spans) for span in ((0, 3), (3, 6))]
-        return Coordinator(MODEL, specs, job=job)
+        return Coordinator(MODEL, specs, job=job, coordinator_key=self.coordinator_key(job))
 
     async def assign(self, assignment: int, span: tuple[int, int]) -> None:
         message = protocol.Assign(assignment=assignment, model=MODEL, layer_start=span[0], layer_end=span[1])
@@ -103,7 +116,7 @@ class Swarm:
 
     async def hello(self, job: str, span: tuple[int, int]) -> wire.Message:
         async with raw_client(self.url) as client:
-            return await client.hello(job, self.ticket(job, self.node, span))
+            return await client.hello(job, self.ticket(job, self.node, span), key=self.coordinator_key(job))
 
     def spans_held(self) -> list[tuple[int, int]]:
         return [(b.stage.layer_start, b.stage.layer_end) for b in self.agent.blocks.values()]

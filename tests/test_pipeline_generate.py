@@ -105,7 +105,10 @@ def test_concurrent_sessions_match_single_runs_and_verify(smollm2_swarm):
         specs = [
             StageSpec(url, ticket) for url, ticket in zip(smollm2_swarm.urls, smollm2_swarm.tickets(job), strict=True)
         ]
-        async with Coordinator("smollm2-135m", specs, job=job, topology="ring") as coordinator:
+        coordinator_key = smollm2_swarm.coordinator_key(job)
+        async with Coordinator(
+            "smollm2-135m", specs, job=job, topology="ring", coordinator_key=coordinator_key
+        ) as coordinator:
             requests = [coordinator.request(p, chat=True, max_tokens=MAX_TOKENS) for p in PROMPTS * 2]
             return await asyncio.gather(*(coordinator.generate(r) for r in requests)), coordinator.assignments
 

@@ -5,7 +5,22 @@ import pytest
 from nacl.signing import SigningKey
 
 from worker_agent.errors import TicketError
-from worker_agent.tickets import MAX_TICKET_BYTES, SIGNING_CONTEXT, Ticket, issue_ticket, verify_ticket
+from worker_agent.tickets import (
+    MAX_TICKET_BYTES,
+    PEER_PASS_CONTEXT,
+    PROOF_WINDOW_S,
+    SIGNING_CONTEXT,
+    PeerPass,
+    ProofNonces,
+    Ticket,
+    check_coordinator_proof,
+    issue_peer_pass,
+    issue_ticket,
+    open_peer_pass,
+    prove_coordinator,
+    read_ticket,
+    verify_ticket,
+)
 
 pytestmark = pytest.mark.dataplane
 
@@ -13,11 +28,13 @@ NOW = 1_700_000_000.0
 ISSUER = SigningKey(b"\x01" * 32)
 STRANGER = SigningKey(b"\x02" * 32)
 TRUSTED = [bytes(ISSUER.verify_key)]
+COORDINATOR = SigningKey(b"\x03" * 32)  # the job's coordinator key, which its tickets name
+COORDINATOR_PUB = bytes(COORDINATOR.verify_key)
 AGENT = {"node": "node-aaaa", "model": "smollm2-135m", "layer_start": 0, "layer_end": 15}
 
 
 def _issue(**overrides) -> bytes:
-    fields = {"job": "job-1", **AGENT, "ttl_s": 600, "now": NOW, **overrides}
+    fields = {"job": "job-1", **AGENT, "coordinator_key": COORDINATOR_PUB, "ttl_s": 600, "now": NOW, **overrides}
     signing_key = fields.pop("signing_key", ISSUER)
     return issue_ticket(signing_key, **fields)
 
@@ -34,7 +51,7 @@ def _signed_envelope(body_fields: dict, key: SigningKey = ISSUER) -> bytes:
 
 
 def _valid_body(**overrides) -> dict:
-    return {"v": 1, "job": "job-1", **AGENT, "expires_at": NOW + 600, **overrides}
+    return {"v": 2, "job": "job-1", **AGENT, "coordinator_key": COORDINATOR_PUB, "expires_at": NOW + 600, **overrides}
 
 
 def _code(blob, **kwargs) -> str:
@@ -53,6 +70,7 @@ def test_valid_ticket_round_trips():
         layer_start=0,
         layer_end=15,
         expires_at=NOW + 600,
+        coordinator_key=COORDINATOR_PUB,
         issuer_key=bytes(ISSUER.verify_key),
     )
 
@@ -64,6 +82,7 @@ def test_issued_ticket_has_the_documented_wire_form():
     assert outer["key"] == bytes(ISSUER.verify_key)
     assert len(outer["sig"]) == 64
     assert list(msgpack.unpackb(outer["body"])) == [
+        "coordinator_key",
         "expires_at",
         "job",
         "layer_end",
@@ -72,7 +91,7 @@ def test_issued_ticket_has_the_documented_wire_form():
         "node",
         "v",
     ]
-    assert msgpack.unpackb(outer["body"])["v"] == 1
+    assert msgpack.unpackb(outer["body"])["v"] == 2
     ISSUER.verify_key.verify(SIGNING_CONTEXT + outer["body"], outer["sig"])
 
 
@@ -156,13 +175,13 @@ def test_receipt_style_signature_over_the_body_is_not_a_ticket_signature():
     assert _code(blob) == "ticket_invalid"
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", True, None])
+@pytest.mark.parametrize("version", [0, 1, 3, "2", True, None])
 def test_ticket_with_an_unsupported_version_is_invalid(version):
     with pytest.raises(TicketError) as err:
         _verify(_signed_envelope(_valid_body(v=version)))
 
     assert err.value.code == "ticket_invalid"
-    assert str(err.value) == f"ticket version {version!r} is not supported (expected 1)"
+    assert str(err.value) == f"ticket version {version!r} is not supported (expected 2)"
 
 
 @pytest.mark.parametrize(
@@ -177,6 +196,8 @@ def test_ticket_with_an_unsupported_version_is_invalid(version):
         {"expires_at": "later"},
         {"expires_at": float("inf")},
         {"expires_at": float("nan")},
+        {"coordinator_key": bytes(31)},
+        {"coordinator_key": COORDINATOR_PUB.hex()},
         {"extra": 1},
     ],
     ids=repr,
@@ -306,7 +327,15 @@ def test_random_msgpack_maps_with_the_right_keys_only_ever_raise_ticket_error():
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"job": ""}, {"node": 3}, {"layer_start": 5, "layer_end": 5}, {"layer_start": -1}, {"ttl_s": 0}],
+    [
+        {"job": ""},
+        {"node": 3},
+        {"layer_start": 5, "layer_end": 5},
+        {"layer_start": -1},
+        {"ttl_s": 0},
+        {"coordinator_key": b"short"},
+        {"expires_at": float("inf")},
+    ],
     ids=repr,
 )
 def test_issue_ticket_refuses_bad_arguments(overrides):
@@ -314,3 +343,116 @@ def test_issue_ticket_refuses_bad_arguments(overrides):
         _issue(**overrides)
 
     assert err.value.code == "ticket_invalid"
+
+
+def test_a_ticket_expires_at_the_deadline_it_was_given():
+    blob = _issue(expires_at=NOW + 90)
+
+    assert _verify(blob, now=NOW + 89).expires_at == NOW + 90
+    assert _code(blob, now=NOW + 90) == "ticket_expired"
+
+
+# Coordinator proofs: a ticket is not a bearer token.
+
+
+def _check_proof(proof, blob, *, now=NOW + 1, nonces=None) -> None:
+    check_coordinator_proof(proof, blob, read_ticket(blob), now=now, nonces=nonces or ProofNonces())
+
+
+def _proof_code(proof, blob, **kwargs) -> str:
+    with pytest.raises(TicketError) as err:
+        _check_proof(proof, blob, **kwargs)
+    return err.value.code
+
+
+def test_a_proof_by_the_coordinator_key_the_ticket_names_is_accepted_once():
+    blob = _issue()
+    proof = prove_coordinator(COORDINATOR, blob, now=NOW)
+    nonces = ProofNonces()
+
+    _check_proof(proof, blob, nonces=nonces)
+    with pytest.raises(TicketError) as err:
+        _check_proof(proof, blob, nonces=nonces)
+
+    assert err.value.code == "proof_replayed"
+    assert str(err.value) == "this coordinator proof was used before"
+
+
+def test_a_stolen_ticket_without_the_coordinator_key_is_refused():
+    blob = _issue()
+
+    assert _proof_code(None, blob) == "proof_missing"
+    assert _proof_code(prove_coordinator(STRANGER, blob, now=NOW), blob) == "proof_invalid"
+    assert _proof_code(prove_coordinator(ISSUER, blob, now=NOW), blob) == "proof_invalid"
+
+
+def test_a_proof_for_one_stages_ticket_is_refused_with_another_stages_ticket():
+    mine, theirs = _issue(), _issue(node="node-bbbb")
+
+    assert _proof_code(prove_coordinator(COORDINATOR, theirs, now=NOW), mine) == "proof_invalid"
+
+
+@pytest.mark.parametrize("skew", [-PROOF_WINDOW_S - 1, PROOF_WINDOW_S + 1])
+def test_a_proof_dated_outside_the_window_is_refused(skew):
+    blob = _issue()
+
+    assert _proof_code(prove_coordinator(COORDINATOR, blob, now=NOW + skew), blob, now=NOW) == "proof_stale"
+
+
+@pytest.mark.parametrize(
+    "proof",
+    [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"at": NOW, "nonce": b"x", "sig": bytes(64)}), bytes(300)],
+    ids=repr,
+)
+def test_a_malformed_proof_is_refused(proof):
+    assert _proof_code(proof, _issue()) in {"proof_invalid", "ticket_invalid"}
+
+
+# Peer passes: what the previous ring stage holds.
+
+
+def test_a_peer_pass_names_the_successor_and_expires_with_its_ticket():
+    successor = _issue(node="node-bbbb", layer_start=15, layer_end=30, ttl_s=120)
+
+    grant = open_peer_pass(issue_peer_pass(COORDINATOR, successor), now=NOW + 1)
+
+    assert grant == PeerPass(
+        job="job-1",
+        node="node-bbbb",
+        model="smollm2-135m",
+        layer_start=15,
+        layer_end=30,
+        expires_at=NOW + 120,
+        coordinator_key=COORDINATOR_PUB,
+    )
+    with pytest.raises(TicketError) as err:
+        open_peer_pass(issue_peer_pass(COORDINATOR, successor), now=NOW + 120)
+    assert err.value.code == "ticket_expired"
+
+
+def test_a_coordinator_signs_no_peer_pass_for_a_ticket_naming_another_coordinator():
+    with pytest.raises(TicketError) as err:
+        issue_peer_pass(STRANGER, _issue())
+
+    assert err.value.code == "ticket_invalid"
+
+
+def test_a_ticket_is_not_a_peer_pass_and_a_peer_pass_is_not_a_ticket():
+    ticket = _issue()
+    peer_pass = issue_peer_pass(COORDINATOR, ticket)
+
+    with pytest.raises(TicketError):
+        open_peer_pass(ticket, now=NOW + 1)
+    assert _code(peer_pass, trusted=[COORDINATOR_PUB]) == "ticket_invalid"
+
+
+def test_a_peer_pass_with_an_edited_body_is_refused():
+    outer = msgpack.unpackb(issue_peer_pass(COORDINATOR, _issue()))
+    body = msgpack.unpackb(outer["body"])
+    body["node"] = "node-cccc"
+    outer["body"] = msgpack.packb(dict(sorted(body.items())))
+
+    with pytest.raises(TicketError) as err:
+        open_peer_pass(msgpack.packb(outer), now=NOW + 1)
+    assert str(err.value) == "peer pass signature does not verify"
+    assert PEER_PASS_CONTEXT != SIGNING_CONTEXT

@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
+from nacl.signing import SigningKey
 from websockets.asyncio.client import ClientConnection, connect
 
 from worker_agent import wire
+from worker_agent.tickets import prove_coordinator
 
 REPLY_TIMEOUT_S = 30.0
 
@@ -57,9 +59,28 @@ class RawClient:
         return (await self.recv_frame()).message
 
     async def hello(
-        self, job: str, ticket: bytes | None, *, role: str = "coordinator", topology: str = "star"
+        self,
+        job: str,
+        ticket: bytes | None,
+        *,
+        role: str = "coordinator",
+        topology: str = "star",
+        key: SigningKey | None = None,
+        next_url: str | None = None,
+        next_ticket: bytes | None = None,
     ) -> wire.Message:
-        await self.send(wire.Hello(job=job, role=role, ticket=ticket, topology=topology))
+        """Say HELLO; with ``key`` (the job's coordinator key) it carries a fresh proof of that key."""
+        proof = prove_coordinator(key, ticket) if key is not None and ticket is not None else None
+        hello = wire.Hello(
+            job=job,
+            role=role,
+            ticket=ticket,
+            topology=topology,
+            proof=proof,
+            next_url=next_url,
+            next_ticket=next_ticket,
+        )
+        await self.send(hello)
         return await self.recv()
 
     async def ping(self, nonce: int) -> wire.Message:

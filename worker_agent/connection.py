@@ -11,16 +11,23 @@ every rule that depends only on the connection itself:
 - the replay guard: each frame's seq must be above the last one accepted (gaps are allowed);
 - HELLO first: only PING and HELLO are answered before a HELLO has been accepted;
 - admission: an agent may serve several stages on one port (a new block loads while the old one
-  finishes its jobs); the HELLO's ticket names which one (model and layer span), is verified
-  against that stage (node, model, layer span) at the time it is fed with, and the connection is
-  bound to the ticket's job, node, model and span, so to that stage alone for its whole life. A
-  stage being released takes no new job: only a HELLO for a job already open on it (a ring peer, a
-  coordinator reconnecting) is admitted. Without tickets (``--insecure-open``) a HELLO binds to the
-  primary stage, the first of the admissions;
-- roles: a ``coordinator`` may open, forward and close; a ring ``peer`` may only forward, and
-  only for a job whose coordinator is already connected here;
+  finishes its jobs); the HELLO's ticket (or peer pass) names which one (model and layer span), is
+  verified against that stage (node, model, layer span) at the time it is fed with, and the
+  connection is bound to its job, node, model and span, so to that stage alone for its whole life.
+  A stage being released takes no new job: only a HELLO for a job already open on it (a ring peer,
+  a coordinator reconnecting) is admitted. Without tickets (``--insecure-open``) a HELLO binds to
+  the primary stage, the first of the admissions;
+- who is the coordinator: a ``coordinator`` HELLO carries a ticket from a trusted issuer and a
+  fresh proof (``tickets.check_coordinator_proof``) that it holds the coordinator key the ticket
+  names. While a job is live here, a coordinator HELLO for it must prove that same key (the job's
+  coordinator reconnecting after a heal); any other key is refused (``job_taken``);
+- roles: a ``coordinator`` may open, forward and close; a ring ``peer`` may only forward, only
+  for a job whose coordinator is connected here, and only with a peer pass signed by that job's
+  coordinator key for this stage;
 - job binding: a frame for another job than the one bound is refused;
-- which refusals keep the connection usable (every bad frame) and which close it (a failed HELLO).
+- expiry: a connection's grant ends when its ticket (or peer pass) expires, with the job's deadline;
+- which refusals keep the connection usable (every bad frame) and which close it (a failed HELLO,
+  a frame after the grant expired).
 
 What the stage says about sessions (unknown, evicted, out of order, full) stays in ``stage.py``;
 the adapter turns those errors into refusals with ``refused``.
@@ -29,12 +36,18 @@ the adapter turns those errors into refusals with ``refused``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Container, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker_agent import wire
 from worker_agent.errors import SwarmError, TicketError, WireError
-from worker_agent.tickets import check_ticket_target, open_ticket
+from worker_agent.tickets import (
+    ProofNonces,
+    check_coordinator_proof,
+    check_ticket_target,
+    open_peer_pass,
+    open_ticket,
+)
 
 StageKey = tuple[str, int, int]  # (model, layer_start, layer_end): which of an agent's stages
 
@@ -72,9 +85,10 @@ class Admission:
     trusted_keys: frozenset[bytes]  # 32-byte ed25519 keys whose tickets are accepted
     insecure_open: bool = False  # development only: accept a HELLO without a ticket
     accepting: bool = True  # False while the stage is released: a HELLO must be for a job open on it
-    # Jobs whose coordinator is connected to this stage (a live view, read here, never changed);
-    # None: the connection's ``coordinated_jobs``.
-    jobs: Container[str] | None = field(default=None, compare=False, repr=False)
+    # Jobs whose coordinator is connected to this stage, each with that coordinator's public key
+    # (None on an insecure-open stage): a live view, read here, never changed; None: the
+    # connection's ``coordinated_jobs``.
+    jobs: Mapping[str, bytes | None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> StageKey:
@@ -91,7 +105,8 @@ class Binding:
     model: str  # the model the ticket names (this stage's)
     layer_start: int  # the span the ticket names (this stage's), inclusive
     layer_end: int  # end of that span, exclusive
-    expires_at: float | None  # unix seconds the ticket expires at; None on an insecure-open stage
+    expires_at: float | None  # unix seconds the ticket (or peer pass) expires at; None on an insecure-open stage
+    coordinator_key: bytes | None = None  # the job's coordinator key the ticket or pass names; None if insecure-open
 
     @property
     def key(self) -> StageKey:
@@ -117,7 +132,7 @@ class Refuse:
     ref: int | None  # seq of the refused frame, when it could be read
     job: str | None = None  # the job the refused frame named, if any
     session: str | None = None  # the first session the refused frame named, if any
-    close: bool = False  # True only for a refused HELLO: the connection is closed after the ERROR
+    close: bool = False  # a refused HELLO or an expired grant: the connection is closed after the ERROR
     kind: ActionKind = field(default=ActionKind.REFUSE, init=False)
 
     def to_wire(self) -> wire.Error:
@@ -185,15 +200,18 @@ class Connection:
         admission: Admission | Sequence[Admission],
         limits: Limits,
         *,
-        coordinated_jobs: Container[str] = frozenset(),
+        coordinated_jobs: Mapping[str, bytes | None] | None = None,
+        nonces: ProofNonces | None = None,
     ) -> None:
         # The stages a HELLO may bind to, the primary first. Read when the HELLO comes, so a server
         # may hand over a sequence it keeps up to date as stages come and go.
         self.admissions: Sequence[Admission] = (admission,) if isinstance(admission, Admission) else admission
         self.limits = limits
-        # Jobs whose coordinator is connected to this stage (read, never changed, here): a ring
-        # peer may only join one of them.
-        self.coordinated_jobs = coordinated_jobs
+        # Jobs whose coordinator is connected to this stage, with its key (read, never changed,
+        # here): a ring peer may only join one of them, a second coordinator only with that key.
+        self.coordinated_jobs: Mapping[str, bytes | None] = coordinated_jobs if coordinated_jobs is not None else {}
+        # The coordinator proofs accepted so far (shared by a server's connections): each is good once.
+        self.nonces = nonces if nonces is not None else ProofNonces()
         self.state = State.AWAITING_HELLO
         self.binding: Binding | None = None
         self.last_seq = 0  # the highest seq accepted so far; 0 before the first frame
@@ -231,6 +249,12 @@ class Connection:
         message = frame.message
         if isinstance(message, wire.Hello):
             return self._hello(message, frame.seq, now)
+        expires_at = self.binding.expires_at if self.binding is not None else None
+        if expires_at is not None and now >= expires_at and not isinstance(message, wire.Ping):
+            # The grant dies with the job's deadline, even on a connection opened before it.
+            self.state = State.CLOSED
+            message_text = f"the ticket this connection was admitted with expired at {expires_at:.3f}"
+            return Refuse("ticket_expired", message_text, ref=frame.seq, job=getattr(message, "job", None), close=True)
         try:
             return self._dispatch(message, frame.seq)
         except SwarmError as exc:
@@ -280,6 +304,12 @@ class Connection:
         jobs = stage.jobs if stage.jobs is not None else self.coordinated_jobs
         if binding.role is Role.PEER and hello.job not in jobs:
             raise TicketError(f"no coordinator has opened job {hello.job!r} here", code="unknown_job")
+        if binding.coordinator_key is not None and hello.job in jobs and jobs[hello.job] != binding.coordinator_key:
+            if binding.role is Role.PEER:
+                raise TicketError(
+                    f"the peer pass is not signed by job {hello.job!r}'s coordinator", code="ticket_untrusted"
+                )
+            raise TicketError(f"job {hello.job!r} is live here under another coordinator key", code="job_taken")
         if not stage.accepting and hello.job not in jobs:
             raise TicketError(
                 f"{stage.model} layers [{stage.layer_start}, {stage.layer_end}) is being released here "
@@ -289,7 +319,8 @@ class Connection:
         return binding
 
     def _verify(self, hello: wire.Hello, now: float) -> tuple[Binding, Admission]:
-        """The binding a HELLO's ticket grants, and the stage it binds to; raises TicketError (fails closed)."""
+        """The binding a HELLO's ticket or peer pass grants, and the stage it binds to; raises
+        TicketError (fails closed)."""
         stages = tuple(self.admissions)
         if not stages:
             raise TicketError("this agent serves no block now", code="not_serving")
@@ -301,24 +332,34 @@ class Connection:
             raise TicketError(
                 "HELLO carries no job ticket and this agent is not --insecure-open", code="ticket_missing"
             )
-        ticket = open_ticket(hello.ticket, frozenset().union(*(s.trusted_keys for s in stages)), now=now)
-        named = (ticket.model, ticket.layer_start, ticket.layer_end)
-        # The stage the ticket names, trusting its issuer; else the primary, which refuses it below.
-        us = next((s for s in stages if s.key == named and ticket.issuer_key in s.trusted_keys), primary)
-        if ticket.issuer_key not in us.trusted_keys:
-            untrusted = ticket.issuer_key.hex()
-            raise TicketError(f"ticket is signed by an untrusted key {untrusted}", code="ticket_untrusted")
-        check_ticket_target(ticket, node=us.node, model=us.model, layer_start=us.layer_start, layer_end=us.layer_end)
-        if ticket.job != hello.job:
-            raise TicketError(f"ticket is for job {ticket.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
+        if hello.role == Role.PEER:
+            grant = open_peer_pass(hello.ticket, now=now)
+            # A pass is signed by the job's coordinator, not an issuer: the stage is the one it names.
+            named = (grant.model, grant.layer_start, grant.layer_end)
+            us = next((s for s in stages if s.key == named), primary)
+        else:
+            grant = open_ticket(hello.ticket, frozenset().union(*(s.trusted_keys for s in stages)), now=now)
+            named = (grant.model, grant.layer_start, grant.layer_end)
+            # The stage the ticket names, trusting its issuer; else the primary, which refuses it below.
+            us = next((s for s in stages if s.key == named and grant.issuer_key in s.trusted_keys), primary)
+            if grant.issuer_key not in us.trusted_keys:
+                untrusted = grant.issuer_key.hex()
+                raise TicketError(f"ticket is signed by an untrusted key {untrusted}", code="ticket_untrusted")
+        check_ticket_target(grant, node=us.node, model=us.model, layer_start=us.layer_start, layer_end=us.layer_end)
+        if grant.job != hello.job:
+            raise TicketError(f"ticket is for job {grant.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
+        if hello.role == Role.COORDINATOR:
+            # Last: a proof's nonce is remembered only once everything else about the HELLO held.
+            check_coordinator_proof(hello.proof, hello.ticket, grant, now=now, nonces=self.nonces)
         return Binding(
-            ticket.job,
+            grant.job,
             Role(hello.role),
-            ticket.node,
-            ticket.model,
-            ticket.layer_start,
-            ticket.layer_end,
-            ticket.expires_at,
+            grant.node,
+            grant.model,
+            grant.layer_start,
+            grant.layer_end,
+            grant.expires_at,
+            grant.coordinator_key,
         ), us
 
 

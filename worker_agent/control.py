@@ -4,7 +4,11 @@
 
 Joining registers the node key (proving possession with a signature over the one-time
 token), the hardware and a measured benchmark, and saves ``<key>.join.json`` so that a
-restarted agent reconnects without a token. The control channel (a WebSocket) opens with a
+restarted agent reconnects without a token. The join's answer names the control plane's
+ticket-signing key, which the agent pins in that file: a control channel whose Welcome names
+another key is refused (logged as an error), so whoever can reach or impersonate the channel
+cannot make the agent trust their tickets. In production give ``--control-plane https://...``:
+the join then runs over TLS and the control channel is ``wss://``. The control channel (a WebSocket) opens with a
 signed answer to the server's fresh nonce; over it the agent sends heartbeats with its load and
 receives assignments (model + layer span: it loads that block and serves it on its data-plane
 port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers). Seeded
@@ -30,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -75,6 +80,10 @@ class JoinState:
     node: str
     control_url: str
     heartbeat_interval_s: float
+    # The control plane's ticket-signing public key (64 hex characters), pinned from the join's
+    # answer: the control channel's Welcome must name this key. Empty in a state saved before keys
+    # were pinned (the agent then trusts the Welcome's key and says so; join again to pin it).
+    ticket_key: str = ""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -182,7 +191,10 @@ def register(
     )
     if reply.get("node") != node_id(public_key_bytes(signing_key)):
         raise JoinError(f"the control plane registered node {reply.get('node')!r}, not this key's")
-    return JoinState(base, reply["node"], reply["control_url"], float(reply["heartbeat_interval_s"]))
+    ticket_key = reply.get("ticket_key")
+    if not (isinstance(ticket_key, str) and re.fullmatch(r"[0-9a-f]{64}", ticket_key)):
+        raise JoinError(f"the control plane's join answer names no valid ticket key: {ticket_key!r}")
+    return JoinState(base, reply["node"], reply["control_url"], float(reply["heartbeat_interval_s"]), ticket_key)
 
 
 class Agent:
@@ -222,6 +234,23 @@ class Agent:
         self._tasks: set[asyncio.Task] = set()
         if cheat is not None:
             log.warning("\n%s", warning_banner(cheat))
+
+    def _ticket_key(self, offered: str) -> bytes:
+        """The ticket-signing key to trust: the Welcome's, which must be the one pinned at join."""
+        pinned = self.state.ticket_key
+        if not pinned:
+            log.warning(
+                "no ticket key was pinned at join; trusting the control channel's %s (join again to pin it)", offered
+            )
+            return bytes.fromhex(offered)
+        if offered.lower() != pinned.lower():
+            log.error(
+                "the control channel names ticket key %s, not the %s pinned at join: refusing it", offered, pinned
+            )
+            raise SwarmError(
+                "the control channel's ticket key is not the one pinned at join", code="ticket_key_mismatch"
+            )
+        return bytes.fromhex(pinned)
 
     async def run(self) -> None:
         """Stay connected (reconnecting with backoff) until told to stop."""
@@ -268,7 +297,7 @@ class Agent:
         if not isinstance(welcome, protocol.Welcome):
             reason = welcome.message if isinstance(welcome, protocol.Error) else f"a {welcome.TYPE} message"
             raise SwarmError(f"control plane refused the handshake: {reason}", code="handshake")
-        self.trusted_key = bytes.fromhex(welcome.ticket_key)
+        self.trusted_key = self._ticket_key(welcome.ticket_key)
         log.info("control channel up as %s (state %s)", welcome.node, welcome.state)
         heartbeat = asyncio.create_task(self._heartbeats(ws, welcome.heartbeat_interval_s))
         try:

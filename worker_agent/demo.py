@@ -23,7 +23,9 @@ from worker_agent.model import load_head, load_tokenizer, n_layers, resolve_chec
 async def run(swarm: LocalSwarm, model: str, prompt: str, max_tokens: int, topology: str) -> GenerationResult:
     job = f"job-{uuid.uuid4().hex[:12]}"
     specs = [StageSpec(url, ticket) for url, ticket in zip(swarm.urls, swarm.tickets(job), strict=True)]
-    async with Coordinator(model, specs, job=job, topology=topology) as coordinator:
+    async with Coordinator(
+        model, specs, job=job, topology=topology, coordinator_key=swarm.coordinator_key(job)
+    ) as coordinator:
         print(
             f"\njob {job}, {topology} topology: coordinator -> "
             + " -> ".join(f"{a.node}[{a.layer_start}:{a.layer_end}]" for a in swarm.agents)

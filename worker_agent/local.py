@@ -4,7 +4,8 @@ Used by ``make demo``, the benchmarks and the tests; also handy for trying a spl
 
     with LocalSwarm("smollm2-135m", spans=[(0, 10), (10, 20), (20, 30)]) as swarm:
         print(swarm.urls)          # ws://127.0.0.1:PORT for each stage, in layer order
-        swarm.tickets("job-1")     # tickets signed by the swarm's own issuer key
+        swarm.tickets("job-1")     # tickets signed by the swarm's own issuer key, naming
+        swarm.coordinator_key("job-1")  # the job's coordinator key, to hand to the Coordinator
 
 Each agent gets its own node key and trusts the swarm's issuer key; ports are picked by the
 OS and read back from each agent's READY line.
@@ -23,6 +24,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from nacl.signing import SigningKey
 
 from worker_agent.keys import generate_signing_key, load_signing_key, node_id, public_key_bytes, write_key
 from worker_agent.tickets import ticket_for_stage
@@ -75,17 +78,25 @@ class LocalSwarm:
             write_key(issuer, generate_signing_key())
         self.issuer_key = load_signing_key(issuer)
         self.issuer_pub = self.workdir / "issuer.key.pub"
+        self._coordinator_keys: dict[str, SigningKey] = {}  # job -> its coordinator key
 
     @property
     def urls(self) -> list[str]:
         return [agent.url for agent in self.agents]
 
-    def tickets(self, job: str, ttl_s: float = 3600) -> list[bytes]:
+    def coordinator_key(self, job: str) -> SigningKey:
+        """The coordinator key of ``job`` (made on first use): the one its tickets name."""
+        return self._coordinator_keys.setdefault(job, SigningKey.generate())
+
+    def tickets(self, job: str, ttl_s: float = 600) -> list[bytes]:
         return [self.ticket(job, a, ttl_s) for a in self.agents]
 
-    def ticket(self, job: str, agent: Agent | dict, ttl_s: float = 3600) -> bytes:
-        """A ticket for one agent, given as an ``Agent`` or as its PING info (node, model, span)."""
-        return ticket_for_stage(self.issuer_key, job, agent if isinstance(agent, dict) else vars(agent), ttl_s)
+    def ticket(self, job: str, agent: Agent | dict, ttl_s: float = 600) -> bytes:
+        """A ticket for one agent, given as an ``Agent`` or as its PING info (node, model, span),
+        naming the job's coordinator key."""
+        identity = agent if isinstance(agent, dict) else vars(agent)
+        coordinator = bytes(self.coordinator_key(job).verify_key)
+        return ticket_for_stage(self.issuer_key, job, identity, coordinator_key=coordinator, ttl_s=ttl_s)
 
     def node_keys(self) -> list[bytes]:
         return [public_key_bytes(load_signing_key(self.workdir / f"node{i}.key")) for i in range(len(self.spans))]

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -62,6 +62,7 @@ from worker_agent.connection import (
 )
 from worker_agent.errors import SwarmError, WireError
 from worker_agent.stage import Output, Prepared, Stage
+from worker_agent.tickets import ProofNonces
 from worker_agent.wan import WanLink, WanProfile
 
 log = logging.getLogger("swarm.worker")
@@ -107,10 +108,27 @@ class JobRoute:
     coordinator: Conn
     topology: str
     next_url: str | None
-    next_ticket: bytes | None
+    next_ticket: bytes | None  # the successor's peer pass
+    coordinator_key: bytes | None = None  # the key the job's coordinator proved; None if insecure-open
     peer: Conn | None = None
     peer_ready: asyncio.Future | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+class CoordinatorKeys(Mapping[str, bytes | None]):
+    """A live view of a stage's jobs as the connection core reads them: job -> its coordinator's key."""
+
+    def __init__(self, jobs: dict[str, JobRoute]) -> None:
+        self._jobs = jobs
+
+    def __getitem__(self, job: str) -> bytes | None:
+        return self._jobs[job].coordinator_key
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
 
 
 def stage_key(stage: Stage) -> StageKey:
@@ -149,6 +167,7 @@ class StageServer:
         # What a HELLO may bind to, the primary first: one list kept up to date in place, which
         # every connection's core reads when its HELLO comes.
         self._admissions: list[Admission] = []
+        self._nonces = ProofNonces()  # coordinator proofs accepted on this port: each is good once
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._closing: set[asyncio.Task] = set()  # successor connections being dropped
         self._running = False
@@ -220,7 +239,7 @@ class StageServer:
                 trusted_keys=slot.stage.trusted_keys,
                 insecure_open=slot.stage.insecure_open,
                 accepting=slot.accepting,
-                jobs=slot.jobs,
+                jobs=CoordinatorKeys(slot.jobs),
             )
             for slot in ordered
         ]
@@ -264,7 +283,7 @@ class StageServer:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _handle(self, ws: ServerConnection) -> None:
-        core = Connection(self._admissions, self._limits())
+        core = Connection(self._admissions, self._limits(), nonces=self._nonces)
         conn = Conn(ws, self.wan, core)
         _cap_messages(ws, min(MAX_MESSAGE_BEFORE_HELLO, self.max_frame * 2))
         try:
@@ -338,12 +357,15 @@ class StageServer:
         slot.conns.add(conn)
         if action.binding.role is Role.COORDINATOR:
             old = slot.jobs.get(hello.job)
+            # The core admitted a second coordinator HELLO for a live job only with the same key.
             if old is not None:  # the coordinator reconnected: keep sessions, reroute outputs
                 old.coordinator = conn
                 if (old.topology, old.next_url, old.next_ticket) != (hello.topology, hello.next_url, hello.next_ticket):
                     await self._repoint(old, hello)
             else:
-                slot.jobs[hello.job] = JobRoute(conn, hello.topology, hello.next_url, hello.next_ticket)
+                slot.jobs[hello.job] = JobRoute(
+                    conn, hello.topology, hello.next_url, hello.next_ticket, action.binding.coordinator_key
+                )
                 slot.idle.clear()
         await conn.send(wire.Hello(job=hello.job, role="stage", topology=hello.topology, info=slot.stage.info()))
 
@@ -499,6 +521,9 @@ class StageServer:
             task.cancel()
         if route.peer is not None:
             self._drop_peer(route.peer)
+        # A ring peer's connection stays: it is bound to this job, whose sessions are gone, so it can
+        # forward into nothing unless the job's own coordinator (same key: a heal that closed its old
+        # connection first) opens sessions again; a new peer HELLO finds no job here.
 
     async def _sweep_loop(self) -> None:
         while True:

@@ -7,8 +7,9 @@ such a frame with an ERROR frame and keeps the connection when that is safe.
 
 Frame types (``MsgType``) and their replies:
 
-- HELLO     coordinator -> stage: the job ticket; the stage answers HELLO with its identity.
-            A stage also says HELLO to its ring successor (role ``peer``) with that stage's ticket.
+- HELLO     coordinator -> stage: the job ticket and a proof of the job's coordinator key; the
+            stage answers HELLO with its identity. A stage also says HELLO to its ring successor
+            (role ``peer``) with the peer pass the coordinator gave it for that successor.
 - OPEN      open sessions (KV caches) for the job; answered with OPEN.
 - FORWARD   hidden states of one or many tokens of one or many sessions.
 - RESULT    a stage's output, to the coordinator: the last stage's (the step's answer) and, in
@@ -86,7 +87,8 @@ class Hello:
     ticket: bytes | None = None  # signed job ticket (tickets.py); None only on --insecure-open agents
     topology: str = "star"  # "ring" or "star"
     next_url: str | None = None  # ring: where this stage sends its output; None = back to coordinator
-    next_ticket: bytes | None = None  # ring: the successor's ticket, presented by this stage
+    next_ticket: bytes | None = None  # ring: the successor's peer pass (tickets.py), presented by this stage
+    proof: bytes | None = None  # coordinator: proof it holds the job's coordinator key (tickets.prove_coordinator)
     info: dict[str, Any] = field(default_factory=dict)  # the stage's reply: node, key, model, span
 
 
@@ -183,6 +185,7 @@ def encode(message: Message, seq: int) -> bytes:
                 topology=message.topology,
                 next_url=message.next_url,
                 next_ticket=message.next_ticket,
+                proof=message.proof,
                 info=message.info,
             )
         case Open():
@@ -292,6 +295,7 @@ def _parse(kind: MsgType, h: dict, payload: bytes, hidden_size: int | None) -> M
                 topology=topology,
                 next_url=_opt(h, "next_url", str),
                 next_ticket=_opt(h, "next_ticket", bytes),
+                proof=_opt(h, "proof", bytes),
                 info=_opt(h, "info", dict) or {},
             )
         case MsgType.OPEN:

@@ -28,6 +28,7 @@ from marketplace.nodes import services
 from marketplace.nodes.errors import InvalidHandshake, NodeError
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement
+from marketplace.placement.errors import InvalidDataUrl
 from marketplace.placement.selectors import assignments_of_node
 from worker_agent import control_protocol as protocol
 from worker_agent.control_protocol import FRAMING_CODES, MessageType, ProtocolError
@@ -134,7 +135,13 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
                     self.node_pk, protocol.to_wire(message)["load"]
                 )
             case protocol.Ready(assignment=assignment, url=url):
-                await database_sync_to_async(placement.assignment_ready)(self.node_pk, assignment, url)
+                try:
+                    await database_sync_to_async(placement.report_ready)(
+                        self.node_pk, assignment, url, seen_from=self._seen_from()
+                    )
+                except InvalidDataUrl as exc:  # the assignment was failed with the reason
+                    log.warning("node %s reported a data URL refused: %s", self.node_id, exc)
+                    await self._send(protocol.error(exc.code, str(exc)))
             case protocol.Failed(assignment=assignment, error=error):
                 await database_sync_to_async(placement.assignment_failed)(self.node_pk, assignment, error)
             case protocol.ProbeResult():
@@ -143,6 +150,11 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
             case _:
                 # A message of this protocol that only the control plane sends.
                 await self._send(protocol.error(protocol.UNKNOWN_TYPE, f"unknown type {str(message.TYPE)!r}"))
+
+    def _seen_from(self) -> str | None:
+        """The address this channel came from (ASGI ``client``), which an agent's data URL must name."""
+        client = self.scope.get("client")
+        return str(client[0]) if client else None
 
     async def control_push(self, event: dict) -> None:
         """A message from the control plane to this agent (group_send from services): the wire

@@ -81,6 +81,7 @@ class AgentRegisteredSerializer(serializers.Serializer):
     node = serializers.CharField()
     control_url = serializers.CharField()
     heartbeat_interval_s = serializers.FloatField()
+    ticket_key = serializers.CharField(help_text="the control plane's ticket-signing ed25519 public key (hex)")
 
 
 class ApiKeySerializer(serializers.Serializer):

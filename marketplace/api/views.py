@@ -20,6 +20,7 @@ from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services
 from marketplace.nodes.errors import NodeError, NodeNameTaken
 from marketplace.nodes.models import Node
+from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement_services
 
 
@@ -94,8 +95,15 @@ def register_agent(request: Request) -> Response | JsonResponse:
         return error_response(exc)
     scheme = "wss" if request.is_secure() else "ws"
     control_url = f"{scheme}://{request.get_host()}/ws/agent/"
+    # The agent pins the ticket-signing key from this answer (over the join's own HTTPS in
+    # production), and later refuses a control channel that names another.
     return Response(
-        {"node": node.node_id, "control_url": control_url, "heartbeat_interval_s": settings.SWARM_HEARTBEAT_INTERVAL_S},
+        {
+            "node": node.node_id,
+            "control_url": control_url,
+            "heartbeat_interval_s": settings.SWARM_HEARTBEAT_INTERVAL_S,
+            "ticket_key": issuer_public_key().hex(),
+        },
         status=status.HTTP_201_CREATED,
     )
 

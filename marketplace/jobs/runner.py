@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from nacl.signing import SigningKey
 
 from marketplace.db import release_connections
 from marketplace.jobs import services
@@ -33,7 +34,7 @@ from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_assignments
 from marketplace.jobs.settlement import settle
-from marketplace.nodes.tickets import ticket_for
+from marketplace.nodes.tickets import TICKET_MARGIN_S, ticket_for
 from marketplace.verification.audits import record_audits
 from marketplace.verification.strikes import strike_unverifiable_receipts
 from worker_agent.coordinator.heal import HealedRoute, StageFailure
@@ -170,7 +171,19 @@ class Delivered:
     tokens: int = 0  # completion tokens sent to the job's group
 
 
-async def _specs(job: Job, route: list[dict]) -> list[StageSpec]:
+@dataclass(frozen=True)
+class JobGrant:
+    """What a job's tickets name: its coordinator's key (fresh per job, never stored) and its deadline."""
+
+    coordinator_key: SigningKey
+    expires_at: float  # unix seconds: the job's timeout from its start, plus TICKET_MARGIN_S
+
+    @classmethod
+    def new(cls) -> JobGrant:
+        return cls(SigningKey.generate(), time.time() + settings.SWARM_JOB_TIMEOUT_S + TICKET_MARGIN_S)
+
+
+async def _specs(job: Job, route: list[dict], grant: JobGrant) -> list[StageSpec]:
     """Each stage of ``route`` with a ticket for this job, signed here."""
     specs = []
     for stage in route:
@@ -181,6 +194,8 @@ async def _specs(job: Job, route: list[dict]) -> list[StageSpec]:
             model=job.model,
             layer_start=stage["layer_start"],
             layer_end=stage["layer_end"],
+            coordinator_key=bytes(grant.coordinator_key.verify_key),
+            expires_at=grant.expires_at,
         )
         specs.append(StageSpec(stage["url"], ticket))
     return specs
@@ -191,8 +206,9 @@ class JobHealer:
     once) and the job moves onto a route around it (``services.heal_job``), with tickets signed
     here and the control plane's own assignments, never the stages' word."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, grant: JobGrant) -> None:
         self.job = job
+        self.grant = grant
         self.route = list(job.route)
 
     async def replace(self, failure: StageFailure, route) -> HealedRoute | None:
@@ -204,7 +220,7 @@ class JobHealer:
         self.route = healed
         audit_stages = await in_thread(lambda: Job.objects.only("audit_stages").get(pk=self.job.pk).audit_stages)
         return HealedRoute(
-            tuple(await _specs(self.job, healed)),
+            tuple(await _specs(self.job, healed, self.grant)),
             tuple(route_assignments(healed)),
             tuple(audit_stages),
         )
@@ -213,7 +229,8 @@ class JobHealer:
 async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[GenerationResult | None, bool, dict]:
     """Stream the job's tokens to its group, counting them in ``delivered``; returns (result,
     cancelled, the coordinator's transcripts by session)."""
-    specs = await _specs(job, job.route)
+    grant = JobGrant.new()
+    specs = await _specs(job, job.route, grant)
     params = RequestParams.from_json(job.params)
     last_progress = time.monotonic()
     async with Coordinator(
@@ -223,9 +240,10 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
         topology="ring",
         assignments=route_assignments(job.route),
         audit_stages=tuple(job.audit_stages),
-        healer=JobHealer(job),
+        healer=JobHealer(job, grant),
         max_heals=settings.SWARM_MAX_HEALS,
         stall_timeout_s=settings.SWARM_STALL_TIMEOUT_S,
+        coordinator_key=grant.coordinator_key,
     ) as coord:
         request = coord.request_ids(
             job.prompt_ids,

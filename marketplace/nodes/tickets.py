@@ -1,5 +1,7 @@
-"""The control plane's job-ticket issuer key (ed25519). Agents trust its public half, which
-they receive in the control channel's welcome; per-job tickets are signed with it."""
+"""The control plane's job-ticket issuer key (ed25519). Agents trust its public half, which they
+pin when they join (the join call's answer) and find again in the control channel's welcome;
+per-job tickets are signed with it, each naming the job's coordinator key and expiring with the
+job's deadline."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ from nacl.signing import SigningKey
 
 from worker_agent.keys import generate_signing_key, load_signing_key, public_key_bytes, write_key
 from worker_agent.tickets import issue_ticket
+
+# A ticket outlives its job's deadline by this much: room for clock skew between the control plane
+# and the agents, and for the sessions' CLOSE once the job is stopped.
+TICKET_MARGIN_S = 30.0
 
 
 @cache
@@ -28,7 +34,25 @@ def issuer_public_key() -> bytes:
     return public_key_bytes(issuer_key())
 
 
-def ticket_for(*, job: str, node: str, model: str, layer_start: int, layer_end: int, ttl_s: float = 3600) -> bytes:
+def ticket_for(
+    *,
+    job: str,
+    node: str,
+    model: str,
+    layer_start: int,
+    layer_end: int,
+    coordinator_key: bytes,
+    expires_at: float,
+) -> bytes:
+    """A ticket for ``node`` to serve that span of ``job`` to the coordinator holding
+    ``coordinator_key`` (its public half), until ``expires_at`` (unix seconds: the job's deadline)."""
     return issue_ticket(
-        issuer_key(), job=job, node=node, model=model, layer_start=layer_start, layer_end=layer_end, ttl_s=ttl_s
+        issuer_key(),
+        job=job,
+        node=node,
+        model=model,
+        layer_start=layer_start,
+        layer_end=layer_end,
+        coordinator_key=coordinator_key,
+        expires_at=expires_at,
     )

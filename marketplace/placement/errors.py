@@ -12,3 +12,9 @@ class PlacementError(DomainError):
     """The nodes, layers or measurements given cannot be turned into a valid placement."""
 
     code = "placement_failed"
+
+
+class InvalidDataUrl(PlacementError):
+    """An agent reported its block served at a URL the control plane will not route to."""
+
+    code = "invalid_data_url"

@@ -43,7 +43,8 @@ from marketplace.placement.allocation import (
     spans_for,
     throughput,
 )
-from marketplace.placement.errors import PlacementError
+from marketplace.placement.data_urls import check_data_url
+from marketplace.placement.errors import InvalidDataUrl, PlacementError
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import link_maps, region_target
 from marketplace.placement.tour import hop_cost, place_coordinator
@@ -538,6 +539,19 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
         if all(a.state == AssignmentState.READY for a in live):
             request_probes(model, [a.node for a in live])
     return bool(updated)
+
+
+def report_ready(node_pk: int, assignment_pk: int, data_url: str, *, seen_from: str | None) -> bool:
+    """The agent's own report that its block is served at ``data_url``, from a control channel
+    that came from ``seen_from`` (an IP address; None when unknown). A URL the control plane will
+    not route to (``data_urls.check_data_url``) fails the assignment with the reason and raises
+    ``InvalidDataUrl``; otherwise as ``assignment_ready``."""
+    try:
+        url = check_data_url(data_url, seen_from=seen_from, allowed_hosts=settings.SWARM_AGENT_URL_HOSTS)
+    except InvalidDataUrl as exc:
+        assignment_failed(node_pk, assignment_pk, f"{exc.code}: {exc}")
+        raise
+    return assignment_ready(node_pk, assignment_pk, url)
 
 
 @transaction.atomic

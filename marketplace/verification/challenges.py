@@ -18,6 +18,7 @@ import logging
 import random
 import secrets
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -25,11 +26,12 @@ from celery import current_app
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
+from nacl.signing import SigningKey
 
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import record_verified_speed
-from marketplace.nodes.tickets import ticket_for
+from marketplace.nodes.tickets import TICKET_MARGIN_S, ticket_for
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.verification.dispatch import CHALLENGE_RUN_TASK, CHALLENGE_TASK, thresholds, verify_after_commit
 from marketplace.verification.errors import NotChallengeable
@@ -144,19 +146,24 @@ def run_challenge(challenge_pk: int) -> Challenge:
         )
         return Challenge.objects.get(pk=challenge_pk)
     job = challenge_job_id()
+    left = (challenge.deadline_at - timezone.now()).total_seconds()
+    # A key of its own for this session, as every job's coordinator has; the ticket dies with the deadline.
+    coordinator_key = SigningKey.generate()
     ticket = ticket_for(
         job=job,
         node=node.node_id,
         model=challenge.model,
         layer_start=challenge.layer_start,
         layer_end=challenge.layer_end,
+        coordinator_key=bytes(coordinator_key.verify_key),
+        expires_at=time.time() + max(left, 0.1) + TICKET_MARGIN_S,
     )
-    left = (challenge.deadline_at - timezone.now()).total_seconds()
     try:
         run = asyncio.run(
             run_challenge_session(
                 assignment.data_url,
                 ticket,
+                coordinator_key=coordinator_key,
                 job=job,
                 model=challenge.model,
                 hidden_size=models_hidden_size(challenge.model),

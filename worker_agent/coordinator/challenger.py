@@ -1,12 +1,13 @@
 """A seeded challenge run as an ordinary session of a job, over the data plane.
 
 The control plane acts as the job's coordinator: it HELLOs the node's data plane with a ticket it
-signed for a job id shaped like a real one, OPENs one session, sends the challenge input
+signed for a job id shaped like a real one (naming a coordinator key made for it, which the HELLO
+proves, as every job's coordinator does), OPENs one session, sends the challenge input
 (``challenge.challenge_input``) as a prefill FORWARD followed by single-token decode steps, as a
 generating session does, CLOSEs it and checks the stage's signed receipt against exactly the bytes
 sent and received. The node sees a job's session; nothing on the wire names it a challenge::
 
-    run = await run_challenge_session(url, ticket, job="chatcmpl-...", model="tiny-llama",
+    run = await run_challenge_session(url, ticket, coordinator_key=key, job="chatcmpl-...", model="tiny-llama",
                                       assignment=StageAssignment(...), seed=7, tokens=8, timeout_s=30)
     run.output  # (tokens, hidden) float32: compare it with the trusted recompute
 
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from nacl.signing import SigningKey
 
 from worker_agent import wire
 from worker_agent.challenge import challenge_input, session_steps
@@ -46,6 +48,7 @@ async def run_challenge_session(
     url: str,
     ticket: bytes,
     *,
+    coordinator_key: SigningKey,
     job: str,
     model: str,
     hidden_size: int,
@@ -54,8 +57,9 @@ async def run_challenge_session(
     tokens: int,
     timeout_s: float,
 ) -> ChallengeRun:
-    """Run challenge (seed, tokens) through the stage at ``url`` as one session of ``job``; the
-    whole exchange, from connecting to the receipt, must end within ``timeout_s``."""
+    """Run challenge (seed, tokens) through the stage at ``url`` as one session of ``job``, as the
+    coordinator holding ``coordinator_key`` (the key ``ticket`` names); the whole exchange, from
+    connecting to the receipt, must end within ``timeout_s``."""
     inputs = challenge_input(seed, tokens, hidden_size)  # (tokens, hidden) float32
     pipeline = Pipeline(
         job,
@@ -65,6 +69,7 @@ async def run_challenge_session(
         stall_timeout_s=timeout_s,
         model=model,
         hidden_size=hidden_size,
+        coordinator_key=coordinator_key,
     )
     try:
         return await asyncio.wait_for(_exchange(pipeline, job, model, assignment, inputs), timeout_s)

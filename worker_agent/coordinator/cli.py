@@ -5,7 +5,9 @@
         --ticket-key issuer.key --prompt "What is the capital of France?" --chat --max-tokens 64
 
 With ``--ticket-key`` the coordinator acts as its own ticket issuer (the agents must trust that
-key's public half); without it the agents must run with ``--insecure-open``.
+key's public half): it makes a fresh coordinator key for the job, signs each stage a ticket naming
+it and expiring ``--job-timeout`` seconds (plus a margin) from now, and proves that key in every
+HELLO; without it the agents must run with ``--insecure-open``.
 
 ``--audit-stage N`` (repeatable) keeps stage N's traffic of every session and, after the run,
 replays it through a trusted copy of that stage's layers loaded here; with ``--json`` each
@@ -24,6 +26,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 import websockets
+from nacl.signing import SigningKey
 
 from worker_agent.errors import SwarmError
 
@@ -31,23 +34,27 @@ if TYPE_CHECKING:
     from worker_agent.coordinator.job import GenerationResult
 
 
-def local_issuer(key_path: str, job: str, ttl_s: float = 3600):
-    """A function that signs a ticket for a stage's identity (its PING info) with a local issuer key."""
+TICKET_MARGIN_S = 60.0  # a ticket outlives the job's timeout by this much (clock skew, closing)
+
+
+def local_issuer(key_path: str, job: str, coordinator_key: bytes, expires_at: float):
+    """A function that signs a ticket for a stage's identity (its PING info) with a local issuer
+    key, naming the job's coordinator key and expiring at ``expires_at`` (unix seconds)."""
     # Imported per command: `--help` answers without loading torch.
     from worker_agent.keys import load_signing_key
     from worker_agent.tickets import ticket_for_stage
 
     key = load_signing_key(key_path)
-    return lambda info: ticket_for_stage(key, job, info, ttl_s)
+    return lambda info: ticket_for_stage(key, job, info, coordinator_key=coordinator_key, expires_at=expires_at)
 
 
-async def local_tickets(urls: list[str], key_path: str, job: str, ttl_s: float = 3600) -> list[bytes | None]:
-    """Tickets for each stage, signed by a local issuer key, for the span each stage serves; None
-    for a stage that cannot be reached (connecting to it then fails, and a spare may heal it)."""
+async def local_tickets(urls: list[str], issue) -> list[bytes | None]:
+    """Tickets for each stage, signed by ``issue`` (``local_issuer``), for the span each stage
+    serves; None for a stage that cannot be reached (connecting to it then fails, and a spare may
+    heal it)."""
     # Imported per command: `--help` answers without loading torch.
     from worker_agent.coordinator.heal import probe_stage
 
-    issue = local_issuer(key_path, job, ttl_s)
     infos = await asyncio.gather(*(probe_stage(url) for url in urls), return_exceptions=True)
     tickets: list[bytes | None] = []
     for url, info in zip(urls, infos, strict=True):
@@ -71,10 +78,15 @@ async def run_generate(args: argparse.Namespace) -> int:
 
     urls = [url.strip() for url in args.stages.split(",") if url.strip()]
     job = args.job or f"job-{uuid.uuid4().hex[:16]}"
-    tickets = await local_tickets(urls, args.ticket_key, job) if args.ticket_key else [None] * len(urls)
+    coordinator_key = SigningKey.generate() if args.ticket_key else None
+    issue = None
+    if coordinator_key is not None:
+        deadline = time.time() + args.job_timeout + TICKET_MARGIN_S
+        issue = local_issuer(args.ticket_key, job, bytes(coordinator_key.verify_key), deadline)
+    tickets = await local_tickets(urls, issue) if issue is not None else [None] * len(urls)
     specs = [StageSpec(url, ticket) for url, ticket in zip(urls, tickets, strict=True)]
     spares = [url.strip() for arg in args.spare for url in arg.split(",") if url.strip()]
-    healer = SpareHealer(spares, ticket=local_issuer(args.ticket_key, job) if args.ticket_key else None)
+    healer = SpareHealer(spares, ticket=issue)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     prompts = args.prompt * args.concurrency
     started = time.monotonic()
@@ -88,6 +100,7 @@ async def run_generate(args: argparse.Namespace) -> int:
         healer=healer if spares else None,
         max_heals=args.max_heals,
         stall_timeout_s=args.stall_timeout,
+        coordinator_key=coordinator_key,
     ) as coordinator:
         requests = [
             coordinator.request(p, chat=args.chat, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
@@ -200,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--topology", choices=["ring", "star"], default="ring")
     gen.add_argument("--concurrency", type=int, default=1, help="run every prompt this many times at once")
     gen.add_argument("--ticket-key", default=None, help="issuer key that signs the job tickets")
+    gen.add_argument(
+        "--job-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the job may run; its tickets expire this long (plus a minute) after it starts",
+    )
     gen.add_argument(
         "--spare",
         action="append",

@@ -1,6 +1,7 @@
 """A coordinator job: one pipeline of stages, any number of concurrent generation sessions.
 
-    async with Coordinator("smollm2-135m", [StageSpec(url, ticket), ...]) as coordinator:
+    key = SigningKey.generate()  # the job's coordinator key; each stage's ticket names its public half
+    async with Coordinator("smollm2-135m", [StageSpec(url, ticket), ...], coordinator_key=key) as coordinator:
         result = await coordinator.generate(coordinator.request("Hello", chat=True))
 
 ``request`` tokenizes a text prompt; ``request_ids`` takes one tokenized already (the control
@@ -25,6 +26,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
+
+from nacl.signing import SigningKey
 
 from worker_agent import model as models
 from worker_agent.audit import AuditMaterial
@@ -130,8 +133,12 @@ class Coordinator:
         healer: Healer | None = None,
         max_heals: int = MAX_HEALS,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        coordinator_key: SigningKey | None = None,
     ) -> None:
         self.model = model
+        # The job's coordinator key: the stages' tickets name its public half, and every HELLO
+        # (a heal's included) proves it. None only with agents that take no tickets.
+        self.coordinator_key = coordinator_key
         self.model_id = models.model_name(model)
         self.job = job or f"job-{uuid.uuid4().hex[:16]}"
         self.topology = topology
@@ -164,6 +171,7 @@ class Coordinator:
             session_ids=self._session_ids,
             model=self.model_id,
             hidden_size=self.hidden_size,
+            coordinator_key=self.coordinator_key,
         )
 
     async def __aenter__(self) -> Coordinator:

@@ -5,12 +5,16 @@ stage's output for it. Steps of concurrent sessions issued in the same event-loo
 coalesced into one FORWARD frame, so stages see them together and batch them.
 
 - ``ring``: the coordinator sends to the first stage; each stage forwards to its successor
-  (with a ticket the coordinator handed it in HELLO); the last returns RESULT straight to the
+  (with a peer pass the coordinator signed for that successor and handed it in HELLO: it lets
+  the stage forward into this job's sessions there, nothing else); the last returns RESULT straight to the
   coordinator over the coordinator's own connection to it. Every other stage also sends the
   coordinator a copy of each output it forwarded, as a RESULT (a tap): it never completes a
   step, and is kept only for audited stages.
 - ``star``: the coordinator relays each stage's RESULT to the next stage itself (works when
   agents cannot reach each other).
+
+Each HELLO as coordinator carries the stage's ticket and a fresh proof, signed by the job's
+coordinator key (``coordinator_key``, the key the tickets name), that this is the job's coordinator.
 
 Hashes of exactly the bytes sent to the first stage and received from the last are kept per
 session: they are the transcript that the stages' receipts must match.
@@ -32,12 +36,14 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 import websockets
+from nacl.signing import SigningKey
 from websockets.asyncio.client import ClientConnection, connect
 
 from worker_agent import wire
 from worker_agent.audit import AuditMaterial
 from worker_agent.errors import AuditError, StageError, WireError
 from worker_agent.receipts import StageAssignment, digest
+from worker_agent.tickets import issue_peer_pass, prove_coordinator
 from worker_agent.wan import WanLink, WanProfile
 
 CONNECT_TIMEOUT_S = 10.0
@@ -115,6 +121,9 @@ class StageLink:
         self._reader: asyncio.Task | None = None
 
     async def connect(self, job: str, topology: str, next_url: str | None, next_ticket: bytes | None) -> dict:
+        """HELLO the stage; ``next_ticket`` is the peer pass for its ring successor, if any."""
+        key = self.pipeline.coordinator_key
+        proof = prove_coordinator(key, self.spec.ticket) if key is not None and self.spec.ticket is not None else None
         try:
             self.ws = await asyncio.wait_for(
                 # Until the stage's HELLO is in, nothing larger than a HELLO is read from it.
@@ -124,7 +133,12 @@ class StageLink:
             self.link = WanLink(self.ws.send, self.pipeline.wan)
             await self.send(
                 wire.Hello(
-                    job=job, ticket=self.spec.ticket, topology=topology, next_url=next_url, next_ticket=next_ticket
+                    job=job,
+                    ticket=self.spec.ticket,
+                    topology=topology,
+                    next_url=next_url,
+                    next_ticket=next_ticket,
+                    proof=proof,
                 )
             )
             reply = await asyncio.wait_for(self.ws.recv(), REPLY_TIMEOUT_S)
@@ -273,6 +287,7 @@ class Pipeline:
         session_ids: Iterator[int] | None = None,
         model: str | None = None,
         hidden_size: int | None = None,
+        coordinator_key: SigningKey | None = None,
     ) -> None:
         if topology not in ("ring", "star"):
             raise ValueError(f"topology must be 'ring' or 'star', got {topology!r}")
@@ -305,6 +320,9 @@ class Pipeline:
         self.model = model  # the model id, as the coordinator knows it (audit material)
         self.hidden_size = hidden_size  # its hidden size: every tensor's width; a tap of another is dropped
         self._captures: dict[str, _Capture] = {}  # audited session -> its traffic so far
+        # The job's coordinator key, which the tickets name: it proves this is their coordinator and
+        # signs the ring peers' passes. None only for agents without tickets (--insecure-open).
+        self.coordinator_key = coordinator_key
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -320,9 +338,15 @@ class Pipeline:
         for index, link in enumerate(self.links):
             ring_next = self.links[index + 1].spec if self.topology == "ring" and index + 1 < len(self.links) else None
             await link.connect(
-                self.job, self.topology, ring_next.url if ring_next else None, ring_next.ticket if ring_next else None
+                self.job, self.topology, ring_next.url if ring_next else None, self._peer_pass(ring_next)
             )
         return [link.info for link in self.links]
+
+    def _peer_pass(self, successor: StageSpec | None) -> bytes | None:
+        """The pass a ring stage presents to ``successor``: only for this job, only to forward."""
+        if successor is None or successor.ticket is None or self.coordinator_key is None:
+            return None
+        return issue_peer_pass(self.coordinator_key, successor.ticket)
 
     async def open(self, sessions: list[str]) -> None:
         timeout = min(REPLY_TIMEOUT_S, self.stall_timeout_s)
