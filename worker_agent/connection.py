@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 from worker_agent import wire
 from worker_agent.errors import SwarmError, TicketError, WireError
 from worker_agent.tickets import (
+    PeerPass,
     ProofNonces,
+    Ticket,
     check_coordinator_proof,
     check_ticket_target,
     open_peer_pass,
@@ -332,24 +334,27 @@ class Connection:
             raise TicketError(
                 "HELLO carries no job ticket and this agent is not --insecure-open", code="ticket_missing"
             )
+        grant: Ticket | PeerPass
         if hello.role == Role.PEER:
             grant = open_peer_pass(hello.ticket, now=now)
             # A pass is signed by the job's coordinator, not an issuer: the stage is the one it names.
             named = (grant.model, grant.layer_start, grant.layer_end)
             us = next((s for s in stages if s.key == named), primary)
         else:
-            grant = open_ticket(hello.ticket, frozenset().union(*(s.trusted_keys for s in stages)), now=now)
-            named = (grant.model, grant.layer_start, grant.layer_end)
+            ticket = open_ticket(hello.ticket, frozenset().union(*(s.trusted_keys for s in stages)), now=now)
+            grant = ticket
+            named = (ticket.model, ticket.layer_start, ticket.layer_end)
             # The stage the ticket names, trusting its issuer; else the primary, which refuses it below.
-            us = next((s for s in stages if s.key == named and grant.issuer_key in s.trusted_keys), primary)
-            if grant.issuer_key not in us.trusted_keys:
-                untrusted = grant.issuer_key.hex()
+            us = next((s for s in stages if s.key == named and ticket.issuer_key in s.trusted_keys), primary)
+            if ticket.issuer_key not in us.trusted_keys:
+                untrusted = ticket.issuer_key.hex()
                 raise TicketError(f"ticket is signed by an untrusted key {untrusted}", code="ticket_untrusted")
         check_ticket_target(grant, node=us.node, model=us.model, layer_start=us.layer_start, layer_end=us.layer_end)
         if grant.job != hello.job:
             raise TicketError(f"ticket is for job {grant.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
         if hello.role == Role.COORDINATOR:
             # Last: a proof's nonce is remembered only once everything else about the HELLO held.
+            assert isinstance(grant, Ticket)  # a coordinator's grant is always a ticket (the branch above)
             check_coordinator_proof(hello.proof, hello.ticket, grant, now=now, nonces=self.nonces)
         return Binding(
             grant.job,
