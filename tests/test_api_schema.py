@@ -65,7 +65,12 @@ def test_schema_documents_the_join_request_and_its_answer(schema):
         "signature",
         "token",
     ]
-    assert sorted(components["AgentRegistered"]["properties"]) == ["control_url", "heartbeat_interval_s", "node"]
+    assert sorted(components["AgentRegistered"]["properties"]) == [
+        "control_url",
+        "heartbeat_interval_s",
+        "node",
+        "ticket_key",
+    ]
 
 
 def test_schema_shows_the_join_token_only_in_the_create_answer(schema):
