@@ -336,6 +336,10 @@ def run_trials(model: str, kills: int, freezes: int, args, workdir: Path) -> dic
     return out
 
 
+def _first_heals(trials: list[dict]) -> list[tuple[dict, dict]]:
+    return [(t, t["heals"][0]) for t in trials if t["heals"] and t["pause_s"] is not None]
+
+
 def trial_summary(trials: list[dict], stall_s: float) -> dict:
     n = len(trials)
     pauses = [t["pause_s"] for t in trials if t["pause_s"] is not None]
@@ -361,7 +365,25 @@ def trial_summary(trials: list[dict], stall_s: float) -> dict:
         "heal_overhead": summary(
             [t["pause_s"] - t["re_prefill_s"] for t in trials if t["pause_s"] and t["re_prefill_s"]]
         ),
-        "stall_term_s": stall_s,
+        # Where a heal's time goes (ms, p50/p95): from the last token before the failure to its
+        # detection; from detection to the healed route connected (a replacement found, every stage
+        # HELLOed); from then to its first result (OPEN and the re-prefill).
+        "heal_phases": {
+            "detect": summary(
+                [t["pause_s"] - (h["resumed_s"] - h["detected_s"]) for t, h in _first_heals(trials) if h["resumed_s"]]
+            ),
+            "reconnect": summary(
+                [h["reconnected_s"] - h["detected_s"] for _, h in _first_heals(trials) if h["reconnected_s"]]
+            ),
+            "resume": summary(
+                [
+                    h["resumed_s"] - h["reconnected_s"]
+                    for _, h in _first_heals(trials)
+                    if h["resumed_s"] and h["reconnected_s"]
+                ]
+            ),
+        },
+        "stall_term_s": round(stall_s, 4),
         "check": {
             "formula": "pause p95 <= stall timeout + 2 x re-prefill p95",
             "pause_p95_ms": pause["p95_ms"],
@@ -864,7 +886,7 @@ def print_table(info: dict, args, parts: dict, soak: dict) -> None:
             )
     print(
         "check: pause p95 <= stall timeout + 2 x re-prefill p95 (bound ms); a kill is seen at once (lost "
-        "connection), its stall term is 0"
+        "connection), its stall term is 0; a freeze's is the stall timeout of a one-token step (+20 ms)"
     )
     for model, part in parts.items():
         for kind in ("kill", "freeze"):
@@ -874,6 +896,11 @@ def print_table(info: dict, args, parts: dict, soak: dict) -> None:
                     f"  {model} {kind}: heal codes {s['heal_codes']}, blamed the victim {s['blamed_victim']}/"
                     f"{s['trials']}, verified {s['verified']}/{s['trials']}, pause - re-prefill p50 "
                     f"{s['heal_overhead']['p50_ms']} ms p95 {s['heal_overhead']['p95_ms']} ms"
+                )
+                phases = s["heal_phases"]
+                print(
+                    "    heal phases p50/p95 ms: "
+                    + ", ".join(f"{name} {phases[name]['p50_ms']}/{phases[name]['p95_ms']}" for name in phases)
                 )
                 for failure in s["failures"]:
                     print(f"    failed: {failure}")
@@ -974,7 +1001,11 @@ def main() -> int:
                 continue
             part = run_trials(model, kills, freezes, args, Path(tmp))
             part["kill_summary"] = trial_summary(part.get("kill", []), 0.0)
-            part["freeze_summary"] = trial_summary(part.get("freeze", []), args.stall_s)
+            # The stall timeout in effect for a one-token decode step: the setting plus the
+            # coordinator's allowance per token row of the step (pipeline.STALL_PER_ROW_S).
+            from worker_agent.coordinator.pipeline import STALL_PER_ROW_S
+
+            part["freeze_summary"] = trial_summary(part.get("freeze", []), args.stall_s + STALL_PER_ROW_S)
             parts[model] = part
     trials_s = round(time.monotonic() - started, 1)
     soak = {"error": "skipped (--skip-soak)"} if args.skip_soak else spawn_soak(args)
@@ -994,7 +1025,8 @@ def main() -> int:
             "pause": "token_times[t] - token_times[t-1]: the first token after the failure - the last before it",
             "re_prefill": "time to first token (OPEN, one pass, first token; connecting not counted) of a request "
             "whose prompt is the prompt + the t committed tokens, on the healed route after the trial",
-            "check": "pause p95 <= stall timeout + 2 x re-prefill p95; for kills the stall term is 0",
+            "check": "pause p95 <= stall timeout + 2 x re-prefill p95; for kills the stall term is 0, for "
+            "freezes the stall timeout of a one-token step (--stall-s + pipeline.STALL_PER_ROW_S)",
             "soak": "embedded control plane (SQLite, in-memory channel layer, coordinators in the web process) in "
             "a child process; `swarm-worker join` agents capped at 2 layers; churn events one at a time, each "
             "followed by a wait until the model is servable with every live assignment loaded",

@@ -9,10 +9,11 @@ from datetime import timedelta
 import pytest
 
 from marketplace.jobs.models import Job, JobState
-from marketplace.jobs.services import heal_job
+from marketplace.jobs.services import heal_job, heal_may_wait
 from marketplace.nodes.models import Node, NodeState
+from marketplace.placement.models import Assignment, AssignmentState
 from tests.factories import MODEL
-from tests.heal_fixtures import NOW, stage
+from tests.heal_fixtures import NOW, report_ready, stage
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures", "tests.heal_fixtures"]
@@ -132,3 +133,37 @@ def test_a_route_of_another_length_draws_its_audited_stages_again(swarm, custome
 
     assert route == [stage(swarm.c, 0, 16), stage(swarm.e, 16, 30)]
     assert stored(job)[2] == [0, 1]  # every node of the new route audits at fraction 1
+
+
+def test_with_the_dead_span_only_loading_the_heal_waits_and_takes_it_once_ready(swarm, customer):
+    # d is gone and e (the spare of [16:30)) is still loading its block: no route now, but one is coming.
+    Node.objects.filter(pk=swarm.d.pk).update(state=NodeState.OFFLINE)
+    Assignment.objects.filter(node=swarm.e, state=AssignmentState.READY).update(state=AssignmentState.ASSIGNED)
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+
+    assert heal_job(job.pk, swarm.b.node_id, "connection closed", now=NOW) is None
+    later = NOW + timedelta(seconds=2)
+    assert heal_may_wait(job.pk, now=later)
+    assert stored(job)[3] == later  # waiting is a sign of life: the staleness watch leaves the job be
+
+    report_ready()  # e's block is loaded
+    Node.objects.filter(pk=swarm.b.pk).update(suspected_at=None, suspicion="")
+    route = heal_job(job.pk, swarm.b.node_id, "connection closed", now=later, report=False)
+
+    assert route == [stage(swarm.a, 0, 16), stage(swarm.e, 16, 30)]
+    assert [h["failed_node"] for h in stored(job)[1]] == [swarm.b.node_id]
+    assert suspected(swarm.b) is None  # asked again without reporting the node again
+
+
+def test_a_heal_does_not_wait_when_nothing_can_come(swarm, customer):
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+    Node.objects.update(state=NodeState.OFFLINE)  # no node of the model is left
+    assert not heal_may_wait(job.pk, now=NOW)
+
+    Node.objects.update(state=NodeState.ACTIVE)
+    assert heal_may_wait(job.pk, now=NOW)
+    Job.objects.filter(pk=job.pk).update(heals=[{"failed_node": "x"}] * 2)  # SWARM_MAX_HEALS spent
+    assert not heal_may_wait(job.pk, now=NOW)
+    Job.objects.filter(pk=job.pk).update(heals=[], state=JobState.SUCCEEDED)
+    assert not heal_may_wait(job.pk, now=NOW)
+    assert not heal_may_wait(job.pk + 1, now=NOW)  # no such job

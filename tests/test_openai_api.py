@@ -9,16 +9,21 @@ import asyncio
 import json
 import re
 import time
+from datetime import timedelta
 
 import httpx2
 import openai
 import pytest
 from django.db import connection
+from django.utils import timezone
 from openai import OpenAI
 
 from marketplace.api import ratelimit
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey, Job, JobState
+from marketplace.nodes.models import Node
+from marketplace.placement.models import AssignmentState
+from marketplace.placement.selectors import route_request
 from tests.api_fixtures import MODEL, forget_rate_counts, greedy_chat, greedy_text, module_db, wait_for
 from worker_agent import model as models
 from worker_agent.coordinator.heal import probe_stage
@@ -418,6 +423,39 @@ def test_a_configured_model_without_a_ready_pipeline_is_refused_503(client, sett
         "no_capacity",
     )
     assert jobs_snapshot() == before
+
+
+def test_a_model_no_node_serves_is_refused_at_once_without_waiting_for_capacity(client, settings):
+    settings.SWARM_MODELS = [MODEL, "tiny-llama"]
+    settings.SWARM_ADMISSION_WAIT_S = 600.0  # a wait would outlast the client's timeout
+
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.with_options(timeout=60).chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=4)
+
+    assert caught.value.status_code == 503
+
+
+def test_a_request_arriving_while_every_stage_is_reported_failed_waits_for_the_swarm_to_recover(
+    client, live_swarm, settings
+):
+    # Every node of the pipeline reported failed (as coordinators do when stages die): nothing is
+    # routable until their heartbeats clear the reports. The reports are dated 2 s ahead, so they
+    # hold at least 3 s (a heartbeat clears a report older than the 1 s heartbeat interval).
+    settings.SWARM_ADMISSION_WAIT_S = 60.0
+    until = timezone.now() + timedelta(seconds=2)
+    serving = Node.objects.filter(assignments__state=AssignmentState.READY).distinct()
+    assert serving.update(suspected_at=until, suspicion="reported failed by a test") == 3
+    assert route_request(MODEL) is None
+    before = Job.objects.count()
+
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+
+    assert reply.usage.completion_tokens == 2
+    assert Job.objects.count() == before + 1
+    job = Job.objects.get(public_id=reply.id)
+    assert job.state == JobState.SUCCEEDED
+    assert job.created_at >= until  # admitted once the reports were cleared, not refused 503 before
+    assert not Node.objects.filter(suspected_at__isnull=False).exists()
 
 
 def one_request_per_minute_key(swarm) -> tuple[ApiKey, OpenAI]:

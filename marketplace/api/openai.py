@@ -32,8 +32,8 @@ from marketplace.billing.services import prices_for
 from marketplace.db import release_connections
 from marketplace.errors import DomainError
 from marketplace.jobs import runner, services, tasks
-from marketplace.jobs.errors import InvalidRequest, JobFailed, ModelNotFound
-from marketplace.jobs.models import ApiKey
+from marketplace.jobs.errors import InvalidRequest, JobFailed, ModelNotFound, NoCapacity
+from marketplace.jobs.models import ApiKey, Job
 from marketplace.jobs.params import (
     DEFAULT_MAX_TOKENS,
     MAX_STOP,
@@ -44,7 +44,7 @@ from marketplace.jobs.params import (
     RequestParams,
     check_number,
 )
-from marketplace.placement.selectors import servable_pipelines
+from marketplace.placement.selectors import recovering, servable_pipelines
 
 log = logging.getLogger("swarm.api")
 ROLES = {"system", "user", "assistant", "developer"}
@@ -257,9 +257,7 @@ async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: s
         # Tokenized once, here: the count holds credits and rate limits, the ids go to the coordinator.
         prompt_ids = await sync_to_async(services.tokenize_prompt)(model, params)
         headers = await sync_to_async(ratelimit.check)(api_key, len(prompt_ids) + params.max_tokens)
-        job = await sync_to_async(services.admit_job)(
-            api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids
-        )
+        job = await _admit(api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids)
     except DomainError as exc:
         return error_response(exc, request_id=request_id)
     # The rest of the response only waits on the channel layer: hand this request's database
@@ -286,6 +284,23 @@ async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: s
     for name, value in headers.items():
         response[name] = value
     return response
+
+
+ADMISSION_POLL_S = 0.25  # how often a request waiting for capacity asks again
+
+
+async def _admit(**job) -> Job:
+    """Admit the job; when its model has no ready route but is recovering (a node died and its
+    span is being healed, re-placed or reloaded), wait up to SWARM_ADMISSION_WAIT_S for one before
+    answering 503: churn in the swarm is normal and a client should not see it."""
+    deadline = time.monotonic() + settings.SWARM_ADMISSION_WAIT_S
+    while True:
+        try:
+            return await sync_to_async(services.admit_job)(**job)
+        except NoCapacity:
+            if time.monotonic() >= deadline or not await sync_to_async(recovering)(job["model"]):
+                raise
+        await asyncio.sleep(ADMISSION_POLL_S)
 
 
 class _Reply:

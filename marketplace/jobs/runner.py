@@ -46,6 +46,7 @@ from worker_agent.receipts import SessionTranscript
 
 log = logging.getLogger("swarm.jobs")
 PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered
+HEAL_POLL_S = 0.25  # how often a heal waiting for a route asks again
 
 
 async def in_thread(fn, *args, **kwargs):
@@ -214,9 +215,16 @@ class JobHealer:
     async def replace(self, failure: StageFailure, route) -> HealedRoute | None:
         # The node is the one this control plane put at that position, whatever its HELLO said.
         node = self.route[failure.stage]["node"]
-        healed = await in_thread(services.heal_job, self.job.pk, node, f"{failure.code}: {failure.message}")
-        if healed is None:
-            return None
+        reason = f"{failure.code}: {failure.message}"
+        # No route around it now (its span's other holders are loading, restarting, or reported
+        # too): wait up to SWARM_HEAL_WAIT_S for one while the model is recovering, then give up.
+        deadline = time.monotonic() + settings.SWARM_HEAL_WAIT_S
+        healed = await in_thread(services.heal_job, self.job.pk, node, reason)
+        while healed is None:
+            if time.monotonic() >= deadline or not await in_thread(services.heal_may_wait, self.job.pk):
+                return None
+            await asyncio.sleep(HEAL_POLL_S)
+            healed = await in_thread(services.heal_job, self.job.pk, node, reason, report=False)
         self.route = healed
         audit_stages = await in_thread(lambda: Job.objects.only("audit_stages").get(pk=self.job.pk).audit_stages)
         return HealedRoute(

@@ -31,7 +31,7 @@ from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.jobs.settlement import place_hold, settle
-from marketplace.placement.selectors import route_around, route_request
+from marketplace.placement.selectors import recovering, route_around, route_request
 from marketplace.placement.services import report_node_failure
 from marketplace.verification.audits import choose_audit_stages
 from worker_agent import model as models
@@ -156,7 +156,9 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: RequestParams, 
 
 
 @transaction.atomic
-def heal_job(job_pk: int, failed_node: str, reason: str, now: datetime | None = None) -> list[dict] | None:
+def heal_job(
+    job_pk: int, failed_node: str, reason: str, now: datetime | None = None, *, report: bool = True
+) -> list[dict] | None:
     """A running job's coordinator saw ``failed_node``'s stage die or stall: report the node
     (``report_node_failure``: no request is routed to it any more) and move the job onto a route
     that avoids every node it reported; returns the new route (``Job.route``'s shape), or None.
@@ -170,12 +172,14 @@ def heal_job(job_pk: int, failed_node: str, reason: str, now: datetime | None = 
 
     Refused (None, the job unchanged): the job is not running, ``failed_node`` is not on its route,
     it was healed SWARM_MAX_HEALS times already (the node is still reported: the failure is real),
-    or no route avoids the failed nodes (likewise)."""
+    or no route avoids the failed nodes (likewise; ``heal_may_wait`` says whether one may come).
+    ``report=False`` asks again without reporting the node again (a healer waiting for a route)."""
     now = now or timezone.now()
     job = Job.objects.select_for_update().filter(pk=job_pk).first()
     if job is None or job.state != JobState.RUNNING or failed_node not in {s["node"] for s in job.route}:
         return None
-    report_node_failure(failed_node, reason, now=now)
+    if report:
+        report_node_failure(failed_node, reason, now=now)
     if len(job.heals) >= settings.SWARM_MAX_HEALS:
         log.warning("job %s: %s failed, but it was healed %d times already", job.public_id, failed_node, len(job.heals))
         return None
@@ -199,6 +203,19 @@ def heal_job(job_pk: int, failed_node: str, reason: str, now: datetime | None = 
         " -> ".join(f"{s['node']}[{s['layer_start']}:{s['layer_end']}]" for s in route),
     )
     return route
+
+
+def heal_may_wait(job_pk: int, now: datetime | None = None) -> bool:
+    """Whether a job that found no route around its failed stage may wait for one: it is still
+    running, may still be healed, and its model is recovering (``placement.selectors.recovering``:
+    a node holds or is loading a block of it). Waiting is a sign of life for the staleness watch."""
+    job = Job.objects.only("state", "model", "heals").filter(pk=job_pk).first()
+    if job is None or job.state != JobState.RUNNING or len(job.heals) >= settings.SWARM_MAX_HEALS:
+        return False
+    if not recovering(job.model):
+        return False
+    Job.objects.filter(pk=job_pk, state=JobState.RUNNING).update(progress_at=now or timezone.now())
+    return True
 
 
 def mark_running(job_pk: int) -> bool:

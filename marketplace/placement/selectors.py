@@ -80,6 +80,15 @@ def is_servable(model: str) -> bool:
     return bool(servable_pipelines(model))
 
 
+def recovering(model: str) -> bool:
+    """Whether capacity for ``model`` may come back soon: it is placed and some node online holds
+    or is loading a block of it. A request that finds no route may then wait a little for one
+    (admission, a heal) instead of failing at once; a model no node serves fails at once."""
+    if not PlacementState.objects.filter(model=model).exists():
+        return False
+    return live_assignments(model).filter(node__state=NodeState.ACTIVE).exists()
+
+
 def region_target(region: str) -> str:
     return f"region:{region}"
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from websockets.asyncio.client import connect
+from websockets.exceptions import WebSocketException
 
 from worker_agent import wire
 from worker_agent.coordinator.pipeline import StageSpec
@@ -73,6 +74,7 @@ class HealRecord:
     code: str
     message: str
     detected: float  # when the failure was seen
+    reconnected: float | None = None  # when the healed route was connected (a replacement found, every stage HELLOed)
     resumed: float | None = None  # when the healed route returned its first result
 
     def to_json(self) -> dict:
@@ -82,6 +84,7 @@ class HealRecord:
             "code": self.code,
             "message": self.message,
             "detected_s": round(self.detected, 4),
+            "reconnected_s": round(self.reconnected, 4) if self.reconnected is not None else None,
             "resumed_s": round(self.resumed, 4) if self.resumed is not None else None,
         }
 
@@ -110,12 +113,16 @@ class SpareHealer:
             start, end = await self._gap(failure.stage, route)
             if start is None:
                 return None
-        for url in list(self.unused):
-            try:
-                info = await probe_stage(url, timeout=5.0)
-            except (OSError, TimeoutError, SwarmError) as exc:
-                log.warning("spare %s cannot be reached: %s", url, exc)
+        # Every spare is asked at once (a heal waits one round trip, not one per spare); the first
+        # in the order given that serves the span takes the place.
+        urls = list(self.unused)
+        probes = await asyncio.gather(*(probe_stage(url, timeout=5.0) for url in urls), return_exceptions=True)
+        for url, info in zip(urls, probes, strict=True):
+            if isinstance(info, (OSError, TimeoutError, SwarmError, WebSocketException)):
+                log.warning("spare %s cannot be reached: %s", url, info)
                 continue
+            if isinstance(info, BaseException):
+                raise info
             if info.get("layer_start") != start or (end is not None and info.get("layer_end") != end):
                 continue
             self.unused.remove(url)

@@ -363,6 +363,7 @@ class Coordinator:
                     )
                     pipeline.forget(session)
                     await self._heal(pipeline, exc)
+                    heals[-1].reconnected = time.monotonic() - started
                     # The new route holds nothing of this session: it starts over, under a new id.
                     pipeline = self.pipeline
                     session = pipeline.new_session_id()

@@ -334,12 +334,22 @@ class Pipeline:
         return sum(link.bytes_sent for link in self.links)
 
     async def connect(self) -> list[dict]:
-        """HELLO every stage; returns each stage's identity (node, key, model, span)."""
-        for index, link in enumerate(self.links):
+        """HELLO every stage, all at once (a route's set-up, and a heal's, costs one round trip, not
+        one per stage); returns each stage's identity (node, key, model, span). When stages fail,
+        the first of them in route order is the error; the others' connections stay for aclose()."""
+
+        async def hello(index: int, link: StageLink) -> dict:
             ring_next = self.links[index + 1].spec if self.topology == "ring" and index + 1 < len(self.links) else None
-            await link.connect(
+            return await link.connect(
                 self.job, self.topology, ring_next.url if ring_next else None, self._peer_pass(ring_next)
             )
+
+        outcomes = await asyncio.gather(
+            *(hello(index, link) for index, link in enumerate(self.links)), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return [link.info for link in self.links]
 
     def _peer_pass(self, successor: StageSpec | None) -> bytes | None:
