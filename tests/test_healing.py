@@ -260,3 +260,39 @@ def test_the_cli_heals_onto_a_spare(swarm):
     swarm.spares.remove(spare)
     swarm.route[position] = spare
     assert result["token_ids"] == reference(swarm)
+
+
+def test_a_stage_told_to_stop_mid_stream_lets_the_request_finish_then_exits(swarm):
+    # Restarting an agent (SIGTERM, as systemd or Ctrl-C does) cuts no request: the stage takes no
+    # new job, the ones in flight finish on it, then it exits.
+    for position, agent in enumerate(swarm.route):  # earlier trials may have left a dead agent on it
+        if agent.process.poll() is not None:
+            spare = next(a for a in swarm.spares if (a.layer_start, a.layer_end) == SPANS[position])
+            swarm.spares.remove(spare)
+            swarm.route[position] = spare
+    expected = reference(swarm)
+    position = 1
+    stopping = swarm.route[position]
+    job = "job-stopped-gracefully"
+
+    async def main():
+        async with Coordinator(
+            MODEL,
+            swarm.specs(job),
+            job=job,
+            healer=swarm.healer(job, spans=[]),  # no spare: a cut request could not heal
+            stall_timeout_s=STALL_S,
+            coordinator_key=swarm.local.coordinator_key(job),
+        ) as coordinator:
+            request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS)
+            return await _run(
+                coordinator, request, lambda count: count == 3 and stopping.process.send_signal(signal.SIGTERM)
+            )
+
+    result = asyncio.run(main())
+
+    assert result.token_ids == expected
+    assert result.heals == []
+    assert result.verification is not None  # every stage's receipt, the stopping one's too
+    assert stopping.node in {receipt.node for receipt in result.receipts}
+    assert stopping.process.wait(timeout=60) == 0  # and then it exited by itself

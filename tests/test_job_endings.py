@@ -1,8 +1,9 @@
 """How a job ends, whatever way it ends: a stage lost after tokens streamed is healed onto a warm
 spare and the job goes on as if unbroken, paid to the nodes that served its verified part; without
 a spare the job fails with a clear error, charged exactly the tokens its client received; the
-final event goes out before audits are recorded or replayed; a response gives up on a job only
-when the job stops making progress.
+final event goes out before audits are recorded or replayed; a stage lost after the last token
+leaves the client its whole answer (the job unverified, unpaid, nobody struck); a response gives up
+on a job only when the job stops making progress.
 
 Jobs are admitted onto in-process StageServers (tiny-llama) and run by ``runner.run_job`` in the
 test's own event loop, with the in-memory channel layer."""
@@ -26,10 +27,13 @@ from marketplace.nodes.models import Node
 from marketplace.nodes.tickets import issuer_key
 from marketplace.payouts.models import Earning
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
+from marketplace.verification.models import Strike
 from tests import stage_fixtures
 from tests.stage_fixtures import stage_servers
+from worker_agent.connection import CloseSessions
 from worker_agent.errors import SessionError
 from worker_agent.keys import generate_signing_key
+from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]
@@ -232,3 +236,39 @@ def test_a_response_gives_up_only_when_the_job_stops_making_progress(control_pla
     assert services.stopped_answering(job.pk, now=now + timedelta(seconds=61)) == "the job made no progress for 61s"
     Job.objects.filter(pk=job.pk).update(state=JobState.SUCCEEDED)
     assert services.stopped_answering(job.pk, now=now) == "the job ended (succeeded) but its last event did not arrive"
+
+
+class LostAtClose(StageServer):
+    """Serves every step, then its connection drops when the coordinator asks for its receipt (a
+    restart or a network cut right after the last token)."""
+
+    async def _serve(self, conn, action):
+        if isinstance(action, CloseSessions):
+            conn.ws.transport.abort()
+            return
+        await super()._serve(conn, action)
+
+
+def test_a_stage_lost_after_the_last_token_leaves_the_client_its_answer_unverified_and_unpaid(
+    control_plane, api_key, monkeypatch
+):
+    async def scenario():
+        async with stage_servers(SPANS, rogue=1, rogue_server=LostAtClose) as route:
+            job = await sync_to_async(admit)(api_key, route, monkeypatch)
+            layer = get_channel_layer()
+            channel = await layer.new_channel()
+            await layer.group_add(runner.group_name(job.pk), channel)
+            state = await runner.run_job(job.pk)
+            return state, job.pk, await receive_until_final(layer, channel)
+
+    state, job_pk, events = asyncio.run(scenario())
+
+    job = Job.objects.get(pk=job_pk)
+    assert state == JobState.SUCCEEDED
+    assert events[-1]["type"] == "job.done"  # every token reached the client: no error event
+    assert tokens_of(events) == job.completion_tokens == MAX_TOKENS
+    assert job.verified is False
+    assert "lost before it sent its receipt" in job.verification_error
+    assert job.charged_amount == cost(job.prompt_tokens, MAX_TOKENS, PRICES)
+    assert Earning.objects.count() == 0  # unverified: nobody is paid
+    assert Strike.objects.count() == 0  # a lost connection proves nothing against the node

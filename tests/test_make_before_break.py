@@ -1,7 +1,8 @@
 """Make before break at the agent: re-placed onto another span, an agent keeps serving its old block
 for the jobs in flight while it loads the new one, both on one data-plane port; a release stops new
 jobs on the old block and unloads it once its jobs end. With a layer cap too small for both, it
-drains the old block first.
+drains the old block first. Told to stop (SIGTERM), an agent takes no new job and closes once its
+jobs in flight end; told twice, at once.
 
 The agent runs in the test's event loop with its control channel stood in for (the control plane's
 messages are fed to it, its answers recorded); the data plane is real: stage servers and coordinators
@@ -27,6 +28,7 @@ from worker_agent.block import Block
 from worker_agent.control import Agent, JoinState
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
+from worker_agent.errors import StageError
 from worker_agent.keys import generate_signing_key, node_id, public_key_bytes
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
@@ -265,5 +267,49 @@ def test_an_assignment_sent_again_after_a_reconnect_is_answered_ready_without_a_
             assert s.channel.sent == [{"type": "ready", "assignment": 1, "url": s.url}] * 2
             assert s.agent.blocks[1].stage is stage
             assert s.agent.blocks[1].unloading is None
+
+    asyncio.run(scenario())
+
+
+def test_a_stopping_agent_takes_no_new_job_and_closes_only_once_its_jobs_in_flight_end():
+    async def scenario() -> None:
+        async with swarm() as s:
+            reference = await unbroken_run(s)
+            async with s.coordinator("job-in-flight", agent_spans={(0, 3)}) as old:
+                stream = old.stream(old.request(PROMPT, max_tokens=MAX_TOKENS))
+                await anext(stream)
+
+                s.agent.stop()  # SIGTERM
+                stopping = asyncio.create_task(s.agent.shut_down())
+                await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the block to retire")
+                refused = await s.hello("job-late", (0, 3))
+                assert isinstance(refused, wire.Error)
+                assert refused.code == "stage_draining"
+                assert not stopping.done()
+
+                result = await finish(stream)
+                assert result.token_ids == reference
+                assert result.verification is not None  # the stopping stage signed its receipt
+            await asyncio.wait_for(stopping, DEADLINE_S)  # the job ended: the agent closes
+            assert s.agent.server is None
+            with pytest.raises(OSError):
+                await asyncio.open_connection("127.0.0.1", s.port)
+
+    asyncio.run(scenario())
+
+
+def test_a_second_stop_closes_the_agent_at_once_with_jobs_in_flight():
+    async def scenario() -> None:
+        async with swarm() as s, s.coordinator("job-in-flight", agent_spans={(0, 3)}) as old:
+            stream = old.stream(old.request(PROMPT, max_tokens=MAX_TOKENS))
+            await anext(stream)
+            s.agent.stop()
+            stopping = asyncio.create_task(s.agent.shut_down())
+            await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the block to retire")
+            s.agent.stop()  # a second Ctrl-C
+            await asyncio.wait_for(stopping, DEADLINE_S)
+            assert s.agent.server is None
+            with pytest.raises(StageError):  # the cut stage fails the request (no healer here)
+                await finish(stream)
 
     asyncio.run(scenario())

@@ -181,6 +181,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         wan=args.wan,
         cheat=cheat,
         max_layers=args.max_layers,
+        shutdown_drain_s=args.drain_timeout,
     )
 
     async def main() -> None:
@@ -188,7 +189,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, agent.stopped.set)
+            loop.add_signal_handler(sig, agent.stop)
         await agent.run()
 
     asyncio.run(main())
@@ -292,6 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="host at most this many layers at once (a block being replaced and its successor count together)",
+    )
+    join.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C, let the jobs in flight finish for up to S seconds first (a second signal "
+        "stops at once; 0: stop at once)",
     )
     join.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     join.add_argument("--device", default="cpu")

@@ -68,6 +68,7 @@ PROBE_TIMEOUT_S = 10.0  # one target's whole measurement
 PROBE_BUDGET_S = 60.0  # all the targets of one probe request
 MAX_PROBE_TARGETS = 64  # targets measured per probe request; the rest are left out
 DRAIN_TIMEOUT_S = 60.0  # how long a released or displaced block waits for its jobs in flight to end
+SHUTDOWN_DRAIN_S = 30.0  # how long a stopping agent waits for its jobs in flight to end
 
 
 class JoinError(SwarmError):
@@ -214,6 +215,7 @@ class Agent:
         cheat: Cheat | None = None,
         max_layers: int | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        shutdown_drain_s: float = SHUTDOWN_DRAIN_S,
     ) -> None:
         self.signing_key = signing_key
         self.state = state
@@ -223,6 +225,7 @@ class Agent:
         self.trusted_key: bytes | None = None
         self.max_layers = max_layers  # the owner's cap on layers held at once (all blocks); None: no cap
         self.drain_timeout_s = drain_timeout_s
+        self.shutdown_drain_s = shutdown_drain_s
         self.blocks: dict[int, Serving] = {}  # assignment -> block held, oldest first
         self.server: StageServer | None = None  # the data-plane port, while a block is held
         self._server_stop: asyncio.Future | None = None
@@ -230,6 +233,7 @@ class Agent:
         self._released: set[int] = set()  # released before (or while) they loaded: never to serve
         self.draining = False
         self.stopped = asyncio.Event()
+        self.hurry = asyncio.Event()  # set on a second stop signal: stop now, jobs in flight or not
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         if cheat is not None:
@@ -278,7 +282,31 @@ class Agent:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopped.wait(), backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+        await self.shut_down()
+
+    async def shut_down(self) -> None:
+        """Close the data plane once the jobs in flight have ended (a restart cuts no request), up to
+        ``shutdown_drain_s`` or a second stop signal; no new job is taken meanwhile. ``run`` calls
+        it after closing the control channel, so the control plane routes nothing new here."""
+        server = self.server
+        if server is not None and self.shutdown_drain_s > 0 and not self.hurry.is_set():
+            open_jobs = sum(len(slot.jobs) for slot in server.slots.values())
+            if open_jobs:
+                log.warning(
+                    "stopping: %d job(s) in flight may finish first (up to %gs; stop again to stop now)",
+                    open_jobs,
+                    self.shutdown_drain_s,
+                )
+            cut = await server.drain(timeout=self.shutdown_drain_s, hurry=self.hurry)
+            if cut:
+                log.warning("stopping with %d job(s) still open", cut)
         await self._stop_serving()
+
+    def stop(self) -> None:
+        """A stop signal: the first stops gracefully (jobs in flight end first), a second at once."""
+        if self.stopped.is_set():
+            self.hurry.set()
+        self.stopped.set()
 
     @property
     def serving(self) -> Serving | None:

@@ -68,6 +68,7 @@ from worker_agent.wan import WanLink, WanProfile
 log = logging.getLogger("swarm.worker")
 
 HELLO_TIMEOUT_S = 10.0  # a peer stage must answer HELLO within this
+SHUTDOWN_DRAIN_S = 30.0  # a server stopped by a signal lets its jobs in flight end for this long first
 PEER_CLOSE_S = 5.0  # how long dropping a successor's connection may take, in the background
 # What the WebSocket library buffers of one message before a HELLO is accepted: room for a link
 # probe's PING (256 KiB, refused as too large with an ERROR whose arrival times the uplink); a
@@ -202,6 +203,24 @@ class StageServer:
             self._update_admissions()
             log.info("%s layers %d:%d takes no new job (%d open)", *key, len(slot.jobs))
 
+    async def drain(self, *, timeout: float, hurry: asyncio.Event | None = None) -> int:
+        """Take no new job on any stage and wait up to ``timeout`` s (or until ``hurry`` is set) for
+        the jobs in flight to end; returns how many were still open at the bound."""
+        for key in list(self.slots):
+            self.retire_stage(key)
+
+        async def all_idle() -> None:
+            for slot in list(self.slots.values()):
+                await slot.idle.wait()
+
+        waiters = {asyncio.create_task(all_idle())}
+        if hurry is not None:
+            waiters.add(asyncio.create_task(hurry.wait()))
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for task in waiters:
+            task.cancel()
+        return sum(len(slot.jobs) for slot in self.slots.values())
+
     async def unload_stage(self, key: StageKey, *, timeout: float) -> int:
         """Retire the stage, wait up to ``timeout`` s for its jobs to end, then drop it and close the
         connections still bound to it; returns how many jobs were cut off at the bound."""
@@ -249,11 +268,21 @@ class StageServer:
     ) -> None:
         """Serve until ``stop`` resolves, or (without ``stop``) until cancelled or SIGTERM/SIGINT."""
         loop = asyncio.get_running_loop()
+        hurry: asyncio.Event | None = None
         if stop is None:
-            stop = loop.create_future()
+            # A first signal stops gracefully (jobs in flight end first, up to SHUTDOWN_DRAIN_S), a
+            # second at once.
+            stop, hurry = loop.create_future(), asyncio.Event()
+
+            def on_signal() -> None:
+                if stop.done():
+                    hurry.set()
+                else:
+                    stop.set_result(None)
+
             for sig in (signal.SIGTERM, signal.SIGINT):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
-                    loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+                    loop.add_signal_handler(sig, on_signal)
         self._running = True
         for slot in self.slots.values():
             slot.compute = asyncio.create_task(self._compute_loop(slot))
@@ -274,6 +303,10 @@ class StageServer:
                 if ready is not None:
                     ready(bound)
                 await stop
+                if hurry is not None:
+                    cut = await self.drain(timeout=SHUTDOWN_DRAIN_S, hurry=hurry)
+                    if cut:
+                        log.warning("stopping with %d job(s) still open", cut)
         finally:
             self._running = False
             for slot in self.slots.values():

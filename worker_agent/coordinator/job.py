@@ -368,16 +368,31 @@ class Coordinator:
                     pipeline = self.pipeline
                     session = pipeline.new_session_id()
                     state.rewind()
-            replies = await pipeline.close_by_stage([session])
-            closed = True
-            audits, audit_missing = await pipeline.take_audits(session)
-            verification, verification_error, culprit = None, "", None
+            replies: list[tuple[dict, ...]] | None = None
+            lost: StageError | None = None
             try:
-                receipts, verification = self._verify(pipeline, session, self._own_receipts(pipeline, session, replies))
-            except ReceiptError as exc:
+                replies = await pipeline.close_by_stage([session])
+                closed = True
+            except StageError as exc:
+                # Every token is out, and a stage was lost before it sent its receipt (a restart, a
+                # network cut): the client has its answer; the job cannot be verified, so nobody is
+                # paid for it, and nobody is struck (a lost connection proves nothing).
                 if strict:
                     raise
-                receipts, verification_error, culprit = [], f"{exc} ({exc.code})", exc.node
+                lost = exc
+            audits, audit_missing = await pipeline.take_audits(session)
+            verification, verification_error, culprit = None, "", None
+            if lost is not None or replies is None:
+                receipts, verification_error = [], f"{lost} (lost before it sent its receipt; {lost and lost.code})"
+            else:
+                try:
+                    receipts, verification = self._verify(
+                        pipeline, session, self._own_receipts(pipeline, session, replies)
+                    )
+                except ReceiptError as exc:
+                    if strict:
+                        raise
+                    receipts, verification_error, culprit = [], f"{exc} ({exc.code})", exc.node
         finally:
             pipeline.forget(session)
             if not closed:
