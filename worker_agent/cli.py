@@ -101,15 +101,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stage, wan=WanProfile.parse(args.wan), max_frame=args.max_frame_mb * 1024 * 1024, max_batch=args.max_batch
     )
 
+    tls = _tls_context(args)
+    scheme = "wss" if tls is not None else "ws"
+
     def ready(port: int) -> None:
         print(
-            f"READY ws://{args.host}:{port} node={stage.node} model={stage.model} layers={start}:{end} "
+            f"READY {scheme}://{args.host}:{port} node={stage.node} model={stage.model} layers={start}:{end} "
             f"pid={os.getpid()}",
             flush=True,
         )
 
-    asyncio.run(server.serve(args.host, args.port, ready=ready))
+    asyncio.run(server.serve(args.host, args.port, ready=ready, tls=tls))
     return 0
+
+
+def _tls_context(args: argparse.Namespace):
+    """The data plane's TLS server context from ``--tls-cert``/``--tls-key``; None without them."""
+    if not args.tls_cert and not args.tls_key:
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise SystemExit("error: give both --tls-cert and --tls-key (PEM files), or neither")
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(
+            f"error: cannot load the TLS certificate {args.tls_cert} and key {args.tls_key}: {exc}"
+        ) from None
+    return context
+
+
+def _tls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="serve the data plane over TLS (wss://) with this certificate"
+    )
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
 
 
 def _cheat(args: argparse.Namespace):
@@ -140,7 +169,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     signing_key = _load_or_create_key(key_path)
     state_path = key_path.with_name(key_path.name + ".join.json")
     port = args.port or _free_port(args.host)
-    advertise = args.advertise_url or f"ws://{args.host}:{port}"
+    tls = _tls_context(args)
+    advertise = args.advertise_url or f"{'wss' if tls is not None else 'ws'}://{args.host}:{port}"
     saved = JoinState.load(state_path)
     if saved is not None and saved.control_plane != args.control_plane.rstrip("/"):
         saved = None
@@ -182,6 +212,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         cheat=cheat,
         max_layers=args.max_layers,
         shutdown_drain_s=args.drain_timeout,
+        tls=tls,
     )
 
     async def main() -> None:
@@ -262,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=7001, help="0 picks a free port (printed on READY)")
+    _tls_arguments(serve)
     serve.add_argument("--key", default="node.key", help="node key file (created if missing)")
     serve.add_argument(
         "--trust-key",
@@ -287,7 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--model", default="smollm2-135m", help="model to benchmark this machine on")
     join.add_argument("--host", default="127.0.0.1", help="data-plane bind address")
     join.add_argument("--port", type=int, default=0, help="data-plane port (0 picks a free one)")
-    join.add_argument("--advertise-url", default=None, help="ws:// URL peers use (default ws://HOST:PORT)")
+    join.add_argument(
+        "--advertise-url", default=None, help="ws:// or wss:// URL peers use (default ws://HOST:PORT, wss:// with TLS)"
+    )
+    _tls_arguments(join)
     join.add_argument(
         "--max-layers",
         type=int,

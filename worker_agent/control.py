@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import re
+import ssl
 import time
 import urllib.error
 import urllib.parse
@@ -216,6 +217,7 @@ class Agent:
         max_layers: int | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         shutdown_drain_s: float = SHUTDOWN_DRAIN_S,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.signing_key = signing_key
         self.state = state
@@ -226,6 +228,7 @@ class Agent:
         self.max_layers = max_layers  # the owner's cap on layers held at once (all blocks); None: no cap
         self.drain_timeout_s = drain_timeout_s
         self.shutdown_drain_s = shutdown_drain_s
+        self.tls = tls  # the data plane's certificate (wss://); None: plain ws://
         self.blocks: dict[int, Serving] = {}  # assignment -> block held, oldest first
         self.server: StageServer | None = None  # the data-plane port, while a block is held
         self._server_stop: asyncio.Future | None = None
@@ -443,7 +446,8 @@ class Agent:
                 server = StageServer(stage, wan=WanProfile.parse(self.wan))
                 stop = asyncio.get_running_loop().create_future()
                 bound = asyncio.get_running_loop().create_future()
-                task = asyncio.create_task(server.serve(self.host, self.port, ready=bound.set_result, stop=stop))
+                serving = server.serve(self.host, self.port, ready=bound.set_result, stop=stop, tls=self.tls)
+                task = asyncio.create_task(serving)
                 await asyncio.wait([bound, task], return_when=asyncio.FIRST_COMPLETED)
                 if task.done():
                     error = f"cannot serve on port {self.port}: {task.exception()}"

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -264,9 +265,16 @@ class StageServer:
         ]
 
     async def serve(
-        self, host: str, port: int, *, ready: Callable[[int], None] | None = None, stop: asyncio.Future | None = None
+        self,
+        host: str,
+        port: int,
+        *,
+        ready: Callable[[int], None] | None = None,
+        stop: asyncio.Future | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        """Serve until ``stop`` resolves, or (without ``stop``) until cancelled or SIGTERM/SIGINT."""
+        """Serve until ``stop`` resolves, or (without ``stop``) until cancelled or SIGTERM/SIGINT;
+        over TLS (``wss://``) with ``tls``, a server context holding the agent's certificate."""
         loop = asyncio.get_running_loop()
         hurry: asyncio.Event | None = None
         if stop is None:
@@ -298,6 +306,7 @@ class StageServer:
                 compression=None,
                 ping_interval=20,
                 ping_timeout=60,
+                ssl=tls,
             ) as server:
                 bound = next(iter(server.sockets)).getsockname()[1]
                 if ready is not None:
