@@ -1,6 +1,7 @@
 """Re-placement only when it pays: a model is placed again when its per-layer load is uneven AND a
 fresh plan over the same nodes is predicted to serve SWARM_REPLACE_MARGIN more tokens/s, or when a
-node comes or goes; measurement noise and a control channel reconnecting never re-place it.
+node comes or goes; measurement noise and a control channel reconnecting never re-place it (a
+reconnected node's blocks are routed to again once its agent confirms where it serves them).
 
 Time is moved by hand: the sweep (``rebalance_if_needed`` then ``place_dirty_models``) runs every 5 s
 of simulated time for 10 minutes while the agents' heartbeats report their measured speed."""
@@ -101,6 +102,31 @@ def test_a_control_channel_reconnect_of_an_active_node_does_not_re_place(
         services.node_connected(four_nodes[1].pk)
 
     assert PlacementState.objects.get(model=MODEL).dirty is False
+
+
+def test_a_reconnected_node_is_routed_to_again_only_once_its_agent_confirms_each_block_where_it_serves(
+    four_nodes, django_capture_on_commit_callbacks
+):
+    # The agent process restarted with the same key (a restart, an upgrade): its control channel
+    # reconnects before its block is loaded again, and it serves on another port this time.
+    restarted = four_nodes[1]
+    (block,) = Assignment.objects.filter(node=restarted, state=AssignmentState.READY)
+    assert len(servable_pipelines(MODEL)) == 2
+
+    with django_capture_on_commit_callbacks(execute=True):
+        services.node_connected(restarted.pk)
+
+    block.refresh_from_db()
+    assert block.state == AssignmentState.ASSIGNED  # kept, but not routed to until confirmed
+    assert all(stage.node != restarted.node_id for pipeline in servable_pipelines(MODEL) for stage in pipeline)
+    assert len(servable_pipelines(MODEL)) == 1
+
+    assert services.assignment_ready(restarted.pk, block.pk, "ws://127.0.0.1:19999")
+    block.refresh_from_db()
+    assert (block.state, block.data_url) == (AssignmentState.READY, "ws://127.0.0.1:19999")
+    urls = {stage.node: stage.data_url for pipeline in servable_pipelines(MODEL) for stage in pipeline}
+    assert urls[restarted.node_id] == "ws://127.0.0.1:19999"
+    assert PlacementState.objects.get(model=MODEL).dirty is False  # no re-placement for any of it
 
 
 def test_a_node_joining_again_with_a_new_agent_leaves_no_stale_stage_to_route_to(

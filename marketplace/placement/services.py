@@ -101,10 +101,18 @@ def register_agent(**join) -> Node:
 
 
 @transaction.atomic
+@transaction.atomic
 def node_connected(node_pk: int) -> Node:
     """The control channel is up: a pending or offline node becomes active and placement is redone.
-    An active node whose channel merely reconnected changes no capacity: its blocks stay as they are."""
+    An active node whose channel merely reconnected changes no capacity: its blocks stay assigned to
+    it. Each is confirmed again before a request is routed to it (ready -> assigned, until the agent
+    reports it ready): the agent may be a new process that still has to load it, on another port."""
     node, came_online = nodes.mark_connected(node_pk)
+    unconfirmed = Assignment.objects.filter(node_id=node_pk, state=AssignmentState.READY).update(
+        state=AssignmentState.ASSIGNED
+    )
+    if unconfirmed:
+        log.info("node %s reconnected: %d block(s) to be confirmed ready", node.node_id, unconfirmed)
     if came_online:
         _placement_changed()
     return node
