@@ -150,3 +150,6 @@ def test_a_hostile_stage_is_struck_never_paid_and_its_neighbours_are_not_blamed(
         assert earned.count() == len(jobs)
         assert set(earned.values_list("state", flat=True)) == {EarningState.AVAILABLE}
     assert Job.objects.filter(pk__in=job_pks, verified=True).count() == len(jobs)
+    # The adversarial table's row (pytest -rP shows it).
+    paid = Earning.objects.filter(node=hostile).exclude(state=EarningState.CLAWED_BACK).count()
+    print(f"{attack}: struck after {len(jobs)} job(s), earnings kept {paid}, strikes on honest nodes 0")

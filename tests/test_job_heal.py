@@ -167,3 +167,15 @@ def test_a_heal_does_not_wait_when_nothing_can_come(swarm, customer):
     Job.objects.filter(pk=job.pk).update(heals=[], state=JobState.SUCCEEDED)
     assert not heal_may_wait(job.pk, now=NOW)
     assert not heal_may_wait(job.pk + 1, now=NOW)  # no such job
+
+
+def test_with_no_other_holder_a_stalled_node_that_proved_alive_takes_its_span_again(swarm, customer):
+    Node.objects.filter(pk__in=[swarm.d.pk, swarm.e.pk]).update(state=NodeState.OFFLINE)
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+
+    assert heal_job(job.pk, swarm.b.node_id, "stalled", now=NOW) is None  # b is the only holder, and suspect
+    Node.objects.filter(pk=swarm.b.pk).update(suspected_at=None, suspicion="")  # its heartbeats clear it
+    route = heal_job(job.pk, swarm.b.node_id, "stalled", now=NOW + timedelta(seconds=5), report=False)
+
+    assert route == [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)]
+    assert [h["failed_node"] for h in stored(job)[1]] == [swarm.b.node_id]

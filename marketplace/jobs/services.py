@@ -31,6 +31,7 @@ from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.jobs.settlement import place_hold, settle
+from marketplace.nodes.models import Node, NodeState
 from marketplace.placement.selectors import recovering, route_around, route_request
 from marketplace.placement.services import report_node_failure
 from marketplace.verification.audits import choose_audit_stages
@@ -165,7 +166,9 @@ def heal_job(
 
     The new route keeps the job's surviving stages where it can, so that only the failed span
     changes (a warm spare or another pipeline's stage holding exactly that span takes it), else it
-    is the fastest full chain (``placement.selectors.route_around``). It becomes ``Job.route``,
+    is the fastest full chain (``placement.selectors.route_around``). When no route avoids every
+    node the job saw fail, one that has proved alive since (its heartbeats cleared the report: it
+    was slow or briefly frozen) may take its span again. It becomes ``Job.route``,
     which settlement verifies the receipts against, and ``Job.heals`` records it (when, which node,
     why, the route before). Audited positions stay when the route keeps its length, else they are
     drawn again for the new route. A heal is a sign of life for the job's staleness watch.
@@ -186,6 +189,16 @@ def heal_job(
     avoid = {heal["failed_node"] for heal in job.heals} | {failed_node}
     current = [(s["node"], s["layer_start"], s["layer_end"]) for s in job.route]
     stages = route_around(job.model, current, avoid, job.coordinator_region)
+    if stages is None:
+        # No route without every node this job saw fail: one that has since proved alive (it
+        # heartbeats after the report: it was slow or briefly frozen, not dead) may serve it again.
+        still_failed = set(
+            Node.objects.filter(node_id__in=avoid)
+            .filter(Q(suspected_at__isnull=False) | ~Q(state=NodeState.ACTIVE))
+            .values_list("node_id", flat=True)
+        )
+        if still_failed != avoid:
+            stages = route_around(job.model, current, still_failed, job.coordinator_region)
     if stages is None:
         log.warning("job %s: %s failed and no route avoids %s", job.public_id, failed_node, ", ".join(sorted(avoid)))
         return None
