@@ -289,10 +289,10 @@ SWARM_MAX_HEALS = env_int("SWARM_MAX_HEALS", 2, minimum=0)
 SWARM_STALL_TIMEOUT_S = env_float("SWARM_STALL_TIMEOUT_S", 10.0, minimum=0.5)
 # A heal that finds no route around a failed stage waits this long for one while the model is
 # recovering (a node holds or is loading a block of it), then the request ends.
-SWARM_HEAL_WAIT_S = env_float("SWARM_HEAL_WAIT_S", 15.0, minimum=0.0)
+SWARM_HEAL_WAIT_S = env_float("SWARM_HEAL_WAIT_S", 30.0, minimum=0.0)
 # A request admitted when its model has no ready route waits this long for one while the model is
 # recovering, then answers 503; a model no node serves answers 503 at once.
-SWARM_ADMISSION_WAIT_S = env_float("SWARM_ADMISSION_WAIT_S", 10.0, minimum=0.0)
+SWARM_ADMISSION_WAIT_S = env_float("SWARM_ADMISSION_WAIT_S", 30.0, minimum=0.0)
 SWARM_JOB_STALE_S = env_float("SWARM_JOB_STALE_S", 60.0, minimum=1.0)  # no progress this long: coordinator lost
 # A job whose settlement raised is tried again after SWARM_SETTLE_RETRY_S, doubling up to
 # SWARM_SETTLE_RETRY_MAX_S; after SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins.

@@ -48,7 +48,7 @@ import psutil
 import websockets
 from websockets.asyncio.client import connect
 
-from worker_agent import __version__, wire
+from worker_agent import __version__, probes
 from worker_agent import control_protocol as protocol
 from worker_agent.cheat import Cheat, warning_banner
 from worker_agent.control_protocol import ProtocolError, control_signature, join_signature
@@ -63,11 +63,6 @@ log = logging.getLogger("swarm.agent")
 
 HTTP_TIMEOUT_S = 30.0
 MAX_BACKOFF_S = 30.0
-PROBE_BYTES = 256 * 1024  # size of the frame that measures uplink
-PROBE_MAX_REPLY = 64 * 1024  # bytes a probed peer may answer with (an ERROR or PONG is far smaller)
-PROBE_TIMEOUT_S = 10.0  # one target's whole measurement
-PROBE_BUDGET_S = 60.0  # all the targets of one probe request
-MAX_PROBE_TARGETS = 64  # targets measured per probe request; the rest are left out
 DRAIN_TIMEOUT_S = 60.0  # how long a released or displaced block waits for its jobs in flight to end
 SHUTDOWN_DRAIN_S = 30.0  # how long a stopping agent waits for its jobs in flight to end
 
@@ -526,88 +521,8 @@ class Agent:
                 await asyncio.wait_for(task, 10)
 
     async def _probe(self, targets: tuple[protocol.ProbeTarget, ...]) -> tuple[protocol.LinkResult, ...]:
-        """RTT and uplink to each peer's data plane; RTT to each coordinator region's probe URL
-        (a region without a URL is the control plane's own)."""
-        results = []
-        deadline = time.monotonic() + PROBE_BUDGET_S
-        for target in targets[:MAX_PROBE_TARGETS]:
-            url = probe_url(target, self.state.control_plane)
-            if url is None:
-                log.warning("not probing %s: %r is not a URL that target can have", target.target, target.url)
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("probe budget of %gs spent; %s and later targets left out", PROBE_BUDGET_S, target.target)
-                break
-            timeout = min(PROBE_TIMEOUT_S, left)
-            try:
-                if url.startswith("ws"):
-                    measured = await asyncio.wait_for(probe_link(url, timeout), timeout)
-                else:
-                    measured = await asyncio.wait_for(asyncio.to_thread(probe_http, url, timeout), timeout)
-            except (OSError, websockets.WebSocketException, TimeoutError, SwarmError, ValueError) as exc:
-                log.warning("cannot probe %s at %s: %s", target.target, url, exc)
-                continue
-            results.append(protocol.LinkResult(target=target.target[:64], **measured))
-        log.info("probed %d of %d targets", len(results), len(targets))
-        return tuple(results)
+        return await probes.measure(targets, self.state.control_plane)
 
 
 def _failed(assignment: int, error: str) -> protocol.Failed:
     return protocol.Failed(assignment=assignment, error=error[: protocol.MAX_TEXT_CHARS])
-
-
-def probe_url(target: protocol.ProbeTarget, control_plane: str) -> str | None:
-    """The URL to measure ``target`` at, or None when it is not one that target can have: a
-    peer node is measured only at a data-plane ``ws://``/``wss://`` URL (host and port), a
-    coordinator region (``region:<name>``) at an ``http(s)://`` URL, or the control plane's own
-    ``/healthz`` when it names none. Only targets the control plane sent are ever probed."""
-    url = target.url
-    if target.target.startswith("region:"):
-        schemes: tuple[str, ...] = ("http", "https")
-        if url is None:
-            return f"{control_plane.rstrip('/')}/healthz"
-    else:
-        schemes = ("ws", "wss")
-    if url is None:
-        return None
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return None
-    if parts.scheme not in schemes or not parts.hostname or parts.username or parts.password:
-        return None
-    if parts.scheme in ("ws", "wss") and port is None:
-        return None
-    return url
-
-
-def probe_http(url: str, timeout: float = 10.0, tries: int = 3) -> dict:
-    """Best-of-``tries`` round trip of a small HTTP GET (connection set-up excluded as far as
-    urllib allows: the first try warms DNS and routes)."""
-    best = float("inf")
-    for _ in range(tries):
-        started = time.perf_counter()
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            response.read(PROBE_MAX_REPLY)
-        best = min(best, time.perf_counter() - started)
-    return {"rtt_ms": round(best * 1000, 3)}
-
-
-async def probe_link(url: str, timeout: float = 10.0) -> dict:
-    """RTT and uplink to a data-plane URL. A reply over PROBE_MAX_REPLY bytes closes the
-    connection (the probe fails) before it is read whole."""
-    async with connect(url, open_timeout=timeout, compression=None, max_size=PROBE_MAX_REPLY) as ws:
-        started = time.perf_counter()
-        await ws.send(wire.encode(wire.Ping(nonce=1), seq=1))
-        await asyncio.wait_for(ws.recv(), timeout)
-        rtt = time.perf_counter() - started
-        # Any frame is answered once fully received: a PING carrying bytes is refused with an
-        # ERROR, so the time to that answer is one RTT plus pushing the bytes through the uplink.
-        blob = wire.encode(wire.Ping(nonce=2), seq=2) + bytes(PROBE_BYTES)
-        started = time.perf_counter()
-        await ws.send(blob)
-        await asyncio.wait_for(ws.recv(), timeout)
-        push = max(time.perf_counter() - started - rtt, 1e-6)
-    return {"rtt_ms": round(rtt * 1000, 3), "uplink_mbps": round(len(blob) * 8 / push / 1e6, 1)}
