@@ -271,6 +271,9 @@ SWARM_REPLACE_MARGIN = env_float("SWARM_REPLACE_MARGIN", 0.15, minimum=0.0)
 # many times the speed a passed challenge proved, or, unproven, this many times the median claim.
 SWARM_SPEED_VERIFIED_SLACK = env_float("SWARM_SPEED_VERIFIED_SLACK", 4.0, minimum=1.0)
 SWARM_SPEED_CLAIM_OUTLIER = env_float("SWARM_SPEED_CLAIM_OUTLIER", 4.0, minimum=1.0)
+# A node claiming more than this many times the best speed it proved in a challenge gets a strike
+# (the proof is a lower bound, round trips and queueing included: honest nodes stay far below).
+SWARM_SPEED_FALSE_CLAIM = env_float("SWARM_SPEED_FALSE_CLAIM", 50.0, minimum=2.0)
 # Host names an agent may advertise as its data-plane URL whatever address its control channel
 # comes from (agents behind a reverse proxy or NAT); otherwise the URL's host must be that address.
 SWARM_AGENT_URL_HOSTS = env_list("SWARM_AGENT_URL_HOSTS", [])

@@ -1,18 +1,22 @@
 """Capacity is measured, not claimed: placement and routing use a node's credible speed, its claim
 capped by what it proved (a passed challenge, timed by the control plane) or, unproven, by the
-swarm's proven and claimed medians (``marketplace/nodes/capacity.py``)."""
+swarm's proven and claimed medians (``marketplace/nodes/capacity.py``); a claim far beyond what the
+node proved is a strike."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+from django.utils import timezone
 
 from marketplace.nodes.capacity import credible_speeds
 from marketplace.nodes.models import Node
 from marketplace.nodes.services import record_verified_speed
 from marketplace.placement.selectors import route_request
 from marketplace.placement.services import assignment_ready, place_model
+from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind
+from marketplace.verification.strikes import strike_false_capacity_claim
 
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]
 pytestmark = [pytest.mark.trust, pytest.mark.django_db]
@@ -72,3 +76,36 @@ def test_a_node_claiming_1e12_does_not_take_the_model(
     _, route, _ = route_request(MODEL)
 
     assert [s.node for s in route] == [a.node_id, b.node_id]  # requests go to the proven pair
+
+
+def test_a_claim_far_beyond_what_the_node_proved_is_a_strike_and_an_honest_gap_is_not(
+    settings, provider, make_joined_node
+):
+    settings.SWARM_SPEED_FALSE_CLAIM = 50.0
+    liar = make_joined_node(provider, "gpu-liar", compute=1e12).node
+    honest = make_joined_node(provider, "gpu-honest", compute=3000.0).node
+    # Their challenges proved 500 and 300 layer-tokens/s (timed with round trips and queueing: an
+    # honest node proves well under its benchmark, here 10x under).
+    record_verified_speed(liar.pk, 500.0)
+    record_verified_speed(honest.pk, 300.0)
+
+    strike = strike_false_capacity_claim(liar.pk, passed_challenge(liar))
+
+    assert strike is not None and strike.kind == StrikeKind.CAPACITY
+    assert strike.evidence["claimed_layer_tokens_per_s"] == 1e12
+    assert strike.evidence["proven_layer_tokens_per_s"] == 500.0
+    assert "2000000000x the 500 it proved" in strike.evidence["reason"]
+    # One open strike per false claim, not one per challenge it passes.
+    assert strike_false_capacity_claim(liar.pk, passed_challenge(liar)) is None
+    assert strike_false_capacity_claim(honest.pk, passed_challenge(honest)) is None
+    unproven = make_joined_node(provider, "gpu-new", compute=1e12).node
+    assert strike_false_capacity_claim(unproven.pk, None) is None  # nothing proved yet: only capped, not struck
+    assert list(Strike.objects.values_list("node__name", "kind")) == [("gpu-liar", StrikeKind.CAPACITY)]
+
+
+def passed_challenge(node: Node) -> Challenge:
+    now = timezone.now()
+    return Challenge.objects.create(
+        node=node, model=MODEL, layer_start=0, layer_end=6, seed=1, tokens=8, state=CheckState.PASSED,
+        sent_at=now, deadline_at=now, elapsed_ms=96.0,
+    )  # fmt: skip

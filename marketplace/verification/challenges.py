@@ -36,7 +36,7 @@ from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.verification.dispatch import CHALLENGE_RUN_TASK, CHALLENGE_TASK, thresholds, verify_after_commit
 from marketplace.verification.errors import NotChallengeable
 from marketplace.verification.models import Challenge, CheckState, StrikeKind
-from marketplace.verification.strikes import open_strike
+from marketplace.verification.strikes import open_strike, strike_false_capacity_claim
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
 from worker_agent import challenge as challenges
 from worker_agent.coordinator.challenger import DEADLINE, run_challenge_session
@@ -289,6 +289,8 @@ def verify_challenge(challenge_pk: int) -> Challenge:
             open_strike(
                 challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge)
             )
+        else:
+            strike_false_capacity_claim(challenge.node_id, challenge)
     return challenge
 
 

@@ -75,6 +75,7 @@ class StrikeKind(models.TextChoices):
     CHALLENGE = "challenge", "failed challenge"
     AUDIT = "audit", "failed audit"
     RECEIPT = "receipt", "unverifiable receipt"  # it made a job's receipts fail (none, not its own, false)
+    CAPACITY = "capacity", "false capacity claim"  # it claims far more speed than it ever proved
 
 
 class StrikeState(models.TextChoices):

@@ -101,6 +101,30 @@ def withheld_earnings():
 
 
 @transaction.atomic
+def strike_false_capacity_claim(node_pk: int, challenge) -> Strike | None:
+    """The node claims more than SWARM_SPEED_FALSE_CLAIM times the best speed it has proved (a
+    passed challenge's timing, a lower bound): its claim is a lie placement already does not
+    believe (``nodes.capacity``), and it gets a strike, once while one is open, with ``challenge``
+    (the one just passed) as its evidence."""
+    node = Node.objects.get(pk=node_pk)
+    proven, claim = node.verified_layer_tokens_per_s, node.compute_layer_tokens_per_s
+    if not proven or claim <= settings.SWARM_SPEED_FALSE_CLAIM * proven:
+        return None
+    if node.strikes.filter(kind=StrikeKind.CAPACITY, state=StrikeState.OPEN).exists():
+        return None
+    return open_strike(
+        node,
+        str(StrikeKind.CAPACITY),
+        challenge=challenge,
+        evidence={
+            "kind": "capacity",
+            "reason": f"claims {claim:.4g} layer-tokens/s, {claim / proven:.0f}x the {proven:.4g} it proved",
+            "claimed_layer_tokens_per_s": claim,
+            "proven_layer_tokens_per_s": proven,
+        },
+    )
+
+
 def strike_unverifiable_receipts(job, node_id: str, reason: str) -> Strike | None:
     """A node made a job's receipts fail verification, unambiguously (it sent no receipt of its own,
     an unreadable or badly signed one, or one contradicting what the coordinator sent it or
