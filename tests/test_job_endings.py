@@ -94,9 +94,12 @@ async def receive_until_final(layer, channel: str) -> list[dict]:
     return events
 
 
-def test_a_stage_lost_with_no_spare_fails_charged_exactly_the_delivered_tokens(control_plane, api_key, monkeypatch):
+def run_with_rogue(api_key, monkeypatch, **rogue) -> tuple[str, int, list[dict]]:
+    """Run one job on SPANS with stage 1 the given rogue (``rogue_class`` / ``rogue_server``):
+    (its final state, its pk, the events its group received up to the final one)."""
+
     async def scenario():
-        async with stage_servers(SPANS, rogue=1, rogue_class=DyingStage) as route:
+        async with stage_servers(SPANS, rogue=1, **rogue) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
             layer = get_channel_layer()
             channel = await layer.new_channel()
@@ -104,7 +107,11 @@ def test_a_stage_lost_with_no_spare_fails_charged_exactly_the_delivered_tokens(c
             state = await runner.run_job(job.pk)
             return state, job.pk, await receive_until_final(layer, channel)
 
-    state, job_pk, events = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_stage_lost_with_no_spare_fails_charged_exactly_the_delivered_tokens(control_plane, api_key, monkeypatch):
+    state, job_pk, events = run_with_rogue(api_key, monkeypatch, rogue_class=DyingStage)
 
     job = Job.objects.get(pk=job_pk)
     delivered = tokens_of(events)
@@ -252,16 +259,7 @@ class LostAtClose(StageServer):
 def test_a_stage_lost_after_the_last_token_leaves_the_client_its_answer_unverified_and_unpaid(
     control_plane, api_key, monkeypatch
 ):
-    async def scenario():
-        async with stage_servers(SPANS, rogue=1, rogue_server=LostAtClose) as route:
-            job = await sync_to_async(admit)(api_key, route, monkeypatch)
-            layer = get_channel_layer()
-            channel = await layer.new_channel()
-            await layer.group_add(runner.group_name(job.pk), channel)
-            state = await runner.run_job(job.pk)
-            return state, job.pk, await receive_until_final(layer, channel)
-
-    state, job_pk, events = asyncio.run(scenario())
+    state, job_pk, events = run_with_rogue(api_key, monkeypatch, rogue_server=LostAtClose)
 
     job = Job.objects.get(pk=job_pk)
     assert state == JobState.SUCCEEDED
