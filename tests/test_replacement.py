@@ -105,8 +105,10 @@ def test_a_control_channel_reconnect_of_an_active_node_does_not_re_place(
 
 
 def test_a_reconnected_node_is_routed_to_again_only_once_its_agent_confirms_each_block_where_it_serves(
-    four_nodes, django_capture_on_commit_callbacks
+    four_nodes, django_capture_on_commit_callbacks, monkeypatch
 ):
+    probes = []
+    monkeypatch.setattr(services, "request_probes", lambda model, nodes: probes.append(model))
     # The agent process restarted with the same key (a restart, an upgrade): its control channel
     # reconnects before its block is loaded again, and it serves on another port this time.
     restarted = four_nodes[1]
@@ -127,6 +129,7 @@ def test_a_reconnected_node_is_routed_to_again_only_once_its_agent_confirms_each
     urls = {stage.node: stage.data_url for pipeline in servable_pipelines(MODEL) for stage in pipeline}
     assert urls[restarted.node_id] == "ws://127.0.0.1:19999"
     assert PlacementState.objects.get(model=MODEL).dirty is False  # no re-placement for any of it
+    assert probes == []  # nor a new round of link probes: the links were measured when it was placed
 
 
 def test_a_node_joining_again_with_a_new_agent_leaves_no_stale_stage_to_route_to(

@@ -536,6 +536,9 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
     """The agent reports its block loaded and served at ``data_url``; False if it is stale.
     The block it superseded on that node is released at the agent now. Once every live block of
     the model is up, the placed nodes measure their links."""
+    # A block confirmed again after its node reconnected (``node_connected``) was ready before:
+    # the links around it were measured then, and are not probed again for it.
+    confirmed_again = Assignment.objects.filter(pk=assignment_pk, ready_at__isnull=False).exists()
     updated = Assignment.objects.filter(pk=assignment_pk, node_id=node_pk, state=AssignmentState.ASSIGNED).update(
         state=AssignmentState.READY, ready_at=timezone.now(), data_url=data_url[:255]
     )
@@ -544,7 +547,7 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
         notify_node_changed(node_pk)
         model = Assignment.objects.get(pk=assignment_pk).model
         live = Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
-        if all(a.state == AssignmentState.READY for a in live):
+        if not confirmed_again and all(a.state == AssignmentState.READY for a in live):
             request_probes(model, [a.node for a in live])
     return bool(updated)
 
