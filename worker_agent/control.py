@@ -286,18 +286,8 @@ class Agent:
         """Close the data plane once the jobs in flight have ended (a restart cuts no request), up to
         ``shutdown_drain_s`` or a second stop signal; no new job is taken meanwhile. ``run`` calls
         it after closing the control channel, so the control plane routes nothing new here."""
-        server = self.server
-        if server is not None and self.shutdown_drain_s > 0 and not self.hurry.is_set():
-            open_jobs = sum(len(slot.jobs) for slot in server.slots.values())
-            if open_jobs:
-                log.warning(
-                    "stopping: %d job(s) in flight may finish first (up to %gs; stop again to stop now)",
-                    open_jobs,
-                    self.shutdown_drain_s,
-                )
-            cut = await server.drain(timeout=self.shutdown_drain_s, hurry=self.hurry)
-            if cut:
-                log.warning("stopping with %d job(s) still open", cut)
+        if self.server is not None and self.shutdown_drain_s > 0 and not self.hurry.is_set():
+            await self.server.drain(timeout=self.shutdown_drain_s, hurry=self.hurry)
         await self._stop_serving()
 
     def stop(self) -> None:

@@ -209,6 +209,10 @@ class StageServer:
         the jobs in flight to end; returns how many were still open at the bound."""
         for key in list(self.slots):
             self.retire_stage(key)
+        open_jobs = sum(len(slot.jobs) for slot in self.slots.values())
+        if open_jobs:
+            log.warning("stopping: %d job(s) in flight may finish first (up to %gs; stop again to stop now)",
+                        open_jobs, timeout)  # fmt: skip
 
         async def all_idle() -> None:
             for slot in list(self.slots.values()):
@@ -220,7 +224,10 @@ class StageServer:
         await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         for task in waiters:
             task.cancel()
-        return sum(len(slot.jobs) for slot in self.slots.values())
+        cut = sum(len(slot.jobs) for slot in self.slots.values())
+        if cut:
+            log.warning("stopping with %d job(s) still open", cut)
+        return cut
 
     async def unload_stage(self, key: StageKey, *, timeout: float) -> int:
         """Retire the stage, wait up to ``timeout`` s for its jobs to end, then drop it and close the
@@ -313,9 +320,7 @@ class StageServer:
                     ready(bound)
                 await stop
                 if hurry is not None:
-                    cut = await self.drain(timeout=SHUTDOWN_DRAIN_S, hurry=hurry)
-                    if cut:
-                        log.warning("stopping with %d job(s) still open", cut)
+                    await self.drain(timeout=SHUTDOWN_DRAIN_S, hurry=hurry)
         finally:
             self._running = False
             for slot in self.slots.values():

@@ -101,7 +101,6 @@ def register_agent(**join) -> Node:
 
 
 @transaction.atomic
-@transaction.atomic
 def node_connected(node_pk: int) -> Node:
     """The control channel is up: a pending or offline node becomes active and placement is redone.
     An active node whose channel merely reconnected changes no capacity: its blocks stay assigned to

@@ -125,6 +125,7 @@ def strike_false_capacity_claim(node_pk: int, challenge) -> Strike | None:
     )
 
 
+@transaction.atomic
 def strike_unverifiable_receipts(job, node_id: str, reason: str) -> Strike | None:
     """A node made a job's receipts fail verification, unambiguously (it sent no receipt of its own,
     an unreadable or badly signed one, or one contradicting what the coordinator sent it or

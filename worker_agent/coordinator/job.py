@@ -369,7 +369,7 @@ class Coordinator:
                     session = pipeline.new_session_id()
                     state.rewind()
             replies: list[tuple[dict, ...]] | None = None
-            lost: StageError | None = None
+            verification, verification_error, culprit = None, "", None
             try:
                 replies = await pipeline.close_by_stage([session])
                 closed = True
@@ -379,11 +379,10 @@ class Coordinator:
                 # paid for it, and nobody is struck (a lost connection proves nothing).
                 if strict:
                     raise
-                lost = exc
+                verification_error = f"{exc} (lost before it sent its receipt; {exc.code})"
             audits, audit_missing = await pipeline.take_audits(session)
-            verification, verification_error, culprit = None, "", None
-            if lost is not None or replies is None:
-                receipts, verification_error = [], f"{lost} (lost before it sent its receipt; {lost and lost.code})"
+            if replies is None:
+                receipts = []
             else:
                 try:
                     receipts, verification = self._verify(
