@@ -135,3 +135,59 @@ def test_a_job_nobody_cancels_runs_to_its_end(in_memory_layer, api_key, monkeypa
     assert state == JobState.SUCCEEDED
     assert (job.state, job.error_code) == (JobState.SUCCEEDED, "")
     assert job.prompt_ids == list(services.tokenize_prompt(MODEL, RequestParams.from_json(job.params)))
+
+
+class StuckCancelListening:
+    """A channel layer (the in-memory one underneath) whose receive on a job's cancel channel does
+    not stop when cancelled, until released, as a Redis connection pool busy reconnecting holds a
+    blocked receive; then that receive fails with the layer's own error."""
+
+    def __init__(self, layer) -> None:
+        self.layer = layer
+        self.release = asyncio.Event()
+        self.ignored = 0  # cancellations the stuck receive sat through
+
+    def __getattr__(self, name: str):
+        return getattr(self.layer, name)
+
+    async def receive(self, channel: str) -> dict:
+        if not channel.endswith(".cancel"):  # a job's cancel channel: job.<pk>.cancel
+            return await self.layer.receive(channel)
+        while not self.release.is_set():
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.ignored += 1
+        raise ConnectionError("the connection pool reconnected")
+
+
+def test_a_cancel_listener_stuck_in_the_channel_layer_does_not_hold_the_job_end(control_plane, api_key, monkeypatch):
+    control_plane.CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": MAX_TOKENS + 16}}
+    }
+    layer = StuckCancelListening(get_channel_layer())
+    monkeypatch.setattr(runner, "get_channel_layer", lambda: layer)
+
+    async def scenario():
+        async with stage_servers(SPANS) as route:
+            job = await sync_to_async(admit)(api_key, route, monkeypatch)
+            channel = await layer.new_channel()
+            await layer.group_add(runner.group_name(job.pk), channel)
+            state = await asyncio.wait_for(runner.run_job(job.pk), 120)
+            stray = set(runner._stray_listeners)  # the job ended with its listener still stuck
+            events = [await asyncio.wait_for(layer.receive(channel), 5)]
+            while events[-1]["type"] == "job.token":
+                events.append(await asyncio.wait_for(layer.receive(channel), 5))
+            layer.release.set()
+            await asyncio.wait_for(asyncio.gather(*stray, return_exceptions=True), 5)
+            return state, job.pk, events, stray
+
+    state, job_pk, events, stray = asyncio.run(scenario())
+
+    job = Job.objects.get(pk=job_pk)
+    assert state == JobState.SUCCEEDED
+    assert (job.state, job.error_code) == (JobState.SUCCEEDED, "")
+    assert events[-1]["type"] == "job.done"
+    assert events[-1]["completion_tokens"] == job.completion_tokens == len(events) - 1
+    assert len(stray) == 1 and layer.ignored >= 1  # it sat through the cancel: the job did not wait
+    assert all(listener.done() for listener in stray) and not runner._stray_listeners

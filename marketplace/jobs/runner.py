@@ -18,7 +18,6 @@ listen from their own event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -47,6 +46,8 @@ from worker_agent.receipts import SessionTranscript
 log = logging.getLogger("swarm.jobs")
 PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered
 HEAL_POLL_S = 0.25  # how often a heal waiting for a route asks again
+CANCEL_LISTENER_STOP_S = 1.0  # how long a job's end waits for its cancel listener to stop
+_stray_listeners: set[asyncio.Task] = set()  # cancel listeners still stopping after their job ended
 
 
 async def in_thread(fn, *args, **kwargs):
@@ -86,6 +87,20 @@ async def _cancel_received(layer, job_pk: int) -> bool:
         log.warning("job %s: no longer listening for a cancel: %r", job_pk, exc)
         return False
     return True
+
+
+async def _stop_listening(listener: asyncio.Task, job_id: str) -> None:
+    """Stop a job's cancel listener without letting it hold the job's end: a receive blocked in
+    the channel layer (a Redis connection pool busy reconnecting) may take its time to notice the
+    cancellation, so it is waited on for CANCEL_LISTENER_STOP_S, then left to end on its own."""
+    listener.cancel()
+    done, _ = await asyncio.wait({listener}, timeout=CANCEL_LISTENER_STOP_S)
+    if not done:
+        log.warning(
+            "job %s: its cancel listener did not stop in %gs; not waiting for it", job_id, CANCEL_LISTENER_STOP_S
+        )
+        _stray_listeners.add(listener)
+        listener.add_done_callback(_stray_listeners.discard)
 
 
 def sampling_params(params: RequestParams) -> SamplingParams:
@@ -276,9 +291,7 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
                 if cancel.done() and cancel.result():
                     return None, True, {}
         finally:
-            cancel.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await cancel
+            await _stop_listening(cancel, job.public_id)
             await stream.aclose()  # closes the sessions on the stages when stopped early
     raise SwarmError("the coordinator ended without a result", code="no_result")
 
