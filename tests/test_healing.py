@@ -63,7 +63,8 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def swarm():
-    spans = SPANS * 4  # the route, then three spares per span
+    # The route, then three spares per span, and two more for the middle span's known-spare test.
+    spans = SPANS * 4 + [SPANS[1]] * 2
     with LocalSwarm(MODEL, spans, threads=1) as local:
         yield Swarm(local)
 
@@ -260,6 +261,47 @@ def test_the_cli_heals_onto_a_spare(swarm):
     swarm.spares.remove(spare)
     swarm.route[position] = spare
     assert result["token_ids"] == reference(swarm)
+
+
+def test_a_spare_known_ahead_that_died_since_is_passed_over_for_the_next(swarm):
+    """The healer learns its spares' identities once the route is up, so a heal waits no PING
+    round; a known spare that died meanwhile fails the healed route's connect, and the next spare
+    takes the place in the same heal."""
+    position = 1
+    expected = reference(swarm)
+    job = "job-known-spare-died"
+    healer = swarm.healer(job, spans=[position])
+    stale, fresh = [a for a in swarm.spares if a.url in healer.unused][:2]
+    victim = swarm.route[position]
+
+    def kill(agent) -> None:
+        agent.process.kill()
+        agent.process.wait()
+
+    async def main():
+        async with Coordinator(
+            MODEL,
+            swarm.specs(job),
+            job=job,
+            healer=healer,
+            stall_timeout_s=STALL_S,
+            coordinator_key=swarm.local.coordinator_key(job),
+        ) as coordinator:
+            async with asyncio.timeout(30):
+                while not {stale.url, fresh.url} <= set(healer.known):
+                    await asyncio.sleep(0.01)
+            kill(stale)  # known, then gone
+            request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS)
+            return await _run(coordinator, request, lambda count: count == 5 and kill(victim))
+
+    result = asyncio.run(main())
+
+    _check_healed(swarm, result, expected, [position])
+    # The stale spare was taken on what was known of it (a PING at heal time would have skipped it).
+    assert stale.url not in healer.unused and fresh.url not in healer.unused
+    assert fresh.node in {r.node for r in result.receipts} and stale.node not in {r.node for r in result.receipts}
+    swarm.spares.remove(stale)
+    swarm.replaced(position, result)
 
 
 def test_a_stage_told_to_stop_mid_stream_lets_the_request_finish_then_exits(swarm):

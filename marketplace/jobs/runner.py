@@ -227,6 +227,9 @@ class JobHealer:
         self.grant = grant
         self.route = list(job.route)
 
+    async def prepare(self) -> None:
+        """Nothing to learn ahead: the control plane knows its nodes and their blocks."""
+
     async def replace(self, failure: StageFailure, route) -> HealedRoute | None:
         # The node is the one this control plane put at that position, whatever its HELLO said.
         node = self.route[failure.stage]["node"]

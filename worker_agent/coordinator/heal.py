@@ -60,6 +60,11 @@ class HealedRoute:
 
 
 class Healer(Protocol):
+    async def prepare(self) -> None:
+        """Get ready for a failure, in the background once the route is connected: whatever a
+        heal would otherwise have to learn after the failure (e.g. the spares' identities)."""
+        ...
+
     async def replace(self, failure: StageFailure, route: Sequence[StageSpec]) -> HealedRoute | None:
         """A route without the failed stage, or None when no replacement is available."""
         ...
@@ -106,6 +111,24 @@ class SpareHealer:
     def __init__(self, urls: Sequence[str], *, ticket: Callable[[dict], bytes | None] | None = None) -> None:
         self.unused = list(urls)
         self.ticket = ticket
+        self.known: dict[str, dict] = {}  # spares' PING info by URL, learned before any failure
+
+    async def _probe(self, urls: list[str]) -> None:
+        """PING ``urls`` at once and keep what each says of itself; an unreachable one is skipped."""
+        probes = await asyncio.gather(*(probe_stage(url, timeout=5.0) for url in urls), return_exceptions=True)
+        for url, info in zip(urls, probes, strict=True):
+            if isinstance(info, (OSError, TimeoutError, SwarmError, WebSocketException)):
+                log.warning("spare %s cannot be reached: %s", url, info)
+            elif isinstance(info, BaseException):
+                raise info
+            else:
+                self.known[url] = info
+
+    async def prepare(self) -> None:
+        """Learn every spare's identity now, so that a heal does not wait a PING round for it. A
+        spare that changed or died since is found out when the healed route connects (its HELLO
+        is checked as any stage's), and that route is healed in turn."""
+        await self._probe([url for url in self.unused if url not in self.known])
 
     async def replace(self, failure: StageFailure, route: Sequence[StageSpec]) -> HealedRoute | None:
         start, end = failure.layer_start, failure.layer_end
@@ -113,17 +136,13 @@ class SpareHealer:
             start, end = await self._gap(failure.stage, route)
             if start is None:
                 return None
-        # Every spare is asked at once (a heal waits one round trip, not one per spare); the first
-        # in the order given that serves the span takes the place.
-        urls = list(self.unused)
-        probes = await asyncio.gather(*(probe_stage(url, timeout=5.0) for url in urls), return_exceptions=True)
-        for url, info in zip(urls, probes, strict=True):
-            if isinstance(info, (OSError, TimeoutError, SwarmError, WebSocketException)):
-                log.warning("spare %s cannot be reached: %s", url, info)
-                continue
-            if isinstance(info, BaseException):
-                raise info
-            if info.get("layer_start") != start or (end is not None and info.get("layer_end") != end):
+        # Spares not known yet (``prepare`` did not run or did not reach them) are asked at once
+        # (a heal waits one round trip, not one per spare); the first in the order given that
+        # serves the span takes the place.
+        await self._probe([url for url in self.unused if url not in self.known])
+        for url in list(self.unused):
+            info = self.known.get(url)
+            if info is None or info.get("layer_start") != start or (end is not None and info.get("layer_end") != end):
                 continue
             self.unused.remove(url)
             spec = StageSpec(url, self.ticket(info) if self.ticket else None)

@@ -154,6 +154,7 @@ class Coordinator:
         self._heal_lock = asyncio.Lock()
         self._healed_away: list[Pipeline] = []  # routes left behind by heals, closing in the background
         self._closing: set[asyncio.Task] = set()
+        self._preparing: asyncio.Future | None = None  # the healer getting ready, once the route is up
         self.head = models.load_head(model)
         self.tokenizer = models.load_tokenizer(model)
         self.n_layers = models.n_layers(model)
@@ -185,12 +186,22 @@ class Coordinator:
         except BaseException:
             await self.aclose()
             raise
+        if self.healer is not None:  # ready for a failure before one happens, not after
+            self._preparing = asyncio.ensure_future(self._prepare_healer(self.healer))
         return self
+
+    async def _prepare_healer(self, healer: Healer) -> None:
+        try:
+            await healer.prepare()
+        except Exception as exc:  # a heal then learns what it needs when it happens
+            log.warning("job %s: the healer could not get ready: %r", self.job, exc)
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
+        if self._preparing is not None:
+            self._preparing.cancel()
         await self.pipeline.aclose()
         if self._closing:
             _, pending = await asyncio.wait(self._closing, timeout=HEALED_CLOSE_S)
