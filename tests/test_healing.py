@@ -52,6 +52,18 @@ class Swarm:
         urls = [a.url for a in self.spares if wanted is None or (a.layer_start, a.layer_end) in wanted]
         return SpareHealer(urls, ticket=lambda info: self.local.ticket(job, info))
 
+    def coordinator(self, job: str, healer: SpareHealer, topology: str = "ring") -> Coordinator:
+        """A coordinator for ``job`` on the current route, healing with ``healer``."""
+        return Coordinator(
+            MODEL,
+            self.specs(job),
+            job=job,
+            topology=topology,
+            healer=healer,
+            stall_timeout_s=STALL_S,
+            coordinator_key=self.local.coordinator_key(job),
+        )
+
     def replaced(self, position: int, result: GenerationResult) -> None:
         """Bring the route up to date after a heal at ``position``: the spare whose node signed the
         receipt for that span is now the route's."""
@@ -116,15 +128,7 @@ def broken_run(
             process.wait()
 
     async def main():
-        async with Coordinator(
-            MODEL,
-            swarm.specs(job),
-            job=job,
-            topology=topology,
-            healer=swarm.healer(job),
-            stall_timeout_s=STALL_S,
-            coordinator_key=swarm.local.coordinator_key(job),
-        ) as coordinator:
+        async with swarm.coordinator(job, swarm.healer(job), topology) as coordinator:
             request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS, sampling=sampling)
             return await _run(coordinator, request, on_token)
 
@@ -198,14 +202,7 @@ def test_without_a_spare_the_request_ends_with_a_clear_error(swarm):
     seen = []
 
     async def main():
-        async with Coordinator(
-            MODEL,
-            swarm.specs(job),
-            job=job,
-            healer=swarm.healer(job, spans=[]),
-            stall_timeout_s=STALL_S,
-            coordinator_key=swarm.local.coordinator_key(job),
-        ) as coordinator:
+        async with swarm.coordinator(job, swarm.healer(job, spans=[])) as coordinator:
             request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS)
             await _run(coordinator, request, lambda count: seen.append(count) or (count == 4 and kill()))
 
@@ -279,14 +276,7 @@ def test_a_spare_known_ahead_that_died_since_is_passed_over_for_the_next(swarm):
         agent.process.wait()
 
     async def main():
-        async with Coordinator(
-            MODEL,
-            swarm.specs(job),
-            job=job,
-            healer=healer,
-            stall_timeout_s=STALL_S,
-            coordinator_key=swarm.local.coordinator_key(job),
-        ) as coordinator:
+        async with swarm.coordinator(job, healer) as coordinator:
             async with asyncio.timeout(30):
                 while not {stale.url, fresh.url} <= set(healer.known):
                     await asyncio.sleep(0.01)
@@ -318,14 +308,8 @@ def test_a_stage_told_to_stop_mid_stream_lets_the_request_finish_then_exits(swar
     job = "job-stopped-gracefully"
 
     async def main():
-        async with Coordinator(
-            MODEL,
-            swarm.specs(job),
-            job=job,
-            healer=swarm.healer(job, spans=[]),  # no spare: a cut request could not heal
-            stall_timeout_s=STALL_S,
-            coordinator_key=swarm.local.coordinator_key(job),
-        ) as coordinator:
+        # No spare: a cut request could not heal.
+        async with swarm.coordinator(job, swarm.healer(job, spans=[])) as coordinator:
             request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS)
             return await _run(
                 coordinator, request, lambda count: count == 3 and stopping.process.send_signal(signal.SIGTERM)

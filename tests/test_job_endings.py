@@ -241,8 +241,17 @@ def test_a_response_gives_up_only_when_the_job_stops_making_progress(control_pla
     Job.objects.filter(pk=job.pk).update(state=JobState.RUNNING, progress_at=now)
     assert services.stopped_answering(job.pk, now=now + timedelta(seconds=60)) is None
     assert services.stopped_answering(job.pk, now=now + timedelta(seconds=61)) == "the job made no progress for 61s"
-    Job.objects.filter(pk=job.pk).update(state=JobState.SUCCEEDED)
-    assert services.stopped_answering(job.pk, now=now) == "the job ended (succeeded) but its last event did not arrive"
+    # Ended, its final event on the way (sent right after the record is final): the response waits for it.
+    Job.objects.filter(pk=job.pk).update(state=JobState.SUCCEEDED, finished_at=now)
+    assert services.stopped_answering(job.pk, now=now + timedelta(seconds=1)) is None
+    grace = timedelta(seconds=services.FINAL_EVENT_GRACE_S)
+    late = "the job ended (succeeded) but its last event did not arrive"
+    assert services.stopped_answering(job.pk, now=now + grace) == late
+    Job.objects.filter(pk=job.pk).update(finished_at=None)  # ended with no time recorded: nothing to wait for
+    assert services.stopped_answering(job.pk, now=now) == late
+    # Ended by the sweep that found its coordinator lost: nobody will send the event.
+    Job.objects.filter(pk=job.pk).update(state=JobState.FAILED, finished_at=now, error_code="coordinator_lost")
+    assert services.stopped_answering(job.pk, now=now + timedelta(seconds=1)) == late.replace("succeeded", "failed")
 
 
 class LostAtClose(StageServer):

@@ -43,6 +43,8 @@ log = logging.getLogger("swarm.jobs")
 KEY_PREFIX = "sk-sw-"
 PLAYGROUND_KEY_NAME = "Playground (dashboard)"  # kept for the key the dashboard's playground uses
 LAST_USED_RESOLUTION_S = 60  # how precisely a key's last_used_at is kept
+COORDINATOR_LOST = "coordinator_lost"  # the error code of a job ended by ``reconcile_jobs``
+FINAL_EVENT_GRACE_S = 30.0  # how long after a job ended its response still waits for the final event
 
 
 def _hash(key: str) -> str:
@@ -284,11 +286,19 @@ def record_progress(job_pk: int, completion_tokens: int) -> None:
 
 def stopped_answering(job_pk: int, now=None) -> str | None:
     """Why a response waiting on this job should give up, or None while the job is alive: it ended
-    without its final event reaching the response, or it showed no sign of life (admission, start,
-    a token) for SWARM_JOB_STALE_S, the rule by which ``reconcile_jobs`` declares a coordinator lost."""
+    FINAL_EVENT_GRACE_S ago or more without its final event reaching the response (the event is
+    sent right after the record is final, so a response that looks in between must wait for it),
+    or it showed no sign of life (admission, start, a token) for SWARM_JOB_STALE_S, the rule by
+    which ``reconcile_jobs`` declares a coordinator lost."""
     now = now or timezone.now()
-    job = Job.objects.only("state", "created_at", "started_at", "progress_at").get(pk=job_pk)
+    job = Job.objects.only("state", "created_at", "started_at", "progress_at", "finished_at", "error_code").get(
+        pk=job_pk
+    )
     if job.state in FINAL_STATES:
+        # A job ended by ``reconcile_jobs`` lost its coordinator: no event is on the way.
+        on_the_way = job.finished_at is not None and job.error_code != COORDINATOR_LOST
+        if on_the_way and (now - job.finished_at).total_seconds() < FINAL_EVENT_GRACE_S:
+            return None
         return f"the job ended ({job.state}) but its last event did not arrive"
     silent = (now - (job.progress_at or job.started_at or job.created_at)).total_seconds()
     if silent > settings.SWARM_JOB_STALE_S:
@@ -316,7 +326,7 @@ def reconcile_jobs(now=None) -> list[str]:
             job.pk,
             state=JobState.FAILED,
             completion_tokens=job.completion_tokens,
-            error_code="coordinator_lost",
+            error_code=COORDINATOR_LOST,
             error_message="the job's coordinator stopped reporting",
         ):
             touched.append(job.public_id)
