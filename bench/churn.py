@@ -230,8 +230,7 @@ async def broken(swarm: Spares, ids: list[int], max_tokens: int, victim, at: int
         if freeze:
             victim.process.send_signal(signal.SIGSTOP)
         else:
-            victim.process.kill()
-            victim.process.wait()
+            victim.process.kill()  # reaped after the request: waiting here would stall the coordinator's loop
         injected.append(count)
 
     job = f"churn-{'freeze' if freeze else 'kill'}-{uuid.uuid4().hex[:8]}"
@@ -269,6 +268,8 @@ def trial(swarm: Spares, rng: random.Random, ids: list[int], reference: list[int
             except subprocess.TimeoutExpired:
                 victim.process.kill()
                 victim.process.wait()
+    if injected and not freeze:
+        victim.process.wait()  # reaped now that the request is over
     swarm.settle(victim, result.receipts if result is not None else [])
     times = result.token_times if result is not None else []
     pause = times[at] - times[at - 1] if injected and len(times) > at else None
