@@ -75,8 +75,8 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def swarm():
-    # The route, then three spares per span, and two more for the middle span's known-spare test.
-    spans = SPANS * 4 + [SPANS[1]] * 2
+    # The route, then three spares per span, and three more for the middle span's known-spare test.
+    spans = SPANS * 4 + [SPANS[1]] * 3
     with LocalSwarm(MODEL, spans, threads=1) as local:
         yield Swarm(local)
 
@@ -260,15 +260,16 @@ def test_the_cli_heals_onto_a_spare(swarm):
     assert result["token_ids"] == reference(swarm)
 
 
-def test_a_spare_known_ahead_that_died_since_is_passed_over_for_the_next(swarm):
+def test_known_spares_that_died_since_cost_one_attempt_and_the_next_live_one_takes_the_place(swarm):
     """The healer learns its spares' identities once the route is up, so a heal waits no PING
-    round; a known spare that died meanwhile fails the healed route's connect, and the next spare
-    takes the place in the same heal."""
+    round. A known spare that died meanwhile fails the healed route's connect; the healer then
+    asks the others again instead of trying what it knew of them one by one (a second dead one
+    would use up the request's heals), and a live one takes the place in the same heal."""
     position = 1
     expected = reference(swarm)
-    job = "job-known-spare-died"
+    job = "job-known-spares-died"
     healer = swarm.healer(job, spans=[position])
-    stale, fresh = [a for a in swarm.spares if a.url in healer.unused][:2]
+    *stale, fresh = [a for a in swarm.spares if a.url in healer.unused][:3]
     victim = swarm.route[position]
 
     def kill(agent) -> None:
@@ -278,19 +279,23 @@ def test_a_spare_known_ahead_that_died_since_is_passed_over_for_the_next(swarm):
     async def main():
         async with swarm.coordinator(job, healer) as coordinator:
             async with asyncio.timeout(30):
-                while not {stale.url, fresh.url} <= set(healer.known):
+                while not {a.url for a in (*stale, fresh)} <= set(healer.known):
                     await asyncio.sleep(0.01)
-            kill(stale)  # known, then gone
+            for agent in stale:  # known, then gone
+                kill(agent)
             request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS)
             return await _run(coordinator, request, lambda count: count == 5 and kill(victim))
 
     result = asyncio.run(main())
 
     _check_healed(swarm, result, expected, [position])
-    # The stale spare was taken on what was known of it (a PING at heal time would have skipped it).
-    assert stale.url not in healer.unused and fresh.url not in healer.unused
-    assert fresh.node in {r.node for r in result.receipts} and stale.node not in {r.node for r in result.receipts}
-    swarm.spares.remove(stale)
+    # The first stale spare was taken on what was known of it (a PING at heal time would have
+    # skipped it); the second was found dead when the others were asked again.
+    assert stale[0].url in healer.given and stale[1].url not in healer.given and fresh.url in healer.given
+    assert fresh.node in {r.node for r in result.receipts}
+    assert not {a.node for a in stale} & {r.node for r in result.receipts}
+    for agent in stale:
+        swarm.spares.remove(agent)
     swarm.replaced(position, result)
 
 

@@ -112,6 +112,7 @@ class SpareHealer:
         self.unused = list(urls)
         self.ticket = ticket
         self.known: dict[str, dict] = {}  # spares' PING info by URL, learned before any failure
+        self.given: set[str] = set()  # spares handed out to take a failed stage's place
 
     async def _probe(self, urls: list[str]) -> None:
         """PING ``urls`` at once and keep what each says of itself; an unreachable one is skipped."""
@@ -136,6 +137,10 @@ class SpareHealer:
             start, end = await self._gap(failure.stage, route)
             if start is None:
                 return None
+        if failure.url in self.given:
+            # A spare handed out on what was known of it failed: what is known of the others may be
+            # stale too, so they are asked again (one round trip) rather than tried one by one.
+            self.known.clear()
         # Spares not known yet (``prepare`` did not run or did not reach them) are asked at once
         # (a heal waits one round trip, not one per spare); the first in the order given that
         # serves the span takes the place.
@@ -145,6 +150,7 @@ class SpareHealer:
             if info is None or info.get("layer_start") != start or (end is not None and info.get("layer_end") != end):
                 continue
             self.unused.remove(url)
+            self.given.add(url)
             spec = StageSpec(url, self.ticket(info) if self.ticket else None)
             log.warning(
                 "stage %d (%s) failed: %s; spare %s takes its place", failure.stage, failure.url, failure.code, url
