@@ -114,8 +114,10 @@ class SpareHealer:
         self.known: dict[str, dict] = {}  # spares' PING info by URL, learned before any failure
         self.given: set[str] = set()  # spares handed out to take a failed stage's place
 
-    async def _probe(self, urls: list[str]) -> None:
-        """PING ``urls`` at once and keep what each says of itself; an unreachable one is skipped."""
+    async def _probe_unknown(self) -> None:
+        """PING the unused spares not known yet, at once (one round trip, not one per spare), and
+        keep what each says of itself; an unreachable one is skipped."""
+        urls = [url for url in self.unused if url not in self.known]
         probes = await asyncio.gather(*(probe_stage(url, timeout=5.0) for url in urls), return_exceptions=True)
         for url, info in zip(urls, probes, strict=True):
             if isinstance(info, (OSError, TimeoutError, SwarmError, WebSocketException)):
@@ -129,7 +131,7 @@ class SpareHealer:
         """Learn every spare's identity now, so that a heal does not wait a PING round for it. A
         spare that changed or died since is found out when the healed route connects (its HELLO
         is checked as any stage's), and that route is healed in turn."""
-        await self._probe([url for url in self.unused if url not in self.known])
+        await self._probe_unknown()
 
     async def replace(self, failure: StageFailure, route: Sequence[StageSpec]) -> HealedRoute | None:
         start, end = failure.layer_start, failure.layer_end
@@ -141,10 +143,9 @@ class SpareHealer:
             # A spare handed out on what was known of it failed: what is known of the others may be
             # stale too, so they are asked again (one round trip) rather than tried one by one.
             self.known.clear()
-        # Spares not known yet (``prepare`` did not run or did not reach them) are asked at once
-        # (a heal waits one round trip, not one per spare); the first in the order given that
-        # serves the span takes the place.
-        await self._probe([url for url in self.unused if url not in self.known])
+        # Spares not known yet (``prepare`` did not run or did not reach them) are asked now; the
+        # first in the order given that serves the span takes the place.
+        await self._probe_unknown()
         for url in list(self.unused):
             info = self.known.get(url)
             if info is None or info.get("layer_start") != start or (end is not None and info.get("layer_end") != end):

@@ -154,7 +154,7 @@ class Coordinator:
         self._heal_lock = asyncio.Lock()
         self._healed_away: list[Pipeline] = []  # routes left behind by heals, closing in the background
         self._closing: set[asyncio.Task] = set()
-        self._preparing: asyncio.Future | None = None  # the healer getting ready, once the route is up
+        self._preparing: asyncio.Task | None = None  # the healer getting ready, once the route is up
         self.head = models.load_head(model)
         self.tokenizer = models.load_tokenizer(model)
         self.n_layers = models.n_layers(model)
@@ -187,7 +187,7 @@ class Coordinator:
             await self.aclose()
             raise
         if self.healer is not None:  # ready for a failure before one happens, not after
-            self._preparing = asyncio.ensure_future(self._prepare_healer(self.healer))
+            self._preparing = asyncio.create_task(self._prepare_healer(self.healer))
         return self
 
     async def _prepare_healer(self, healer: Healer) -> None:
