@@ -290,6 +290,13 @@ SWARM_MAX_HEALS = env_int("SWARM_MAX_HEALS", 2, minimum=0)
 # A step that makes no progress past a stage this long (plus a little per prefilled token) has
 # stalled: the coordinator heals around that stage.
 SWARM_STALL_TIMEOUT_S = env_float("SWARM_STALL_TIMEOUT_S", 10.0, minimum=0.5)
+# Speculative decoding in the coordinators: "auto" (each request's router speculates where it pays;
+# a request may send "speculation": false) or "off"; an optional draft model run by the
+# coordinator (a registry id or checkpoint folder sharing the served model's tokenizer).
+SWARM_SPECULATION = env_str("SWARM_SPECULATION", "auto")
+if SWARM_SPECULATION not in ("auto", "off"):
+    raise ImproperlyConfigured("SWARM_SPECULATION must be 'auto' or 'off'")
+SWARM_DRAFT_MODEL = env_str("SWARM_DRAFT_MODEL", "") or None
 # A heal that finds no route around a failed stage waits this long for one while the model is
 # recovering (a node holds or is loading a block of it), then the request ends.
 SWARM_HEAL_WAIT_S = env_float("SWARM_HEAL_WAIT_S", 30.0, minimum=0.0)

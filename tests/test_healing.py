@@ -23,6 +23,7 @@ from worker_agent.coordinator.heal import SpareHealer
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
+from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.errors import StageError
 from worker_agent.local import LocalSwarm, even_spans
 
@@ -52,7 +53,9 @@ class Swarm:
         urls = [a.url for a in self.spares if wanted is None or (a.layer_start, a.layer_end) in wanted]
         return SpareHealer(urls, ticket=lambda info: self.local.ticket(job, info))
 
-    def coordinator(self, job: str, healer: SpareHealer, topology: str = "ring") -> Coordinator:
+    def coordinator(
+        self, job: str, healer: SpareHealer, topology: str = "ring", speculation: SpeculationSettings | None = None
+    ) -> Coordinator:
         """A coordinator for ``job`` on the current route, healing with ``healer``."""
         return Coordinator(
             MODEL,
@@ -62,6 +65,7 @@ class Swarm:
             healer=healer,
             stall_timeout_s=STALL_S,
             coordinator_key=self.local.coordinator_key(job),
+            speculation=speculation,
         )
 
     def replaced(self, position: int, result: GenerationResult) -> None:
@@ -75,8 +79,9 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def swarm():
-    # The route, then three spares per span, and three more for the middle span's known-spare test.
-    spans = SPANS * 4 + [SPANS[1]] * 3
+    # The route, then three spares per span, and five more for the middle span: the known-spare test
+    # uses three, the speculative heals two.
+    spans = SPANS * 4 + [SPANS[1]] * 5
     with LocalSwarm(MODEL, spans, threads=1) as local:
         yield Swarm(local)
 
@@ -109,7 +114,14 @@ def reference(swarm: Swarm, sampling: SamplingParams | None = None) -> list[int]
 
 
 def broken_run(
-    swarm: Swarm, job: str, *, topology: str, victims: dict[int, int], freeze: bool = False, sampling=None
+    swarm: Swarm,
+    job: str,
+    *,
+    topology: str,
+    victims: dict[int, int],
+    freeze: bool = False,
+    sampling=None,
+    speculation: SpeculationSettings | None = None,
 ) -> GenerationResult:
     """Generate with the agent at route position p SIGKILLed (or SIGSTOPped, resumed afterwards)
     right after the client received token t, for each {t: p} in ``victims``."""
@@ -128,7 +140,7 @@ def broken_run(
             process.wait()
 
     async def main():
-        async with swarm.coordinator(job, swarm.healer(job), topology) as coordinator:
+        async with swarm.coordinator(job, swarm.healer(job), topology, speculation) as coordinator:
             request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS, sampling=sampling)
             return await _run(coordinator, request, on_token)
 
@@ -184,6 +196,23 @@ def test_seeded_sampling_goes_on_from_the_same_generator_state(swarm):
 
     _check_healed(swarm, result, expected, [2])
     swarm.replaced(2, result)
+
+
+@pytest.mark.parametrize("topology", ["ring", "star"])
+def test_a_speculating_request_heals_and_goes_on_token_identical(swarm, topology):
+    expected = reference(swarm)
+    # tiny-llama drafting for itself: every chunk is accepted, so chunks are in flight at the kill.
+    speculation = SpeculationSettings(drafter="draft", draft_model=MODEL, k=3, depth=2)
+
+    result = broken_run(swarm, f"job-spec-kill-{topology}", topology=topology, victims={6: 1}, speculation=speculation)
+
+    assert result.token_ids == expected
+    assert [heal.stage for heal in result.heals] == [1]
+    assert result.drafted > 0 and result.accepted == result.drafted
+    assert result.verification is not None and result.verification.sessions == 1
+    assert [(r.layer_start, r.layer_end) for r in result.receipts] == SPANS
+    assert not {heal.node for heal in result.heals} & {r.node for r in result.receipts}
+    swarm.replaced(1, result)
 
 
 def test_two_failures_in_one_request(swarm):

@@ -99,16 +99,24 @@ def assert_job_recorded(
     assert job.started_at is not None
     assert job.finished_at >= job.started_at
     assert (job.error_code, job.error_message) == ("", "")
-    # One forward pass per committed token, plus the one that produced the EOS when it stopped there.
+    # Plain decoding: one forward pass per committed token, plus the one that produced the EOS when
+    # it stopped there. Speculation verifies drafts too: fewer passes when they are accepted, and
+    # more positions (rejected drafts are computed and signed all the same).
     at_eos = finish_reason == "stop" if at_eos is None else at_eos
     steps = job.completion_tokens + (1 if at_eos else 0)
     rows = job.prompt_tokens + steps - 1  # the prompt in the first pass, then one token a pass
     assert [
-        (r["job"], r["model"], r["node"], r["node_key"], r["layer_start"], r["layer_end"], r["steps"], r["tokens"])
-        for r in job.receipts
-    ] == [
-        (public_id, MODEL, s["node"], s["node_key"], s["layer_start"], s["layer_end"], steps, rows) for s in swarm.route
-    ]
+        (r["job"], r["model"], r["node"], r["node_key"], r["layer_start"], r["layer_end"]) for r in job.receipts
+    ] == [(public_id, MODEL, s["node"], s["node_key"], s["layer_start"], s["layer_end"]) for s in swarm.route]
+    signed = {(r["steps"], r["tokens"]) for r in job.receipts}
+    assert len(signed) == 1  # every stage signed the same steps
+    ((signed_steps, signed_rows),) = signed
+    if job.drafted_tokens == 0:
+        assert (signed_steps, signed_rows) == (steps, rows)
+    else:
+        # Every position plain decoding computes is computed, and so is each draft checked.
+        assert job.accepted_tokens <= job.drafted_tokens
+        assert signed_rows >= rows and signed_steps >= 1
     assert job.verified is True
     assert job.verification_error == ""
 
@@ -155,6 +163,28 @@ def test_chat_completion_matches_single_process_greedy_generate(live_swarm, clie
     assert completion.usage.model_dump(include=set(usage)) == usage
     assert usage["prompt_tokens"] == reference.prompt_tokens
     assert_job_recorded(live_swarm, completion.id, usage, reference.finish_reason, "chat")
+
+
+def test_speculation_turned_off_per_request_changes_no_token(live_swarm, client):
+    messages = [
+        {
+            "role": "user",
+            "content": "Copy this text exactly: Alice was beginning to get very tired of sitting by her sister on "
+            "the bank, and of having nothing to do.",
+        }
+    ]
+    reference = greedy_chat(messages, 32)
+
+    default = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32, temperature=0)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=32, temperature=0, extra_body={"speculation": False}
+    )
+
+    assert default.choices[0].message.content == plain.choices[0].message.content == reference.text
+    speculated, unspeculated = (Job.objects.get(public_id=c.id) for c in (default, plain))
+    assert unspeculated.params["speculation"] is False and unspeculated.drafted_tokens == 0
+    assert speculated.params["speculation"] is True and speculated.accepted_tokens > 0
+    assert speculated.completion_tokens == unspeculated.completion_tokens == len(reference.token_ids)
 
 
 def test_text_completion_matches_single_process_greedy_generate(live_swarm, client):
@@ -301,13 +331,14 @@ def test_stream_ends_with_the_usage_event_then_done_on_the_wire(live_swarm):
         ({"max_tokens": 0}, "'max_tokens' must be an integer in [1, 2048].", "max_tokens"),
         ({"temperature": 3}, "'temperature' must be in [0, 2], got 3.", "temperature"),
         ({"messages": []}, "'messages' must be a non-empty array.", "messages"),
+        ({"extra_body": {"speculation": "off"}}, "'speculation' must be a boolean.", "speculation"),
         (
             {"messages": [{"role": "robot", "content": "hi"}]},
             "messages[0] needs a role of ['assistant', 'developer', 'system', 'user'].",
             "messages.0.role",
         ),
     ],
-    ids=["n", "max_tokens", "temperature", "empty-messages", "bad-role"],
+    ids=["n", "max_tokens", "temperature", "empty-messages", "speculation", "bad-role"],
 )
 def test_invalid_chat_request_is_refused_400_in_openai_shape(client, settings, overrides, message, param):
     settings.SWARM_MAX_TOKENS_LIMIT = 2048

@@ -20,6 +20,7 @@ CHAT_JSON = {
     "stream": True,
     "include_usage": True,
     "user": "end-user-7",
+    "speculation": True,
     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
 }
 COMPLETION_JSON = {
@@ -31,6 +32,7 @@ COMPLETION_JSON = {
     "stream": False,
     "include_usage": False,
     "user": None,
+    "speculation": False,
     "prompt": "Hello there",
 }
 
@@ -58,7 +60,7 @@ def test_a_completion_request_reads_back_from_its_json_and_writes_the_same_json(
     params = RequestParams.from_json(COMPLETION_JSON)
 
     assert params.chat is False
-    assert (params.prompt, params.messages, params.stop) == ("Hello there", None, ())
+    assert (params.prompt, params.messages, params.stop, params.speculation) == ("Hello there", None, (), False)
     assert params.to_json() == COMPLETION_JSON
 
 
@@ -68,6 +70,7 @@ def test_keys_a_row_lacks_take_the_defaults():
     assert params == RequestParams(prompt="Hi")
     assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (256, 1.0, 1.0, None)
     assert (params.stop, params.stream, params.include_usage, params.user) == ((), False, False, None)
+    assert params.speculation is True
 
 
 @pytest.mark.parametrize(
@@ -85,6 +88,7 @@ def test_keys_a_row_lacks_take_the_defaults():
         ({"prompt": ""}, "prompt"),
         ({"prompt": None}, "messages"),
         ({"messages": (ChatMessage("user", "Hi"),)}, "messages"),
+        ({"speculation": "off"}, "speculation"),
     ],
 )
 def test_refuses_a_bad_value_naming_its_parameter(changes, param):

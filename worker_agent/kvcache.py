@@ -104,10 +104,13 @@ class SessionStore:
         kv.last_used = self._clock()
         return kv
 
-    def check_room(self, kv: KVSession, start: int, count: int) -> None:
-        if start > kv.length:
+    def check_room(self, kv: KVSession, start: int, count: int, *, held: int | None = None) -> None:
+        """``held``: the positions the session will hold once the steps accepted before this one are
+        computed (a speculating coordinator sends its next chunk before the last one came back)."""
+        held = kv.length if held is None else held
+        if start > held:
             raise SessionError(
-                f"session {kv.session!r} holds {kv.length} positions; cannot start at {start}", code="position_gap"
+                f"session {kv.session!r} holds {held} positions; cannot start at {start}", code="position_gap"
             )
         if start + count > self.limits.max_tokens:
             raise SessionError(

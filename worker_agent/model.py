@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib
 import importlib.util
 import json
@@ -78,7 +79,7 @@ def _build_smollm2(out: Path) -> None:
     _log(f"converted in {time.monotonic() - started:.1f}s")
 
 
-def _build_tiny_llama(out: Path) -> None:
+def _build_tiny_llama(out: Path, seed: int = 0) -> None:
     """A seeded random Llama for fast tests; it borrows SmolLM2's tokenizer (vocab 49152)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -99,7 +100,7 @@ def _build_tiny_llama(out: Path) -> None:
         # which would make "same tokens as generate" checks meaningless.
         initializer_range=0.3,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
@@ -110,6 +111,10 @@ REGISTRY: dict[str, RegistryEntry] = {
         "smollm2-135m", "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576)", _build_smollm2
     ),
     "tiny-llama": RegistryEntry("tiny-llama", "seeded random Llama (6 layers, hidden 64)", _build_tiny_llama),
+    # The same shape and tokenizer from another seed: a draft model that rarely agrees with tiny-llama.
+    "tiny-llama-seed1": RegistryEntry(
+        "tiny-llama-seed1", "tiny-llama's shape from seed 1", functools.partial(_build_tiny_llama, seed=1)
+    ),
 }
 
 

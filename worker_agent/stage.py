@@ -31,6 +31,7 @@ class _StageSession:
     kv: KVSession
     receipt: ReceiptBuilder
     next_step: int = 0  # the step index the next FORWARD item of this session must carry
+    held: int = 0  # positions its cache holds once every step accepted so far is computed
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class Stage:
                 raise SessionError(
                     f"session {item.session!r} expects step {state.next_step}, got {item.step}", code=code
                 )
-            self.store.check_room(state.kv, item.start, item.count)
+            self.store.check_room(state.kv, item.start, item.count, held=state.held)
             states.append(state)
         tensor = forward.tensor()
         work, row = [], 0
@@ -141,15 +142,31 @@ class Stage:
             work.append(WorkItem(state.kv, item.start, tensor[row : row + item.count]))
             row += item.count
             state.next_step += 1
+            state.held = item.start + item.count
         hashes = tuple(digest(chunk) for chunk in forward.item_bytes())
         return Prepared(forward, tuple(work), hashes, tuple(states))
 
     def compute(self, batch: list[Prepared]) -> list[list[torch.Tensor]]:
-        """Run the block over every item of every prepared frame at once (worker thread)."""
+        """Run the block over every item of every prepared frame (worker thread): items of different
+        sessions at once, a session's later steps (speculative chunks sent back to back) in later
+        waves, since each one extends or truncates the cache the one before it left."""
         flat = [work for prepared in batch for work in prepared.work]
+        waves: list[list[int]] = []  # item indices; a session appears at most once per wave
+        seen: dict[int, int] = {}  # id(session's cache) -> items of it so far
+        for index, work in enumerate(flat):
+            wave = seen.get(id(work.session), 0)
+            seen[id(work.session)] = wave + 1
+            if wave == len(waves):
+                waves.append([])
+            waves[wave].append(index)
         started = time.perf_counter()
-        cheat = self.cheat
-        outputs = self.block.forward(flat) if cheat is None else cheat.forward(self.block, flat, live=True)
+        outputs: list[torch.Tensor] = [None] * len(flat)  # type: ignore[list-item]
+        for wave in waves:
+            items = [flat[index] for index in wave]
+            cheat = self.cheat
+            results = self.block.forward(items) if cheat is None else cheat.forward(self.block, items, live=True)
+            for index, result in zip(wave, results, strict=True):
+                outputs[index] = result
         self.compute_seconds += time.perf_counter() - started
         grouped, index = [], 0
         for prepared in batch:

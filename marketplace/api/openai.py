@@ -141,6 +141,9 @@ def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("'user' must be a string.", param="user")
+    speculation = body.get("speculation", True)
+    if not isinstance(speculation, bool):
+        raise InvalidRequest("'speculation' must be a boolean.", param="speculation")
     temperature = _number(body, "temperature", 1.0, TEMPERATURE_RANGE)
     top_p = _number(body, "top_p", 1.0, TOP_P_RANGE, low_open=True)
     messages, prompt = None, None
@@ -163,6 +166,7 @@ def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
         user=user,
         messages=messages,
         prompt=prompt,
+        speculation=speculation,
     )
     return model, params
 

@@ -61,6 +61,8 @@ class Job(models.Model):
     completion_tokens = models.PositiveIntegerField(default=0)  # tokens delivered to the client
     ttft_ms = models.FloatField(null=True, blank=True)
     tokens_per_s = models.FloatField(null=True, blank=True)  # decode rate, first to last token
+    drafted_tokens = models.PositiveIntegerField(default=0)  # speculative drafts the pipeline verified
+    accepted_tokens = models.PositiveIntegerField(default=0)  # ... of which accepted (committed as drafted)
 
     # Billing: the price in force at admission (nano-dollars per million tokens), the hold placed
     # then, and the charge it settled to (nano-dollars).

@@ -37,6 +37,7 @@ class RequestParams:
     user: str | None = None  # the customer's own end-user id, kept as given
     messages: tuple[ChatMessage, ...] | None = None  # a chat request's conversation, in order
     prompt: str | None = None  # a completion request's prompt text
+    speculation: bool = True  # speculative decoding where it pays; False: plain decoding (same tokens)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -57,6 +58,8 @@ class RequestParams:
             raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
         if self.prompt is not None and not self.prompt:
             raise InvalidRequest("'prompt' must be a non-empty string.", param="prompt")
+        if not isinstance(self.speculation, bool):
+            raise InvalidRequest("'speculation' must be a boolean.", param="speculation")
 
     @property
     def chat(self) -> bool:
@@ -83,6 +86,7 @@ class RequestParams:
             "stream": self.stream,
             "include_usage": self.include_usage,
             "user": self.user,
+            "speculation": self.speculation,
         }
         if self.messages is not None:
             data["messages"] = self.chat_messages()
@@ -105,6 +109,7 @@ class RequestParams:
             user=data.get("user"),
             messages=None if messages is None else tuple(ChatMessage(m["role"], m["content"]) for m in messages),
             prompt=data.get("prompt"),
+            speculation=data.get("speculation", True),
         )
 
 

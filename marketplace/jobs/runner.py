@@ -40,6 +40,7 @@ from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
+from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.errors import SwarmError
 from worker_agent.receipts import SessionTranscript
 
@@ -103,6 +104,11 @@ async def _stop_listening(listener: asyncio.Task, job_id: str) -> None:
         listener.add_done_callback(_stray_listeners.discard)
 
 
+def speculation_settings() -> SpeculationSettings:
+    """The coordinators' speculation, from the settings (SWARM_SPECULATION, SWARM_DRAFT_MODEL)."""
+    return SpeculationSettings(enabled=settings.SWARM_SPECULATION == "auto", draft_model=settings.SWARM_DRAFT_MODEL)
+
+
 def sampling_params(params: RequestParams) -> SamplingParams:
     """The coordinator's sampling settings for a request's parameters."""
     return SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
@@ -160,6 +166,8 @@ async def _run(job_pk: int) -> str:
         transcripts=result_transcripts,
         verified=result.verification is not None,
         verification_error=result.verification_error,
+        drafted_tokens=result.drafted,
+        accepted_tokens=result.accepted,
     )
     await layer.group_send(
         group,
@@ -270,12 +278,14 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
         max_heals=settings.SWARM_MAX_HEALS,
         stall_timeout_s=settings.SWARM_STALL_TIMEOUT_S,
         coordinator_key=grant.coordinator_key,
+        speculation=speculation_settings(),
     ) as coord:
         request = coord.request_ids(
             job.prompt_ids,
             max_tokens=params.max_tokens,
             sampling=sampling_params(params),
             stop=params.stop,
+            speculate=params.speculation,
         )
         stream = coord.stream(request, strict=False)
         # Listens all along, so checking for a cancel between two tokens costs no round trip.

@@ -253,6 +253,8 @@ def finish_job(
     verification_error: str = "",
     error_code: str = "",
     error_message: str = "",
+    drafted_tokens: int = 0,
+    accepted_tokens: int = 0,
 ) -> bool:
     """End a job once (conditional on it not having ended); False if it had already ended."""
     assert state in FINAL_STATES
@@ -269,6 +271,8 @@ def finish_job(
             transcripts=transcripts or [],
             verified=verified,
             verification_error=verification_error[:2000],
+            drafted_tokens=drafted_tokens,
+            accepted_tokens=accepted_tokens,
             error_code=error_code,
             error_message=error_message[:2000],
             finished_at=timezone.now(),

@@ -12,6 +12,15 @@ HELLO; without it the agents must run with ``--insecure-open``.
 ``--audit-stage N`` (repeatable) keeps stage N's traffic of every session and, after the run,
 replays it through a trusted copy of that stage's layers loaded here; with ``--json`` each
 result's ``audits`` entries carry the verdict and the per-token report (``audit.py``).
+
+Speculative decoding is on by default (``--speculate auto``): per chain of chunks a router picks
+the drafter, the drafts per chunk K and the chunks in flight from the acceptance it measures and
+the round trip it sees, and decodes plainly where speculation does not pay. ``--draft-model``
+adds a draft model run here; ``--draft``, ``--k`` and ``--depth`` fix the plan instead::
+
+    swarm-coordinator generate ... --draft ngram --k 8 --depth 4
+    swarm-coordinator generate ... --draft-model tiny-llama --draft draft --k 4   # for --model tiny-llama
+    swarm-coordinator generate ... --speculate off
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ async def run_generate(args: argparse.Namespace) -> int:
     from worker_agent.coordinator.job import Coordinator, GenerationResult
     from worker_agent.coordinator.pipeline import StageSpec
     from worker_agent.coordinator.sampling import SamplingParams
+    from worker_agent.coordinator.speculation import SpeculationSettings
     from worker_agent.wan import WanProfile
 
     urls = [url.strip() for url in args.stages.split(",") if url.strip()]
@@ -101,6 +111,13 @@ async def run_generate(args: argparse.Namespace) -> int:
         max_heals=args.max_heals,
         stall_timeout_s=args.stall_timeout,
         coordinator_key=coordinator_key,
+        speculation=SpeculationSettings(
+            enabled=args.speculate != "off",
+            drafter=args.draft,
+            k=args.k,
+            depth=args.depth,
+            draft_model=args.draft_model,
+        ),
     ) as coordinator:
         requests = [
             coordinator.request(p, chat=args.chat, max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop))
@@ -145,9 +162,15 @@ async def run_generate(args: argparse.Namespace) -> int:
         print(
             f"[{index}] {result.prompt_tokens} prompt + {result.completion_tokens} completion tokens, "
             f"finish={result.finish_reason}, ttft={result.ttft or 0:.3f}s, decode {rate:.1f} tok/s, "
-            f"total {result.elapsed:.2f}s",
+            f"total {result.elapsed:.2f}s, {result.steps} steps",
             file=sys.stderr,
         )
+        if result.drafted:
+            print(
+                f"    speculation: {result.accepted}/{result.drafted} drafts accepted "
+                f"({100 * result.accepted / result.drafted:.0f}%), last plan {result.speculation.get('last_plan')}",
+                file=sys.stderr,
+            )
         for receipt in result.receipts:
             print(
                 f"    receipt node={receipt.node} layers={receipt.layer_start}:{receipt.layer_end} "
@@ -238,6 +261,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--wan", default="", help='emulated WAN on outgoing frames, e.g. "rtt=50ms"')
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.add_argument("--json", action="store_true", help="print text, token ids, timings and receipts as JSON")
+    gen.add_argument(
+        "--speculate",
+        choices=["auto", "off"],
+        default="auto",
+        help="speculative decoding: auto (the router speculates when it pays, per chain) or off (one token per step)",
+    )
+    gen.add_argument(
+        "--draft",
+        choices=["ngram", "draft"],
+        default=None,
+        help="use only this drafter: ngram (prompt lookup) or draft (the --draft-model); default: whichever pays",
+    )
+    gen.add_argument(
+        "--draft-model",
+        default=None,
+        help="a draft model run here (registry id or checkpoint folder) sharing the target's tokenizer",
+    )
+    gen.add_argument("--k", type=int, default=None, help="fix the drafts per chunk (0: plain); default: the router's")
+    gen.add_argument("--depth", type=int, default=None, help="with --k: chunks in flight per session (default 1)")
     gen.add_argument(
         "--audit-stage",
         type=int,

@@ -26,7 +26,7 @@ class HeadBatcher:
         self.row_bytes = head.embed.embedding_dim * DTYPES[dtype].itemsize
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="head")
         self._embeds: list[tuple[list[int], asyncio.Future]] = []
-        self._logits: list[tuple[bytes, asyncio.Future]] = []
+        self._logits: list[tuple[tuple[bytes, int], asyncio.Future]] = []  # ((last rows' bytes, rows), waiter)
         self._scheduled = False
         self.batches = 0  # head passes run
         self.rows = 0  # rows they covered (embedding rows + logits rows)
@@ -40,8 +40,15 @@ class HeadBatcher:
 
     async def logits(self, output: bytes) -> torch.Tensor:
         """Logits of the last row of a stage output. (vocab,)"""
+        return (await self.logits_rows(output, 1))[0]
+
+    async def logits_rows(self, output: bytes, rows: int) -> torch.Tensor:
+        """Logits of the last ``rows`` rows of a stage output (a speculative chunk's). (rows, vocab)"""
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
         future = asyncio.get_running_loop().create_future()
-        self._logits.append((output[-self.row_bytes :], future))
+        # An output shorter than that fails the batch's reshape, and with it every waiter of the batch.
+        self._logits.append(((output[-rows * self.row_bytes :], rows), future))
         self._schedule()
         return await future
 
@@ -60,9 +67,9 @@ class HeadBatcher:
         work = loop.run_in_executor(self._thread, self._run, [ids for ids, _ in embeds], [row for row, _ in logits])
         work.add_done_callback(lambda done: self._deliver(done, embeds, logits))
 
-    def _run(self, embeds: list[list[int]], rows: list[bytes]) -> tuple[list[bytes], list[torch.Tensor]]:
+    def _run(self, embeds: list[list[int]], rows: list[tuple[bytes, int]]) -> tuple[list[bytes], list[torch.Tensor]]:
         self.batches += 1
-        self.rows += sum(len(ids) for ids in embeds) + len(rows)
+        self.rows += sum(len(ids) for ids in embeds) + sum(count for _, count in rows)
         embedded = []
         if embeds:
             flat = self.head.embed_tokens([token for ids in embeds for token in ids])  # (all tokens, hidden)
@@ -74,8 +81,10 @@ class HeadBatcher:
                 offset += len(ids) * row
         scored = []
         if rows:
-            hidden = torch.frombuffer(bytearray(b"".join(rows)), dtype=DTYPES[self.dtype]).view(len(rows), -1)
-            scored = list(self.head.logits(hidden))  # each (vocab,)
+            counts = [count for _, count in rows]
+            joined = bytearray(b"".join(chunk for chunk, _ in rows))
+            hidden = torch.frombuffer(joined, dtype=DTYPES[self.dtype]).view(sum(counts), self.head.embed.embedding_dim)
+            scored = list(torch.split(self.head.logits(hidden), counts))  # each (rows, vocab)
         return embedded, scored
 
     @staticmethod

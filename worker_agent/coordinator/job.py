@@ -24,6 +24,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -31,11 +32,14 @@ from nacl.signing import SigningKey
 
 from worker_agent import model as models
 from worker_agent.audit import AuditMaterial
+from worker_agent.coordinator.drafters import Drafter
 from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.heal import Healer, HealRecord, StageFailure
 from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, AuditGap, Pipeline, StageSpec
+from worker_agent.coordinator.router import Router
 from worker_agent.coordinator.sampling import SamplingParams
-from worker_agent.coordinator.session import GenerationRequest, GenerationState, TokenEvent
+from worker_agent.coordinator.session import Chunk, GenerationRequest, GenerationState, TokenEvent
+from worker_agent.coordinator.speculation import PLAIN, SpeculationSettings
 from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError, StageError
 from worker_agent.keys import node_id
@@ -71,6 +75,14 @@ class GenerationResult:
     audits: list[AuditMaterial] = field(default_factory=list)  # one per audited stage, in stage order
     audit_missing: list[AuditGap] = field(default_factory=list)  # audited stages without material, and who owed it
     heals: list[HealRecord] = field(default_factory=list)  # the stages that failed under it, and when
+    drafted: int = 0  # draft tokens the pipeline verified
+    accepted: int = 0  # drafts accepted (committed as drafted)
+    speculation: dict = field(default_factory=dict)  # the router's view at the end (acceptance, plan)
+
+    @property
+    def acceptance(self) -> float | None:
+        """The share of verified drafts accepted; None without any."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def completion_tokens(self) -> int:
@@ -107,6 +119,9 @@ class GenerationResult:
             ],
             "audit_missing": [vars(gap) for gap in self.audit_missing],
             "heals": [heal.to_json() for heal in self.heals],
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "speculation": self.speculation,
         }
 
 
@@ -134,8 +149,10 @@ class Coordinator:
         max_heals: int = MAX_HEALS,
         stall_timeout_s: float = STALL_TIMEOUT_S,
         coordinator_key: SigningKey | None = None,
+        speculation: SpeculationSettings | None = None,
     ) -> None:
         self.model = model
+        self.speculation = speculation or SpeculationSettings()
         # The job's coordinator key: the stages' tickets name its public half, and every HELLO
         # (a heal's included) proves it. None only with agents that take no tickets.
         self.coordinator_key = coordinator_key
@@ -310,10 +327,11 @@ class Coordinator:
         max_tokens: int = 64,
         sampling: SamplingParams | None = None,
         stop: tuple[str, ...] = (),
+        speculate: bool = True,
     ) -> GenerationRequest:
         """Tokenize a prompt (a string, or chat messages with ``chat=True``) into a request."""
         ids = encode_prompt(self.tokenizer, prompt, chat=chat)
-        return self.request_ids(ids, max_tokens=max_tokens, sampling=sampling, stop=stop)
+        return self.request_ids(ids, max_tokens=max_tokens, sampling=sampling, stop=stop, speculate=speculate)
 
     def request_ids(
         self,
@@ -322,6 +340,7 @@ class Coordinator:
         max_tokens: int = 64,
         sampling: SamplingParams | None = None,
         stop: tuple[str, ...] = (),
+        speculate: bool = True,
     ) -> GenerationRequest:
         """A request for a prompt tokenized already (``encode_prompt`` with this model's tokenizer)."""
         eos = self.tokenizer.eos_token_id
@@ -331,6 +350,7 @@ class Coordinator:
             sampling=sampling or SamplingParams(),
             stop=stop,
             eos_ids=frozenset([eos] if eos is not None else []),
+            speculate=speculate,
         )
 
     async def stream(
@@ -344,20 +364,14 @@ class Coordinator:
         pipeline = self.pipeline
         session = pipeline.new_session_id()
         closed = False
+        drafters = self.speculation.drafters(self.model) if request.speculate else {}
+        router = self._router(request, drafters)
         try:
             while True:
                 try:
                     await pipeline.open([session])
-                    while not state.done:
-                        tokens, start = state.next_input()
-                        payload = await self.batcher.embed(tokens)
-                        output = await pipeline.forward(session, start, len(tokens), payload)
-                        logits = await self.batcher.logits(output)
-                        if heals and heals[-1].resumed is None:
-                            heals[-1].resumed = time.monotonic() - started
-                        event = state.commit(logits)
-                        if event is not None:
-                            yield event
+                    async for event in self._decode(pipeline, session, state, router, drafters, heals, started):
+                        yield event
                     break
                 except StageError as exc:
                     if not self._can_heal(exc):
@@ -424,7 +438,87 @@ class Coordinator:
             audit_missing=audit_missing,
             heals=heals,
             verification_culprit=culprit,
+            drafted=state.drafted,
+            accepted=state.accepted,
+            speculation=state.speculation,
         )
+
+    def _router(self, request: GenerationRequest, drafters: dict[str, Drafter]) -> Router:
+        """The session's router: plain decoding when speculation is off, else over its drafters,
+        with the fixed (drafter, K, depth) of the coordinator's settings if any."""
+        costs = {name: drafter.cost_s_per_token for name, drafter in drafters.items()}
+        if not (self.speculation.enabled and request.speculate and costs):
+            return Router({}, fixed=PLAIN)
+        return Router(costs, fixed=self.speculation.fixed_plan(costs), stages=len(self.pipeline.links))
+
+    async def _decode(
+        self,
+        pipeline: Pipeline,
+        session: str,
+        state: GenerationState,
+        router: Router,
+        drafters: dict[str, Drafter],
+        heals: list[HealRecord],
+        started: float,
+    ) -> AsyncIterator[TokenEvent]:
+        """Run one session on ``pipeline`` until it is done: send chunks as the router plans them
+        (up to ``depth`` in flight), fold their results in send order, yield committed tokens.
+        Chunks still in flight at the end (voided by a rejection or the stream's end) are awaited
+        all the same: the stages computed and signed them, and the transcript must say so."""
+        loop = asyncio.get_running_loop()
+        flight: deque[tuple[Chunk, asyncio.Task, float, str | None]] = deque()
+        plan = PLAIN
+        try:
+            while not state.done:
+                while True:
+                    if not state.in_flight:
+                        plan = router.plan(available=list(drafters) if state.room_for_drafts() else [])
+                    depth = plan.depth if plan.k else 1
+                    if state.in_flight >= depth:
+                        break
+                    drafts: list[int] = []
+                    if plan.k and plan.drafter is not None and state.room_for_drafts():
+                        drafter_used = drafters[plan.drafter]
+                        drafts = await self._draft(drafter_used, state, min(plan.k, state.room_for_drafts()))
+                    made = state.next_chunk(drafts)
+                    if made is None:
+                        break
+                    chunk, tokens = made
+                    payload = await self.batcher.embed(tokens)
+                    task = asyncio.ensure_future(pipeline.forward(session, chunk.start, chunk.count, payload))
+                    flight.append((chunk, task, loop.time(), plan.drafter if drafts else None))
+                    if not drafts:
+                        break  # a plain step: nothing is built on it before it comes back
+                chunk, task, sent_at, drafter = flight.popleft()
+                output = await task
+                router.observe_round_trip(chunk.count, loop.time() - sent_at)
+                rows = state.rows_needed(chunk)
+                logits = await self.batcher.logits_rows(output, rows) if rows else None
+                if heals and heals[-1].resumed is None:
+                    heals[-1].resumed = time.monotonic() - started
+                fold = state.fold(chunk, logits)
+                if fold.drafted and drafter is not None:
+                    router.observe(drafter, fold.drafted, fold.accepted)
+                for event in fold.events:
+                    yield event
+            while flight:  # void chunks: their results are part of what the stages signed
+                chunk, task, _, _ = flight.popleft()
+                await task
+                state.fold(chunk, None)
+        finally:
+            for _, task, _, _ in flight:
+                task.cancel()
+            if flight:
+                await asyncio.gather(*(task for _, task, _, _ in flight), return_exceptions=True)
+            state.speculation = router.to_json()
+
+    @staticmethod
+    async def _draft(drafter: Drafter, state: GenerationState, k: int) -> list[int]:
+        drafter.observe(state.committed)
+        context = state.draft_context()
+        if drafter.cost_s_per_token:  # a model: off the event loop
+            return await asyncio.to_thread(drafter.propose, context, k)
+        return drafter.propose(context, k)
 
     @staticmethod
     def _own_receipts(pipeline: Pipeline, session: str, replies: list[tuple[dict, ...]]) -> list[Receipt]:

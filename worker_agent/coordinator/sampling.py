@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -46,17 +48,41 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
+    """Draws tokens from the filtered distribution with the Gumbel-max trick: the token at
+    position q is ``argmax(log p + g_q)``, where g_q is Gumbel noise over the vocabulary drawn
+    from a generator seeded by (seed, q). That is an exact sample from p, and it depends on the
+    seed, the position and p only: not on how many draws came before, how chunks were cut, which
+    drafts were proposed, or whether a heal re-ran the prefix. So a seeded request gives the
+    same tokens with or without speculation, on any route.
+
+    Verifying a drafter's point-mass guess d is then: accept iff d is the token drawn. Its
+    probability is P(argmax(log p + g) = d) = p(d), and given a rejection the token drawn is
+    distributed as p with d removed and renormalised: the lossless rule of speculative sampling."""
+
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._draws = 0  # positions handed out to callers that name none
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """One token id from the logits of one position. (vocab,)"""
+    def _gumbel(self, position: int, size: int) -> torch.Tensor:
+        key = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(key, "big") >> 1)
+        uniform = torch.rand(size, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+        return -torch.log(-torch.log(uniform))  # (vocab,)
+
+    def sample(self, logits: torch.Tensor, position: int | None = None) -> int:
+        """The token at ``position`` (by default the next of a stream of draws) from the logits
+        of the position before it. (vocab,)"""
         if self.params.greedy:
             return int(torch.argmax(logits))
-        probs = probabilities(logits, self.params)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        if position is None:
+            position, self._draws = self._draws, self._draws + 1
+        probs = probabilities(logits, self.params).double()
+        return int(torch.argmax(torch.log(probs) + self._gumbel(position, probs.shape[-1])))
+
+    def verify(self, logits: torch.Tensor, draft: int | None, position: int | None = None) -> tuple[int, bool]:
+        """The token this position commits, and whether a drafter's guess ``draft`` (None: no
+        guess) was it. Greedy: the argmax. Sampling: the position's Gumbel-max draw, which accepts
+        ``d`` with probability p(d) and otherwise follows p with ``d`` removed, renormalised. (vocab,)"""
+        token = self.sample(logits, position)
+        return token, draft is not None and token == draft

@@ -1,14 +1,24 @@
 """One generation stream, as a state machine without I/O.
 
-``GenerationState`` decides what the pipeline must compute next (``next_input``) and folds the
-logits that come back into committed tokens (``commit``), deciding when to stop (EOS, a stop
-string, the token budget) and which text can be streamed already. The driver in ``job.py``
-does the sending and receiving.
+``GenerationState`` decides what the pipeline must compute next and folds what comes back into
+committed tokens, deciding when to stop (EOS, a stop string, the token budget) and which text can
+be streamed already. The driver in ``job.py`` does the sending and receiving.
+
+The stream is a chain of tokens sent past what the stages hold: at first the prompt, then the
+last committed token, each time followed by the drafts of a drafter (none in plain decoding).
+``next_chunk`` sends the chain's unsent tokens as one chunk (one FORWARD step), and with drafts
+more chunks may follow before the first comes back (pipelined verification). ``fold`` takes a
+chunk's logits in send order: the row of each chain token verifies the token after it (a draft:
+``Sampler.verify``), or, past the chain's end, samples the next token (the bonus). A rejected
+draft commits the verifier's token instead, voids every later chunk in flight (their results are
+still awaited, for the transcript, and then ignored) and starts a new chain from it; the next
+chunk then starts at its position, which makes the stages drop the rejected positions' KV.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +33,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()  # the text ends before the first of these
     eos_ids: frozenset[int] = frozenset()
+    speculate: bool = True  # False: plain decoding whatever the coordinator's settings
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -40,6 +51,26 @@ class TokenEvent:
     at: float  # seconds since the request started
 
 
+@dataclass
+class Chunk:
+    """One step in flight: chain tokens [first, first + count) at position ``start``."""
+
+    id: int
+    first: int  # index in the chain of its first token
+    count: int
+    start: int  # the position of its first token
+    void: bool = False  # built on a continuation that was rejected: its result is ignored
+
+
+@dataclass(frozen=True)
+class Fold:
+    """What one chunk's result did."""
+
+    events: list[TokenEvent]
+    drafted: int  # drafts it verified (rows whose next token was a draft)
+    accepted: int  # how many of them were accepted, in order, before the first rejection
+
+
 class GenerationState:
     def __init__(self, request: GenerationRequest, tokenizer, *, clock=time.monotonic) -> None:
         self.request = request
@@ -47,45 +78,144 @@ class GenerationState:
         self.sampler = Sampler(request.sampling)
         self.clock = clock
         self.started = clock()
-        self.position = 0  # positions the stages hold for this session
-        self.pending: list[int] = list(request.prompt_ids)  # tokens not yet sent through the pipeline
         self.generated: list[int] = []
         self.token_times: list[float] = []
         self.text = ""  # text streamed so far
         self.finish_reason: str | None = None  # "stop" or "length"
-        self.steps = 0
+        self.steps = 0  # chunks whose results were folded in (void ones included)
+        self.drafted = 0  # drafts verified, over the whole stream
+        self.accepted = 0  # drafts accepted
+        self.speculation: dict = {}  # the router's last view (acceptance, round trip, plan), for reports
+        self._decoded = ""  # the decoded text of every generated token (held-back text included)
+        self._stable_text = ""  # the part of it made of whole characters that no later token changes
+        self._pending_text = ""  # the rest: bytes of a character not complete yet
+        self._prefix = self._read = 0  # indices into generated: see _decode_tail
+        self._reset_chain(list(request.prompt_ids), 0)
+        self._chunk_ids = 0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def next_input(self) -> tuple[list[int], int]:
-        """Token ids to run through the pipeline and the position of the first one."""
-        return list(self.pending), self.position
+    @property
+    def committed(self) -> list[int]:
+        """The prompt and every generated token."""
+        return list(self.request.prompt_ids) + self.generated
+
+    @property
+    def position(self) -> int:
+        """Positions the stages hold for this session that are committed (the chain starts here)."""
+        return self.chain_start
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def drafts_in_flight(self) -> int:
+        """Drafts sent or appended past the committed tokens, not yet verified."""
+        return len(self.chain) - self.chain_committed
+
+    def _reset_chain(self, tokens: list[int], start: int) -> None:
+        self.chain = tokens  # tokens past what the stages hold committed; the first ``chain_committed`` are committed
+        self.chain_start = start  # the position of chain[0]
+        self.chain_committed = len(tokens)
+        self.sent = 0  # chain tokens sent so far
+        self.chunks: deque[Chunk] = deque()
+
+    def room_for_drafts(self) -> int:
+        """Drafts that may still be appended: never past the token budget (the bonus included)."""
+        left = self.request.max_tokens - len(self.generated) - self.drafts_in_flight - 1
+        return max(0, left)
+
+    def draft_context(self) -> list[int]:
+        """What a drafter continues: the committed tokens, then the drafts appended so far."""
+        return self.committed + self.chain[self.chain_committed :]
+
+    def next_chunk(self, drafts: list[int] = ()) -> tuple[Chunk, list[int]] | None:  # type: ignore[assignment]
+        """Append ``drafts`` to the chain and send its unsent tokens as one chunk; None when there
+        is nothing to send (every chain token is in flight and no draft came)."""
+        if self.done:
+            return None
+        self.chain.extend(drafts[: self.room_for_drafts()])
+        count = len(self.chain) - self.sent
+        if count == 0:
+            return None
+        self._chunk_ids += 1
+        chunk = Chunk(self._chunk_ids, self.sent, count, self.chain_start + self.sent)
+        tokens = self.chain[self.sent :]
+        self.sent = len(self.chain)
+        self.chunks.append(chunk)
+        return chunk, tokens
+
+    def rows_needed(self, chunk: Chunk) -> int:
+        """How many of the chunk's last rows ``fold`` needs logits of: rows of committed tokens
+        (a prompt's) predict nothing new, except the last of them."""
+        first_useful = max(chunk.first, self.chain_committed - 1) if not chunk.void else chunk.first + chunk.count
+        return max(0, chunk.first + chunk.count - first_useful)
 
     def rewind(self) -> None:
         """Start over on a fresh route (a heal): its stages hold nothing of this session, so the
-        next input is the prompt and every committed token, from position 0. The sampler is not
-        touched: the failed step's logits were never sampled."""
-        self.pending = list(self.request.prompt_ids) + self.generated
-        self.position = 0
+        next input is the prompt and every committed token, from position 0. Drafts in flight are
+        dropped; the sampler is not touched: the lost chunks' logits were never sampled."""
+        self._reset_chain(self.committed, 0)
 
-    def commit(self, logits: torch.Tensor) -> TokenEvent | None:
-        """Fold the last position's logits (vocab,) in: sample, commit, decide whether to stop."""
-        self.position += len(self.pending)
+    def fold(self, chunk: Chunk, logits: torch.Tensor | None) -> Fold:
+        """Fold a chunk's result in: ``logits`` holds its last ``rows_needed(chunk)`` rows. (rows, vocab)
+
+        Chunks come back in the order they were sent; a void one (or any after the stream ended)
+        changes nothing."""
         self.steps += 1
-        token = self.sampler.sample(logits)
+        if chunk.void:  # no longer among the chunks in flight: a rejection or the stream's end voided it
+            return Fold([], 0, 0)
+        head = self.chunks.popleft()
+        assert head is chunk, "chunks are folded in the order they were sent"
+        rows = self.rows_needed(chunk)
+        assert logits is not None and logits.shape[0] == rows, "fold needs the rows rows_needed() names"
+        first = chunk.first + chunk.count - rows
+        events: list[TokenEvent] = []
+        drafted = accepted = 0
+        for offset in range(rows):
+            index = first + offset  # this row's chain token; it predicts chain[index + 1]
+            draft = self.chain[index + 1] if index + 1 < len(self.chain) else None
+            token, ok = self.sampler.verify(logits[offset], draft, self.chain_start + index + 1)
+            if draft is not None:
+                drafted += 1
+                accepted += ok
+            event = self._commit(token)
+            if event is not None:
+                events.append(event)
+            if draft is not None and ok:
+                self.chain_committed += 1
+                if self.done:
+                    break
+                continue
+            # A rejection or a bonus: the chain ends here and a new one starts from ``token``.
+            for later in self.chunks:
+                later.void = True
+            self._reset_chain([token], self.chain_start + index + 1)
+            break
+        if self.done:  # nothing built past the end counts
+            for later in self.chunks:
+                later.void = True
+            self.chunks = deque()
+        self.drafted += drafted
+        self.accepted += accepted
+        return Fold(events, drafted, accepted)
+
+    def _commit(self, token: int) -> TokenEvent | None:
+        """Commit one token: EOS ends the stream, a stop string cuts the text, the budget stops it."""
         now = self.clock() - self.started
         if token in self.request.eos_ids:
             self.finish_reason = "stop"
-            self.pending = []
             return self._flush(now)
         self.generated.append(token)
         self.token_times.append(now)
-        self.pending = [token]
-        full = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        self._decode_tail()
+        full = self._decoded
         for stop in self.request.stop:
-            cut = full.find(stop)
+            # Only the end can hold a new match: what was streamed was checked already.
+            cut = full.find(stop, max(0, len(self.text) - len(stop)))
             if cut != -1:
                 self.finish_reason = "stop"
                 return self._emit(token, full[:cut], now)
@@ -93,6 +223,22 @@ class GenerationState:
             self.finish_reason = "length"
             return self._emit(token, full, now)
         return self._emit(token, self._stable_prefix(full), now)
+
+    def _decode_tail(self) -> None:
+        """Extend the decoded text by the newest token, decoding a few tokens only (O(1) per token):
+        the text of generated[prefix:] minus that of generated[prefix:read], so a tokenizer that
+        treats a sequence's first token specially does it alike on both sides. Bytes that do not
+        make a whole character yet stay pending until the tokens that complete it come."""
+        before = self.tokenizer.decode(self.generated[self._prefix : self._read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.generated[self._prefix :], skip_special_tokens=True)
+        new = after[len(before) :] if after.startswith(before) else ""
+        if new and not after.endswith("\ufffd"):
+            self._stable_text += new
+            self._pending_text = ""
+            self._prefix, self._read = self._read, len(self.generated)
+        else:
+            self._pending_text = new
+        self._decoded = self._stable_text + self._pending_text
 
     def _stable_prefix(self, full: str) -> str:
         """The part of the text no later token can change: not a half-decoded character, not
@@ -112,6 +258,5 @@ class GenerationState:
 
     def _flush(self, now: float) -> TokenEvent | None:
         """At EOS: release text held back for a possible stop string, if any."""
-        full = self.tokenizer.decode(self.generated, skip_special_tokens=True)
-        event = self._emit(None, full, now)
+        event = self._emit(None, self._decoded, now)
         return event if event.text else None

@@ -1,0 +1,384 @@
+"""The speculation router: its rate model against a discrete-event simulation of a WAN pipeline,
+its online choices against the best fixed plan, and its bookkeeping.
+
+The simulation is a ring of three stages and the coordinator: each hop takes RTT/4 one way, each
+stage is a FIFO server computing a chunk of n positions in n * per_position_s / 3, and drafts are
+accepted per position with a seeded Bernoulli stream. Every plan run on the same seed meets the
+same acceptable positions, so comparisons between plans are paired and need few tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from worker_agent.coordinator.router import (
+    EXPLORE_EVERY,
+    PLAIN,
+    Plan,
+    Router,
+    expected_committed,
+    predicted_rate,
+)
+
+pytestmark = pytest.mark.dataplane
+
+STAGES = 3
+K_CHOICES = (1, 2, 4, 6, 8, 12, 16)
+DEPTH_CHOICES = (1, 2, 3, 4)
+
+
+@dataclass
+class _Chunk:
+    chain: int  # the chain that sent it: a result of an earlier chain is void
+    first: int  # the token index its first draft is for
+    drafts: int  # 0 for a plain decoding round
+    positions: int
+    sent: float  # seconds
+    back: float  # when its result reaches the coordinator
+
+
+@dataclass
+class _Run:
+    tokens: int
+    seconds: float
+    plans: Counter[Plan] = field(default_factory=Counter)  # chains started, by plan
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+class _Ring:
+    """Coordinator -> stage 1 -> ... -> stage S -> coordinator, every stage a FIFO server. All chunks
+    take the same path through servers that keep order, so each chunk's return time is fixed
+    when it is sent, and results come back in the order chunks were sent."""
+
+    def __init__(self, rtt_s: float, per_position_s: float) -> None:
+        self.hop_s = rtt_s / (STAGES + 1)
+        self.stage_s_per_position = per_position_s / STAGES
+        self.free_at = [0.0] * STAGES
+
+    def send(self, at: float, positions: int) -> float:
+        t = at
+        for stage, free_at in enumerate(self.free_at):
+            t = max(t + self.hop_s, free_at) + positions * self.stage_s_per_position
+            self.free_at[stage] = t
+        return t + self.hop_s
+
+
+class _Target:
+    """Whether the target accepts the draft for each token index: Bernoulli(a), drawn once."""
+
+    def __init__(self, a: float, seed: int) -> None:
+        self.a = a
+        self.rng = random.Random(seed)
+        self.accepts: list[bool] = []
+
+    def accepted_prefix(self, first: int, drafts: int) -> int:
+        while len(self.accepts) < first + drafts:
+            self.accepts.append(self.rng.random() < self.a)
+        n = 0
+        while n < drafts and self.accepts[first + n]:
+            n += 1
+        return n
+
+
+def _simulate(a: float, rtt_s: float, per_position_s: float, router: Router, *, tokens: int, seed: int = 0) -> _Run:
+    """Decode ``tokens`` tokens with ``router`` planning each chain; the router observes every chunk."""
+    ring, target = _Ring(rtt_s, per_position_s), _Target(a, seed)
+    in_flight: deque[_Chunk] = deque()  # results return in send order: this is the event queue
+    run = _Run(0, 0.0)
+    chain, plan, next_first = 0, PLAIN, 0
+
+    def send(now: float, first: int, drafts: int, positions: int) -> None:
+        in_flight.append(_Chunk(chain, first, drafts, positions, now, ring.send(now, positions)))
+
+    def start_chain(now: float) -> None:
+        nonlocal chain, plan, next_first
+        chain += 1
+        plan = router.plan()
+        run.plans[plan] += 1
+        if plan.plain:
+            send(now, run.tokens, 0, 1)
+            return
+        for j in range(plan.depth):  # the first chunk also carries the last committed token
+            send(now, run.tokens + j * plan.k, plan.k, plan.k + 1 if j == 0 else plan.k)
+        next_first = run.tokens + plan.depth * plan.k
+
+    start_chain(0.0)
+    while run.tokens < tokens:
+        chunk = in_flight.popleft()
+        now = run.seconds = chunk.back
+        router.observe_round_trip(chunk.positions, chunk.back - chunk.sent)
+        if chunk.chain != chain:
+            continue  # voided by a rejection before it: it only occupied the stages
+        if chunk.drafts == 0:
+            run.tokens += 1
+            start_chain(now)
+            continue
+        accepted = target.accepted_prefix(chunk.first, chunk.drafts)
+        router.observe(str(plan.drafter), chunk.drafts, accepted)
+        if accepted < chunk.drafts:
+            run.tokens += accepted + 1  # the accepted drafts and the corrected token
+            start_chain(now)
+        elif not any(other.chain == chain for other in in_flight):
+            run.tokens += chunk.drafts + 1  # the last chunk in flight: its bonus token too
+            start_chain(now)
+        else:
+            run.tokens += chunk.drafts
+            send(now, next_first, plan.k, plan.k)
+            next_first += plan.k
+    return run
+
+
+def _fixed(k: int, depth: int) -> Router:
+    return Router(fixed=Plan("ngram", k, depth) if k else PLAIN)
+
+
+def _gain(a: float, rtt_s: float, *, tokens: int = 10_000, seed: int = 0) -> float:
+    """Pipelining's gain, D=4 over D=1 at K=8, with 1 ms of compute per position."""
+    pipelined = _simulate(a, rtt_s, 0.001, _fixed(8, 4), tokens=tokens, seed=seed).rate
+    synchronous = _simulate(a, rtt_s, 0.001, _fixed(8, 1), tokens=tokens, seed=seed).rate
+    return pipelined / synchronous
+
+
+def test_expected_committed_counts_the_accepted_prefix_and_one_more():
+    assert expected_committed(0.5, 1) == 1.5
+    assert expected_committed(0.5, 3) == 1.875
+    assert expected_committed(0.8, 8) == pytest.approx((1 - 0.8**9) / 0.2, rel=1e-12)
+    assert expected_committed(0.0, 8) == 1.0
+    assert expected_committed(0.37, 0) == 1.0
+    assert expected_committed(1.0, 8) == 9.0
+
+
+def test_expected_committed_rejects_impossible_arguments():
+    for a, k in ((1.5, 4), (-0.1, 4), (math.nan, 4), (0.5, -1)):
+        with pytest.raises(ValueError):
+            expected_committed(a, k)
+
+
+def test_predicted_rate_reduces_to_plain_and_synchronous_rounds():
+    assert predicted_rate(0.9, 0, 1, 0.2, 0.002) == pytest.approx(1 / 0.202)
+    assert predicted_rate(0.9, 8, 1, 0.2, 0.002) == pytest.approx(expected_committed(0.9, 8) / 0.218)
+    assert predicted_rate(0.9, 8, 1, 0.2, 0.002, 0.01) == pytest.approx(expected_committed(0.9, 8) / 0.298)
+
+
+def test_predicted_rate_at_full_acceptance_keeps_depth_chunks_per_round_trip():
+    assert predicted_rate(1.0, 8, 4, 0.2, 0.003, stages=3) == pytest.approx(4 * 8 / 0.224)
+
+
+def test_predicted_rate_at_full_acceptance_is_bounded_by_the_busiest_stage():
+    # One stage computes everything: 4 chunks queue there for 4 * 0.96 s, longer than a round trip.
+    assert predicted_rate(1.0, 16, 4, 0.02, 0.06, stages=1) == pytest.approx(16 / 0.96)
+
+
+def test_predicted_rate_rejects_impossible_arguments():
+    for args in ((1.1, 8, 4, 0.2, 0.002), (0.5, 8, 0, 0.2, 0.002), (0.5, 8, 4, -0.2, 0.002), (0.5, 8, 4, 0, 0)):
+        with pytest.raises(ValueError):
+            predicted_rate(*args)
+
+
+@pytest.mark.parametrize("rtt_s", [0.38, 1.14])
+def test_pipelining_gain_crosses_ten_percent_near_acceptance_078(rtt_s):
+    scan = [round(0.70 + 0.02 * i, 2) for i in range(9)]
+    gains = [_gain(a, rtt_s) for a in scan]
+    above = next(i for i, gain in enumerate(gains) if gain >= 1.10)
+    lo, hi = scan[above - 1], scan[above]
+    crossover = lo + (hi - lo) * (1.10 - gains[above - 1]) / (gains[above] - gains[above - 1])
+    at_080 = gains[scan.index(0.80)]
+
+    assert crossover == pytest.approx(0.78, abs=0.03), f"crossover {crossover:.3f}, gain at 0.80 {at_080:.3f}"
+    assert 1.10 < at_080 < 1.20, f"gain at 0.80 {at_080:.3f}"
+
+
+@pytest.mark.parametrize("rtt_s", [0.38, 1.14])
+def test_pipelining_gains_over_twice_at_acceptance_097(rtt_s):
+    gains = [_gain(0.97, rtt_s, seed=seed) for seed in range(3)]
+    gain = sum(gains) / len(gains)
+
+    assert 2.0 < gain < 2.8, f"gain at 0.97: {gain:.3f} (seeds: {[round(g, 3) for g in gains]})"
+
+
+def test_pipelining_never_loses():
+    gains = {a: _gain(a, 0.38, tokens=4_000) for a in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)}
+
+    assert min(gains.values()) >= 0.98, f"gains by acceptance: {gains}"
+
+
+def _relative_errors(rtt_s: float, per_position_s: float, grid: list[tuple[float, int, int]]) -> dict:
+    off = {}
+    for a, k, depth in grid:
+        simulated = _simulate(a, rtt_s, per_position_s, _fixed(k, depth), tokens=20_000, seed=1).rate
+        predicted = predicted_rate(a, k, depth, rtt_s, per_position_s, stages=STAGES)
+        off[(a, k, depth)] = round(predicted / simulated - 1, 4)
+    return off
+
+
+def test_predicted_rate_agrees_with_the_simulation():
+    grid = [(a, k, depth) for a in (0.5, 0.8, 0.95) for k in (2, 8, 16) for depth in (1, 2, 4)]
+
+    off = _relative_errors(0.2, 0.002, grid)
+
+    assert max(abs(error) for error in off.values()) < 0.05, f"relative error by (a, k, depth): {off}"
+
+
+def test_predicted_rate_agrees_with_the_simulation_where_compute_binds():
+    # 20 ms round trips, 10 ms per position: four chunks of 16 keep every stage busy.
+    grid = [(a, k, depth) for a in (0.5, 0.95) for k in (8, 16) for depth in (2, 4)]
+
+    off = _relative_errors(0.02, 0.01, grid)
+
+    assert max(abs(error) for error in off.values()) < 0.05, f"relative error by (a, k, depth): {off}"
+
+
+@pytest.mark.parametrize("a", [0.3, 0.5, 0.7, 0.8, 0.9, 0.97])
+def test_online_router_comes_within_five_percent_of_the_best_fixed_plan(a):
+    rtt_s, per_position_s, tokens = 0.2, 0.002, 3_000
+    fixed = {(k, depth): _simulate(a, rtt_s, per_position_s, _fixed(k, depth), tokens=tokens).rate
+             for k in K_CHOICES for depth in DEPTH_CHOICES}  # fmt: skip
+    best_plan = max(fixed, key=fixed.__getitem__)
+    router = Router(stages=STAGES)
+
+    online = _simulate(a, rtt_s, per_position_s, router, tokens=tokens).rate
+
+    assert online >= 0.95 * fixed[best_plan], (
+        f"online {online:.2f} tok/s = {online / fixed[best_plan]:.3f} of best fixed {best_plan}: "
+        f"{fixed[best_plan]:.2f}; router ended at {router.to_json()}"
+    )
+
+
+def test_online_router_decodes_plainly_where_speculation_does_not_pay():
+    router = Router(stages=STAGES)
+
+    run = _simulate(0.3, 0.001, 0.002, router, tokens=1_500)
+
+    chains = sum(run.plans.values())
+    assert run.plans[PLAIN] / chains > 0.85, f"plans: {run.plans.most_common(4)}"
+
+
+def test_observe_rejects_impossible_counts_and_unknown_drafters():
+    router = Router()
+
+    for drafter, drafted, accepted in (("ngram", 4, 5), ("ngram", 4, -1), ("draft", 4, 2)):
+        with pytest.raises(ValueError):
+            router.observe(drafter, drafted, accepted)
+
+    assert router.acceptance("ngram") == 0.5
+
+
+def test_full_accepts_drive_the_estimate_to_one_and_rejections_to_zero():
+    router = Router()
+
+    for _ in range(100):
+        router.observe("ngram", 8, 8)
+    high = router.acceptance("ngram")
+    for _ in range(100):
+        router.observe("ngram", 8, 0)
+
+    assert high > 0.999
+    assert router.acceptance("ngram") < 0.001
+
+
+def test_acceptance_is_accepted_drafts_over_trials_not_a_mean_of_ratios():
+    router = Router(smoothing=1.0)
+
+    router.observe("ngram", 8, 3)  # 3 accepted, then a rejection: 4 trials
+
+    assert router.acceptance("ngram") == 0.75
+
+
+def test_a_drafter_with_nothing_to_propose_is_never_chosen():
+    router = Router({"ngram": 0.0, "draft": 0.001})
+    for _ in range(50):
+        router.observe("ngram", 8, 8)
+        router.observe("draft", 8, 8)
+
+    assert router.plan().drafter == "ngram"  # equal acceptance: the free drafter wins
+    assert router.plan(available={"draft"}).drafter == "draft"
+    assert router.plan(available=()) == PLAIN
+
+
+def test_fixed_plan_is_honoured_whatever_is_observed():
+    router = Router(fixed=Plan("ngram", 8, 4))
+    for _ in range(50):
+        router.observe("ngram", 8, 0)
+
+    assert [router.plan() for _ in range(3)] == [Plan("ngram", 8, 4)] * 3
+    assert router.plan(available=()) == PLAIN
+
+
+def test_a_rejected_drafter_is_probed_after_the_stated_plain_rounds():
+    router = Router(rtt_s=0.001, per_position_s=0.002)  # a probe costs 40% of a plain round here
+    for _ in range(100):
+        router.observe("ngram", 8, 0)
+
+    plans = [router.plan() for _ in range(2 * EXPLORE_EVERY + 2)]
+
+    probe = Plan("ngram", 1, 1)
+    assert [i for i, plan in enumerate(plans) if plan != PLAIN] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY + 1]
+    assert plans[EXPLORE_EVERY] == probe
+
+
+def test_probes_come_every_other_round_where_they_cost_under_one_percent():
+    router = Router(rtt_s=0.2, per_position_s=0.002)
+    for _ in range(100):
+        router.observe("ngram", 8, 0)
+
+    plans = [router.plan() for _ in range(6)]
+
+    assert plans == [PLAIN, Plan("ngram", 1, 1)] * 3
+
+
+def test_accepted_probes_bring_speculation_back():
+    router = Router(rtt_s=0.2, per_position_s=0.002, stages=STAGES)
+    for _ in range(100):
+        router.observe("ngram", 8, 0)
+
+    plans = []
+    for _ in range(40):
+        plan = router.plan()
+        plans.append(plan)
+        if plan.drafter is not None:
+            router.observe(plan.drafter, plan.k, plan.k)
+
+    assert plans[-1].depth == 4 and plans[-1].k >= 4, f"last plans: {plans[-5:]}"
+
+
+def test_round_trips_fit_the_latency_and_the_cost_per_position():
+    router = Router(rtt_s=0.05, per_position_s=0.002)
+
+    for _ in range(50):
+        router.observe_round_trip(1, 0.202)
+        router.observe_round_trip(17, 0.234)
+    for garbage in (math.nan, math.inf, -1.0):
+        router.observe_round_trip(9, garbage)
+
+    assert router.rtt_s == pytest.approx(0.2, abs=1e-9)
+    assert router.per_position_s == pytest.approx(0.002, abs=1e-12)
+
+
+def test_round_trips_of_one_size_move_the_latency_not_the_slope():
+    router = Router(rtt_s=0.05, per_position_s=0.002)
+
+    router.observe_round_trip(9, 0.3)
+
+    assert router.per_position_s == 0.002
+    assert router.rtt_s == pytest.approx(0.282)
+
+
+def test_snapshot_reports_estimates_and_the_last_plan():
+    router = Router(fixed=Plan("ngram", 8, 4), rtt_s=0.1, per_position_s=0.001)
+    router.observe("ngram", 8, 3)
+    router.plan()
+
+    assert router.to_json() == {
+        "acceptance": {"ngram": round((0.9 * 0.5 + 0.1 * 3) / (0.9 + 0.1 * 4), 4)},
+        "rtt_s": 0.1,
+        "per_position_s": 0.001,
+        "last_plan": {"drafter": "ngram", "k": 8, "depth": 4},
+    }
