@@ -73,7 +73,7 @@ def run_cli(swarm, *args: str) -> dict:
 def test_cli_matches_single_process_generate(smollm2_swarm, topology):
     args = [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]
 
-    report = run_cli(smollm2_swarm, "--topology", topology, *args)
+    report = run_cli(smollm2_swarm, "--topology", topology, "--speculate", "off", *args)
 
     assert report["topology"] == topology
     assert len(report["results"]) == len(PROMPTS)
@@ -89,6 +89,20 @@ def test_cli_matches_single_process_generate(smollm2_swarm, topology):
         steps = len(expected) if result["finish_reason"] == "length" else len(expected) + 1
         assert [r["steps"] for r in result["receipts"]] == [steps] * 3
         assert [r["tokens"] for r in result["receipts"]] == [result["prompt_tokens"] + steps - 1] * 3
+
+
+@pytest.mark.parametrize("topology", ["ring", "star"])
+def test_cli_speculating_matches_single_process_generate(smollm2_swarm, topology):
+    args = [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]
+
+    report = run_cli(smollm2_swarm, "--topology", topology, "--draft", "ngram", "--k", "4", "--depth", "2", *args)
+
+    for prompt, result in zip(PROMPTS, report["results"], strict=True):
+        assert result["token_ids"] == reference_tokens(prompt), prompt
+        assert result["verified"] is True
+        assert result["speculation"]["last_plan"] is not None
+    # The chat template repeats itself ("<|im_start|>..."), so some drafts are always checked.
+    assert sum(result["drafted"] for result in report["results"]) > 0
 
 
 def test_capital_of_france_answer(smollm2_swarm):

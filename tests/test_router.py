@@ -381,4 +381,5 @@ def test_snapshot_reports_estimates_and_the_last_plan():
         "rtt_s": 0.1,
         "per_position_s": 0.001,
         "last_plan": {"drafter": "ngram", "k": 8, "depth": 4},
+        "plans": {"ngram k=8 depth=4": 1},
     }

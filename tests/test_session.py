@@ -30,13 +30,20 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+def _step(state: GenerationState, token: int) -> list[TokenEvent]:
+    """One plain step: the chain's unsent tokens go out, and the pipeline's logits pick ``token``."""
+    made = state.next_chunk()
+    assert made is not None
+    chunk, _ = made
+    assert state.rows_needed(chunk) == 1  # plain decoding needs the last row's logits only
+    return state.fold(chunk, _one_hot(token).unsqueeze(0)).events
+
+
 def _run(state: GenerationState, token_ids: list[int]) -> list[TokenEvent]:
     events = []
     for token in token_ids:
         assert not state.done
-        event = state.commit(_one_hot(token))
-        if event is not None:
-            events.append(event)
+        events += _step(state, token)
     return events
 
 
@@ -65,7 +72,7 @@ def test_stops_on_eos_with_finish_reason_stop(tokenizer):
     assert state.text == "Once upon a time"
     assert [e.token_id for e in events] == tokens  # EOS releases no held text here: no event
     assert [e.text for e in events] == ["Once", " upon", " a", " time"]
-    assert state.next_input() == ([], len(PROMPT) + 4)
+    assert state.next_chunk() is None  # nothing more to send
 
 
 def test_eos_as_the_first_token_gives_empty_text(tokenizer):
@@ -144,13 +151,15 @@ def test_a_character_split_over_tokens_is_streamed_only_once_complete(tokenizer)
 def test_positions_advance_by_the_pending_tokens(tokenizer):
     state = _state(tokenizer)
 
-    inputs = [state.next_input()]
+    sent = []
     for token in _ids(tokenizer, "Once upon a"):
-        state.commit(_one_hot(token))
-        inputs.append(state.next_input())
+        chunk, tokens = state.next_chunk()
+        sent.append((tokens, chunk.start))
+        state.fold(chunk, _one_hot(token).unsqueeze(0))
 
-    assert inputs == [(list(PROMPT), 0), ([6403], 3), ([1980], 4), ([253], 5)]
+    assert sent == [(list(PROMPT), 0), ([6403], 3), ([1980], 4)]
     assert (state.position, state.steps) == (5, 3)
+    assert state.chain == [253]  # the last committed token, sent with the next step at position 5
 
 
 def test_token_times_come_from_the_injected_clock(tokenizer):
@@ -185,3 +194,66 @@ def test_eos_releases_text_held_back_for_a_stop_string(tokenizer):
     assert state.finish_reason == "stop"
     assert (events[-1].token_id, events[-1].text) == (None, "The")
     assert "".join(e.text for e in events) == state.text == "Once upon a time. The"
+
+
+# --- speculation: chains of drafts, verified in order ------------------------------------------------
+
+
+def _rows(*tokens: int) -> torch.Tensor:
+    """Logits rows that make the target's choices ``tokens``, one per row. (rows, vocab)"""
+    return torch.stack([_one_hot(token) for token in tokens])
+
+
+def test_accepted_drafts_commit_with_the_bonus_token(tokenizer):
+    state = _state(tokenizer)
+    once, upon, a, time = _ids(tokenizer, "Once upon a time")
+
+    chunk, tokens = state.next_chunk([once, upon, a])
+    assert (tokens, chunk.start, state.rows_needed(chunk)) == ([*PROMPT, once, upon, a], 0, 4)
+    fold = state.fold(chunk, _rows(once, upon, a, time))  # the prompt's last row, then one per draft
+
+    assert (fold.drafted, fold.accepted) == (3, 3)
+    assert [e.token_id for e in fold.events] == [once, upon, a, time]
+    assert state.generated == [once, upon, a, time]
+    assert (state.chain, state.position) == ([time], len(PROMPT) + 3)  # the bonus goes out next
+
+
+def test_a_rejection_commits_the_target_token_and_voids_the_chunks_built_on_the_draft(tokenizer):
+    state = _state(tokenizer)
+    once, upon, a, time = _ids(tokenizer, "Once upon a time")
+    the = _ids(tokenizer, " the")[0]
+    first, _ = state.next_chunk([once, the])  # "the" is wrong: the target says "upon"
+    second, tokens = state.next_chunk([a, time])  # in flight before the first came back
+    assert (tokens, second.start) == ([a, time], len(PROMPT) + 2)
+
+    fold = state.fold(first, _rows(once, upon, a))
+
+    assert (fold.drafted, fold.accepted) == (2, 1)
+    assert state.generated == [once, upon]
+    assert second.void and state.in_flight == 0
+    assert state.fold(second, None).events == []  # its result is awaited, then ignored
+    third, tokens = state.next_chunk()
+    assert (tokens, third.start) == ([upon], len(PROMPT) + 1)  # overwrites the rejected draft's position
+
+
+def test_drafts_never_run_past_the_token_budget(tokenizer):
+    state = _state(tokenizer, max_tokens=3)
+
+    chunk, tokens = state.next_chunk([11, 12, 13, 14, 15])
+
+    assert tokens == [*PROMPT, 11, 12]  # two drafts, and the bonus makes three tokens
+    state.fold(chunk, _rows(11, 12, 13))
+    assert (state.generated, state.finish_reason) == ([11, 12, 13], "length")
+
+
+def test_an_eos_among_the_drafts_ends_the_stream_and_voids_the_rest(tokenizer):
+    state = _state(tokenizer)
+    once = _ids(tokenizer, "Once")[0]
+    first, _ = state.next_chunk([once, EOS])
+    second, _ = state.next_chunk([7])
+
+    state.fold(first, _rows(once, EOS, 7))
+
+    assert (state.finish_reason, state.generated, state.text) == ("stop", [once], "Once")
+    assert second.void
+    assert state.next_chunk([5]) is None

@@ -467,12 +467,12 @@ class Coordinator:
         all the same: the stages computed and signed them, and the transcript must say so."""
         loop = asyncio.get_running_loop()
         flight: deque[tuple[Chunk, asyncio.Task, float, str | None]] = deque()
-        plan = PLAIN
         try:
             while not state.done:
                 while True:
-                    if not state.in_flight:
-                        plan = router.plan(available=list(drafters) if state.room_for_drafts() else [])
+                    # Planned again for every chunk: a chain that keeps being accepted grows its K
+                    # and depth as the acceptance estimate rises, without waiting for a rejection.
+                    plan = router.plan(available=list(drafters) if state.room_for_drafts() else [])
                     depth = plan.depth if plan.k else 1
                     if state.in_flight >= depth:
                         break

@@ -180,7 +180,7 @@ class Router:
         self,
         drafters: Mapping[str, float] = DEFAULT_DRAFTERS,
         *,
-        k_choices: Collection[int] = (1, 2, 4, 6, 8, 12, 16),
+        k_choices: Collection[int] = (1, 2, 4, 6, 8, 12, 16, 24, 32),
         depth_choices: Collection[int] = (1, 2, 3, 4),
         prior_acceptance: float = 0.5,
         smoothing: float = 0.1,
@@ -219,6 +219,7 @@ class Router:
         self.explore_every = explore_every
         self.fixed = fixed
         self.last_plan: Plan | None = None
+        self.chosen: dict[Plan, int] = {}  # how often each plan was chosen, for reports
         # Moving averages of accepted drafts and of trials (accepted + rejections), per drafter.
         self._successes = dict.fromkeys(self.drafters, prior_acceptance)
         self._trials = dict.fromkeys(self.drafters, 1.0)
@@ -298,6 +299,7 @@ class Router:
         if chosen.drafter is not None:
             self._last_tried[chosen.drafter] = self._rounds
         self.last_plan = chosen
+        self.chosen[chosen] = self.chosen.get(chosen, 0) + 1
         return chosen
 
     def to_json(self) -> dict[str, object]:
@@ -307,6 +309,10 @@ class Router:
             "rtt_s": round(rtt_s, 6),
             "per_position_s": round(per_position_s, 6),
             "last_plan": self.last_plan.to_json() if self.last_plan is not None else None,
+            "plans": {
+                ("plain" if plan.plain else f"{plan.drafter} k={plan.k} depth={plan.depth}"): count
+                for plan, count in sorted(self.chosen.items(), key=lambda item: -item[1])
+            },
         }
 
     def _best(self, names: list[str]) -> Plan:
