@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/api.py
 	$(BIN)/python bench/fuzz.py
 	$(BIN)/python bench/churn.py
+	$(BIN)/python bench/speculative.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

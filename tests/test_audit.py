@@ -394,6 +394,22 @@ class SkippingStage(Stage):
         return [[work.hidden.clone() for work in prepared.work] for prepared in batch]
 
 
+def stage_tickets(issuer, job: str, stages: list[Stage], key: SigningKey) -> list[bytes]:
+    """Tickets for in-process stages, naming ``key`` as the job's coordinator key."""
+    return [
+        issue_ticket(
+            issuer,
+            job=job,
+            node=s.node,
+            model=MODEL,
+            layer_start=s.layer_start,
+            layer_end=s.layer_end,
+            coordinator_key=bytes(key.verify_key),
+        )
+        for s in stages
+    ]
+
+
 @contextlib.asynccontextmanager
 async def in_process_stages(spans, *, lazy: int):
     issuer = generate_signing_key()
@@ -420,18 +436,7 @@ def test_a_node_that_skips_its_layers_passes_receipts_and_fails_its_audit():
 
     async def main():
         async with in_process_stages(SPANS, lazy=1) as (urls, stages, issuer):
-            tickets = [
-                issue_ticket(
-                    issuer,
-                    job=job,
-                    node=s.node,
-                    model=MODEL,
-                    layer_start=s.layer_start,
-                    layer_end=s.layer_end,
-                    coordinator_key=bytes(key.verify_key),
-                )
-                for s in stages
-            ]
+            tickets = stage_tickets(issuer, job, stages, key)
             return await _generate(urls, tickets, job, key=key, audit_stages=(0, 1, 2))
 
     (result,) = asyncio.run(main())

@@ -383,3 +383,15 @@ def test_snapshot_reports_estimates_and_the_last_plan():
         "last_plan": {"drafter": "ngram", "k": 8, "depth": 4},
         "plans": {"ngram k=8 depth=4": 1},
     }
+
+
+def test_sessions_sharing_the_compute_price_speculation_out_where_compute_binds():
+    # A short round trip and a costly position: one stream gains from drafts at acceptance 0.6,
+    # but four streams sharing the passes would pay for each other's rejected drafts.
+    router = Router(rtt_s=0.01, per_position_s=0.01, prior_acceptance=0.6, stages=3)
+
+    alone, shared = router.plan(sharing=1), router.plan(sharing=4)
+
+    assert not alone.plain
+    assert shared.plain
+    assert router.rate(alone, sharing=4) < router.rate(PLAIN, sharing=4)

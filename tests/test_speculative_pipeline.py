@@ -18,7 +18,7 @@ import uuid
 import pytest
 from nacl.signing import SigningKey
 
-from tests.test_audit import SPANS, in_process_stages
+from tests.test_audit import SPANS, in_process_stages, stage_tickets
 from worker_agent import model as models
 from worker_agent.audit import AuditFailed, verify_audit
 from worker_agent.block import Block
@@ -26,7 +26,6 @@ from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.speculation import SpeculationSettings
-from worker_agent.tickets import issue_ticket
 
 pytestmark = pytest.mark.dataplane
 
@@ -148,18 +147,7 @@ def test_an_audit_of_a_speculative_session_catches_a_node_that_skips_its_layers(
 
     async def main():
         async with in_process_stages(SPANS, lazy=1) as (urls, stages, issuer):
-            tickets = [
-                issue_ticket(
-                    issuer,
-                    job=job,
-                    node=s.node,
-                    model="tiny-llama",
-                    layer_start=s.layer_start,
-                    layer_end=s.layer_end,
-                    coordinator_key=bytes(key.verify_key),
-                )
-                for s in stages
-            ]
+            tickets = stage_tickets(issuer, job, stages, key)
             specs = [StageSpec(url, ticket) for url, ticket in zip(urls, tickets, strict=True)]
             async with Coordinator(
                 "tiny-llama", specs, job=job, audit_stages=(0, 1, 2), coordinator_key=key, speculation=SAME_DRAFT

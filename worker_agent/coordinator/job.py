@@ -26,16 +26,15 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Sequence
-from dataclasses import dataclass, field
 
 from nacl.signing import SigningKey
 
 from worker_agent import model as models
-from worker_agent.audit import AuditMaterial
 from worker_agent.coordinator.drafters import Drafter
 from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.heal import Healer, HealRecord, StageFailure
-from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, AuditGap, Pipeline, StageSpec
+from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, Pipeline, StageSpec
+from worker_agent.coordinator.result import GenerationResult
 from worker_agent.coordinator.router import Router
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import Chunk, GenerationRequest, GenerationState, TokenEvent
@@ -56,73 +55,6 @@ from worker_agent.wan import WanProfile
 log = logging.getLogger("swarm.coordinator")
 MAX_HEALS = 2  # heals one request may go through before it fails
 HEALED_CLOSE_S = 2.0  # how long closing a job waits for the connections of routes it healed away from
-
-
-@dataclass
-class GenerationResult:
-    session: str
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: str  # "stop" or "length"
-    token_times: list[float]  # seconds from the request's start to each committed token
-    elapsed: float  # seconds for the whole request, receipts included
-    steps: int  # forward passes through the pipeline
-    receipts: list[Receipt] = field(default_factory=list)
-    verification: JobVerification | None = None
-    verification_error: str = ""  # why the receipts failed verification (non-strict streams only)
-    verification_culprit: str | None = None  # the node that failure is unambiguously on, if any
-    audits: list[AuditMaterial] = field(default_factory=list)  # one per audited stage, in stage order
-    audit_missing: list[AuditGap] = field(default_factory=list)  # audited stages without material, and who owed it
-    heals: list[HealRecord] = field(default_factory=list)  # the stages that failed under it, and when
-    drafted: int = 0  # draft tokens the pipeline verified
-    accepted: int = 0  # drafts accepted (committed as drafted)
-    speculation: dict = field(default_factory=dict)  # the router's view at the end (acceptance, plan)
-
-    @property
-    def acceptance(self) -> float | None:
-        """The share of verified drafts accepted; None without any."""
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def ttft(self) -> float | None:
-        return self.token_times[0] if self.token_times else None
-
-    def to_json(self) -> dict:
-        return {
-            "session": self.session,
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "finish_reason": self.finish_reason,
-            "token_times": [round(t, 4) for t in self.token_times],
-            "ttft_s": round(self.ttft, 4) if self.ttft is not None else None,
-            "elapsed_s": round(self.elapsed, 4),
-            "steps": self.steps,
-            "verified": self.verification is not None,
-            "receipts": [receipt.to_json() for receipt in self.receipts],
-            "audits": [
-                {
-                    "stage": audit.stage,
-                    "node": audit.node,
-                    "layer_start": audit.layer_start,
-                    "layer_end": audit.layer_end,
-                    "steps": len(audit.steps),
-                    "tokens": audit.tokens,
-                }
-                for audit in self.audits
-            ],
-            "audit_missing": [vars(gap) for gap in self.audit_missing],
-            "heals": [heal.to_json() for heal in self.heals],
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "speculation": self.speculation,
-        }
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool) -> tuple[int, ...]:
@@ -153,6 +85,7 @@ class Coordinator:
     ) -> None:
         self.model = model
         self.speculation = speculation or SpeculationSettings()
+        self._streams = 0  # sessions streaming now
         # The job's coordinator key: the stages' tickets name its public half, and every HELLO
         # (a heal's included) proves it. None only with agents that take no tickets.
         self.coordinator_key = coordinator_key
@@ -366,6 +299,7 @@ class Coordinator:
         closed = False
         drafters = self.speculation.drafters(self.model) if request.speculate else {}
         router = self._router(request, drafters)
+        self._streams += 1  # the sessions sharing the route's compute, which the routers price in
         try:
             while True:
                 try:
@@ -418,6 +352,7 @@ class Coordinator:
                         raise
                     receipts, verification_error, culprit = [], f"{exc} ({exc.code})", exc.node
         finally:
+            self._streams -= 1
             pipeline.forget(session)
             if not closed:
                 with contextlib.suppress(Exception):
@@ -472,7 +407,9 @@ class Coordinator:
                 while True:
                     # Planned again for every chunk: a chain that keeps being accepted grows its K
                     # and depth as the acceptance estimate rises, without waiting for a rejection.
-                    plan = router.plan(available=list(drafters) if state.room_for_drafts() else [])
+                    plan = router.plan(
+                        available=list(drafters) if state.room_for_drafts() else [], sharing=self._streams
+                    )
                     depth = plan.depth if plan.k else 1
                     if state.in_flight >= depth:
                         break

@@ -265,11 +265,22 @@ class Router:
     def per_position_s(self) -> float:
         return self._timing()[1]
 
-    def rate(self, plan: Plan) -> float:
-        """``predicted_rate`` of ``plan`` under the current estimates, in tokens per second."""
+    def rate(self, plan: Plan, *, sharing: int = 1) -> float:
+        """``predicted_rate`` of ``plan`` under the current estimates, in tokens per second.
+
+        ``sharing``: how many sessions share the route's compute. A position this session sends
+        is computed in the same passes as theirs, so where compute binds it costs all of them its
+        time: a position is priced at ``sharing`` times its measured cost, and the stages the
+        others keep busy overlap none of this session's chunks. With one stream the
+        extra positions of speculation are nearly free (a pass of k+1 positions costs little
+        more than one); with several, batching has filled the passes already and a rejected
+        draft is compute taken from the others."""
         rtt_s, per_position_s = self._timing()
+        sharing = max(1, sharing)
+        per_position_s *= sharing
+        stages = max(1, self.stages // sharing)  # stages busy with the others' work overlap none of ours
         if plan.drafter is None:
-            return predicted_rate(0.0, 0, 1, rtt_s, per_position_s, stages=self.stages)
+            return predicted_rate(0.0, 0, 1, rtt_s, per_position_s, stages=stages)
         return predicted_rate(
             self.acceptance(plan.drafter),
             plan.k,
@@ -277,12 +288,13 @@ class Router:
             rtt_s,
             per_position_s,
             self.drafters[plan.drafter],
-            stages=self.stages,
+            stages=stages,
         )
 
-    def plan(self, *, available: Collection[str] | None = None) -> Plan:
+    def plan(self, *, available: Collection[str] | None = None, sharing: int = 1) -> Plan:
         """The plan for the next chain. ``available``: the drafters with something to propose
-        this round (None: all of them); a name this router was not given raises ValueError."""
+        this round (None: all of them); a name this router was not given raises ValueError.
+        ``sharing``: the sessions sharing the route's compute now (see ``rate``)."""
         names = sorted(self.drafters) if available is None else sorted(set(available))
         for name in names:
             self._known(name)
@@ -290,7 +302,7 @@ class Router:
         if self.fixed is not None:
             chosen = self.fixed if self.fixed.drafter is None or self.fixed.drafter in names else PLAIN
         else:
-            chosen = self._best(names)
+            chosen = self._best(names, sharing)
             if chosen.plain and names:
                 probe = Plan(min(names, key=lambda name: (self._last_tried[name], name)), self.k_choices[0], 1)
                 if self._plain_streak >= self._probe_interval(probe):
@@ -315,14 +327,14 @@ class Router:
             },
         }
 
-    def _best(self, names: list[str]) -> Plan:
-        plain_rate = self.rate(PLAIN)
+    def _best(self, names: list[str], sharing: int = 1) -> Plan:
+        plain_rate = self.rate(PLAIN, sharing=sharing)
         best, best_rate = PLAIN, plain_rate * (1.0 + PLAIN_MARGIN)
         for name in names:
             for k in self.k_choices:
                 for depth in self.depth_choices:
                     candidate = Plan(name, k, depth)
-                    rate = self.rate(candidate)
+                    rate = self.rate(candidate, sharing=sharing)
                     if rate > best_rate:
                         best, best_rate = candidate, rate
         return best
