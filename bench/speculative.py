@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -146,21 +147,29 @@ async def measure(coordinator: Coordinator, prompts: list[str], max_tokens: int)
 
 
 async def run_rtt(swarm: LocalSwarm, rtt: int, modes: dict[str, SpeculationSettings], args) -> list[dict]:
-    rows = []
-    for mode, settings in modes.items():
-        job = f"bench-spec-{mode}-rtt{rtt}"
-        specs = [StageSpec(url, ticket) for url, ticket in zip(swarm.urls, swarm.tickets(job), strict=True)]
-        async with Coordinator(
-            MODEL,
-            specs,
-            job=job,
-            wan=WanProfile.parse(ring_wan(rtt)),
-            coordinator_key=swarm.coordinator_key(job),
-            speculation=settings,
-        ) as coordinator:
+    """Every row of one round trip. The modes' coordinators are all open at once and take turns on
+    each (prompts, streams) case, so a comparison is between runs minutes apart at most."""
+    async with contextlib.AsyncExitStack() as stack:
+        coordinators = {}
+        for mode, settings in modes.items():
+            job = f"bench-spec-{mode}-rtt{rtt}"
+            specs = [StageSpec(url, ticket) for url, ticket in zip(swarm.urls, swarm.tickets(job), strict=True)]
+            coordinator = await stack.enter_async_context(
+                Coordinator(
+                    MODEL,
+                    specs,
+                    job=job,
+                    wan=WanProfile.parse(ring_wan(rtt)),
+                    coordinator_key=swarm.coordinator_key(job),
+                    speculation=settings,
+                )
+            )
             await coordinator.generate(coordinator.request(NOVEL[0], chat=True, max_tokens=2))  # warm the links
-            for name, prompts in (("draftable", DRAFTABLE), ("novel", NOVEL)):
-                for streams in args.streams:
+            coordinators[mode] = coordinator
+        rows = []
+        for name, prompts in (("draftable", DRAFTABLE), ("novel", NOVEL)):
+            for streams in args.streams:
+                for mode, coordinator in coordinators.items():
                     row = {"rtt_ms": rtt, "mode": mode, "prompts": name}
                     row |= await measure(coordinator, prompts[:streams], args.max_tokens)
                     rows.append(row)

@@ -277,7 +277,7 @@ def test_full_accepts_drive_the_estimate_to_one_and_rejections_to_zero():
     for _ in range(100):
         router.observe("ngram", 8, 8)
     high = router.acceptance("ngram")
-    for _ in range(100):
+    for _ in range(300):  # one trial each: 300 trials age the accepted past by 0.97^300
         router.observe("ngram", 8, 0)
 
     assert high > 0.999
@@ -377,7 +377,8 @@ def test_snapshot_reports_estimates_and_the_last_plan():
     router.plan()
 
     assert router.to_json() == {
-        "acceptance": {"ngram": round((0.9 * 0.5 + 0.1 * 3) / (0.9 + 0.1 * 4), 4)},
+        # 3 accepted then a rejection: 4 trials, each aging the prior (0.5, one trial) by 0.97.
+        "acceptance": {"ngram": round((0.97**4 * 0.5 + 3) / (0.97**4 + 4), 4)},
         "rtt_s": 0.1,
         "per_position_s": 0.001,
         "last_plan": {"drafter": "ngram", "k": 8, "depth": 4},
