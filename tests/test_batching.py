@@ -10,9 +10,9 @@ import torch
 
 from worker_agent import model as models
 from worker_agent.coordinator.head import HeadBatcher
-from worker_agent.server import merge_outputs
-from worker_agent.stage import Output
-from worker_agent.wire import Item, tensor_payload
+from worker_agent.server import merge_outputs, one_step_per_session
+from worker_agent.stage import Output, Prepared
+from worker_agent.wire import Forward, Item, tensor_payload
 
 pytestmark = pytest.mark.dataplane
 
@@ -79,3 +79,28 @@ def test_a_session_never_appears_twice_in_a_merged_frame():
     frames = merge_outputs(finished)
 
     assert [[i.session for i in out.items] for _, out in frames] == [["a"], ["a", "b"]]
+
+
+def _queued(job: str, *sessions: str) -> tuple[str, Prepared]:
+    """A queued FORWARD naming ``sessions`` (only its items matter here), tagged by its sessions."""
+    items = tuple(Item(session, 0, 0, 1) for session in sessions)
+    forward = Forward(job, items, "f32", (len(items), 2), bytes(8 * len(items)))
+    return "+".join(sessions), Prepared(forward, (), (), ())
+
+
+def test_a_pass_takes_one_step_per_session_and_keeps_each_sessions_order():
+    frames = [
+        _queued("j", "a", "b"),  # a's and b's first chunks
+        _queued("j", "a"),  # a's second chunk: waits for the next pass
+        _queued("j", "c"),
+        _queued("j", "b", "c"),  # b's second and c's second: wait
+        _queued("j", "d", "a"),  # a's third: waits, and takes d with it
+        _queued("k", "a"),  # another job's session "a" is another session
+    ]
+
+    batch, held = one_step_per_session(frames)
+
+    assert [tag for tag, _ in batch] == ["a+b", "c", "a"]
+    assert [tag for tag, _ in held] == ["a", "b+c", "d+a"]
+    batch, held = one_step_per_session(held)
+    assert ([tag for tag, _ in batch], [tag for tag, _ in held]) == (["a", "b+c"], ["d+a"])

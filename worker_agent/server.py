@@ -459,10 +459,12 @@ class StageServer:
     async def _compute_loop(self, slot: StageSlot) -> None:
         loop = asyncio.get_running_loop()
         stage, queue = slot.stage, slot.queue
+        held: list[tuple[Conn, Prepared]] = []  # frames put off to a later pass, in arrival order
         while True:
-            batch = [await queue.get()]
-            while not queue.empty() and len(batch) < self.max_batch:
-                batch.append(queue.get_nowait())
+            waiting = held or [await queue.get()]
+            while not queue.empty() and len(waiting) < self.max_batch:
+                waiting.append(queue.get_nowait())
+            batch, held = one_step_per_session(waiting)
             self.batches_run += 1
             self.largest_batch = max(self.largest_batch, sum(len(p.work) for _, p in batch))
             try:
@@ -584,6 +586,26 @@ def _cap_messages(ws: ServerConnection, max_size: int) -> None:
     """Set the largest message the WebSocket library reads whole on this connection from now on
     (websockets reads the limit afresh for each incoming frame)."""
     ws.protocol.max_message_size = max_size
+
+
+def one_step_per_session(frames: list[tuple[Conn, Prepared]]) -> tuple[list, list]:
+    """Split queued FORWARDs into this pass's batch and the ones put off to the next: a frame whose
+    sessions already have a step in the batch (a speculating coordinator's next chunk) waits, and
+    so does every later frame sharing a session with a frame that waits, so each session's steps
+    keep their order. Each pass then sends its outputs on as soon as it is computed: the next
+    stage works on a session's chunk while this one computes the chunk after it."""
+    batch, held = [], []
+    busy: set[tuple[str, str]] = set()  # (job, session) with a step in this batch
+    blocked: set[tuple[str, str]] = set()  # ... with a step put off
+    for conn, prepared in frames:
+        sessions = {(prepared.forward.job, item.session) for item in prepared.forward.items}
+        if sessions & (busy | blocked):
+            held.append((conn, prepared))
+            blocked |= sessions
+        else:
+            batch.append((conn, prepared))
+            busy |= sessions
+    return batch, held
 
 
 def merge_outputs(finished: list[tuple[str, Output]]) -> list[tuple[str, Output]]:

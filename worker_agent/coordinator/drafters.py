@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from worker_agent import model as models
 from worker_agent.errors import ModelError
 
 NGRAM_MAX_N = 4
@@ -36,8 +37,6 @@ NGRAM_MIN_N = 2  # one shared token says little: a 1-gram match drafts mostly no
 def _draft_model(name: str, target: str):
     """A draft model, checked to share the target's tokenizer: its token ids must mean the same."""
     from transformers import AutoModelForCausalLM  # lazy: only a coordinator with a draft model needs it
-
-    from worker_agent import model as models
 
     ours, theirs = models.load_tokenizer(target), models.load_tokenizer(name)
     if ours.get_vocab() != theirs.get_vocab():

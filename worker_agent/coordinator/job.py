@@ -401,7 +401,7 @@ class Coordinator:
         Chunks still in flight at the end (voided by a rejection or the stream's end) are awaited
         all the same: the stages computed and signed them, and the transcript must say so."""
         loop = asyncio.get_running_loop()
-        flight: deque[tuple[Chunk, asyncio.Task, float, str | None]] = deque()
+        flight: deque[tuple[Chunk, asyncio.Task, float | None, str | None]] = deque()
         try:
             while not state.done:
                 while True:
@@ -423,12 +423,16 @@ class Coordinator:
                     chunk, tokens = made
                     payload = await self.batcher.embed(tokens)
                     task = asyncio.ensure_future(pipeline.forward(session, chunk.start, chunk.count, payload))
-                    flight.append((chunk, task, loop.time(), plan.drafter if drafts else None))
+                    # Only a chunk sent with nothing ahead of it times a round trip: one sent behind
+                    # others also waits for them at every stage.
+                    sent_at = loop.time() if len(flight) == 0 else None
+                    flight.append((chunk, task, sent_at, plan.drafter if drafts else None))
                     if not drafts:
                         break  # a plain step: nothing is built on it before it comes back
                 chunk, task, sent_at, drafter = flight.popleft()
                 output = await task
-                router.observe_round_trip(chunk.count, loop.time() - sent_at)
+                if sent_at is not None:
+                    router.observe_round_trip(chunk.count, loop.time() - sent_at)
                 rows = state.rows_needed(chunk)
                 logits = await self.batcher.logits_rows(output, rows) if rows else None
                 if heals and heals[-1].resumed is None:

@@ -426,18 +426,29 @@ class Pipeline:
                 future.cancel()
 
     async def _flush(self) -> None:
+        """Send the steps issued in this event-loop turn: one frame for all sessions' steps, or, when
+        a session issued several (speculative chunks), one frame per round of them, so that a stage
+        computes and sends on a session's first chunk before its next (pipelining them)."""
         self._flush_scheduled = False
-        batch, self._outbox = self._outbox, []
-        if not batch:
-            return
-        items = tuple(item for item, _ in batch)
-        rows = sum(item.count for item in items)
-        hidden = len(batch[0][1]) // (batch[0][0].count * wire.DTYPES[self.dtype].itemsize)
-        frame = wire.Forward(self.job, items, self.dtype, (rows, hidden), b"".join(p for _, p in batch))
-        try:
-            await self.links[0].send(frame)
-        except Exception as exc:  # the connection is gone: every waiter learns it
-            self.fail_all(StageError(f"cannot send to stage 0: {exc}", code="stage_lost", stage=0))
+        outbox, self._outbox = self._outbox, []
+        rounds: list[list[tuple[wire.Item, bytes]]] = []
+        seen: dict[str, int] = {}  # session -> steps of it so far in this flush
+        for entry in outbox:
+            index = seen.get(entry[0].session, 0)
+            seen[entry[0].session] = index + 1
+            if index == len(rounds):
+                rounds.append([])
+            rounds[index].append(entry)
+        for batch in rounds:
+            items = tuple(item for item, _ in batch)
+            rows = sum(item.count for item in items)
+            hidden = len(batch[0][1]) // (batch[0][0].count * wire.DTYPES[self.dtype].itemsize)
+            frame = wire.Forward(self.job, items, self.dtype, (rows, hidden), b"".join(p for _, p in batch))
+            try:
+                await self.links[0].send(frame)
+            except Exception as exc:  # the connection is gone: every waiter learns it
+                self.fail_all(StageError(f"cannot send to stage 0: {exc}", code="stage_lost", stage=0))
+                return
 
     def on_result(self, index: int, result: wire.Result) -> None:
         """Stage ``index``'s output: the step's answer from the last stage, otherwise a ring tap
