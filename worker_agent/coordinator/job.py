@@ -7,9 +7,11 @@
 ``request`` tokenizes a text prompt; ``request_ids`` takes one tokenized already (the control
 plane tokenizes at admission, once, and hands the coordinator the ids).
 
-Each session opens a KV cache on every stage, prefills, decodes token by token, closes, and
-collects the stages' signed receipts, which are verified (``verify_job``) against the stages'
-assigned spans and this coordinator's own transcript before the result is reported.
+Each session opens a KV cache on every stage, prefills, decodes (one token per pass, or, where
+its router finds that speculation pays, chunks of drafts verified in one pass with several in
+flight: ``session.py``, ``router.py``, ``speculation.py``), closes, and collects the stages'
+signed receipts, which are verified (``verify_job``) against the stages' assigned spans and this
+coordinator's own transcript before the result is reported.
 
 With ``audit_stages`` (stage indices, chosen by the control plane) every session's result also
 carries those stages' exact traffic as ``AuditMaterial``, for a trusted replay (``audit.py``);
