@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 from nacl.signing import SigningKey
 
+from tests.test_audit import stage_tickets
 from worker_agent import model as models
 from worker_agent.block import Block
 from worker_agent.coordinator.job import Coordinator
@@ -21,7 +22,6 @@ from worker_agent.keys import generate_signing_key, public_key_bytes
 from worker_agent.receipts import BrokenLink, EndpointMismatch
 from worker_agent.server import StageServer
 from worker_agent.stage import Output, Stage
-from worker_agent.tickets import issue_ticket
 
 pytestmark = pytest.mark.dataplane
 
@@ -67,21 +67,8 @@ COORDINATOR_KEY = SigningKey(b"\x05" * 32)  # the job's coordinator key, which e
 
 
 def specs_for(urls, servers, issuer, job):
-    return [
-        StageSpec(
-            url,
-            issue_ticket(
-                issuer,
-                job=job,
-                node=s.node,
-                model=MODEL,
-                layer_start=s.layer_start,
-                layer_end=s.layer_end,
-                coordinator_key=bytes(COORDINATOR_KEY.verify_key),
-            ),
-        )
-        for url, s in zip(urls, servers, strict=True)
-    ]
+    tickets = stage_tickets(issuer, job, servers, COORDINATOR_KEY)
+    return [StageSpec(url, ticket) for url, ticket in zip(urls, tickets, strict=True)]
 
 
 async def generate(spans, *, rogue=None, topology="ring"):

@@ -37,10 +37,10 @@ from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.heal import Healer, HealRecord, StageFailure
 from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, Pipeline, StageSpec
 from worker_agent.coordinator.result import GenerationResult
-from worker_agent.coordinator.router import Router
+from worker_agent.coordinator.router import PLAIN, Router
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import Chunk, GenerationRequest, GenerationState, TokenEvent
-from worker_agent.coordinator.speculation import PLAIN, SpeculationSettings
+from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError, StageError
 from worker_agent.keys import node_id
