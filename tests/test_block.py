@@ -1,23 +1,28 @@
-"""The layer block on tiny-llama, in-process: truncation, batching, partial loading.
+"""The layer block on tiny-llama, in-process: ragged batching, truncation, cache growth, partial
+loading, and the architectures it accepts.
 
-Outputs computed along different paths (one long prefill vs a shorter one, a padded batch vs
-one session alone) are equal in exact arithmetic but not bit for bit in float32. The seeded
-tiny-llama has hidden states of magnitude ~100 (initializer_range 0.3), where one float32 ulp
-is ~8e-6, so an absolute 1e-5 is below what six layers of float32 can hold. ``_assert_close``
-therefore allows 1e-5 of the output's largest magnitude (rtol=0): about one ulp at the
-top of the range, orders of magnitude below what a masking or cache bug produces.
+Outputs computed along different paths (one long prefill vs a shorter one, a batch vs one
+session alone, the block vs Hugging Face's own layers over the whole sequence) are equal in
+exact arithmetic but not bit for bit in float32. The seeded tiny-llama has hidden states of
+magnitude ~100 (initializer_range 0.3), where one float32 ulp is ~8e-6, so an absolute 1e-5 is
+below what six layers of float32 can hold. ``_assert_close`` therefore allows 1e-5 of the
+output's largest magnitude (rtol=0): about one ulp at the top of the range, orders of magnitude
+below what a masking, position or cache bug produces.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from worker_agent import model as models
 from worker_agent.block import Block, WorkItem
 from worker_agent.errors import ModelError
-from worker_agent.kvcache import SessionLimits, SessionStore
+from worker_agent.kvcache import KVSession, SessionLimits, SessionStore
 
 pytestmark = pytest.mark.dataplane
 
@@ -36,8 +41,8 @@ def store() -> SessionStore:
 
 @pytest.fixture(scope="module")
 def inputs() -> torch.Tensor:
-    """Hidden states of 24 made-up tokens. (tokens, hidden)"""
-    return torch.randn(24, 64, generator=torch.Generator().manual_seed(0))
+    """Hidden states of 200 made-up tokens. (tokens, hidden)"""
+    return torch.randn(200, 64, generator=torch.Generator().manual_seed(0))
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -45,17 +50,41 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
 
 
-def _count_batched_runs(monkeypatch) -> list[int]:
-    """Record the batch size of every padded-batch run the block makes."""
+@torch.inference_mode()
+def _reference(weights: models.BlockWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's own decoder layers over a whole sequence at once, causal, no cache. (tokens, hidden)"""
+    states = hidden.unsqueeze(0)  # (1, tokens, hidden)
+    positions = torch.arange(hidden.shape[0]).unsqueeze(0)  # (1, tokens)
+    rotary = weights.rotary(states, positions)
+    for layer in weights.layers:
+        states = layer(states, attention_mask=None, position_ids=positions, position_embeddings=rotary)
+    return states[0]
+
+
+def _count_passes(monkeypatch) -> list[int]:
+    """Record how many items every pass of the block runs."""
     sizes: list[int] = []
-    original = Block._run_batch
+    original = Block._pass
 
     def spy(self, items):
         sizes.append(len(items))
         return original(self, items)
 
-    monkeypatch.setattr(Block, "_run_batch", spy)
+    monkeypatch.setattr(Block, "_pass", spy)
     return sizes
+
+
+# --- one session against Hugging Face's layers --------------------------------------------
+
+
+def test_a_prefill_and_decode_steps_equal_hugging_faces_layers_over_the_whole_sequence(block, store, inputs):
+    kv = store.open("job-1", "s0")
+    steps = [(0, 7), (7, 1), (8, 1), (9, 4)]
+
+    outputs = [block.forward([WorkItem(kv, start, inputs[start : start + count])])[0] for start, count in steps]
+
+    _assert_close(torch.cat(outputs), _reference(block.weights, inputs[:13]))
+    assert kv.length == 13
 
 
 # --- truncation ---------------------------------------------------------------------------
@@ -73,7 +102,7 @@ def test_running_below_the_session_length_equals_a_fresh_session_fed_the_same_pr
 
     # Then the truncated session computes what the fresh one does, and holds 8 positions again
     _assert_close(after_truncation, fresh)
-    assert (long.length, long.cache.get_seq_length()) == (8, 8)
+    assert long.length == 8
 
 
 def test_running_at_position_zero_of_a_used_session_equals_a_fresh_session(block, store, inputs):
@@ -84,7 +113,61 @@ def test_running_at_position_zero_of_a_used_session_equals_a_fresh_session(block
     (expected,) = block.forward([WorkItem(fresh, 0, inputs[10:13])])
 
     _assert_close(restarted, expected)
-    assert (used.length, used.cache.get_seq_length()) == (3, 3)
+    assert used.length == 3
+
+
+def test_a_truncated_then_rewritten_session_equals_the_rewritten_sequence_run_fresh(block, store, inputs):
+    # Given a session that ran 10 tokens, then rewinds to position 6 with 3 other tokens
+    kv = store.open("job-1", "s0")
+    block.forward([WorkItem(kv, 0, inputs[:10])])
+    kv.truncate(6)
+
+    # When it runs them and one more step
+    rewritten = block.forward([WorkItem(kv, 6, inputs[50:53])])[0]
+    following = block.forward([WorkItem(kv, 9, inputs[53:54])])[0]
+
+    # Then it computed exactly the rewritten sequence
+    sequence = torch.cat([inputs[:6], inputs[50:54]])
+    _assert_close(torch.cat([rewritten, following]), _reference(block.weights, sequence)[6:])
+    assert kv.length == 10
+
+
+def test_a_session_reusing_its_capacity_after_truncation_never_sees_the_stale_positions(block, store, inputs):
+    # Given a session that held 40 positions, rewound to 5: positions 5..39 still lie in its buffers
+    kv = store.open("job-1", "s0")
+    block.forward([WorkItem(kv, 0, inputs[:40])])
+    capacity = kv.capacity
+
+    # When it runs 3 tokens at position 5, then two single-token steps
+    outputs = [
+        block.forward([WorkItem(kv, 5, inputs[100:103])])[0],
+        block.forward([WorkItem(kv, 8, inputs[103:104])])[0],
+        block.forward([WorkItem(kv, 9, inputs[104:105])])[0],
+    ]
+
+    # Then every output is that of the short sequence alone, in the same buffers
+    sequence = torch.cat([inputs[:5], inputs[100:105]])
+    _assert_close(torch.cat(outputs), _reference(block.weights, sequence)[5:])
+    assert (kv.length, kv.capacity) == (10, capacity)
+
+
+# --- cache growth -------------------------------------------------------------------------
+
+
+def test_steps_across_the_capacity_boundaries_equal_one_pass_over_the_whole_sequence(block, store, inputs):
+    # Given a session whose first step fills 62 of its 64 first positions
+    kv = store.open("job-1", "s0")
+    steps = [(0, 62), (62, 1), (63, 3), (66, 60), (126, 1), (127, 1), (128, 5)]
+    outputs, capacities = [], []
+
+    # When steps cross 64 (inside a 3-token step) and 128 (between single tokens)
+    for start, count in steps:
+        outputs.append(block.forward([WorkItem(kv, start, inputs[start : start + count])])[0])
+        capacities.append(kv.capacity)
+
+    # Then the buffers doubled twice, and the outputs are those of one pass over 133 tokens
+    assert capacities == [64, 64, 128, 128, 128, 128, 256]
+    _assert_close(torch.cat(outputs), _reference(block.weights, inputs[:133]))
 
 
 # --- batching -----------------------------------------------------------------------------
@@ -102,21 +185,46 @@ def test_a_batch_of_three_sessions_with_different_cache_lengths_equals_each_alon
         block.forward([WorkItem(a, 0, inputs[:length])])
         block.forward([WorkItem(b, 0, inputs[:length])])
     steps = [inputs[12 + 3 * i : 12 + 3 * i + count] for i in range(3)]
-    runs = _count_batched_runs(monkeypatch)
+    passes = _count_passes(monkeypatch)
 
     # When each set takes a step of `count` tokens: alone one by one, batched in one call
     expected = [block.forward([WorkItem(kv, kv.length, step)])[0] for kv, step in zip(alone, steps, strict=True)]
     actual = block.forward([WorkItem(kv, kv.length, step) for kv, step in zip(batched, steps, strict=True)])
 
-    # Then the batch ran as one padded batch of 3 and every output matches
-    assert runs == [3]
+    # Then the batch ran as one pass of 3 and every output matches
+    assert passes == [1, 1, 1, 3]
     for got, want in zip(actual, expected, strict=True):
         _assert_close(got, want)
     assert [kv.length for kv in batched] == [length + count for length in lengths]
-    assert [kv.cache.get_seq_length() for kv in batched] == [length + count for length in lengths]
 
 
-def test_caches_written_back_by_a_batch_serve_the_next_step_like_caches_built_alone(block, store, inputs):
+def test_a_ragged_batch_of_1_3_and_7_new_tokens_equals_each_session_alone(block, store, inputs, monkeypatch):
+    # Given three sessions holding 11, 0 and 4 positions, twice (one set run alone, one batched)
+    pasts, counts = [11, 0, 4], [1, 3, 7]
+    alone = [store.open("job-1", f"alone{i}") for i in range(3)]
+    batched = [store.open("job-1", f"batched{i}") for i in range(3)]
+    for past, a, b in zip(pasts, alone, batched, strict=True):
+        if past:
+            block.forward([WorkItem(a, 0, inputs[:past])])
+            block.forward([WorkItem(b, 0, inputs[:past])])
+    steps = [inputs[30 + 10 * i : 30 + 10 * i + n] for i, n in enumerate(counts)]
+    passes = _count_passes(monkeypatch)
+
+    # When the batched set takes its steps of 1, 3 and 7 tokens in one call
+    actual = block.forward([WorkItem(kv, past, x) for kv, past, x in zip(batched, pasts, steps, strict=True)])
+    expected = [block.forward([WorkItem(kv, past, x)])[0] for kv, past, x in zip(alone, pasts, steps, strict=True)]
+
+    # Then it ran as one pass, in order, each output equal to the session's alone
+    assert passes == [3, 1, 1, 1]
+    assert [out.shape[0] for out in actual] == counts
+    for got, want in zip(actual, expected, strict=True):
+        _assert_close(got, want)
+    for got, past, x in zip(actual, pasts, steps, strict=True):
+        _assert_close(got, _reference(block.weights, torch.cat([inputs[:past], x]))[past:])
+    assert [kv.length for kv in batched] == [12, 3, 11]
+
+
+def test_caches_written_by_a_batch_serve_the_next_step_like_caches_built_alone(block, store, inputs):
     alone = [store.open("job-1", f"alone{i}") for i in range(3)]
     batched = [store.open("job-1", f"batched{i}") for i in range(3)]
     for length, a, b in zip([1, 4, 7], alone, batched, strict=True):
@@ -127,30 +235,11 @@ def test_caches_written_back_by_a_batch_serve_the_next_step_like_caches_built_al
         block.forward([WorkItem(kv, kv.length, x)])
     block.forward([WorkItem(kv, kv.length, x) for kv, x in zip(batched, step, strict=True)])
 
-    # The next step runs each session alone, on the caches the batch wrote back.
+    # The next step runs each session alone, on the caches the batch wrote.
     for a, b in zip(alone, batched, strict=True):
         (expected,) = block.forward([WorkItem(a, a.length, inputs[23:24])])
         (actual,) = block.forward([WorkItem(b, b.length, inputs[23:24])])
         _assert_close(actual, expected)
-
-
-def test_items_of_different_lengths_run_in_separate_groups_and_keep_their_order(block, store, inputs, monkeypatch):
-    sessions = [store.open("job-1", f"s{i}") for i in range(4)]
-    for kv in sessions:
-        block.forward([WorkItem(kv, 0, inputs[:3])])
-    twins = [store.open("job-1", f"t{i}") for i in range(4)]
-    for kv in twins:
-        block.forward([WorkItem(kv, 0, inputs[:3])])
-    counts = [1, 2, 1, 2]
-    steps = [inputs[10 + i : 10 + i + n] for i, n in enumerate(counts)]
-    runs = _count_batched_runs(monkeypatch)
-
-    actual = block.forward([WorkItem(kv, 3, x) for kv, x in zip(sessions, steps, strict=True)])
-
-    assert runs == [2, 2]
-    assert [out.shape[0] for out in actual] == counts
-    for got, kv, x in zip(actual, twins, steps, strict=True):
-        _assert_close(got, block.forward([WorkItem(kv, 3, x)])[0])
 
 
 def test_a_new_session_batched_with_a_session_that_has_a_cache_equals_each_alone(block, store, inputs):
@@ -167,16 +256,36 @@ def test_a_new_session_batched_with_a_session_that_has_a_cache_equals_each_alone
     assert (new.length, old.length) == (1, 5)
 
 
-def test_max_batch_splits_a_large_group_into_chunks(store, inputs, monkeypatch):
+def test_max_batch_splits_a_call_into_passes_of_at_most_that_many_items(store, inputs, monkeypatch):
     small = Block(models.load_block(MODEL, 0, 2), max_batch=2)
     sessions = [store.open("job-1", f"s{i}") for i in range(5)]
-    runs = _count_batched_runs(monkeypatch)
+    passes = _count_passes(monkeypatch)
 
-    outputs = small.forward([WorkItem(kv, 0, inputs[i : i + 2]) for i, kv in enumerate(sessions)])
+    outputs = small.forward([WorkItem(kv, 0, inputs[i : i + 1 + i % 2]) for i, kv in enumerate(sessions)])
 
-    assert runs == [2, 2]  # the fifth item runs alone, on the direct path
-    assert [out.shape for out in outputs] == [torch.Size([2, 64])] * 5
-    assert [kv.length for kv in sessions] == [2] * 5
+    assert passes == [2, 2, 1]
+    assert [out.shape for out in outputs] == [torch.Size([1 + i % 2, 64]) for i in range(5)]
+    assert [kv.length for kv in sessions] == [1, 2, 1, 2, 1]
+
+
+def test_refuses_a_call_holding_a_session_twice_and_changes_nothing(block, store, inputs):
+    kv = store.open("job-1", "s0")
+    block.forward([WorkItem(kv, 0, inputs[:3])])
+
+    with pytest.raises(ValueError, match="appears twice"):
+        block.forward([WorkItem(kv, 3, inputs[3:4]), WorkItem(kv, 4, inputs[4:5])])
+
+    assert kv.length == 3
+
+
+def test_refuses_an_item_starting_past_the_positions_its_session_holds(block, store, inputs):
+    kv = store.open("job-1", "s0")
+    block.forward([WorkItem(kv, 0, inputs[:3])])
+
+    with pytest.raises(ValueError, match="holds 3 positions; an item cannot start at 4"):
+        block.forward([WorkItem(kv, 4, inputs[4:5])])
+
+    assert kv.length == 3
 
 
 # --- partial loading ----------------------------------------------------------------------
@@ -212,3 +321,101 @@ def test_load_block_refuses_a_bad_span_naming_it(start, end):
         models.load_block(MODEL, start, end)
 
     assert str(err.value) == f"bad layer span {start}:{end} for tiny-llama: need 0 <= start < end <= 6"
+
+
+# --- architectures ------------------------------------------------------------------------
+
+
+def _checkpoint(folder, config) -> str:
+    """A seeded random checkpoint of ``config`` in ``folder``, loadable by ``load_block``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)
+
+
+def _small(config_cls, **extra):
+    return config_cls(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,
+        **extra,
+    )
+
+
+def test_qwen3_layers_with_head_norms_and_biases_equal_hugging_faces_layers(tmp_path, inputs):
+    from transformers import Qwen3Config
+
+    checkpoint = _checkpoint(tmp_path / "qwen3", _small(Qwen3Config, head_dim=16, attention_bias=True))
+    block = Block(models.load_block(checkpoint, 0, 2))
+    sessions = [KVSession("job-1", f"s{i}") for i in range(2)]
+    block.forward([WorkItem(sessions[0], 0, inputs[:5])])
+
+    actual = block.forward([WorkItem(sessions[0], 5, inputs[5:7]), WorkItem(sessions[1], 0, inputs[40:44])])
+
+    assert block.head_norms
+    _assert_close(actual[0], _reference(block.weights, inputs[:7])[5:])
+    _assert_close(actual[1], _reference(block.weights, inputs[40:44]))
+
+
+def test_mistral_layers_without_a_sliding_window_equal_hugging_faces_layers(tmp_path, inputs):
+    from transformers import MistralConfig
+
+    checkpoint = _checkpoint(tmp_path / "mistral", _small(MistralConfig, sliding_window=None))
+    block = Block(models.load_block(checkpoint, 0, 2))
+    kv = KVSession("job-1", "s0")
+
+    outputs = [block.forward([WorkItem(kv, start, inputs[start : start + n])])[0] for start, n in [(0, 6), (6, 1)]]
+
+    _assert_close(torch.cat(outputs), _reference(block.weights, inputs[:7]))
+
+
+def test_refuses_layers_with_a_sliding_window_naming_it(tmp_path):
+    from transformers import MistralConfig
+
+    weights = models.load_block(_checkpoint(tmp_path / "windowed", _small(MistralConfig, sliding_window=16)), 0, 2)
+
+    with pytest.raises(ModelError) as err:
+        Block(weights)
+
+    assert err.value.code == "model_unsupported"
+    assert str(err.value) == (
+        "windowed layer 0 uses sliding-window attention (window 16), which the layer block does not implement"
+    )
+
+
+def test_refuses_a_model_type_whose_layers_compute_something_else(tmp_path):
+    from transformers import GraniteConfig
+
+    weights = models.load_block(_checkpoint(tmp_path / "granite", _small(GraniteConfig, residual_multiplier=0.5)), 0, 1)
+
+    with pytest.raises(ModelError) as err:
+        Block(weights)
+
+    assert err.value.code == "model_unsupported"
+    assert str(err.value) == (
+        "granite: the layer block computes Llama-style decoder layers (llama, mistral, qwen2, qwen3), "
+        "not model type 'granite'"
+    )
+
+
+def test_refuses_a_layer_with_parts_it_does_not_compute():
+    weights = models.load_block(MODEL, 0, 2)
+    extended = type(weights.layers[1])(weights.config, layer_idx=1)
+    extended.post_feedforward_layernorm = nn.Identity()
+    odd = dataclasses.replace(weights, layers=nn.ModuleList([weights.layers[0], extended]))
+
+    with pytest.raises(ModelError) as err:
+        Block(odd)
+
+    assert err.value.code == "model_unsupported"
+    assert str(err.value) == (
+        "tiny-llama layer 1 has parts ['input_layernorm', 'mlp', 'post_attention_layernorm', "
+        "'post_feedforward_layernorm', 'self_attn']; the layer block computes exactly "
+        "['input_layernorm', 'mlp', 'post_attention_layernorm', 'self_attn']"
+    )

@@ -1,4 +1,4 @@
-"""Per-session KV caches: limits, idle eviction with an injected clock, truncation."""
+"""Per-session KV caches: limits, idle eviction with an injected clock, buffers and truncation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from worker_agent.errors import SessionError
-from worker_agent.kvcache import KVSession, SessionLimits, SessionStore
+from worker_agent.kvcache import MIN_CAPACITY, KVLayout, KVSession, SessionLimits, SessionStore
 
 pytestmark = pytest.mark.dataplane
 
@@ -30,12 +30,23 @@ def _code(call, *args) -> str:
     return err.value.code
 
 
-def _fill(kv: KVSession, positions: int, layers: int = 2) -> None:
-    """Put ``positions`` distinct keys/values into every layer, as a forward pass would."""
-    for layer in range(layers):
-        keys = torch.arange(positions, dtype=torch.float32).view(1, 1, positions, 1).expand(1, 2, positions, 4)
-        kv.cache.update(keys + layer, -(keys + layer), layer)
+LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def _fill(kv: KVSession, positions: int) -> None:
+    """Put ``positions`` distinct keys/values into every layer, as a forward pass would:
+    position p of layer l holds p + l in its keys and -(p + l) in its values."""
+    kv.reserve(positions, LAYOUT)
+    for layer in range(LAYOUT.layers):
+        keys = torch.arange(positions, dtype=torch.float32).view(1, positions, 1) + layer  # (1, positions, 1)
+        kv.keys[layer][:, :positions] = keys
+        kv.values[layer][:, :positions] = -keys
     kv.length = positions
+
+
+def _held_keys(kv: KVSession, layer: int) -> list[float]:
+    """The first key component of head 0 at every held position of a layer."""
+    return kv.keys[layer][0, : kv.length, 0].tolist()
 
 
 # --- limits -------------------------------------------------------------------------------
@@ -222,6 +233,81 @@ def test_the_oldest_evicted_ids_are_forgotten_past_the_memory_bound():
     ]
 
 
+# --- buffers ------------------------------------------------------------------------------
+
+
+def test_an_opened_session_holds_no_buffers_until_it_computes():
+    store, _ = _store()
+
+    sessions = [store.open("job-1", f"s{i}") for i in range(64)]
+
+    assert [(kv.capacity, kv.keys, kv.values, kv.layout) for kv in sessions] == [(0, [], [], None)] * 64
+
+
+def test_the_first_reservation_allocates_the_minimum_capacity_per_layer():
+    kv = KVSession("job-1", "s0")
+
+    kv.reserve(3, LAYOUT)
+
+    assert kv.capacity == MIN_CAPACITY == 64
+    assert [tuple(t.shape) for t in kv.keys + kv.values] == [(2, 64, 4)] * 4
+    assert {(t.dtype, t.device.type) for t in kv.keys + kv.values} == {(torch.float32, "cpu")}
+    assert (kv.length, kv.layout) == (0, LAYOUT)
+
+
+def test_growing_doubles_the_capacity_and_keeps_the_held_positions():
+    kv = KVSession("job-1", "s0")
+    _fill(kv, 64)
+
+    kv.reserve(65, LAYOUT)
+
+    assert (kv.capacity, kv.length) == (128, 64)
+    for layer in range(2):
+        assert _held_keys(kv, layer) == [float(p + layer) for p in range(64)]
+        assert kv.values[layer][1, :64, 3].tolist() == [-float(p + layer) for p in range(64)]
+
+
+def test_a_reservation_within_the_capacity_keeps_the_same_buffers():
+    kv = KVSession("job-1", "s0")
+    _fill(kv, 10)
+    buffers = kv.keys + kv.values
+
+    kv.reserve(64, LAYOUT)
+
+    assert all(new is old for new, old in zip(kv.keys + kv.values, buffers, strict=True))
+
+
+def test_growing_never_passes_the_session_limit_nor_falls_short_of_the_request():
+    capped, large = KVSession("job-1", "s0", max_tokens=100), KVSession("job-1", "s1")
+    _fill(capped, 64)
+
+    capped.reserve(65, LAYOUT)
+    large.reserve(300, LAYOUT)
+
+    assert (capped.capacity, large.capacity) == (100, 300)
+
+
+def test_the_store_opens_sessions_bounded_by_its_position_limit():
+    store, _ = _store(max_tokens=40)
+    kv = store.open("job-1", "s0")
+
+    kv.reserve(1, LAYOUT)
+
+    assert (kv.max_tokens, kv.capacity) == (40, 40)
+
+
+def test_refuses_a_reservation_for_another_layout_and_keeps_the_buffers():
+    kv = KVSession("job-1", "s0")
+    _fill(kv, 5)
+    other = KVLayout(layers=2, kv_heads=2, head_dim=4, dtype=torch.bfloat16, device=torch.device("cpu"))
+
+    with pytest.raises(ValueError):
+        kv.reserve(80, other)
+
+    assert (kv.layout, kv.capacity, kv.length) == (LAYOUT, 64, 5)
+    assert _held_keys(kv, 1) == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
 # --- truncation ---------------------------------------------------------------------------
 
 
@@ -233,18 +319,19 @@ def test_truncate_keeps_exactly_the_positions_below(position):
     kv.truncate(position)
 
     assert kv.length == position
-    assert kv.cache.get_seq_length() == position
     for layer in range(2):
-        assert kv.cache.layers[layer].keys[0, 0, :, 0].tolist() == [float(p + layer) for p in range(position)]
+        assert _held_keys(kv, layer) == [float(p + layer) for p in range(position)]
 
 
-def test_truncate_to_zero_empties_the_cache():
+def test_truncate_keeps_the_buffers_for_later_steps_to_overwrite():
     kv = KVSession("job-1", "s0")
     _fill(kv, 8)
+    buffers = kv.keys + kv.values
 
     kv.truncate(0)
 
-    assert (kv.length, kv.cache.get_seq_length()) == (0, 0)
+    assert (kv.length, kv.capacity) == (0, 64)
+    assert all(new is old for new, old in zip(kv.keys + kv.values, buffers, strict=True))
 
 
 @pytest.mark.parametrize("position", [8, 9])
@@ -254,4 +341,5 @@ def test_truncate_at_or_past_the_length_changes_nothing(position):
 
     kv.truncate(position)
 
-    assert (kv.length, kv.cache.get_seq_length()) == (8, 8)
+    assert kv.length == 8
+    assert _held_keys(kv, 0) == [float(p) for p in range(8)]

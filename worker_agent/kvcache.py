@@ -1,9 +1,16 @@
 """Per-session KV caches of one stage, with limits and idle eviction.
 
 A session is one generation stream of one job. Its cache holds keys and values of this
-stage's layers only and never leaves the process. Limits protect the host: a bounded number
-of live sessions, a bounded number of positions per session, and eviction after idling.
-Using an evicted or unknown session raises ``SessionError`` with a precise code.
+stage's layers only and never leaves the process: per layer, one preallocated key buffer and
+one value buffer, each (kv_heads, capacity, head_dim), of which positions ``[0, length)`` are
+valid. Buffers are allocated on the first computed step (an opened session costs nothing),
+grow by doubling when a step needs more room (one copy per growth, never past the session's
+position limit), and are never shrunk: truncating is O(1), and later steps overwrite what
+lies past ``length``.
+
+Limits protect the host: a bounded number of live sessions, a bounded number of positions per
+session, and eviction after idling. Using an evicted or unknown session raises
+``SessionError`` with a precise code.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transformers import DynamicCache
+import torch
 
 from worker_agent.errors import SessionError
 
@@ -29,19 +36,67 @@ class SessionLimits:
             raise ValueError(f"session limits must be positive, got {self}")
 
 
-@dataclass
+@dataclass(frozen=True)
+class KVLayout:
+    """What one session's buffers look like on a given block."""
+
+    layers: int  # decoder layers of the stage
+    kv_heads: int  # key/value heads per layer
+    head_dim: int  # width of one head
+    dtype: torch.dtype
+    device: torch.device
+
+
+MIN_CAPACITY = 64  # positions of a session's first allocation (unless its limit is lower)
+
+
+@dataclass(eq=False)
 class KVSession:
+    """One session's cache on this stage; compared by identity (it holds tensors)."""
+
     job: str
     session: str
-    cache: DynamicCache = field(default_factory=DynamicCache)
-    length: int = 0  # positions held in the cache
+    max_tokens: int | None = None  # capacity never grows past this (None: no bound)
+    length: int = 0  # positions held: [0, length) of every buffer is valid
     last_used: float = 0.0  # monotonic seconds
+    layout: KVLayout | None = field(default=None, repr=False)  # set by the first ``reserve``
+    keys: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer: (kv_heads, capacity, head_dim)
+    values: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer: (kv_heads, capacity, head_dim)
+
+    @property
+    def capacity(self) -> int:
+        """Positions the buffers can hold without growing; 0 before the first computed step."""
+        return self.keys[0].shape[1] if self.keys else 0
 
     def truncate(self, position: int) -> None:
-        """Drop every cached position >= ``position`` (rejected speculative tokens)."""
-        if position < self.length:
-            self.cache.crop(position - self.length)  # a negative count: how many positions to drop
-            self.length = position
+        """Drop every cached position >= ``position`` (rejected speculative tokens); O(1)."""
+        self.length = min(self.length, position)
+
+    def reserve(self, positions: int, layout: KVLayout) -> None:
+        """Make the buffers hold at least ``positions`` positions, keeping ``[0, length)``.
+
+        Growing doubles the capacity (at least ``MIN_CAPACITY``), capped at ``max_tokens`` but
+        never below ``positions``. Room past ``length`` is left uninitialized: a step writes its
+        positions before anything reads them."""
+        if self.layout is not None and self.layout != layout:
+            raise ValueError(f"session {self.session!r} holds a cache for {self.layout}, not {layout}")
+        if positions <= self.capacity:
+            return
+        capacity = max(2 * self.capacity, MIN_CAPACITY)
+        if self.max_tokens is not None:
+            capacity = min(capacity, self.max_tokens)
+        capacity = max(capacity, positions)
+        shape = (layout.kv_heads, capacity, layout.head_dim)
+        keys, values = [], []
+        for layer in range(layout.layers):
+            new_keys = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+            new_values = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+            if self.keys:
+                new_keys[:, : self.length] = self.keys[layer][:, : self.length]
+                new_values[:, : self.length] = self.values[layer][:, : self.length]
+            keys.append(new_keys)
+            values.append(new_values)
+        self.layout, self.keys, self.values = layout, keys, values
 
 
 SessionKey = tuple[str, str]  # (job, session)
@@ -72,7 +127,7 @@ class SessionStore:
             raise SessionError(
                 f"this stage already holds {self.limits.max_sessions} sessions (its limit)", code="too_many_sessions"
             )
-        kv = KVSession(job, session, last_used=self._clock())
+        kv = KVSession(job, session, max_tokens=self.limits.max_tokens, last_used=self._clock())
         self._live[key] = kv
         return kv
 
