@@ -2,8 +2,9 @@
 its online choices against the best fixed plan, and its bookkeeping.
 
 The simulation is a ring of three stages and the coordinator: each hop takes RTT/4 one way, each
-stage is a FIFO server computing a chunk of n positions in n * per_position_s / 3, and drafts are
-accepted per position with a seeded Bernoulli stream. Every plan run on the same seed meets the
+stage is a FIFO server computing a chunk of n positions in (pass_s + n * per_position_s) / 3
+(pass_s: the compute a pass costs whatever its size), and drafts are accepted per position with a
+seeded Bernoulli stream. Every plan run on the same seed meets the
 same acceptable positions, so comparisons between plans are paired and need few tokens.
 """
 
@@ -40,6 +41,7 @@ class _Chunk:
     positions: int
     sent: float  # seconds
     back: float  # when its result reaches the coordinator
+    alone: bool  # nothing was in flight when it was sent: its round trip times the route
 
 
 @dataclass
@@ -58,15 +60,16 @@ class _Ring:
     take the same path through servers that keep order, so each chunk's return time is fixed
     when it is sent, and results come back in the order chunks were sent."""
 
-    def __init__(self, rtt_s: float, per_position_s: float) -> None:
+    def __init__(self, rtt_s: float, per_position_s: float, pass_s: float = 0.0) -> None:
         self.hop_s = rtt_s / (STAGES + 1)
         self.stage_s_per_position = per_position_s / STAGES
+        self.stage_s_per_pass = pass_s / STAGES
         self.free_at = [0.0] * STAGES
 
     def send(self, at: float, positions: int) -> float:
         t = at
         for stage, free_at in enumerate(self.free_at):
-            t = max(t + self.hop_s, free_at) + positions * self.stage_s_per_position
+            t = max(t + self.hop_s, free_at) + self.stage_s_per_pass + positions * self.stage_s_per_position
             self.free_at[stage] = t
         return t + self.hop_s
 
@@ -88,15 +91,27 @@ class _Target:
         return n
 
 
-def _simulate(a: float, rtt_s: float, per_position_s: float, router: Router, *, tokens: int, seed: int = 0) -> _Run:
-    """Decode ``tokens`` tokens with ``router`` planning each chain; the router observes every chunk."""
-    ring, target = _Ring(rtt_s, per_position_s), _Target(a, seed)
+def _simulate(
+    a: float,
+    rtt_s: float,
+    per_position_s: float,
+    router: Router,
+    *,
+    tokens: int,
+    seed: int = 0,
+    pass_s: float = 0.0,
+) -> _Run:
+    """Decode ``tokens`` tokens with ``router`` planning each chain; the router observes what the
+    coordinator does: the round trip of a chunk sent alone, the spacing of chunks sent together,
+    and every verified chunk's accepted drafts."""
+    ring, target = _Ring(rtt_s, per_position_s, pass_s), _Target(a, seed)
     in_flight: deque[_Chunk] = deque()  # results return in send order: this is the event queue
     run = _Run(0, 0.0)
     chain, plan, next_first = 0, PLAIN, 0
 
     def send(now: float, first: int, drafts: int, positions: int) -> None:
-        in_flight.append(_Chunk(chain, first, drafts, positions, now, ring.send(now, positions)))
+        alone = not in_flight
+        in_flight.append(_Chunk(chain, first, drafts, positions, now, ring.send(now, positions), alone))
 
     def start_chain(now: float) -> None:
         nonlocal chain, plan, next_first
@@ -111,10 +126,15 @@ def _simulate(a: float, rtt_s: float, per_position_s: float, router: Router, *, 
         next_first = run.tokens + plan.depth * plan.k
 
     start_chain(0.0)
+    previous: _Chunk | None = None
     while run.tokens < tokens:
         chunk = in_flight.popleft()
         now = run.seconds = chunk.back
-        router.observe_round_trip(chunk.positions, chunk.back - chunk.sent)
+        if chunk.alone:
+            router.observe_round_trip(chunk.positions, chunk.back - chunk.sent)
+        elif previous is not None and previous.sent == chunk.sent:
+            router.observe_spacing(chunk.positions, chunk.back - previous.back)
+        previous = chunk
         if chunk.chain != chain:
             continue  # voided by a rejection before it: it only occupied the stages
         if chunk.drafts == 0:
@@ -367,7 +387,7 @@ def test_round_trips_of_one_size_move_the_latency_not_the_slope():
 
     router.observe_round_trip(9, 0.3)
 
-    assert router.per_position_s == 0.002
+    assert router.per_position_s == pytest.approx(0.002)
     assert router.rtt_s == pytest.approx(0.282)
 
 
@@ -381,6 +401,7 @@ def test_snapshot_reports_estimates_and_the_last_plan():
         "acceptance": {"ngram": round((0.97**4 * 0.5 + 3) / (0.97**4 + 4), 4)},
         "rtt_s": 0.1,
         "per_position_s": 0.001,
+        "pass_s": 0.0,
         "last_plan": {"drafter": "ngram", "k": 8, "depth": 4},
         "plans": {"ngram k=8 depth=4": 1},
     }
@@ -396,3 +417,79 @@ def test_sessions_sharing_the_compute_price_speculation_out_where_compute_binds(
     assert not alone.plain
     assert shared.plain
     assert router.rate(alone, sharing=4) < router.rate(PLAIN, sharing=4)
+
+
+# A pass that is mostly fixed compute (a memory-bound stage reads its weights once per pass) over a
+# short round trip: the regime of CPU stages on one host, where a voided chunk costs nearly what an
+# accepted one does.
+PASS_BOUND = {"rtt_s": 0.002, "per_position_s": 0.0005, "pass_s": 0.045}
+
+
+def test_predicted_rate_agrees_with_the_simulation_where_each_pass_costs_fixed_compute():
+    grid = [(a, k, depth) for a in (0.3, 0.8, 0.95) for k in (1, 4, 8) for depth in (1, 2, 4)]
+    off = {}
+    for a, k, depth in grid:
+        simulated = _simulate(
+            a,
+            PASS_BOUND["rtt_s"],
+            PASS_BOUND["per_position_s"],
+            _fixed(k, depth),
+            tokens=20_000,
+            seed=1,
+            pass_s=PASS_BOUND["pass_s"],
+        ).rate
+        predicted = predicted_rate(a, k, depth, **PASS_BOUND, stages=STAGES)
+        off[(a, k, depth)] = round(predicted / simulated - 1, 4)
+
+    assert max(abs(error) for error in off.values()) < 0.05, f"relative error by (a, k, depth): {off}"
+
+
+def test_spacings_of_chunks_sent_together_separate_the_pass_from_the_network():
+    router = Router(stages=STAGES)
+
+    _simulate(0.9, 0.2, 0.002, router, tokens=2_000, pass_s=0.03)
+
+    assert router.pass_s == pytest.approx(0.03, rel=0.1)
+    assert router.rtt_s == pytest.approx(0.2, rel=0.1)
+
+
+@pytest.mark.parametrize("a", [0.3, 0.6, 0.9])
+def test_online_router_comes_within_five_percent_of_the_best_fixed_plan_where_passes_bind(a):
+    tokens = 3_000
+    fixed = {
+        (k, depth): _simulate(
+            a,
+            PASS_BOUND["rtt_s"],
+            PASS_BOUND["per_position_s"],
+            _fixed(k, depth),
+            tokens=tokens,
+            pass_s=PASS_BOUND["pass_s"],
+        ).rate
+        for k in (0, *K_CHOICES)
+        for depth in DEPTH_CHOICES
+        if k or depth == 1
+    }
+    best_plan = max(fixed, key=fixed.__getitem__)
+    router = Router(stages=STAGES)
+
+    online = _simulate(
+        a, PASS_BOUND["rtt_s"], PASS_BOUND["per_position_s"], router, tokens=tokens, pass_s=PASS_BOUND["pass_s"]
+    ).rate
+
+    assert online >= 0.95 * fixed[best_plan], (
+        f"online {online:.2f} tok/s = {online / fixed[best_plan]:.3f} of best fixed {best_plan}: "
+        f"{fixed[best_plan]:.2f}; router ended at {router.to_json()}"
+    )
+
+
+def test_low_acceptance_is_not_pipelined_once_the_pass_cost_is_seen():
+    router = Router(stages=STAGES, prior_acceptance=0.25)
+    for _ in range(5):
+        router.observe_round_trip(1, 0.047)
+        router.observe_round_trip(2, 0.0475)
+        router.observe_spacing(2, 0.0153)
+
+    plan = router.plan()
+
+    assert router.pass_s == pytest.approx(0.045, rel=0.1)
+    assert plan.depth == 1, router.to_json()

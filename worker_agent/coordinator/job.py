@@ -28,6 +28,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import dataclass, field
 
 from nacl.signing import SigningKey
 
@@ -66,6 +67,22 @@ def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool) -> tuple[i
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
     return tuple(tokenizer(prompt)["input_ids"])
+
+
+@dataclass
+class _InFlight:
+    """A chunk sent and not yet folded: its step's task and when it left and came back."""
+
+    chunk: Chunk
+    task: asyncio.Future
+    sent: float  # event-loop time it was sent
+    alone: bool  # nothing was in flight ahead of it: its round trip times the route
+    burst: int  # the planning round that sent it: chunks of one burst are sent together
+    drafter: str | None  # the drafter of its drafts; None for a plain step
+    back: float = field(default=0.0)  # event-loop time its result arrived
+
+    def arrived(self, task: asyncio.Future) -> None:
+        self.back = asyncio.get_running_loop().time()
 
 
 class Coordinator:
@@ -403,15 +420,16 @@ class Coordinator:
         Chunks still in flight at the end (voided by a rejection or the stream's end) are awaited
         all the same: the stages computed and signed them, and the transcript must say so."""
         loop = asyncio.get_running_loop()
-        flight: deque[tuple[Chunk, asyncio.Task, float | None, str | None]] = deque()
+        flight: deque[_InFlight] = deque()
+        bursts = itertools.count()
+        previous: _InFlight | None = None  # the chunk folded last
         try:
             while not state.done:
+                burst = next(bursts)
                 while True:
                     # Planned again for every chunk: a chain that keeps being accepted grows its K
                     # and depth as the acceptance estimate rises, without waiting for a rejection.
-                    plan = router.plan(
-                        available=list(drafters) if state.room_for_drafts() else [], sharing=self._streams
-                    )
+                    plan = router.plan(available=self._ready(drafters, state), sharing=self._streams)
                     depth = plan.depth if plan.k else 1
                     if state.in_flight >= depth:
                         break
@@ -424,36 +442,61 @@ class Coordinator:
                         break
                     chunk, tokens = made
                     payload = await self.batcher.embed(tokens)
-                    task = asyncio.ensure_future(pipeline.forward(session, chunk.start, chunk.count, payload))
-                    # Only a chunk sent with nothing ahead of it times a round trip: one sent behind
-                    # others also waits for them at every stage.
-                    sent_at = loop.time() if len(flight) == 0 else None
-                    flight.append((chunk, task, sent_at, plan.drafter if drafts else None))
+                    entry = _InFlight(
+                        chunk,
+                        asyncio.ensure_future(pipeline.forward(session, chunk.start, chunk.count, payload)),
+                        sent=loop.time(),
+                        alone=len(flight) == 0,
+                        burst=burst,
+                        drafter=plan.drafter if drafts else None,
+                    )
+                    entry.task.add_done_callback(entry.arrived)
+                    flight.append(entry)
                     if not drafts:
                         break  # a plain step: nothing is built on it before it comes back
-                chunk, task, sent_at, drafter = flight.popleft()
-                output = await task
-                if sent_at is not None:
-                    router.observe_round_trip(chunk.count, loop.time() - sent_at)
+                entry = flight.popleft()
+                chunk = entry.chunk
+                output = await entry.task
+                entry.back = entry.back or loop.time()
+                # Only a chunk sent with nothing ahead of it times a round trip: one sent behind
+                # others also waits for them at every stage. One sent together with the chunk
+                # before it (the same burst) times the busiest stage's service instead.
+                if entry.alone:
+                    router.observe_round_trip(chunk.count, entry.back - entry.sent)
+                elif previous is not None and previous.burst == entry.burst:
+                    router.observe_spacing(chunk.count, entry.back - previous.back)
+                previous = entry
                 rows = state.rows_needed(chunk)
                 logits = await self.batcher.logits_rows(output, rows) if rows else None
                 if heals and heals[-1].resumed is None:
                     heals[-1].resumed = time.monotonic() - started
                 fold = state.fold(chunk, logits)
-                if fold.drafted and drafter is not None:
-                    router.observe(drafter, fold.drafted, fold.accepted)
+                if fold.drafted and entry.drafter is not None:
+                    router.observe(entry.drafter, fold.drafted, fold.accepted)
                 for event in fold.events:
                     yield event
             while flight:  # void chunks: their results are part of what the stages signed
-                chunk, task, _, _ = flight.popleft()
-                await task
-                state.fold(chunk, None)
+                entry = flight.popleft()
+                await entry.task
+                state.fold(entry.chunk, None)
         finally:
-            for _, task, _, _ in flight:
-                task.cancel()
+            for entry in flight:
+                entry.task.cancel()
             if flight:
-                await asyncio.gather(*(task for _, task, _, _ in flight), return_exceptions=True)
+                await asyncio.gather(*(entry.task for entry in flight), return_exceptions=True)
             state.speculation = router.to_json()
+
+    @staticmethod
+    def _ready(drafters: dict[str, Drafter], state: GenerationState) -> list[str]:
+        """The drafters with something to propose this round (a stand-in only where the drafter it
+        stands in for has nothing)."""
+        if not state.room_for_drafts():
+            return []
+        context = state.draft_context()
+        for drafter in drafters.values():
+            drafter.observe(state.committed)
+        ready = {name for name, drafter in drafters.items() if drafter.ready(context)}
+        return sorted(name for name in ready if drafters[name].only_without not in ready)
 
     @staticmethod
     async def _draft(drafter: Drafter, state: GenerationState, k: int) -> list[int]:

@@ -26,7 +26,8 @@ TIMING_SMOOTHING = 0.1  # weight of one round trip: WAN jitter needs a longer me
 # How strongly the per-position cost holds to its prior, as a variance of chunk sizes (positions²):
 # chunks of nearly one size (K and K+1) cannot separate the round trip from the compute, and must
 # not swing the slope; chunks of sizes spread by a few positions or more override the prior.
-SLOPE_PRIOR_SPREAD = 4.0
+SLOPE_PRIOR_SPREAD = 1.0
+PASS_PRIOR_WEIGHT = 1e-3  # holds the compute per pass to 0 until spacings tell it from the network
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,18 @@ def predicted_rate(
     draft_s_per_token: float = 0.0,
     *,
     stages: int = 1,
+    pass_s: float = 0.0,
 ) -> float:
     """Committed tokens per second of speculating with (k, depth) at per-token acceptance ``a``.
 
-    A lone chunk of n positions returns after T(n) = rtt_s + n * per_position_s. The compute is
-    spread over ``stages`` equal stages, each a server taking one chunk at a time, so chunks
-    sent together leave the pipeline spaced by c = k * per_position_s / stages; drafting a chunk
-    costs the coordinator d = k * draft_s_per_token before it can be sent.
+    A lone chunk of n positions returns after T(n) = rtt_s + pass_s + n * per_position_s, where
+    ``pass_s`` is the compute every pass costs whatever its size (reading a stage's weights once on
+    a memory-bound device, launching its kernels, framing). The compute is spread over ``stages``
+    equal stages, each a server taking one chunk at a time, so chunks sent together leave the
+    pipeline spaced by c = (pass_s + k * per_position_s) / stages; drafting a chunk costs the
+    coordinator d = k * draft_s_per_token before it can be sent. A chunk voided by a rejection
+    still costs its pass on every stage: where ``pass_s`` is most of a pass, pipelining low-acceptance
+    drafts holds the stages up for nothing.
 
     - k = 0 (plain decoding): one token per T(1).
     - depth = 1 (synchronous): a round commits ``expected_committed(a, k)`` tokens (a full accept
@@ -96,7 +102,7 @@ def predicted_rate(
       corrected token; the chunks sent after J are voided. Their compute is lost, and they
       delay the next chain only where compute binds: they return at t_J + m*s (0 < m < depth),
       ahead of it by at least s >= c on every stage, so its first chunk returns after
-      F = max(d + T(k+1), (depth-1)*s + (k+1) * per_position_s / stages), the second term
+      F = max(d + T(k+1), (depth-1)*s + (pass_s + (k+1) * per_position_s) / stages), the second term
       being its wait behind them at the last stage (it is the first term unless compute binds).
       With G = sum_{r<depth} q^r and H = sum_{r<depth} r q^r,
         E[t_J] = F + s * H / G + P * q^depth / ((1-q) G),
@@ -108,14 +114,19 @@ def predicted_rate(
     _check_acceptance(a)
     if k < 0 or depth < 1 or stages < 1:
         raise ValueError(f"need k >= 0, depth >= 1 and stages >= 1, got {k}, {depth}, {stages}")
-    for name, value in (("rtt_s", rtt_s), ("per_position_s", per_position_s), ("draft_s_per_token", draft_s_per_token)):
+    for name, value in (
+        ("rtt_s", rtt_s),
+        ("per_position_s", per_position_s),
+        ("draft_s_per_token", draft_s_per_token),
+        ("pass_s", pass_s),
+    ):
         if not (math.isfinite(value) and value >= 0.0):
             raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    if rtt_s + per_position_s <= 0.0:
-        raise ValueError("a round trip must take some time: rtt_s + per_position_s > 0")
+    if rtt_s + pass_s + per_position_s <= 0.0:
+        raise ValueError("a round trip must take some time: rtt_s + pass_s + per_position_s > 0")
 
     def round_trip(positions: int) -> float:
-        return rtt_s + positions * per_position_s
+        return rtt_s + pass_s + positions * per_position_s
 
     if k == 0:
         return 1.0 / round_trip(1)
@@ -124,10 +135,10 @@ def predicted_rate(
     if depth == 1:
         return expected_committed(a, k) / first
     q = a**k
-    spacing = max(k * per_position_s / stages, draft)
+    spacing = max((pass_s + k * per_position_s) / stages, draft)
     period = max(draft + round_trip(k), depth * spacing)
     # Where compute binds, a restarted chain's first chunk queues behind the voided ones.
-    first = max(first, (depth - 1) * spacing + (k + 1) * per_position_s / stages)
+    first = max(first, (depth - 1) * spacing + (pass_s + (k + 1) * per_position_s) / stages)
     g = math.fsum(q**r for r in range(depth))
     h = math.fsum(r * q**r for r in range(depth))
     per_chunk_s = (1.0 - q) * (first + spacing * h / g) + period * q**depth / g
@@ -160,12 +171,20 @@ class Router:
     aging the past by 0.9) kept a stream that starts with one-draft chunks near the prior for
     ~20 chunks, which on a 64-token answer is most of it.
 
-    Timing. Round trips of chunks of n positions are fitted to rtt + n * per_position_s by an
-    exponentially weighted least squares, whose slope is held to the prior ``per_position_s`` by a
-    ridge of ``SLOPE_PRIOR_SPREAD`` positions²: plans that keep K fixed send chunks of only two
-    sizes, one apart, which pin the round trip but not the slope. A round trip measured from
-    sending includes any wait behind chunks sent just before it; the fit absorbs that wait into
-    the round trip, which errs towards caution.
+    Timing. A lone chunk of n positions comes back after rtt + pass_s + n * per_position_s (the
+    network, the compute every pass costs whatever its size, the compute per position); a chunk
+    sent together with the one before it queues behind it at the stages and comes back one
+    service time of the busiest stage after it, (pass_s + n * per_position_s) / stages. Both
+    kinds of observation (``observe_round_trip``, ``observe_spacing``) feed one exponentially
+    weighted least-squares fit of (rtt, pass_s, per_position_s), with ``TIMING_SMOOTHING`` the
+    weight of one observation. The slope is held to the prior ``per_position_s`` by a ridge of
+    ``SLOPE_PRIOR_SPREAD`` positions²: plans that keep K fixed send chunks of only two sizes, one
+    apart, which pin the round trip but not the slope. ``pass_s`` is held to 0 by a faint ridge
+    until spacings separate it from the network: a round trip alone cannot. A round trip measured
+    from sending includes any wait behind chunks sent just before it; the fit absorbs that wait,
+    which errs towards caution. Where a pass is mostly fixed compute (a memory-bound stage
+    reading its weights), a voided chunk costs nearly what an accepted one does, and the rate
+    model stops pipelining drafts that are likely to be rejected.
 
     Exploration. A drafter whose estimate fell near 0 would never be chosen again and never
     observed again, so a session that turns draftable (repeated text begins) would go unnoticed.
@@ -223,8 +242,10 @@ class Router:
         # Moving averages of accepted drafts and of trials (accepted + rejections), per drafter.
         self._successes = dict.fromkeys(self.drafters, prior_acceptance)
         self._trials = dict.fromkeys(self.drafters, 1.0)
-        # Exponentially weighted sums of (positions, seconds) round trips: weight, x, y, x², xy.
-        self._fit = [0.0, 0.0, 0.0, 0.0, 0.0]
+        # Exponentially weighted normal equations of the timing fit over features (network, pass,
+        # positions), one set per kind of observation (round trips, spacings), each aging only
+        # with its own kind: [weight, 3 x 3 feature products, feature x seconds products].
+        self._timings = {kind: [0.0, [[0.0] * 3 for _ in range(3)], [0.0] * 3] for kind in ("trip", "spacing")}
         self._prior_rtt_s = rtt_s
         self._prior_per_position_s = per_position_s
         self._plain_streak = 0  # plain plans in a row, for exploration
@@ -248,13 +269,28 @@ class Router:
         self._trials[drafter] = decay * self._trials[drafter] + trials
 
     def observe_round_trip(self, positions: int, seconds: float) -> None:
-        """A chunk of ``positions`` positions came back ``seconds`` after it was sent."""
+        """A chunk of ``positions`` positions, sent with nothing in flight ahead of it, came back
+        ``seconds`` after it was sent."""
         if positions < 1 or not (math.isfinite(seconds) and seconds >= 0.0):
             return
+        self._observe_timing("trip", (1.0, 1.0, float(positions)), seconds)
+
+    def observe_spacing(self, positions: int, seconds: float) -> None:
+        """A chunk of ``positions`` positions, sent together with the one before it, came back
+        ``seconds`` after that one: the service time of the route's busiest stage."""
+        if positions < 1 or not (math.isfinite(seconds) and seconds >= 0.0):
+            return
+        self._observe_timing("spacing", (0.0, 1.0, float(positions)), seconds * self.stages)
+
+    def _observe_timing(self, kind: str, features: tuple[float, float, float], seconds: float) -> None:
         keep = 1.0 - TIMING_SMOOTHING
-        x, y = float(positions), seconds
-        for i, term in enumerate((1.0, x, y, x * x, x * y)):
-            self._fit[i] = keep * self._fit[i] + term
+        sums = self._timings[kind]
+        sums[0] = keep * sums[0] + 1.0
+        gram, moment = sums[1], sums[2]
+        for i in range(3):
+            moment[i] = keep * moment[i] + features[i] * seconds
+            for j in range(3):
+                gram[i][j] = keep * gram[i][j] + features[i] * features[j]
 
     def acceptance(self, drafter: str) -> float:
         """The current estimate of ``drafter``'s per-token acceptance."""
@@ -269,6 +305,10 @@ class Router:
     def per_position_s(self) -> float:
         return self._timing()[1]
 
+    @property
+    def pass_s(self) -> float:
+        return self._timing()[2]
+
     def rate(self, plan: Plan, *, sharing: int = 1) -> float:
         """``predicted_rate`` of ``plan`` under the current estimates, in tokens per second.
 
@@ -279,12 +319,12 @@ class Router:
         extra positions of speculation are nearly free (a pass of k+1 positions costs little
         more than one); with several, batching has filled the passes already and a rejected
         draft is compute taken from the others."""
-        rtt_s, per_position_s = self._timing()
+        rtt_s, per_position_s, pass_s = self._timing()
         sharing = max(1, sharing)
         per_position_s *= sharing
         stages = max(1, self.stages // sharing)  # stages busy with the others' work overlap none of ours
         if plan.drafter is None:
-            return predicted_rate(0.0, 0, 1, rtt_s, per_position_s, stages=stages)
+            return predicted_rate(0.0, 0, 1, rtt_s, per_position_s, stages=stages, pass_s=pass_s)
         return predicted_rate(
             self.acceptance(plan.drafter),
             plan.k,
@@ -293,6 +333,7 @@ class Router:
             per_position_s,
             self.drafters[plan.drafter],
             stages=stages,
+            pass_s=pass_s,
         )
 
     def plan(self, *, available: Collection[str] | None = None, sharing: int = 1) -> Plan:
@@ -319,11 +360,12 @@ class Router:
         return chosen
 
     def to_json(self) -> dict[str, object]:
-        rtt_s, per_position_s = self._timing()
+        rtt_s, per_position_s, pass_s = self._timing()
         return {
             "acceptance": {name: round(self.acceptance(name), 4) for name in sorted(self.drafters)},
             "rtt_s": round(rtt_s, 6),
             "per_position_s": round(per_position_s, 6),
+            "pass_s": round(pass_s, 6),
             "last_plan": self.last_plan.to_json() if self.last_plan is not None else None,
             "plans": {
                 ("plain" if plan.plain else f"{plan.drafter} k={plan.k} depth={plan.depth}"): count
@@ -348,27 +390,56 @@ class Router:
         drafter (one more position and its drafting, for the same one token) within
         ``EXPLORE_BUDGET``, at most ``explore_every``. Over a long WAN round trip that is every
         other round, and the estimate cannot stay stuck at a chance run of rejections."""
-        rtt_s, per_position_s = self._timing()
-        plain_s = rtt_s + per_position_s
-        probe_s = rtt_s + (probe.k + 1) * per_position_s + probe.k * self.drafters[str(probe.drafter)]
+        rtt_s, per_position_s, pass_s = self._timing()
+        plain_s = rtt_s + pass_s + per_position_s
+        probe_s = rtt_s + pass_s + (probe.k + 1) * per_position_s + probe.k * self.drafters[str(probe.drafter)]
         loss = 1.0 - plain_s / probe_s
         return max(1, min(self.explore_every, math.ceil(loss / EXPLORE_BUDGET)))
 
-    def _timing(self) -> tuple[float, float]:
-        """(rtt_s, per_position_s) fitted to the round trips seen, or the priors before any."""
-        weight, sx, sy, sxx, sxy = self._fit
-        if weight <= 0.0:
-            return self._prior_rtt_s, self._prior_per_position_s
-        mean_x, mean_y = sx / weight, sy / weight
-        var_x = max(0.0, sxx / weight - mean_x * mean_x)
-        cov_xy = sxy / weight - mean_x * mean_y
-        slope = (cov_xy + SLOPE_PRIOR_SPREAD * self._prior_per_position_s) / (var_x + SLOPE_PRIOR_SPREAD)
-        slope = max(0.0, slope)
-        rtt_s = max(0.0, mean_y - slope * mean_x)
-        if rtt_s + slope <= 0.0:
-            return self._prior_rtt_s, self._prior_per_position_s
-        return rtt_s, slope
+    def _timing(self) -> tuple[float, float, float]:
+        """(rtt_s, per_position_s, pass_s) fitted to what was observed (see the class docstring),
+        the priors before anything was."""
+        trips = self._timings["trip"]
+        if trips[0] <= 0.0:
+            return self._prior_rtt_s, self._prior_per_position_s, 0.0
+        # Each kind weighs as one: a burst of spacings does not drown the round trips that alone
+        # tell the network's share.
+        gram = [[0.0] * 3 for _ in range(3)]
+        moment = [0.0] * 3
+        for weight, kind_gram, kind_moment in self._timings.values():
+            if weight > 0.0:
+                for i in range(3):
+                    moment[i] += kind_moment[i] / weight
+                    for j in range(3):
+                        gram[i][j] += kind_gram[i][j] / weight
+        gram[1][1] += PASS_PRIOR_WEIGHT  # pass_s -> 0 where nothing separates it from the network
+        gram[2][2] += SLOPE_PRIOR_SPREAD  # the slope -> its prior where chunk sizes barely vary
+        moment[2] += SLOPE_PRIOR_SPREAD * self._prior_per_position_s
+        network, pass_s, slope = _solve3(gram, moment)
+        pass_s, slope = max(0.0, pass_s), max(0.0, slope)
+        network = max(0.0, network)
+        if network + pass_s + slope <= 0.0:
+            return self._prior_rtt_s, self._prior_per_position_s, 0.0
+        return network, slope, pass_s
 
     def _known(self, drafter: str) -> None:
         if drafter not in self.drafters:
             raise ValueError(f"unknown drafter {drafter!r}: this router knows {sorted(self.drafters)}")
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float]:
+    """x with a @ x = b for a symmetric positive definite 3 x 3 ``a`` (Gaussian elimination)."""
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0.0:
+            return 0.0, 0.0, 0.0
+        for r in range(col + 1, 3):
+            factor = m[r][col] / m[col][col]
+            for c in range(col, 4):
+                m[r][c] -= factor * m[col][c]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    return x[0], x[1], x[2]
