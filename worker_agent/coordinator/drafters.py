@@ -9,7 +9,12 @@ exactly as the target's whatever the drafter proposes; a bad drafter costs speed
   ``max_n`` tokens, at least ``min_n``) that occurred earlier in the committed tokens proposes
   what followed that occurrence. Repeated, quoted, templated and edited text is drafted
   verbatim. An index of n-grams to their latest occurrence is kept as tokens are committed, so a
-  proposal costs a few dictionary lookups whatever the context's length.
+  proposal costs a few dictionary lookups whatever the context's length. A session runs two:
+  ``ngram`` (matches of 2 to 8 tokens) and ``ngram1`` (a match of the last token alone, used
+  only where ``ngram`` has none). After the model strays from the text it copies (a word
+  changed, a comma added), one shared token is often all there is to rejoin it by; in novel
+  text the same one-token matches are mostly noise. The router keeps an acceptance estimate
+  per drafter name, so it learns which of the two each session's text rewards.
 - ``ModelDrafter``: a small model run at the coordinator (any registry model or checkpoint that
   shares the target's tokenizer), greedy, on its own KV cache, which follows the context: what
   the context still shares with the cache is kept, the rest cropped and recomputed.
@@ -29,8 +34,8 @@ from transformers import DynamicCache
 from worker_agent import model as models
 from worker_agent.errors import ModelError
 
-NGRAM_MAX_N = 4
-NGRAM_MIN_N = 2  # one shared token says little: a 1-gram match drafts mostly noise
+NGRAM_MAX_N = 8  # a longer match tells apart the repeats of a phrase that recurs in the text
+NGRAM_MIN_N = 2  # one shared token says little: ``ngram1`` takes those matches, with its own estimate
 
 
 @cache
@@ -49,6 +54,10 @@ def _draft_model(name: str, target: str):
 class Drafter(Protocol):
     name: str
     cost_s_per_token: float  # the coordinator's time to draft one token (the router weighs it)
+    only_without: str | None  # the drafter this one stands in for: offered only where that one is not
+
+    def ready(self, context: Sequence[int]) -> bool:
+        """Whether ``propose`` would propose anything for ``context`` (cheap: asked every round)."""
 
     def observe(self, committed: Sequence[int]) -> None:
         """Learn the committed tokens (prompt + output so far); they only ever grow."""
@@ -58,13 +67,20 @@ class Drafter(Protocol):
 
 
 class NgramDrafter:
-    name = "ngram"
     cost_s_per_token = 0.0
 
-    def __init__(self, *, max_n: int = NGRAM_MAX_N, min_n: int = NGRAM_MIN_N) -> None:
+    def __init__(
+        self,
+        *,
+        max_n: int = NGRAM_MAX_N,
+        min_n: int = NGRAM_MIN_N,
+        name: str = "ngram",
+        only_without: str | None = None,
+    ) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
+        self.name, self.only_without = name, only_without
         self.tokens: list[int] = []  # the committed tokens seen so far
         # n-gram -> the index just past its latest occurrence that has a token after it
         self._index: dict[tuple[int, ...], int] = {}
@@ -77,18 +93,33 @@ class NgramDrafter:
                     self._index[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(token)
 
+    def ready(self, context: Sequence[int]) -> bool:
+        return self._follows(context) is not None
+
     def propose(self, context: Sequence[int], k: int) -> list[int]:
-        if k < 1:
-            return []
+        follows = self._follows(context) if k >= 1 else None
+        return [] if follows is None else self.tokens[follows : follows + k]
+
+    def _follows(self, context: Sequence[int]) -> int | None:
+        """Where the continuation of the context's longest indexed suffix starts, if any."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             follows = self._index.get(tuple(context[len(context) - n :]))
             if follows is not None:
-                return self.tokens[follows : follows + k]
-        return []
+                return follows
+        return None
+
+
+def ngram_drafters() -> dict[str, NgramDrafter]:
+    """A session's model-free drafters: ``ngram`` and, where it has no match, ``ngram1``."""
+    return {
+        "ngram": NgramDrafter(),
+        "ngram1": NgramDrafter(min_n=1, max_n=1, name="ngram1", only_without="ngram"),
+    }
 
 
 class ModelDrafter:
     name = "draft"
+    only_without = None
 
     def __init__(self, model, *, cost_s_per_token: float = 0.005) -> None:
         """``model``: a causal LM (``transformers``) on the coordinator's device, in eval mode."""
@@ -105,6 +136,9 @@ class ModelDrafter:
 
     def observe(self, committed: Sequence[int]) -> None:
         """Nothing to learn ahead: the cache follows whatever context the next proposal gets."""
+
+    def ready(self, context: Sequence[int]) -> bool:
+        return bool(context)
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int) -> list[int]:

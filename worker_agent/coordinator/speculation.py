@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from worker_agent.coordinator.drafters import Drafter, ModelDrafter, NgramDrafter
+from worker_agent.coordinator.drafters import Drafter, ModelDrafter, ngram_drafters
 from worker_agent.coordinator.router import PLAIN, Plan
 
 DRAFTERS = ("ngram", "draft")
@@ -26,7 +26,7 @@ MAX_DEPTH = 8  # chunks in flight per session
 @dataclass(frozen=True)
 class SpeculationSettings:
     enabled: bool = True
-    drafter: str | None = None  # only this drafter ("ngram" or "draft"); None: whichever pays
+    drafter: str | None = None  # only this drafter ("ngram": both n-gram ones, or "draft"); None: whichever pays
     k: int | None = None  # a fixed number of drafts per chunk (0: plain decoding); None: the router's
     depth: int | None = None  # with ``k``: chunks in flight (default 1, synchronous verification)
     draft_model: str | None = None  # registry id or checkpoint folder of the draft model, if any
@@ -49,7 +49,7 @@ class SpeculationSettings:
             return {}
         made: dict[str, Drafter] = {}
         if self.drafter in (None, "ngram"):
-            made["ngram"] = NgramDrafter()
+            made.update(ngram_drafters())
         if self.draft_model is not None and self.drafter in (None, "draft"):
             made["draft"] = ModelDrafter.load(self.draft_model, target=target)
         return made
