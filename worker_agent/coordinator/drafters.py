@@ -119,14 +119,14 @@ def ngram_drafters() -> dict[str, NgramDrafter]:
 
 class ModelDrafter:
     name = "draft"
-    only_without = None
+    only_without: str | None = None
 
     def __init__(self, model, *, cost_s_per_token: float = 0.005) -> None:
         """``model``: a causal LM (``transformers``) on the coordinator's device, in eval mode."""
         self.model = model
         self.cost_s_per_token = cost_s_per_token  # replaced by the measured cost after each proposal
         self._cached: list[int] = []  # the tokens the cache holds, in order
-        self._cache = None
+        self._cache: DynamicCache | None = None
         self._lock = threading.Lock()  # proposals run in a worker thread; one at a time
 
     @classmethod

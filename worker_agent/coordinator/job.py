@@ -359,9 +359,8 @@ class Coordinator:
                     raise
                 verification_error = f"{exc} (lost before it sent its receipt; {exc.code})"
             audits, audit_missing = await pipeline.take_audits(session)
-            if replies is None:
-                receipts = []
-            else:
+            receipts: list[Receipt] = []
+            if replies is not None:
                 try:
                     receipts, verification = self._verify(
                         pipeline, session, self._own_receipts(pipeline, session, replies)
@@ -423,16 +422,24 @@ class Coordinator:
         flight: deque[_InFlight] = deque()
         bursts = itertools.count()
         previous: _InFlight | None = None  # the chunk folded last
+        chain_drafter: str | None = None  # the drafter of the chain in flight
         try:
             while not state.done:
                 burst = next(bursts)
                 while True:
                     # Planned again for every chunk: a chain that keeps being accepted grows its K
                     # and depth as the acceptance estimate rises, without waiting for a rejection.
-                    plan = router.plan(available=self._ready(drafters, state), sharing=self._streams)
-                    depth = plan.depth if plan.k else 1
-                    if state.in_flight >= depth:
-                        break
+                    # A chain keeps the drafter that began it: a later chunk is worth what the chunks
+                    # before it are (it is void if they are rejected), and another drafter's match
+                    # on their drafts would be judged by an estimate they never earned.
+                    ready = self._ready(drafters, state)
+                    if state.in_flight:
+                        ready = [name for name in ready if name == chain_drafter]
+                    plan = router.plan(available=ready, sharing=self._streams, in_flight=state.in_flight)
+                    if plan is None:
+                        break  # as many chunks in flight as the plan keeps: wait for a result
+                    if not state.in_flight:
+                        chain_drafter = plan.drafter
                     drafts: list[int] = []
                     if plan.k and plan.drafter is not None and state.room_for_drafts():
                         drafter_used = drafters[plan.drafter]

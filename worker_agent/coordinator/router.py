@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 DEFAULT_DRAFTERS: Mapping[str, float] = MappingProxyType({"ngram": 0.0})  # name -> drafting seconds per token
@@ -245,7 +245,7 @@ class Router:
         # Exponentially weighted normal equations of the timing fit over features (network, pass,
         # positions), one set per kind of observation (round trips, spacings), each aging only
         # with its own kind: [weight, 3 x 3 feature products, feature x seconds products].
-        self._timings = {kind: [0.0, [[0.0] * 3 for _ in range(3)], [0.0] * 3] for kind in ("trip", "spacing")}
+        self._timings = {kind: _NormalEquations() for kind in ("trip", "spacing")}
         self._prior_rtt_s = rtt_s
         self._prior_per_position_s = per_position_s
         self._plain_streak = 0  # plain plans in a row, for exploration
@@ -285,12 +285,11 @@ class Router:
     def _observe_timing(self, kind: str, features: tuple[float, float, float], seconds: float) -> None:
         keep = 1.0 - TIMING_SMOOTHING
         sums = self._timings[kind]
-        sums[0] = keep * sums[0] + 1.0
-        gram, moment = sums[1], sums[2]
+        sums.weight = keep * sums.weight + 1.0
         for i in range(3):
-            moment[i] = keep * moment[i] + features[i] * seconds
+            sums.moment[i] = keep * sums.moment[i] + features[i] * seconds
             for j in range(3):
-                gram[i][j] = keep * gram[i][j] + features[i] * features[j]
+                sums.gram[i][j] = keep * sums.gram[i][j] + features[i] * features[j]
 
     def acceptance(self, drafter: str) -> float:
         """The current estimate of ``drafter``'s per-token acceptance."""
@@ -336,23 +335,30 @@ class Router:
             pass_s=pass_s,
         )
 
-    def plan(self, *, available: Collection[str] | None = None, sharing: int = 1) -> Plan:
-        """The plan for the next chain. ``available``: the drafters with something to propose
+    def plan(self, *, available: Collection[str] | None = None, sharing: int = 1, in_flight: int = 0) -> Plan | None:
+        """The plan for the next chunk. ``available``: the drafters with something to propose
         this round (None: all of them); a name this router was not given raises ValueError.
-        ``sharing``: the sessions sharing the route's compute now (see ``rate``)."""
+        ``sharing``: the sessions sharing the route's compute now (see ``rate``). ``in_flight``:
+        the session's chunks already in flight; where the plan keeps no more than that many in
+        flight, the answer is None (wait for a result) and nothing is recorded, so ``chosen``
+        counts the chunks actually planned."""
         names = sorted(self.drafters) if available is None else sorted(set(available))
         for name in names:
             self._known(name)
-        self._rounds += 1
+        streak = self._plain_streak
         if self.fixed is not None:
             chosen = self.fixed if self.fixed.drafter is None or self.fixed.drafter in names else PLAIN
         else:
             chosen = self._best(names, sharing)
             if chosen.plain and names:
                 probe = Plan(min(names, key=lambda name: (self._last_tried[name], name)), self.k_choices[0], 1)
-                if self._plain_streak >= self._probe_interval(probe):
+                if streak >= self._probe_interval(probe):
                     chosen = probe
-            self._plain_streak = self._plain_streak + 1 if chosen.plain else 0
+            streak = streak + 1 if chosen.plain else 0
+        if in_flight >= chosen.depth:
+            return None
+        self._rounds += 1
+        self._plain_streak = streak
         if chosen.drafter is not None:
             self._last_tried[chosen.drafter] = self._rounds
         self.last_plan = chosen
@@ -399,19 +405,18 @@ class Router:
     def _timing(self) -> tuple[float, float, float]:
         """(rtt_s, per_position_s, pass_s) fitted to what was observed (see the class docstring),
         the priors before anything was."""
-        trips = self._timings["trip"]
-        if trips[0] <= 0.0:
+        if self._timings["trip"].weight <= 0.0:
             return self._prior_rtt_s, self._prior_per_position_s, 0.0
         # Each kind weighs as one: a burst of spacings does not drown the round trips that alone
         # tell the network's share.
         gram = [[0.0] * 3 for _ in range(3)]
         moment = [0.0] * 3
-        for weight, kind_gram, kind_moment in self._timings.values():
-            if weight > 0.0:
+        for sums in self._timings.values():
+            if sums.weight > 0.0:
                 for i in range(3):
-                    moment[i] += kind_moment[i] / weight
+                    moment[i] += sums.moment[i] / sums.weight
                     for j in range(3):
-                        gram[i][j] += kind_gram[i][j] / weight
+                        gram[i][j] += sums.gram[i][j] / sums.weight
         gram[1][1] += PASS_PRIOR_WEIGHT  # pass_s -> 0 where nothing separates it from the network
         gram[2][2] += SLOPE_PRIOR_SPREAD  # the slope -> its prior where chunk sizes barely vary
         moment[2] += SLOPE_PRIOR_SPREAD * self._prior_per_position_s
@@ -425,6 +430,16 @@ class Router:
     def _known(self, drafter: str) -> None:
         if drafter not in self.drafters:
             raise ValueError(f"unknown drafter {drafter!r}: this router knows {sorted(self.drafters)}")
+
+
+@dataclass
+class _NormalEquations:
+    """Exponentially weighted sums of one kind of timing observation over the features (network,
+    pass, positions): their total weight, the 3 x 3 feature products, the feature x seconds products."""
+
+    weight: float = 0.0
+    gram: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    moment: list[float] = field(default_factory=lambda: [0.0] * 3)
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float]:
