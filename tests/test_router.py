@@ -22,6 +22,7 @@ from worker_agent.coordinator.router import (
     PLAIN,
     Plan,
     Router,
+    RouteTiming,
     expected_committed,
     predicted_rate,
 )
@@ -493,3 +494,37 @@ def test_low_acceptance_is_not_pipelined_once_the_pass_cost_is_seen():
 
     assert router.pass_s == pytest.approx(0.045, rel=0.1)
     assert plan.depth == 1, router.to_json()
+
+
+def test_sessions_on_one_route_share_its_timing_but_not_their_acceptance():
+    timing = RouteTiming(stages=STAGES)
+    first, second = Router(timing=timing), Router(timing=timing)
+
+    first.observe_round_trip(1, 0.3)
+    first.observe_round_trip(9, 0.316)
+    first.observe("ngram", 8, 8)
+
+    assert second.rtt_s == first.rtt_s == pytest.approx(0.298, abs=0.002)
+    assert second.acceptance("ngram") == 0.5  # its own prior: what text the other session drafts says nothing
+    assert first.acceptance("ngram") > 0.9
+
+
+def test_plain_steps_are_priced_at_what_they_measured_not_at_the_chunk_line():
+    # A CPU route at no network round trip: a one-row pass takes the matrix-vector path (46 ms),
+    # chunks of 2 to 17 positions lie on another line (66 ms + 3.7 ms a position). On that line a
+    # one-position step would cost 70 ms, and a chunk of one draft at acceptance 0.3 would look
+    # like a gain of a quarter; against the 46 ms measured it is a loss.
+    def route(prior_acceptance: float) -> Router:
+        router = Router(timing=RouteTiming(stages=STAGES), prior_acceptance=prior_acceptance)
+        for _ in range(10):
+            router.observe_round_trip(1, 0.046)
+            for positions in (2, 5, 9, 17):
+                router.observe_round_trip(positions, 0.066 + 0.0037 * positions)
+        return router
+
+    cautious, confident = route(0.3), route(0.95)
+
+    assert cautious.timing.single_s() == pytest.approx(0.046)
+    assert cautious.plan(available=()) == PLAIN
+    assert cautious.plan() == PLAIN
+    assert not confident.plan().plain

@@ -38,7 +38,7 @@ from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.heal import Healer, HealRecord, StageFailure
 from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, Pipeline, StageSpec
 from worker_agent.coordinator.result import GenerationResult
-from worker_agent.coordinator.router import PLAIN, Router
+from worker_agent.coordinator.router import PLAIN, Router, RouteTiming
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import Chunk, GenerationRequest, GenerationState, TokenEvent
 from worker_agent.coordinator.speculation import SpeculationSettings
@@ -105,6 +105,7 @@ class Coordinator:
         self.model = model
         self.speculation = speculation or SpeculationSettings()
         self._streams = 0  # sessions streaming now
+        self._timing: RouteTiming | None = None  # the route's round trip and compute, shared by its sessions
         # The job's coordinator key: the stages' tickets name its public half, and every HELLO
         # (a heal's included) proves it. None only with agents that take no tickets.
         self.coordinator_key = coordinator_key
@@ -402,7 +403,10 @@ class Coordinator:
         costs = {name: drafter.cost_s_per_token for name, drafter in drafters.items()}
         if not (self.speculation.enabled and request.speculate and costs):
             return Router({}, fixed=PLAIN)
-        return Router(costs, fixed=self.speculation.fixed_plan(costs), stages=len(self.pipeline.links))
+        stages = len(self.pipeline.links)
+        if self._timing is None or self._timing.stages != stages:
+            self._timing = RouteTiming(stages=stages)
+        return Router(costs, fixed=self.speculation.fixed_plan(costs), timing=self._timing)
 
     async def _decode(
         self,

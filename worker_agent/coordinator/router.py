@@ -208,11 +208,14 @@ class Router:
         stages: int = 1,
         explore_every: int = EXPLORE_EVERY,
         fixed: Plan | None = None,
+        timing: RouteTiming | None = None,
     ) -> None:
         """``drafters``: drafting seconds per token of each drafter by name. ``stages``: how many
         stages the route's compute is spread over (1 is the cautious guess: no overlap of chunks).
         ``fixed``: always this plan (for benchmarks), or plain decoding when its drafter has
-        nothing to propose."""
+        nothing to propose. ``timing``: the route's timing estimates, shared with the other
+        sessions on the route (a new one from ``rtt_s``, ``per_position_s`` and ``stages`` if
+        None): the round trip and the compute are the route's, whoever measured them."""
         if not drafters and fixed != PLAIN:
             raise ValueError("need at least one drafter (or fixed=PLAIN)")
         for name, cost in drafters.items():
@@ -225,7 +228,6 @@ class Router:
         _check_acceptance(prior_acceptance)
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
-        predicted_rate(prior_acceptance, 1, 1, rtt_s, per_position_s, stages=stages)  # validates the timing prior
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
         if fixed is not None and fixed.drafter is not None and fixed.drafter not in drafters:
@@ -234,7 +236,8 @@ class Router:
         self.k_choices = tuple(sorted(set(k_choices)))
         self.depth_choices = tuple(sorted(set(depth_choices)))
         self.smoothing = smoothing
-        self.stages = stages
+        self.timing = timing if timing is not None else RouteTiming(rtt_s, per_position_s, stages=stages)
+        self.stages = self.timing.stages
         self.explore_every = explore_every
         self.fixed = fixed
         self.last_plan: Plan | None = None
@@ -242,12 +245,6 @@ class Router:
         # Moving averages of accepted drafts and of trials (accepted + rejections), per drafter.
         self._successes = dict.fromkeys(self.drafters, prior_acceptance)
         self._trials = dict.fromkeys(self.drafters, 1.0)
-        # Exponentially weighted normal equations of the timing fit over features (network, pass,
-        # positions), one set per kind of observation (round trips, spacings), each aging only
-        # with its own kind: [weight, 3 x 3 feature products, feature x seconds products].
-        self._timings = {kind: _NormalEquations() for kind in ("trip", "spacing")}
-        self._prior_rtt_s = rtt_s
-        self._prior_per_position_s = per_position_s
         self._plain_streak = 0  # plain plans in a row, for exploration
         self._rounds = 0
         self._last_tried = dict.fromkeys(self.drafters, 0)  # round of each drafter's latest plan
@@ -269,27 +266,12 @@ class Router:
         self._trials[drafter] = decay * self._trials[drafter] + trials
 
     def observe_round_trip(self, positions: int, seconds: float) -> None:
-        """A chunk of ``positions`` positions, sent with nothing in flight ahead of it, came back
-        ``seconds`` after it was sent."""
-        if positions < 1 or not (math.isfinite(seconds) and seconds >= 0.0):
-            return
-        self._observe_timing("trip", (1.0, 1.0, float(positions)), seconds)
+        """See ``RouteTiming.observe_round_trip``."""
+        self.timing.observe_round_trip(positions, seconds)
 
     def observe_spacing(self, positions: int, seconds: float) -> None:
-        """A chunk of ``positions`` positions, sent together with the one before it, came back
-        ``seconds`` after that one: the service time of the route's busiest stage."""
-        if positions < 1 or not (math.isfinite(seconds) and seconds >= 0.0):
-            return
-        self._observe_timing("spacing", (0.0, 1.0, float(positions)), seconds * self.stages)
-
-    def _observe_timing(self, kind: str, features: tuple[float, float, float], seconds: float) -> None:
-        keep = 1.0 - TIMING_SMOOTHING
-        sums = self._timings[kind]
-        sums.weight = keep * sums.weight + 1.0
-        for i in range(3):
-            sums.moment[i] = keep * sums.moment[i] + features[i] * seconds
-            for j in range(3):
-                sums.gram[i][j] = keep * sums.gram[i][j] + features[i] * features[j]
+        """See ``RouteTiming.observe_spacing``."""
+        self.timing.observe_spacing(positions, seconds)
 
     def acceptance(self, drafter: str) -> float:
         """The current estimate of ``drafter``'s per-token acceptance."""
@@ -323,6 +305,9 @@ class Router:
         per_position_s *= sharing
         stages = max(1, self.stages // sharing)  # stages busy with the others' work overlap none of ours
         if plan.drafter is None:
+            single_s = self.timing.single_s()
+            if single_s is not None and single_s > 0.0:
+                return 1.0 / single_s
             return predicted_rate(0.0, 0, 1, rtt_s, per_position_s, stages=stages, pass_s=pass_s)
         return predicted_rate(
             self.acceptance(plan.drafter),
@@ -397,21 +382,92 @@ class Router:
         ``EXPLORE_BUDGET``, at most ``explore_every``. Over a long WAN round trip that is every
         other round, and the estimate cannot stay stuck at a chance run of rejections."""
         rtt_s, per_position_s, pass_s = self._timing()
-        plain_s = rtt_s + pass_s + per_position_s
-        probe_s = rtt_s + pass_s + (probe.k + 1) * per_position_s + probe.k * self.drafters[str(probe.drafter)]
+        plain_s = self.timing.single_s() or rtt_s + pass_s + per_position_s
+        probe_s = max(plain_s, rtt_s + pass_s + (probe.k + 1) * per_position_s)
+        probe_s += probe.k * self.drafters[str(probe.drafter)]
         loss = 1.0 - plain_s / probe_s
         return max(1, min(self.explore_every, math.ceil(loss / EXPLORE_BUDGET)))
 
     def _timing(self) -> tuple[float, float, float]:
-        """(rtt_s, per_position_s, pass_s) fitted to what was observed (see the class docstring),
-        the priors before anything was."""
-        if self._timings["trip"].weight <= 0.0:
-            return self._prior_rtt_s, self._prior_per_position_s, 0.0
+        return self.timing.estimate()
+
+    def _known(self, drafter: str) -> None:
+        if drafter not in self.drafters:
+            raise ValueError(f"unknown drafter {drafter!r}: this router knows {sorted(self.drafters)}")
+
+
+class RouteTiming:
+    """A route's timing, estimated from what its sessions observe (see ``Router``'s docstring,
+    Timing): the network's round trip, the compute per position and the compute per pass. One is
+    shared by every session of a coordinator on the same route, so a new session plans with what
+    the ones before it measured instead of priors."""
+
+    def __init__(self, rtt_s: float = 0.05, per_position_s: float = 0.002, *, stages: int = 1) -> None:
+        predicted_rate(0.5, 1, 1, rtt_s, per_position_s, stages=stages)  # validates the priors
+        self.stages = stages
+        self._prior = (rtt_s, per_position_s, 0.0)
+        # Exponentially weighted normal equations of the fit over features (network, pass,
+        # positions), one set per kind of observation (round trips, spacings), each aging only
+        # with its own kind.
+        self._sums = {kind: _NormalEquations() for kind in ("trip", "single", "spacing")}
+        self._estimate: tuple[float, float, float] | None = self._prior
+        self._single = (0.0, 0.0)  # exponentially weighted (weight, seconds) of one-position round trips
+
+    def observe_round_trip(self, positions: int, seconds: float) -> None:
+        """A chunk of ``positions`` positions, sent with nothing in flight ahead of it, came back
+        ``seconds`` after it was sent."""
+        if positions < 1 or not (math.isfinite(seconds) and seconds >= 0.0):
+            return
+        if positions == 1:
+            keep = 1.0 - TIMING_SMOOTHING
+            self._single = (keep * self._single[0] + 1.0, keep * self._single[1] + seconds)
+        self._observe("single" if positions == 1 else "trip", (1.0, 1.0, float(positions)), seconds)
+
+    def observe_spacing(self, positions: int, seconds: float) -> None:
+        """A chunk of ``positions`` positions, sent together with the one before it, came back
+        ``seconds`` after that one: the service time of the route's busiest stage."""
+        if positions < 1 or not (math.isfinite(seconds) and seconds >= 0.0):
+            return
+        self._observe("spacing", (0.0, 1.0, float(positions)), seconds * self.stages)
+
+    def _observe(self, kind: str, features: tuple[float, float, float], seconds: float) -> None:
+        keep = 1.0 - TIMING_SMOOTHING
+        sums = self._sums[kind]
+        sums.weight = keep * sums.weight + 1.0
+        for i in range(3):
+            sums.moment[i] = keep * sums.moment[i] + features[i] * seconds
+            for j in range(3):
+                sums.gram[i][j] = keep * sums.gram[i][j] + features[i] * features[j]
+        self._estimate = None
+
+    def estimate(self) -> tuple[float, float, float]:
+        """(rtt_s, per_position_s, pass_s), the priors before any round trip was observed; solved
+        once per observation, however many plans read it."""
+        if self._estimate is None:
+            self._estimate = self._solve()
+        return self._estimate
+
+    def single_s(self) -> float | None:
+        """The round trip of a one-position step (plain decoding), as measured; None before any.
+
+        Kept apart from the fit: on a CPU a pass of one row takes the matrix-vector path and one
+        of two rows a matrix-matrix one, so a pass of 2 positions can cost half again as much as a
+        pass of 1 where the line through chunk sizes 2-33 says a few percent. Plain decoding is
+        priced at what it measured, speculation on the line fitted to chunks."""
+        weight, seconds = self._single
+        return seconds / weight if weight > 0.0 else None
+
+    def _solve(self) -> tuple[float, float, float]:
+        # The line is fitted to chunks (2 positions or more) once there are any, else to steps.
+        trips = "trip" if self._sums["trip"].weight > 0.0 else "single"
+        if self._sums[trips].weight <= 0.0:
+            return self._prior
         # Each kind weighs as one: a burst of spacings does not drown the round trips that alone
         # tell the network's share.
         gram = [[0.0] * 3 for _ in range(3)]
         moment = [0.0] * 3
-        for sums in self._timings.values():
+        for kind in (trips, "spacing"):
+            sums = self._sums[kind]
             if sums.weight > 0.0:
                 for i in range(3):
                     moment[i] += sums.moment[i] / sums.weight
@@ -419,17 +475,12 @@ class Router:
                         gram[i][j] += sums.gram[i][j] / sums.weight
         gram[1][1] += PASS_PRIOR_WEIGHT  # pass_s -> 0 where nothing separates it from the network
         gram[2][2] += SLOPE_PRIOR_SPREAD  # the slope -> its prior where chunk sizes barely vary
-        moment[2] += SLOPE_PRIOR_SPREAD * self._prior_per_position_s
+        moment[2] += SLOPE_PRIOR_SPREAD * self._prior[1]
         network, pass_s, slope = _solve3(gram, moment)
-        pass_s, slope = max(0.0, pass_s), max(0.0, slope)
-        network = max(0.0, network)
+        pass_s, slope, network = max(0.0, pass_s), max(0.0, slope), max(0.0, network)
         if network + pass_s + slope <= 0.0:
-            return self._prior_rtt_s, self._prior_per_position_s, 0.0
+            return self._prior
         return network, slope, pass_s
-
-    def _known(self, drafter: str) -> None:
-        if drafter not in self.drafters:
-            raise ValueError(f"unknown drafter {drafter!r}: this router knows {sorted(self.drafters)}")
 
 
 @dataclass
