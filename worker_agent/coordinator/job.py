@@ -511,7 +511,7 @@ class Coordinator:
 
     @staticmethod
     async def _draft(drafter: Drafter, state: GenerationState, k: int) -> list[int]:
-        drafter.observe(state.committed)
+        """Up to ``k`` drafts; ``_ready`` has fed the drafter the committed tokens this round."""
         context = state.draft_context()
         if drafter.cost_s_per_token:  # a model: off the event loop
             return await asyncio.to_thread(drafter.propose, context, k)
