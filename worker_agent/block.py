@@ -9,11 +9,14 @@ new keys and values are written in place into its preallocated buffers (``kvcach
 ``[start, start + count)``: nothing is padded or copied between steps, and a start below the
 session's length overwrites what lay there (a truncation). A session appears at most once per
 call, since its next step needs this one's keys; ``Stage.compute`` sends later steps in later
-calls. At most ``max_batch`` items run per pass; more are split into several passes.
+calls. At most ``max_batch`` items run per pass; more are split into several passes. A pass of
+a few rows (decode steps, short speculative chunks) multiplies by each weight through
+``model.linear``, which on CPU reads the weight at about twice the bandwidth of ``nn.Linear``.
 
 The maths is that of a Llama decoder layer, computed with the loaded layer's own submodules:
 ``x + o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))`` with
-``n = input_layernorm(x)``, then ``x + mlp(post_attention_layernorm(x))``, with grouped-query
+``n = input_layernorm(x)``, then ``x + down_proj(act(gate_proj(m)) * up_proj(m))`` with
+``m = post_attention_layernorm(x)``, with grouped-query
 attention, projection biases where the checkpoint has them, per-head q/k norms where the layer
 has them (Qwen3), and whatever rope scaling the model's rotary module implements. Building a
 ``Block`` over anything else raises ``ModelError`` (code ``model_unsupported``) naming what it
@@ -35,12 +38,13 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from worker_agent.errors import ModelError
 from worker_agent.kvcache import KVLayout, KVSession
-from worker_agent.model import BlockWeights, model_name
+from worker_agent.model import BlockWeights, linear, model_name
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
 _PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 _HEAD_NORMS = frozenset({"q_norm", "k_norm"})
+_MLP_PARTS = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 
 
 @dataclass(frozen=True)
@@ -153,9 +157,9 @@ class Block:
         attention = layer.self_attn
         tokens = hidden.shape[0]
         normed = layer.input_layernorm(hidden)
-        queries = attention.q_proj(normed).view(tokens, self.heads, self.head_dim)
-        keys = attention.k_proj(normed).view(tokens, self.kv_heads, self.head_dim)
-        values = attention.v_proj(normed).view(tokens, self.kv_heads, self.head_dim)
+        queries = _project(attention.q_proj, normed).view(tokens, self.heads, self.head_dim)
+        keys = _project(attention.k_proj, normed).view(tokens, self.kv_heads, self.head_dim)
+        values = _project(attention.v_proj, normed).view(tokens, self.kv_heads, self.head_dim)
         if self.head_norms:
             queries, keys = attention.q_norm(queries), attention.k_norm(keys)
         queries, keys = self._rotate(queries.transpose(0, 1), keys.transpose(0, 1), cos, sin, unsqueeze_dim=0)
@@ -168,8 +172,10 @@ class Block:
             cached_values[:, span.start : span.end] = values[:, span.rows]
             out = self._attend(queries[:, span.rows], cached_keys[:, : span.end], cached_values[:, : span.end], span)
             mixed[span.rows] = out.transpose(0, 1).reshape(span.count, -1)
-        hidden = hidden + attention.o_proj(mixed)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + _project(attention.o_proj, mixed)
+        mlp, normed = layer.mlp, layer.post_attention_layernorm(hidden)
+        gated = mlp.act_fn(_project(mlp.gate_proj, normed)) * _project(mlp.up_proj, normed)
+        return hidden + _project(mlp.down_proj, gated)
 
     def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: _Span) -> torch.Tensor:
         """queries (heads, count, d); keys, values (kv_heads, end, d) -> (heads, count, d).
@@ -181,6 +187,11 @@ class Block:
         # 4-D, as torch's fused CPU kernel wants (3-D inputs take the slower unfused path).
         out = scaled_dot_product_attention(packed, keys[None], values[None], attn_mask=span.mask, scale=self.scaling)
         return out.view(self.heads, span.count, self.head_dim)
+
+
+def _project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A projection of the pass's rows, by ``model.linear`` (a few rows take the faster CPU form)."""
+    return linear(x, module.weight, module.bias)
 
 
 def _check_supported(weights: BlockWeights) -> nn.Module:
@@ -207,6 +218,12 @@ def _check_supported(weights: BlockWeights) -> nn.Module:
             raise ModelError(
                 f"{where} has attention parts {sorted(attention_parts)}; the layer block computes "
                 f"{sorted(_PROJECTIONS)}, optionally with {sorted(_HEAD_NORMS)}",
+                code="model_unsupported",
+            )
+        mlp_parts = {part for part, _ in layer.mlp.named_children()}
+        if mlp_parts != _MLP_PARTS:
+            raise ModelError(
+                f"{where} has MLP parts {sorted(mlp_parts)}; the layer block computes exactly {sorted(_MLP_PARTS)}",
                 code="model_unsupported",
             )
         # Mistral reads its window from the config; Qwen sets it per layer (None on full-attention layers).
