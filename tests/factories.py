@@ -53,6 +53,7 @@ def join_payload(token: str, key: SigningKey, **overrides: Any) -> dict:
             "memory_bytes": 8 * GIB,
             "dtypes": ["float32", "bfloat16"],
             "max_layers": 15,
+            "max_positions": 4096,
         },
         "benchmark": {"layer_tokens_per_s": 250.0},
         "data_url": "ws://10.0.0.7:9100",

@@ -67,6 +67,7 @@ def test_agent_joins_with_its_token_and_key(pending, agent, swarm_settings):
     assert (node.device, node.device_name, node.memory_bytes) == ("cpu", "2 CPU threads", 8 * GIB)
     assert node.dtypes == ["float32", "bfloat16"]
     assert node.max_layers == 15
+    assert node.max_positions == 4096
     assert node.compute_layer_tokens_per_s == 250.0
     assert node.data_url == "ws://10.0.0.7:9100"
     assert node.agent_version == "0.1.0"
@@ -274,6 +275,9 @@ def test_a_nan_literal_is_refused_by_the_json_parser(pending, agent):
         ({}, "memory_bytes must be a number >= 1, got None"),
         ({"memory_bytes": 1 << 30, "max_layers": 0}, "max_layers must be a number >= 1, got 0"),
         ({"memory_bytes": 1 << 30, "max_layers": "all"}, "max_layers must be a number >= 1, got 'all'"),
+        ({"memory_bytes": 1 << 30, "max_positions": 0}, "max_positions must be a number >= 1, got 0"),
+        ({"memory_bytes": 1 << 30, "max_positions": 4096.5}, "max_positions must be an integer, got 4096.5"),
+        ({"memory_bytes": 1 << 30, "max_positions": 1 << 21}, "max_positions must be at most 1.04858e+06, got 2097152"),
     ],
 )
 def test_bad_hardware_values_are_refused(hardware, message, pending, agent):

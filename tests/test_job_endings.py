@@ -119,7 +119,13 @@ def test_a_stage_lost_with_no_spare_fails_charged_exactly_the_delivered_tokens(c
     assert events[-1]["type"] == "job.error"
     # No node holds the span of the one that died (these stages are in no registry): a clear error.
     assert events[-1]["code"] == "stage_lost"
-    assert "no replacement for stage 1 is available" in events[-1]["message"]
+    assert "no replacement for stage 1 is available" in job.error_message
+    # The customer is told what happened, not which node at which address: that is the record's.
+    assert events[-1]["message"] == (
+        "a provider stage failed (stage_lost) and no route around it was available; "
+        "only the tokens delivered before it are charged"
+    )
+    assert "ws://" in job.error_message
     assert delivered == LOST_AFTER  # each step it served (the prefill, then one per token) gave a token
     assert (job.state, job.completion_tokens) == (JobState.FAILED, delivered)
     assert job.settled_at is not None

@@ -162,7 +162,10 @@ def test_route_whose_stage_does_not_trust_the_control_plane_fails_before_any_tok
     assert job.error_code == "ticket_untrusted"
     assert job.error_message.startswith(f"stage 0 ({job.route[0]['url']}) refused HELLO: ticket is signed by an ")
     assert (job.completion_tokens, job.verified, job.receipts) == (0, None, [])
-    assert events == [{"type": "job.error", "code": "ticket_untrusted", "message": job.error_message}]
+    # The customer reads the code and what it means for them; the node's address stays in the record.
+    public = runner.public_failure("ticket_untrusted", job.error_message)
+    assert events == [{"type": "job.error", "code": "ticket_untrusted", "message": public}]
+    assert "ws://" not in public and "ticket_untrusted" in public
 
 
 class ReceiptlessStage(Stage):

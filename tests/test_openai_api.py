@@ -19,6 +19,7 @@ from django.utils import timezone
 from openai import OpenAI
 
 from marketplace.api import ratelimit
+from marketplace.billing.models import Transfer
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.nodes.models import Node
@@ -130,6 +131,63 @@ def test_models_lists_the_servable_model(client):
 
     assert [model.id for model in listed.data] == [MODEL]
     assert [(m.object, m.created, m.owned_by) for m in listed.data] == [("model", 0, "swarm")]
+
+
+def test_models_report_the_context_length_and_capabilities(client):
+    (entry,) = client.models.list().data
+
+    listed = entry.model_dump()
+    # The agents hold 4096 positions per session, fewer than the model's own 8192.
+    assert models.load_config(MODEL).max_position_embeddings == 8192
+    assert listed["context_length"] == 4096
+    assert listed["capabilities"]["embeddings"] is False
+    assert listed["capabilities"]["chat_completions"] is True
+
+
+@pytest.fixture
+def short_context():
+    """Every node of the swarm says it holds fewer positions per session than it does: the
+    STORY prompt's tokens and 10 more."""
+    before = dict(Node.objects.values_list("pk", "max_positions"))
+    limit = chat_prompt_tokens(STORY) + 10
+    Node.objects.update(max_positions=limit)
+    yield limit
+    for pk, value in before.items():
+        Node.objects.filter(pk=pk).update(max_positions=value)
+
+
+def test_a_request_over_the_context_length_is_refused_400_before_any_job_or_hold(client, short_context):
+    prompt_tokens = chat_prompt_tokens(STORY)
+    before, transfers = jobs_snapshot(), Transfer.objects.count()
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=11)
+
+    assert refused.value.response.json() == error_body(
+        f"This model's maximum context length is {short_context} tokens. However, you requested "
+        f"{prompt_tokens + 11} tokens ({prompt_tokens} in the messages, 11 in the completion). Please reduce "
+        "the length of the messages or completion.",
+        "invalid_request_error",
+        "messages",
+        "context_length_exceeded",
+    )
+    assert jobs_snapshot() == before
+    assert Transfer.objects.count() == transfers  # no hold was placed
+
+
+def test_a_request_naming_no_max_tokens_gets_the_room_its_prompt_leaves(client, short_context):
+    response = client.chat.completions.create(model=MODEL, messages=STORY)
+
+    assert response.usage.prompt_tokens + response.usage.completion_tokens == short_context
+    assert response.choices[0].finish_reason == "length"
+    job = Job.objects.get(public_id=response.id)
+    assert job.params["max_tokens"] == 10
+
+
+def test_a_request_at_the_context_length_runs(client, short_context):
+    response = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=10)
+
+    assert response.usage.completion_tokens == 10
 
 
 def test_models_leaves_out_a_configured_model_without_a_ready_pipeline(client, settings):

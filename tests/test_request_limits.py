@@ -249,3 +249,97 @@ def test_the_largest_page_is_served(django_user_model):
 
     assert response.status_code == 200
     assert response.json() == {"count": 0, "next": None, "previous": None, "results": []}
+
+
+@pytest.mark.parametrize("key", ["frobnicate", "temprature", "max_new_tokens"])
+def test_an_unknown_argument_is_refused_by_name_before_tokenizing(api, calls, key):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_of(api).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body={key: 1}
+        )
+
+    assert error_of(refused.value) == {
+        "message": f"Unrecognized request argument supplied: {key}",
+        "type": "invalid_request_error",
+        "param": key,
+        "code": "unknown_parameter",
+    }
+    assert calls == []
+    assert Job.objects.count() == 0
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    ("kind", "arguments", "param"),
+    [
+        ("chat", {"tools": [TOOL]}, "tools"),
+        ("chat", {"tool_choice": "required"}, "tool_choice"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ("chat", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("chat", {"frequency_penalty": -1}, "frequency_penalty"),
+        ("chat", {"logit_bias": {"42": 5}}, "logit_bias"),
+        ("chat", {"store": True}, "store"),
+        ("completion", {"echo": True}, "echo"),
+        ("completion", {"best_of": 3}, "best_of"),
+        ("completion", {"suffix": "!"}, "suffix"),
+        ("completion", {"logprobs": 2}, "logprobs"),
+    ],
+)
+def test_an_argument_this_api_does_not_implement_is_refused_by_name(api, calls, kind, arguments, param):
+    """Nothing is silently ignored: an OpenAI argument that would change the answer, and that this
+    API does not implement, is refused naming it (never a 200 that did not do what was asked)."""
+    client = client_of(api)
+    with pytest.raises(openai.BadRequestError) as refused:
+        if kind == "chat":
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body=arguments
+            )
+        else:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body=arguments)
+
+    assert error_of(refused.value) == {
+        "message": f"Unsupported parameter: '{param}' is not supported by this API yet.",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "unsupported_parameter",
+    }
+    assert calls == []
+
+
+def test_a_history_with_tool_calls_is_refused_naming_the_field(api, calls):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client_of(api).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+
+    assert error_of(refused.value)["param"] == "messages.1.tool_calls"
+    assert error_of(refused.value)["code"] == "unsupported_parameter"
+    assert calls == []
+
+
+def test_arguments_that_ask_for_nothing_are_accepted(api, calls):
+    """The values that change nothing (as LangChain and LiteLLM send them) pass validation: the
+    request is tokenized and reaches admission, which answers 503 here (no agents)."""
+    with pytest.raises(openai.APIStatusError) as no_capacity:
+        client_of(api).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            n=1,
+            presence_penalty=0,
+            frequency_penalty=0.0,
+            logprobs=False,
+            response_format={"type": "text"},
+            parallel_tool_calls=True,
+            extra_body={"logit_bias": {}, "tools": [], "service_tier": "auto", "top_logprobs": None},
+        )
+
+    assert no_capacity.value.status_code == 503
+    assert calls == ["tokenize", "admit"]

@@ -114,6 +114,9 @@ class Serving:
 def hardware_report(device: str, max_layers: int | None) -> dict:
     import torch
 
+    # Both load torch, which the agent imports only when it needs it (this report, a benchmark).
+    from worker_agent.kvcache import SessionLimits
+
     if device.startswith("cuda") and torch.cuda.is_available():
         index = torch.device(device).index or 0
         props = torch.cuda.get_device_properties(index)
@@ -130,6 +133,7 @@ def hardware_report(device: str, max_layers: int | None) -> dict:
             "memory_bytes": int(psutil.virtual_memory().available),
             "dtypes": ["float32", "bfloat16"],
         }
+    report["max_positions"] = SessionLimits().max_tokens  # positions a session may hold on its stages
     if max_layers:
         report["max_layers"] = max_layers
     return report

@@ -47,6 +47,8 @@ HTTP_ERRORS: dict[str, HttpError] = {
     "api_key_limit_reached": HttpError(400, INVALID),
     "weak_password": HttpError(400, INVALID),
     "context_length_exceeded": HttpError(400, INVALID),
+    "unknown_parameter": HttpError(400, INVALID),
+    "unsupported_parameter": HttpError(400, INVALID),
     "email_taken": HttpError(400, INVALID),
     "invalid_webhook_payload": HttpError(400, INVALID),
     "invalid_webhook_signature": HttpError(400, INVALID),

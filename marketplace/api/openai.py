@@ -44,7 +44,7 @@ from marketplace.jobs.params import (
     RequestParams,
     check_number,
 )
-from marketplace.placement.selectors import recovering, servable_pipelines
+from marketplace.placement.selectors import context_length, recovering, servable_pipelines
 
 log = logging.getLogger("swarm.api")
 ROLES = {"system", "user", "assistant", "developer"}
@@ -69,6 +69,74 @@ def _json_body(request: HttpRequest) -> dict:
     return body
 
 
+# The request keys each endpoint acts on; every other key is refused by name, as OpenAI refuses
+# an argument it does not recognise, so that nothing a client sends is silently ignored.
+_COMMON_KEYS = frozenset(
+    {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user"}
+    | {"speculation"}  # this API's own: False turns speculative decoding off (the same tokens)
+)
+REQUEST_KEYS = {
+    "chat": _COMMON_KEYS | {"messages", "max_completion_tokens"},
+    "completion": _COMMON_KEYS | {"prompt"},
+}
+# Keys of OpenAI's API that this one does not implement (yet): accepted only with the value that
+# asks for nothing (None always counts as absent), otherwise refused as unsupported by name.
+NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),  # means nothing without tools
+    "functions": ([],),
+    "function_call": ("none",),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "metadata": ({},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "verbosity": (),
+    "prompt_cache_key": (),
+    "safety_identifier": (),
+}
+MESSAGE_KEYS = frozenset({"role", "content"})
+# What every listed model answers through this API, as /v1/models reports it.
+CAPABILITIES = {
+    "chat_completions": True,
+    "completions": True,
+    "streaming": True,
+    "embeddings": False,  # out of scope: the swarm serves generation only
+    "tools": False,
+    "structured_output": False,
+    "logprobs": False,
+}
+
+
+def _check_keys(body: dict, kind: str) -> None:
+    """Refuse (400) a key this endpoint does not know, and one it knows but does not implement
+    unless its value asks for nothing; a key set to null counts as absent."""
+    for key, value in body.items():
+        if key in REQUEST_KEYS[kind] or value is None:
+            continue
+        if key not in NEUTRAL_VALUES:
+            raise InvalidRequest(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+        if not any(type(value) is type(neutral) and value == neutral for neutral in NEUTRAL_VALUES[key]):
+            raise InvalidRequest(
+                f"Unsupported parameter: '{key}' is not supported by this API yet.",
+                param=key,
+                code="unsupported_parameter",
+            )
+
+
 def _number(body: dict, name: str, default: float, bounds: tuple[float, float], *, low_open: bool = False) -> float:
     value = body.get(name, default)
     if value is None:
@@ -85,6 +153,13 @@ def _messages(body: dict) -> tuple[ChatMessage, ...]:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
             raise InvalidRequest(f"messages[{index}] needs a role of {sorted(ROLES)}.", param=f"messages.{index}.role")
+        for key, value in message.items():
+            if key not in MESSAGE_KEYS and value is not None:
+                raise InvalidRequest(
+                    f"Unsupported parameter: messages[{index}].{key} is not supported by this API yet.",
+                    param=f"messages.{index}.{key}",
+                    code="unsupported_parameter",
+                )
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text is supported
             if not all(
@@ -102,13 +177,14 @@ def _messages(body: dict) -> tuple[ChatMessage, ...]:
 
 
 def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
+    _check_keys(body, kind)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required.", param="model")
     if model not in settings.SWARM_MODELS:
         raise ModelNotFound(f"The model '{model}' does not exist.", param="model")
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise InvalidRequest("Only n=1 is supported.", param="n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -218,6 +294,8 @@ async def list_models(request: HttpRequest, api_key: ApiKey) -> JsonResponse:
                         "created": 0,
                         "owned_by": "swarm",
                         "pricing": {"prompt": per_token(prompt), "completion": per_token(completion)},
+                        "context_length": context_length(model),
+                        "capabilities": CAPABILITIES,
                     }
                 )
         return entries
@@ -260,6 +338,8 @@ async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: s
         model, params = _params(body, kind)
         # Tokenized once, here: the count holds credits and rate limits, the ids go to the coordinator.
         prompt_ids = await sync_to_async(services.tokenize_prompt)(model, params)
+        given = body.get("max_completion_tokens", body.get("max_tokens")) is not None
+        params = await sync_to_async(services.fit_context)(model, len(prompt_ids), params, max_tokens_given=given)
         headers = await sync_to_async(ratelimit.check)(api_key, len(prompt_ids) + params.max_tokens)
         job = await _admit(api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids)
     except DomainError as exc:

@@ -309,6 +309,17 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
     raise SwarmError("the coordinator ended without a result", code="no_result")
 
 
+def public_failure(code: str, message: str) -> str:
+    """What the customer reads about a failed job. The job's own record keeps ``message``, which
+    may name nodes, their addresses and stage indexes: the providers' business, never a customer's."""
+    if code == "timeout":
+        return message  # the job's time limit, in seconds
+    return (
+        f"a provider stage failed ({code}) and no route around it was available; "
+        "only the tokens delivered before it are charged"
+    )
+
+
 async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_tokens: int) -> None:
     await in_thread(
         services.finish_job,
@@ -318,7 +329,7 @@ async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_to
         error_code=code,
         error_message=message,
     )
-    await layer.group_send(group, {"type": "job.error", "code": code, "message": message})
+    await layer.group_send(group, {"type": "job.error", "code": code, "message": public_failure(code, message)})
 
 
 def _record_audits(job_pk: int, materials: list, gaps: list) -> list[int]:

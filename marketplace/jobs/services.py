@@ -6,6 +6,7 @@ once even when its coordinator, a client disconnect and a timeout race.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import secrets
@@ -32,7 +33,7 @@ from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.jobs.settlement import place_hold, settle
 from marketplace.nodes.models import Node, NodeState
-from marketplace.placement.selectors import recovering, route_around, route_request
+from marketplace.placement.selectors import context_length, recovering, route_around, route_request
 from marketplace.placement.services import report_node_failure
 from marketplace.verification.audits import choose_audit_stages
 from worker_agent import model as models
@@ -127,6 +128,29 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
         )
     prompt = params.chat_messages() if params.chat else params.prompt
     return encode_prompt(models.load_tokenizer(model), prompt, chat=params.chat)
+
+
+def fit_context(model: str, prompt_tokens: int, params: RequestParams, *, max_tokens_given: bool) -> RequestParams:
+    """The request within ``model``'s context length (``placement.selectors.context_length``).
+
+    A request that named its max tokens is refused (``context_length_exceeded``) when prompt and
+    max tokens together pass the limit, as OpenAI refuses it, before any job or hold exists; one
+    that named none has the default cut to the room its prompt leaves. While no stage of the
+    model is routable the request passes unchanged (admission then answers or waits)."""
+    limit = context_length(model)
+    if limit is None or prompt_tokens + params.max_tokens <= limit:
+        return params
+    room = limit - prompt_tokens
+    if not max_tokens_given and room >= 1:
+        return dataclasses.replace(params, max_tokens=room)
+    where = "messages" if params.chat else "prompt"
+    raise InvalidRequest(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt_tokens + params.max_tokens} tokens ({prompt_tokens} in the {where}, {params.max_tokens} in the "
+        f"completion). Please reduce the length of the {where} or completion.",
+        param=where,
+        code="context_length_exceeded",
+    )
 
 
 @transaction.atomic

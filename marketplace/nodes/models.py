@@ -35,6 +35,8 @@ class Node(models.Model):
     memory_bytes = models.BigIntegerField(default=0)  # memory available for weights
     dtypes = models.JSONField(default=list)
     max_layers = models.PositiveIntegerField(null=True, blank=True)  # a cap the owner set; else from memory
+    # Positions one session may hold on it (prompt + completion tokens); None: the agent did not say.
+    max_positions = models.PositiveIntegerField(null=True, blank=True)
     compute_layer_tokens_per_s = models.FloatField(default=0.0)  # decode, batch 1, from `swarm-worker bench`
     # The best speed the control plane itself measured (a passed challenge, timed): see nodes/capacity.py.
     verified_layer_tokens_per_s = models.FloatField(null=True, blank=True)

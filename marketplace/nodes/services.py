@@ -41,6 +41,7 @@ log = logging.getLogger("swarm.nodes")
 
 TOKEN_PREFIX = "swj_"
 SPEED_SMOOTHING = 0.3  # weight of the newest measured speed in the node's running estimate
+MAX_POSITIONS = 1 << 20  # the most positions per session an agent may report holding
 
 
 def node_group(node_id: str) -> str:
@@ -148,6 +149,9 @@ def register_agent(
         raise InvalidReport("data_url must be a ws:// or wss:// URL")
     memory = _number(hardware, "memory_bytes", minimum=1, maximum=2**62)  # fits a bigint
     max_layers = _number(hardware, "max_layers", minimum=1, maximum=100_000, required=False)
+    max_positions = _number(hardware, "max_positions", minimum=1, maximum=MAX_POSITIONS, required=False)
+    if max_positions is not None and not isinstance(hardware["max_positions"], int):
+        raise InvalidReport(f"max_positions must be an integer, got {hardware['max_positions']!r}")
     compute = _number(benchmark, "layer_tokens_per_s", minimum=1e-9)
     dtypes = hardware.get("dtypes", [])
     if not isinstance(dtypes, list) or not all(isinstance(d, str) and 0 < len(d) <= 16 for d in dtypes):
@@ -161,6 +165,7 @@ def register_agent(
     node.memory_bytes = int(memory)
     node.dtypes = dtypes[:8]
     node.max_layers = int(max_layers) if max_layers else None
+    node.max_positions = int(max_positions) if max_positions else None
     node.compute_layer_tokens_per_s = compute
     node.data_url = data_url
     node.agent_version = str(agent_version)[:32]

@@ -15,6 +15,10 @@ from marketplace.placement.errors import PlacementError
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.routing import route
 from worker_agent import model as models
+from worker_agent.kvcache import SessionLimits
+
+# Positions per session of an agent that reports no limit: the agent's own default.
+AGENT_DEFAULT_POSITIONS = SessionLimits().max_tokens
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,24 @@ def servable_pipelines(model: str) -> list[list[PipelineStage]]:
             if position == models.n_layers(model):
                 servable.append([_pipeline_stage(a) for a in stages])
     return servable
+
+
+def model_positions(model: str) -> int | None:
+    """The model's own position limit (its config's ``max_position_embeddings``), if it has one."""
+    limit = getattr(models.load_config(model), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
+def context_length(model: str) -> int | None:
+    """Tokens one request to ``model`` may total (prompt + completion): the model's own position
+    limit, and no more than any routable stage's node holds per session, since a request's route,
+    or the route a heal moves it to, may pass through any of them. A node that reported no limit
+    counts with the agent's default. None when no stage is routable."""
+    limits = [a.node.max_positions or AGENT_DEFAULT_POSITIONS for a in live_assignments(model) if _routable(a)]
+    if not limits:
+        return None
+    own = model_positions(model)
+    return min(limits if own is None else [own, *limits])
 
 
 def is_servable(model: str) -> bool:
