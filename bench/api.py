@@ -215,11 +215,11 @@ def setup_django() -> None:
     call_command("migrate", verbosity=0)
 
 
-async def api_stream(client, model: str, text: str, max_tokens: int) -> dict:
-    """One streamed chat completion: client-side TTFT and what came back."""
+async def api_stream(client, model: str, text: str, max_tokens: int, **extra) -> dict:
+    """One streamed chat completion: client-side TTFT and what came back (``extra``: more arguments)."""
     sent_at = time.time()  # the server's clock too (same machine): for the split by job row timestamps
     started = time.perf_counter()
-    first = first_at = None
+    first = first_at = last = None
     deltas = 0
     finish = usage = job_id = None
     stream = await client.chat.completions.create(
@@ -229,6 +229,7 @@ async def api_stream(client, model: str, text: str, max_tokens: int) -> dict:
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        **extra,
     )
     parts = []
     async for chunk in stream:
@@ -238,6 +239,7 @@ async def api_stream(client, model: str, text: str, max_tokens: int) -> dict:
             if choice.delta.content:
                 if first is None:
                     first, first_at = time.perf_counter(), time.time()
+                last = time.perf_counter()
                 deltas += 1
                 parts.append(choice.delta.content)
             finish = choice.finish_reason or finish
@@ -249,6 +251,7 @@ async def api_stream(client, model: str, text: str, max_tokens: int) -> dict:
         "sent_at": sent_at,
         "first_at": first_at,
         "ttft_s": None if first is None else first - started,
+        "decode_s": None if first is None else last - first,
         "total_s": ended - started,
         "content_deltas": deltas,
         "text": "".join(parts),
@@ -451,6 +454,7 @@ def part_a(plane: ControlPlane, key: str, stages: list, args: argparse.Namespace
             return api_runs, direct_runs
 
     api_runs, direct_runs = asyncio.run(run())
+    grammar = grammar_cost(plane, key, args)
     rows = job_rows([r["job"] for r in api_runs])
     api_ttft = [r["ttft_s"] for r in api_runs if r["ttft_s"] is not None]
     direct_ttft = [r["ttft_s"] for r in direct_runs if r["ttft_s"] is not None]
@@ -479,6 +483,7 @@ def part_a(plane: ControlPlane, key: str, stages: list, args: argparse.Namespace
         "api_split": ttft_split(api_runs, rows),
         "same_text": sum(a["text"] == d["text"] for a, d in zip(api_runs, direct_runs, strict=True)),
         "api_jobs_succeeded": sum(rows.get(r["job"], {}).get("state") == "succeeded" for r in api_runs),
+        "grammar": grammar,
         "per_request": [
             {
                 "prompt": prompt(i),
@@ -496,6 +501,73 @@ def part_a(plane: ControlPlane, key: str, stages: list, args: argparse.Namespace
             }
             for i, (a, d) in enumerate(zip(api_runs, direct_runs, strict=True))
         ],
+    }
+
+
+# A schema with bounded strings and numbers: what an application asks for with response_format.
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "topic": {"type": "string", "maxLength": 40},
+        "facts": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 2, "maxItems": 3},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
+    "required": ["topic", "facts", "rating"],
+    "additionalProperties": False,
+}
+
+
+def decode_rate(run: dict) -> float | None:
+    """Tokens per second after the first: (completion tokens - 1) / (first content .. last content)."""
+    tokens = (run["usage"] or {}).get("completion_tokens", 0)
+    return (tokens - 1) / run["decode_s"] if tokens > 1 and run["decode_s"] else None
+
+
+def grammar_cost(plane: ControlPlane, key: str, args: argparse.Namespace) -> dict:
+    """Decode tokens/s of free chat against chat constrained to GRAMMAR_SCHEMA, alternating, plain
+    decoding on both (speculation off: only the grammar's cost differs), --grammar-requests each."""
+    model = plane.model
+    plain = {"extra_body": {"speculation": False}}
+    constrained = plain | {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "facts", "schema": GRAMMAR_SCHEMA}}
+    }
+
+    async def run() -> tuple[list[dict], list[dict]]:
+        api = client(plane.base_url, key)
+        async with api:
+            free, json_runs = [], []
+            for i in range(args.grammar_requests):
+                text = f"Tell me about {TOPICS[i % len(TOPICS)]}."
+                for kind in ("free", "json") if i % 2 == 0 else ("json", "free"):
+                    if kind == "free":
+                        free.append(await api_stream(api, model, text, args.max_tokens_grammar, **plain))
+                    else:
+                        asked = text + " Answer in JSON."
+                        json_runs.append(await api_stream(api, model, asked, args.max_tokens_grammar, **constrained))
+                print(f"  grammar {i + 1:>3}/{args.grammar_requests}", file=sys.stderr, flush=True)
+            return free, json_runs
+
+    free, json_runs = asyncio.run(run())
+    free_rates = [r for r in map(decode_rate, free) if r]
+    json_rates = [r for r in map(decode_rate, json_runs) if r]
+    valid = 0
+    for run_ in json_runs:
+        try:
+            data = json.loads(run_["text"])
+        except ValueError:
+            continue
+        valid += isinstance(data, dict) and set(data) == {"topic", "facts", "rating"}
+    free_mean = sum(free_rates) / len(free_rates) if free_rates else None
+    json_mean = sum(json_rates) / len(json_rates) if json_rates else None
+    return {
+        "requests_per_path": args.grammar_requests,
+        "max_tokens": args.max_tokens_grammar,
+        "free_decode_tok_s": _round(free_mean, 2),
+        "json_schema_decode_tok_s": _round(json_mean, 2),
+        "ratio": _round(json_mean / free_mean, 3) if free_mean and json_mean else None,
+        "json_valid": valid,
+        "json_finish_reasons": [r["finish_reason"] for r in json_runs],
+        "json_completion_tokens": [(r["usage"] or {}).get("completion_tokens") for r in json_runs],
     }
 
 
@@ -692,6 +764,8 @@ def spawn_part(part: str, args: argparse.Namespace) -> dict:
             f"--max-tokens-a={args.max_tokens_a}",
             f"--max-tokens-b={args.max_tokens_b}",
             f"--warmup={args.warmup}",
+            f"--grammar-requests={args.grammar_requests}",
+            f"--max-tokens-grammar={args.max_tokens_grammar}",
             f"--threads={args.threads}",
         ]
         child = subprocess.Popen(command, env=child_env(workdir, PARTS[part]["model"], args.threads), cwd=ROOT)
@@ -744,6 +818,12 @@ def print_summary(a: dict, b: dict, checks: list[dict]) -> None:
         f"{a['same_text']}/{a['requests']}; API jobs succeeded {a['api_jobs_succeeded']}/{a['requests']}"
     )
 
+    g = a["grammar"]
+    print(
+        f"grammar: decode tok/s free {g['free_decode_tok_s']}, constrained to a JSON schema "
+        f"{g['json_schema_decode_tok_s']} (ratio {g['ratio']}; {g['requests_per_path']} requests each, plain "
+        f"decoding, max_tokens {g['max_tokens']}); JSON valid {g['json_valid']}/{g['requests_per_path']}"
+    )
     print(
         f"\nB. {b['concurrency']} concurrent streams, {b['model']} ({' -> '.join(b['stages'])}), max_tokens "
         f"{b['max_tokens']}, greedy"
@@ -827,7 +907,15 @@ def definitions(legend: str) -> dict[str, str]:
 
 def targets(a: dict, b: dict) -> list[dict]:
     diff = a["p50_difference_ms"]
+    ratio = a["grammar"]["ratio"]
     return [
+        {
+            "target": "decode tok/s constrained to a JSON schema / free (plain decoding)",
+            "value": ratio,
+            "relation": ">=",
+            "goal": 0.8,
+            "met": None if ratio is None else ratio >= 0.8,
+        },
         {
             "target": "API p50 TTFT - direct coordinator p50 TTFT (ms)",
             "value": diff,
@@ -879,6 +967,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens-b", type=int, default=32, help="part B: max_tokens per request (default 32)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up requests per path before timing (default 2)")
     parser.add_argument(
+        "--grammar-requests", type=int, default=6, help="part A: free and JSON-schema requests each (default 6)"
+    )
+    parser.add_argument("--max-tokens-grammar", type=int, default=64, help="part A: max_tokens of those (default 64)")
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads of each agent and of the control plane (default 1)"
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 requests in A, 10 concurrent in B")
@@ -887,7 +979,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--part-output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.concurrency, args.warmup = 5, 10, 1
+        args.requests, args.concurrency, args.warmup, args.grammar_requests = 5, 10, 1, 2
     return args
 
 

@@ -9,14 +9,17 @@ import asyncio
 import json
 import re
 import time
+from collections import Counter
 from datetime import timedelta
 
 import httpx2
 import openai
 import pytest
+import torch
 from django.db import connection
 from django.utils import timezone
 from openai import OpenAI
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from marketplace.api import ratelimit
 from marketplace.billing.models import Transfer
@@ -25,7 +28,15 @@ from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.nodes.models import Node
 from marketplace.placement.models import AssignmentState
 from marketplace.placement.selectors import route_request
-from tests.api_fixtures import MODEL, forget_rate_counts, greedy_chat, greedy_text, module_db, wait_for
+from tests.api_fixtures import (
+    MODEL,
+    forget_rate_counts,
+    greedy_chat,
+    greedy_text,
+    module_db,
+    reference_model,
+    wait_for,
+)
 from worker_agent import model as models
 from worker_agent.coordinator.heal import probe_stage
 
@@ -354,6 +365,184 @@ def test_seeded_sampling_gives_the_same_completion_twice(live_swarm, client):
     assert first.usage == second.usage
     assert first.id != second.id
     assert Job.objects.get(public_id=first.id).params["seed"] == 1234
+
+
+PENALTY_TOKENS = 24
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """The reference's own statement of the adjustments, applied to HF generate's logits:
+    OpenAI's presence and frequency penalties over the tokens generated so far, then nothing else
+    (HF's own ``repetition_penalty`` runs first, as the API's does)."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.clone()
+        for token, count in Counter(input_ids[0, self.prompt_length :].tolist()).items():
+            scores[0, token] -= count * self.frequency + self.presence
+        return scores
+
+
+def penalized_reference(messages: list[dict], max_tokens: int, *, presence: float, frequency: float, repetition: float):
+    ids = models.load_tokenizer(MODEL).apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    with torch.no_grad():
+        out = reference_model().generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            repetition_penalty=repetition,
+            logits_processor=LogitsProcessorList([OpenAIPenalties(len(ids), presence, frequency)]),
+        )
+    return models.load_tokenizer(MODEL).decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("speculation", [True, False], ids=["speculating", "plain"])
+def test_penalties_give_what_an_in_process_reference_applying_them_gives(client, speculation):
+    penalties = {"presence": 0.8, "frequency": 0.6, "repetition": 1.3}
+
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=STORY,
+        max_tokens=PENALTY_TOKENS,
+        temperature=0,
+        presence_penalty=penalties["presence"],
+        frequency_penalty=penalties["frequency"],
+        extra_body={"repetition_penalty": penalties["repetition"], "speculation": speculation},
+    )
+
+    assert response.choices[0].message.content == penalized_reference(STORY, PENALTY_TOKENS, **penalties)
+    assert response.choices[0].message.content != greedy_chat(STORY, PENALTY_TOKENS).text  # they changed it
+    job = Job.objects.get(public_id=response.id)
+    assert (job.params["presence_penalty"], job.params["repetition_penalty"]) == (0.8, 1.3)
+
+
+def test_logit_bias_forces_and_bans_tokens(client):
+    tokenizer = models.load_tokenizer(MODEL)
+    (forced,) = tokenizer(" banana")["input_ids"]
+    plain_first = greedy_chat(CHAT, 4).token_ids[0]
+
+    forcing = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logit_bias={str(forced): 100}
+    )
+    banning = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=1, temperature=0, logit_bias={str(plain_first): -100}
+    )
+
+    assert forcing.choices[0].message.content == tokenizer.decode([forced] * 4)
+    assert banning.choices[0].message.content != tokenizer.decode([plain_first])
+    assert banning.usage.completion_tokens == 1
+
+
+def test_a_logit_bias_past_the_vocabulary_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logit_bias={"49152": 5})
+
+    assert refused.value.response.json()["error"]["message"] == (
+        "'logit_bias' names token 49152; smollm2-135m's vocabulary has tokens 0 to 49151."
+    )
+
+
+LOGPROB_TOKENS = 6
+
+
+def reference_logprobs(prompt_ids: list[int], tokens: tuple[int, ...]) -> torch.Tensor:
+    """log-softmax of the reference model's logits at the positions that predicted ``tokens``."""
+    with torch.no_grad():
+        logits = reference_model()(torch.tensor([[*prompt_ids, *tokens]])).logits[0]
+    return torch.log_softmax(logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)].float(), dim=-1)
+
+
+def test_chat_logprobs_are_the_log_softmax_of_the_models_logits(client):
+    tokenizer = models.load_tokenizer(MODEL)
+    prompt_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"]
+    reference = greedy_chat(CHAT, LOGPROB_TOKENS)
+
+    response = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=LOGPROB_TOKENS, temperature=0, logprobs=True, top_logprobs=3
+    )
+
+    content = response.choices[0].logprobs.content
+    expected = reference_logprobs(prompt_ids, reference.token_ids)
+    assert [entry.token for entry in content] == [tokenizer.decode([t]) for t in reference.token_ids]
+    assert "".join(entry.token for entry in content) == response.choices[0].message.content
+    for row, (entry, token) in enumerate(zip(content, reference.token_ids, strict=True)):
+        assert entry.logprob == pytest.approx(float(expected[row, token]), abs=1e-3)
+        assert entry.bytes == list(entry.token.encode())
+        top = torch.topk(expected[row], 3)
+        assert [alt.token for alt in entry.top_logprobs] == [tokenizer.decode([t]) for t in top.indices.tolist()]
+        assert [alt.logprob for alt in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-3)
+
+
+def test_streamed_chat_logprobs_add_up_to_the_whole_responses(client):
+    whole = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=LOGPROB_TOKENS, temperature=0, logprobs=True, top_logprobs=2
+    )
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=LOGPROB_TOKENS,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+    )
+
+    streamed = [
+        entry
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [(e.token, round(e.logprob, 3)) for e in streamed] == [
+        (e.token, round(e.logprob, 3)) for e in whole.choices[0].logprobs.content
+    ]
+    assert len(streamed) == whole.usage.completion_tokens
+
+
+def test_text_completion_logprobs_have_the_legacy_shape(client):
+    tokenizer = models.load_tokenizer(MODEL)
+    reference = greedy_text(PROMPT, TEXT_MAX_TOKENS)
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=TEXT_MAX_TOKENS, temperature=0, logprobs=2
+    )
+
+    logprobs = response.choices[0].logprobs
+    expected = reference_logprobs(prompt_ids, reference.token_ids)
+    texts = [tokenizer.decode([t]) for t in reference.token_ids]
+    assert logprobs.tokens == texts
+    assert logprobs.token_logprobs == pytest.approx(
+        [float(expected[row, t]) for row, t in enumerate(reference.token_ids)], abs=1e-3
+    )
+    assert [len(alternatives) for alternatives in logprobs.top_logprobs] == [2] * len(texts)
+    assert logprobs.text_offset == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+
+
+def test_logprobs_are_not_sent_unless_asked_for(client):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+
+    assert response.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs' set to true."),
+        ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be an integer in [0, 20]."),
+        ({"logprobs": 1}, "'logprobs' must be a boolean."),
+    ],
+)
+def test_bad_logprobs_arguments_are_refused(client, arguments, message):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body=arguments)
+
+    assert refused.value.response.json()["error"]["message"] == message
 
 
 def test_stream_ends_with_the_usage_event_then_done_on_the_wire(live_swarm):

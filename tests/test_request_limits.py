@@ -276,16 +276,11 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     [
         ("chat", {"tools": [TOOL]}, "tools"),
         ("chat", {"tool_choice": "required"}, "tool_choice"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("chat", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
-        ("chat", {"presence_penalty": 0.5}, "presence_penalty"),
-        ("chat", {"frequency_penalty": -1}, "frequency_penalty"),
-        ("chat", {"logit_bias": {"42": 5}}, "logit_bias"),
+        ("completion", {"response_format": {"type": "json_object"}}, "response_format"),
         ("chat", {"store": True}, "store"),
         ("completion", {"echo": True}, "echo"),
         ("completion", {"best_of": 3}, "best_of"),
         ("completion", {"suffix": "!"}, "suffix"),
-        ("completion", {"logprobs": 2}, "logprobs"),
     ],
 )
 def test_an_argument_this_api_does_not_implement_is_refused_by_name(api, calls, kind, arguments, param):

@@ -64,6 +64,60 @@ def test_a_completion_request_reads_back_from_its_json_and_writes_the_same_json(
     assert params.to_json() == COMPLETION_JSON
 
 
+def test_the_logits_adjustments_are_stored_when_set_and_read_back():
+    params = RequestParams(
+        prompt="Hi",
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        logit_bias=((42, 5.0), (7, -100)),
+    )
+
+    stored = params.to_json()
+
+    assert {
+        k: stored[k] for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    } == {
+        "top_k": 40,
+        "min_p": 0.05,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
+    }
+    assert stored["logit_bias"] == {"42": 5.0, "7": -100}
+    assert RequestParams.from_json(stored) == params
+    assert sampling_params(params) == SamplingParams(
+        temperature=1.0,
+        top_k=40,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        logit_bias=((42, 5.0), (7, -100)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"presence_penalty": 2.5}, "'presence_penalty' must be in [-2, 2], got 2.5."),
+        ({"frequency_penalty": "high"}, "'frequency_penalty' must be a number."),
+        ({"repetition_penalty": 0}, "'repetition_penalty' must be in (0, 2], got 0."),
+        ({"min_p": 1.5}, "'min_p' must be in [0, 1], got 1.5."),
+        ({"top_k": -1}, "'top_k' must be an integer in [0, 1048576]."),
+        ({"logit_bias": ((5, 101.0),)}, "'logit_bias.5' must be in [-100, 100], got 101.0."),
+        ({"logit_bias": ((5, 1.0), (5, 2.0))}, "'logit_bias' may bias at most 300 distinct tokens."),
+    ],
+)
+def test_adjustments_out_of_range_are_refused(overrides, message):
+    with pytest.raises(InvalidRequest) as refused:
+        RequestParams(prompt="Hi", **overrides)
+
+    assert str(refused.value) == message
+
+
 def test_keys_a_row_lacks_take_the_defaults():
     params = RequestParams.from_json({"prompt": "Hi"})
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker_agent.coordinator.sampling import Sampler, SamplingParams, probabilities
+from worker_agent.coordinator.sampling import History, Sampler, SamplingParams, adjust, probabilities
 
 pytestmark = pytest.mark.dataplane
 
@@ -141,3 +141,62 @@ def test_accepts_the_edges_of_the_ranges():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=100.0, top_p=1.0, top_k=0)]
 
     assert [p.greedy for p in params] == [True, False]
+
+
+def test_logit_bias_adds_to_the_named_tokens():
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    params = SamplingParams(logit_bias=((0, 10.0), (3, -100.0)))
+
+    assert adjust(logits, params, None).tolist() == [11.0, 2.0, 3.0, -96.0]
+    assert Sampler(params).sample(logits) == 0
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    # The output so far holds token 1 once and token 4 three times; the prompt's tokens do not count.
+    history = History.of(prompt=[0, 2], output=[4, 1, 4, 4])
+
+    adjusted = adjust(logits, params, history)
+
+    assert adjusted.tolist() == [1.0, 2.0 - 0.25 - 0.5, 3.0, 4.0, 5.0 - 3 * 0.25 - 0.5]
+
+
+def test_repetition_penalty_shrinks_every_seen_tokens_logit_toward_zero():
+    logits = torch.tensor([2.0, -2.0, 3.0, -1.0])
+    params = SamplingParams(repetition_penalty=2.0)
+    history = History.of(prompt=[0], output=[1])  # the prompt's tokens count as well
+
+    assert adjust(logits, params, history).tolist() == [1.0, -4.0, 3.0, -1.0]
+
+
+def test_nothing_set_leaves_the_logits_as_they_are():
+    logits = torch.tensor([1.0, 2.0])
+
+    assert adjust(logits, SamplingParams(), History.of([0], [1])) is logits
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+    probs = probabilities(logits, SamplingParams(temperature=1.0, min_p=0.25))  # keeps p >= 0.125
+
+    assert probs[3] == 0.0
+    assert torch.allclose(probs[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": float("nan")},
+        {"repetition_penalty": 0.0},
+        {"min_p": -0.1},
+        {"logit_bias": ((1, 101.0),)},
+        {"logit_bias": ((1, 1.0), (1, 2.0))},
+        {"logit_bias": ((-1, 1.0),)},
+    ],
+)
+def test_adjustments_out_of_range_are_refused(params):
+    with pytest.raises(ValueError):
+        SamplingParams(**params)

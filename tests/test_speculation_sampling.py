@@ -88,8 +88,8 @@ def sample(drafter, *, k: int, depth: int, seed: int, keep_every_draft: bool = F
     state = GenerationState(request, tokenizer=_Tokenizer())
     if keep_every_draft:
         plain_verify = state.sampler.verify
-        state.sampler.verify = lambda logits, draft, position: (
-            (draft, True) if draft is not None else plain_verify(logits, None, position)
+        state.sampler.verify = lambda logits, draft, position, history=None: (
+            (draft, True) if draft is not None else plain_verify(logits, None, position, history)
         )
     flight = []
     while not state.done:

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import time
 import uuid
 
@@ -36,7 +37,12 @@ from marketplace.jobs.errors import InvalidRequest, JobFailed, ModelNotFound, No
 from marketplace.jobs.models import ApiKey, Job
 from marketplace.jobs.params import (
     DEFAULT_MAX_TOKENS,
+    MAX_COMPLETION_LOGPROBS,
     MAX_STOP,
+    MAX_TOP_LOGPROBS,
+    MIN_P_RANGE,
+    PENALTY_RANGE,
+    REPETITION_RANGE,
     SEED_RANGE,
     TEMPERATURE_RANGE,
     TOP_P_RANGE,
@@ -73,21 +79,18 @@ def _json_body(request: HttpRequest) -> dict:
 # an argument it does not recognise, so that nothing a client sends is silently ignored.
 _COMMON_KEYS = frozenset(
     {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user"}
+    | {"presence_penalty", "frequency_penalty", "logit_bias"}
+    | {"top_k", "min_p", "repetition_penalty"}  # not OpenAI's: as vLLM and OpenRouter take them
     | {"speculation"}  # this API's own: False turns speculative decoding off (the same tokens)
 )
 REQUEST_KEYS = {
-    "chat": _COMMON_KEYS | {"messages", "max_completion_tokens"},
-    "completion": _COMMON_KEYS | {"prompt"},
+    "chat": _COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"},
+    "completion": _COMMON_KEYS | {"prompt", "logprobs"},
 }
 # Keys of OpenAI's API that this one does not implement (yet): accepted only with the value that
 # asks for nothing (None always counts as absent), otherwise refused as unsupported by name.
 NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
-    "response_format": ({"type": "text"},),
+    "response_format": ({"type": "text"},),  # a text completion's: JSON output is a chat completion's
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),  # means nothing without tools
@@ -116,8 +119,8 @@ CAPABILITIES = {
     "streaming": True,
     "embeddings": False,  # out of scope: the swarm serves generation only
     "tools": False,
-    "structured_output": False,
-    "logprobs": False,
+    "structured_output": True,
+    "logprobs": True,
 }
 
 
@@ -222,6 +225,17 @@ def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
         raise InvalidRequest("'speculation' must be a boolean.", param="speculation")
     temperature = _number(body, "temperature", 1.0, TEMPERATURE_RANGE)
     top_p = _number(body, "top_p", 1.0, TOP_P_RANGE, low_open=True)
+    top_k = body.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise InvalidRequest("'top_k' must be an integer.", param="top_k")
+    logit_bias = body.get("logit_bias") or {}
+    if not isinstance(logit_bias, dict):
+        raise InvalidRequest("'logit_bias' must be an object mapping token ids to biases.", param="logit_bias")
+    for key in logit_bias:
+        if not (key.isascii() and key.isdigit() and len(key) <= 9):
+            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {key!r}.", param="logit_bias")
+    logprobs = _logprobs(body, kind)
+    response_format = _response_format(body.get("response_format")) if kind == "chat" else None
     messages, prompt = None, None
     if kind == "chat":
         messages = _messages(body)
@@ -243,8 +257,74 @@ def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
         messages=messages,
         prompt=prompt,
         speculation=speculation,
+        top_k=top_k or 0,
+        min_p=_number(body, "min_p", 0.0, MIN_P_RANGE),
+        presence_penalty=_number(body, "presence_penalty", 0.0, PENALTY_RANGE),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, PENALTY_RANGE),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, REPETITION_RANGE, low_open=True),
+        logit_bias=tuple((int(key), bias) for key, bias in logit_bias.items()),
+        logprobs=logprobs,
+        response_format=response_format,
     )
     return model, params
+
+
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _response_format(value: object) -> tuple[str, str | None] | None:
+    """A chat request's ``response_format``: None for text, ("json_object", None), or
+    ("json_schema", the schema's JSON text). The schema is compiled at admission (a schema the
+    grammar compiler refuses answers 400 there)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest(
+            '\'response_format\' must be {"type": "text" | "json_object" | "json_schema", ...}.',
+            param="response_format",
+        )
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return kind, None
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not SCHEMA_NAME.fullmatch(spec["name"]):
+        raise InvalidRequest(
+            "'response_format.json_schema' needs a 'name' of 1-64 letters, digits, '_' or '-'.",
+            param="response_format.json_schema.name",
+        )
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise InvalidRequest(
+            "'response_format.json_schema.schema' must be a JSON schema object.",
+            param="response_format.json_schema.schema",
+        )
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise InvalidRequest(
+            "'response_format.json_schema.strict' must be a boolean.", param="response_format.json_schema.strict"
+        )
+    return kind, json.dumps(schema, sort_keys=True)
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per token the request wants log-probabilities of (None: none): a
+    chat's ``logprobs`` (bool) and ``top_logprobs`` (0-20), a text completion's ``logprobs`` (0-5)."""
+    if kind == "chat":
+        wanted, top = body.get("logprobs"), body.get("top_logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise InvalidRequest("'logprobs' must be a boolean.", param="logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}].", param="top_logprobs")
+        if top is not None and not wanted:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
+        return (top or 0) if wanted else None
+    wanted = body.get("logprobs")
+    if wanted is not None and (
+        isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 <= wanted <= MAX_COMPLETION_LOGPROBS
+    ):
+        raise InvalidRequest(f"'logprobs' must be an integer in [0, {MAX_COMPLETION_LOGPROBS}].", param="logprobs")
+    return wanted
 
 
 def releases_db(view):
@@ -393,6 +473,8 @@ class _Reply:
     def __init__(self, job, kind: str, model: str, prompt_tokens: int, layer, channel: str) -> None:
         self.job, self.kind, self.model = job, kind, model
         self.prompt_tokens = prompt_tokens
+        self.logprobs = job.params.get("logprobs")  # alternatives per token, or None: no log-probabilities
+        self._offset = 0  # a text completion's characters so far, for its logprobs' text_offset
         self.layer, self.channel = layer, channel
         self.created = int(time.time())
 
@@ -427,11 +509,39 @@ class _Reply:
             "total_tokens": self.prompt_tokens + completion_tokens,
         }
 
+    def _logprobs(self, tokens: list[dict]) -> dict | None:
+        """The ``logprobs`` object of a choice or chunk for the token events ``tokens``, in the
+        endpoint's shape; None when the request asked for none."""
+        if self.logprobs is None:
+            return None
+        if self.kind == "chat":
+
+            def entry(text: str, logprob: float) -> dict:
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            content = [
+                entry(t["token"], t["logprob"]) | {"top_logprobs": [entry(a, b) for a, b in t["top_logprobs"]]}
+                for t in tokens
+            ]
+            return {"content": content, "refusal": None}
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t["token"])
+        return {
+            "tokens": [t["token"] for t in tokens],
+            "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [dict(t["top_logprobs"]) for t in tokens],
+            "text_offset": offsets,
+        }
+
     async def whole(self) -> dict:
-        text, finish, completion = [], "stop", 0
+        text, finish, completion, tokens = [], "stop", 0, []
         async for event in self.events():
             if event["type"] == "job.token":
                 text.append(event["text"])
+                if "logprob" in event:
+                    tokens.append(event)
             elif event["type"] == "job.done":
                 finish, completion = event["finish_reason"], event["completion_tokens"]
             else:
@@ -441,12 +551,12 @@ class _Reply:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": content, "refusal": None},
-                "logprobs": None,
+                "logprobs": self._logprobs(tokens),
                 "finish_reason": finish,
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": content, "logprobs": self._logprobs(tokens), "finish_reason": finish}
             obj = "text_completion"
         return {
             "id": self.job.public_id,
@@ -458,13 +568,16 @@ class _Reply:
             "system_fingerprint": None,
         }
 
-    def _chunk(self, delta_text: str | None, finish: str | None, *, first: bool = False) -> dict:
+    def _chunk(
+        self, delta_text: str | None, finish: str | None, *, first: bool = False, tokens: list[dict] = ()
+    ) -> dict:
+        logprobs = self._logprobs(list(tokens)) if tokens else None
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({"content": delta_text} if delta_text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs, "finish_reason": finish}
             obj = "text_completion"
         return {
             "id": self.job.public_id,
@@ -480,13 +593,17 @@ class _Reply:
         try:
             if self.kind == "chat":
                 yield _sse(self._chunk(None, None, first=True))
+            tokens: list[dict] = []  # token events whose log-probabilities no chunk carried yet
             async for event in self.events():
                 if event["type"] == "job.token":
+                    if "logprob" in event:
+                        tokens.append(event)
                     if event["text"]:
-                        yield _sse(self._chunk(event["text"], None))
+                        yield _sse(self._chunk(event["text"], None, tokens=tokens))
+                        tokens = []
                 elif event["type"] == "job.done":
                     ended = True
-                    yield _sse(self._chunk(None, event["finish_reason"]))
+                    yield _sse(self._chunk(None, event["finish_reason"], tokens=tokens))
                     if include_usage:
                         usage = {
                             **self._chunk(None, None),

@@ -7,6 +7,7 @@ instead of picking keys out of a dict. Rows written before a key existed read it
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -17,6 +18,14 @@ TEMPERATURE_RANGE = (0.0, 2.0)  # [low, high], as OpenAI allows
 TOP_P_RANGE = (0.0, 1.0)  # (low, high]: a top_p of 0 would keep no token
 DEFAULT_MAX_TOKENS = 256  # completion tokens when the request names no limit
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as OpenAI's API takes it
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, as OpenAI bounds them
+REPETITION_RANGE = (0.0, 2.0)  # (low, high]: 1 changes nothing
+MIN_P_RANGE = (0.0, 1.0)
+BIAS_RANGE = (-100.0, 100.0)  # a logit_bias value, as OpenAI bounds it
+MAX_LOGIT_BIAS = 300  # tokens one request may bias
+MAX_TOP_K = 1 << 20
+MAX_TOP_LOGPROBS = 20  # alternatives per token a chat request may ask for, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # the same for a text completion's ``logprobs``
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,15 @@ class RequestParams:
     messages: tuple[ChatMessage, ...] | None = None  # a chat request's conversation, in order
     prompt: str | None = None  # a completion request's prompt text
     speculation: bool = True  # speculative decoding where it pays; False: plain decoding (same tokens)
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely (in MIN_P_RANGE)
+    presence_penalty: float = 0.0  # OpenAI's, in PENALTY_RANGE
+    frequency_penalty: float = 0.0  # OpenAI's, in PENALTY_RANGE
+    repetition_penalty: float = 1.0  # Hugging Face's, over prompt and output (in REPETITION_RANGE, low open)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in BIAS_RANGE), ids distinct
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its k likeliest alternatives
+    # The output must be JSON: ("json_object", None), or ("json_schema", the schema's JSON text).
+    response_format: tuple[str, str | None] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -60,6 +78,29 @@ class RequestParams:
             raise InvalidRequest("'prompt' must be a non-empty string.", param="prompt")
         if not isinstance(self.speculation, bool):
             raise InvalidRequest("'speculation' must be a boolean.", param="speculation")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequest(f"'top_k' must be an integer in [0, {MAX_TOP_K}].", param="top_k")
+        check_number("min_p", self.min_p, MIN_P_RANGE, low_open=False)
+        check_number("presence_penalty", self.presence_penalty, PENALTY_RANGE, low_open=False)
+        check_number("frequency_penalty", self.frequency_penalty, PENALTY_RANGE, low_open=False)
+        check_number("repetition_penalty", self.repetition_penalty, REPETITION_RANGE, low_open=True)
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}].", param="top_logprobs")
+        if self.response_format is not None and self.response_format[0] not in ("json_object", "json_schema"):
+            raise InvalidRequest(
+                "'response_format.type' must be text, json_object or json_schema.", param="response_format"
+            )
+        ids = [token for token, _ in self.logit_bias]
+        if len(ids) > MAX_LOGIT_BIAS or len(set(ids)) != len(ids):
+            raise InvalidRequest(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} distinct tokens.", param="logit_bias")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequest(f"'logit_bias' keys must be token ids, got {token!r}.", param="logit_bias")
+            check_number(f"logit_bias.{token}", bias, BIAS_RANGE, low_open=False)
 
     @property
     def chat(self) -> bool:
@@ -88,6 +129,22 @@ class RequestParams:
             "user": self.user,
             "speculation": self.speculation,
         }
+        # The logits' adjustments, written only when set: a request without them stores what it always did.
+        adjustments = {
+            "top_k": (self.top_k, 0),
+            "min_p": (self.min_p, 0.0),
+            "presence_penalty": (self.presence_penalty, 0.0),
+            "frequency_penalty": (self.frequency_penalty, 0.0),
+            "repetition_penalty": (self.repetition_penalty, 1.0),
+        }
+        data |= {key: value for key, (value, default) in adjustments.items() if value != default}
+        if self.logit_bias:
+            data["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
+        if self.logprobs is not None:
+            data["logprobs"] = self.logprobs
+        if self.response_format is not None:
+            kind, schema = self.response_format
+            data["response_format"] = {"type": kind} | ({} if schema is None else {"schema": json.loads(schema)})
         if self.messages is not None:
             data["messages"] = self.chat_messages()
         else:
@@ -110,7 +167,22 @@ class RequestParams:
             messages=None if messages is None else tuple(ChatMessage(m["role"], m["content"]) for m in messages),
             prompt=data.get("prompt"),
             speculation=data.get("speculation", True),
+            top_k=data.get("top_k", 0),
+            min_p=data.get("min_p", 0.0),
+            presence_penalty=data.get("presence_penalty", 0.0),
+            frequency_penalty=data.get("frequency_penalty", 0.0),
+            repetition_penalty=data.get("repetition_penalty", 1.0),
+            logit_bias=tuple((int(token), bias) for token, bias in (data.get("logit_bias") or {}).items()),
+            logprobs=data.get("logprobs"),
+            response_format=_response_format(data.get("response_format")),
         )
+
+
+def _response_format(stored: dict | None) -> tuple[str, str | None] | None:
+    if stored is None:
+        return None
+    schema = stored.get("schema")
+    return stored["type"], None if schema is None else json.dumps(schema, sort_keys=True)
 
 
 def check_number(name: str, value: object, bounds: tuple[float, float], *, low_open: bool) -> None:

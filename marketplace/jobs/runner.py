@@ -40,6 +40,7 @@ from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
+from worker_agent.coordinator.session import TokenEvent
 from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.errors import SwarmError
 from worker_agent.receipts import SessionTranscript
@@ -111,7 +112,17 @@ def speculation_settings() -> SpeculationSettings:
 
 def sampling_params(params: RequestParams) -> SamplingParams:
     """The coordinator's sampling settings for a request's parameters."""
-    return SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
+    return SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias,
+    )
 
 
 async def run_job(job_pk: int) -> str:
@@ -286,6 +297,8 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
             sampling=sampling_params(params),
             stop=params.stop,
             speculate=params.speculation,
+            logprobs=params.logprobs,
+            grammar=services.json_grammar(params),
         )
         stream = coord.stream(request, strict=False)
         # Listens all along, so checking for a cancel between two tokens costs no round trip.
@@ -294,7 +307,10 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
             async for event in stream:
                 if isinstance(event, GenerationResult):
                     return event, False, dict(coord.pipeline.transcripts)
-                await layer.group_send(group, {"type": "job.token", "text": event.text, "token_id": event.token_id})
+                message = {"type": "job.token", "text": event.text, "token_id": event.token_id}
+                if event.logprob is not None:
+                    message |= logprob_fields(coord.tokenizer, event)
+                await layer.group_send(group, message)
                 if event.token_id is not None:
                     delivered.tokens += 1
                 now = time.monotonic()
@@ -318,6 +334,16 @@ def public_failure(code: str, message: str) -> str:
         f"a provider stage failed ({code}) and no route around it was available; "
         "only the tokens delivered before it are charged"
     )
+
+
+def logprob_fields(tokenizer, event: TokenEvent) -> dict:
+    """A token event's log-probabilities for the API: the token's text and its log-probability,
+    and the likeliest tokens' ``[text, log-probability]``, most likely first."""
+    return {
+        "token": tokenizer.decode([event.token_id]),
+        "logprob": event.logprob,
+        "top_logprobs": [[tokenizer.decode([token]), logprob] for token, logprob in event.top_logprobs],
+    }
 
 
 async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_tokens: int) -> None:

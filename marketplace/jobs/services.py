@@ -37,6 +37,7 @@ from marketplace.placement.selectors import context_length, recovering, route_ar
 from marketplace.placement.services import report_node_failure
 from marketplace.verification.audits import choose_audit_stages
 from worker_agent import model as models
+from worker_agent.coordinator import grammar
 from worker_agent.coordinator.job import encode_prompt
 
 log = logging.getLogger("swarm.jobs")
@@ -117,7 +118,8 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
     """The request's prompt as the model's token ids, exactly as its coordinator would tokenize it.
 
     A prompt over SWARM_MAX_PROMPT_BYTES is refused (``context_length_exceeded``) before the
-    tokenizer sees it: tokenizing megabytes costs seconds and hundreds of megabytes of memory."""
+    tokenizer sees it: tokenizing megabytes costs seconds and hundreds of megabytes of memory. A
+    ``logit_bias`` naming a token past the model's vocabulary is refused too (400)."""
     size, limit = params.prompt_bytes(), settings.SWARM_MAX_PROMPT_BYTES
     if size > limit:
         raise InvalidRequest(
@@ -126,8 +128,28 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
             param="messages" if params.chat else "prompt",
             code="context_length_exceeded",
         )
+    vocab = models.load_config(model).vocab_size
+    for token, _ in params.logit_bias:
+        if token >= vocab:
+            raise InvalidRequest(
+                f"'logit_bias' names token {token}; {model}'s vocabulary has tokens 0 to {vocab - 1}.",
+                param="logit_bias",
+            )
+    tokenizer = models.load_tokenizer(model)
+    if params.response_format is not None:
+        try:
+            grammar.check(json_grammar(params), tokenizer, vocab)
+        except grammar.GrammarError as exc:
+            raise InvalidRequest(f"'response_format': {exc}.", param="response_format") from None
     prompt = params.chat_messages() if params.chat else params.prompt
-    return encode_prompt(models.load_tokenizer(model), prompt, chat=params.chat)
+    return encode_prompt(tokenizer, prompt, chat=params.chat)
+
+
+def json_grammar(params: RequestParams) -> grammar.JsonGrammar | None:
+    """The grammar a request's ``response_format`` asks the output to follow (None: free text)."""
+    if params.response_format is None:
+        return None
+    return grammar.JsonGrammar(params.response_format[1])
 
 
 def fit_context(model: str, prompt_tokens: int, params: RequestParams, *, max_tokens_given: bool) -> RequestParams:

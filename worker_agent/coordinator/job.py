@@ -34,6 +34,7 @@ from nacl.signing import SigningKey
 
 from worker_agent import model as models
 from worker_agent.coordinator.drafters import Drafter
+from worker_agent.coordinator.grammar import Constraint, JsonGrammar
 from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.heal import Healer, HealRecord, StageFailure
 from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, Pipeline, StageSpec
@@ -294,6 +295,8 @@ class Coordinator:
         sampling: SamplingParams | None = None,
         stop: tuple[str, ...] = (),
         speculate: bool = True,
+        logprobs: int | None = None,
+        grammar: JsonGrammar | None = None,
     ) -> GenerationRequest:
         """A request for a prompt tokenized already (``encode_prompt`` with this model's tokenizer)."""
         eos = self.tokenizer.eos_token_id
@@ -304,6 +307,8 @@ class Coordinator:
             stop=stop,
             eos_ids=frozenset([eos] if eos is not None else []),
             speculate=speculate,
+            logprobs=logprobs,
+            grammar=grammar,
         )
 
     async def stream(
@@ -312,7 +317,10 @@ class Coordinator:
         """Yield each committed token as it comes, then the verified result. Receipts that fail
         verification raise (``strict``), or are reported in the result's ``verification_error``."""
         started = time.monotonic()
-        state = GenerationState(request, self.tokenizer)
+        constraint = None
+        if request.grammar is not None:
+            constraint = Constraint(request.grammar, self.tokenizer, self.head.lm_head.out_features)
+        state = GenerationState(request, self.tokenizer, constraint=constraint)
         heals: list[HealRecord] = []
         pipeline = self.pipeline
         session = pipeline.new_session_id()

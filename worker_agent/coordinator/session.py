@@ -18,12 +18,13 @@ chunk then starts at its position, which makes the stages drop the rejected posi
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 
-from worker_agent.coordinator.sampling import Sampler, SamplingParams
+from worker_agent.coordinator.grammar import Constraint, JsonGrammar
+from worker_agent.coordinator.sampling import History, Sampler, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # the text ends before the first of these
     eos_ids: frozenset[int] = frozenset()
     speculate: bool = True  # False: plain decoding whatever the coordinator's settings
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest (k <= 20)
+    grammar: JsonGrammar | None = None  # the output must be JSON (of this schema): grammar.py
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -42,6 +45,11 @@ class GenerationRequest:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+
+MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probabilities may list, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,11 @@ class TokenEvent:
     token_id: int | None  # None: the end of the stream released held-back text, no new token
     text: str  # the text this token made final (may be "" while a stop string is still possible)
     at: float  # seconds since the request started
+    # When the request asks for them: the token's log-probability under the model (the log-softmax
+    # of the target model's logits at its position, before any bias or penalty) and the likeliest
+    # tokens there, (token id, log-probability), most likely first.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -72,9 +85,12 @@ class Fold:
 
 
 class GenerationState:
-    def __init__(self, request: GenerationRequest, tokenizer, *, clock=time.monotonic) -> None:
+    def __init__(
+        self, request: GenerationRequest, tokenizer, *, clock=time.monotonic, constraint: Constraint | None = None
+    ) -> None:
         self.request = request
         self.tokenizer = tokenizer
+        self.constraint = constraint  # the request's grammar, when it has one (built by the coordinator)
         self.sampler = Sampler(request.sampling)
         self.clock = clock
         self.started = clock()
@@ -92,6 +108,9 @@ class GenerationState:
         self._prefix = self._read = 0  # indices into generated: see _decode_tail
         self._reset_chain(list(request.prompt_ids), 0)
         self._chunk_ids = 0
+        adjusts = request.sampling.adjusts
+        self._prompt_set = frozenset(request.prompt_ids) if adjusts else frozenset()
+        self._output_counts: Counter[int] | None = Counter() if adjusts else None  # kept only when read
 
     @property
     def done(self) -> bool:
@@ -137,7 +156,12 @@ class GenerationState:
         is nothing to send (every chain token is in flight and no draft came)."""
         if self.done:
             return None
-        self.chain.extend(drafts[: self.room_for_drafts()])
+        drafts = list(drafts[: self.room_for_drafts()])
+        if self.constraint is not None and drafts:  # cut at the first draft the grammar refuses
+            pending = self.chain[self.chain_committed :]  # drafts appended before, not verified yet
+            valid = self.constraint.valid_prefix(pending + drafts) - len(pending)
+            drafts = drafts[: max(0, valid)]
+        self.chain.extend(drafts)
         count = len(self.chain) - self.sent
         if count == 0:
             return None
@@ -178,11 +202,12 @@ class GenerationState:
         for offset in range(rows):
             index = first + offset  # this row's chain token; it predicts chain[index + 1]
             draft = self.chain[index + 1] if index + 1 < len(self.chain) else None
-            token, ok = self.sampler.verify(logits[offset], draft, self.chain_start + index + 1)
+            row = logits[offset] if self.constraint is None else self.constraint.apply(logits[offset])
+            token, ok = self.sampler.verify(row, draft, self.chain_start + index + 1, self._history())
             if draft is not None:
                 drafted += 1
                 accepted += ok
-            event = self._commit(token)
+            event = self._commit(token, self._logprobs(logits[offset], token))
             if event is not None:
                 events.append(event)
             if draft is not None and ok:
@@ -203,7 +228,24 @@ class GenerationState:
         self.accepted += accepted
         return Fold(events, drafted, accepted)
 
-    def _commit(self, token: int) -> TokenEvent | None:
+    def _history(self) -> History | None:
+        """What the next position's adjustments look at (None when the request sets none)."""
+        if self._output_counts is None:
+            return None
+        return History(self._prompt_set, self._output_counts)
+
+    def _logprobs(self, logits: torch.Tensor, token: int) -> tuple[float, tuple[tuple[int, float], ...]] | None:
+        """The token's log-probability at this row and the likeliest alternatives, if asked for. (vocab,)"""
+        if self.request.logprobs is None:
+            return None
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(logprobs, self.request.logprobs) if self.request.logprobs else None
+        alternatives = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        return float(logprobs[token]), alternatives
+
+    def _commit(
+        self, token: int, logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
+    ) -> TokenEvent | None:
         """Commit one token: EOS ends the stream, a stop string cuts the text, the budget stops it."""
         now = self.clock() - self.started
         if token in self.request.eos_ids:
@@ -211,6 +253,10 @@ class GenerationState:
             return self._flush(now)
         self.generated.append(token)
         self.token_times.append(now)
+        if self._output_counts is not None:
+            self._output_counts[token] += 1
+        if self.constraint is not None:
+            self.constraint.consume(token)
         self._decode_tail()
         full = self._decoded
         for stop in self.request.stop:
@@ -218,11 +264,14 @@ class GenerationState:
             cut = full.find(stop, max(0, len(self.text) - len(stop)))
             if cut != -1:
                 self.finish_reason = "stop"
-                return self._emit(token, full[:cut], now)
+                return self._emit(token, full[:cut], now, logprobs)
+        if self.constraint is not None and self.constraint.stopped:  # the JSON is complete
+            self.finish_reason = "stop"
+            return self._emit(token, full, now, logprobs)
         if len(self.generated) >= self.request.max_tokens:
             self.finish_reason = "length"
-            return self._emit(token, full, now)
-        return self._emit(token, self._stable_prefix(full), now)
+            return self._emit(token, full, now, logprobs)
+        return self._emit(token, self._stable_prefix(full), now, logprobs)
 
     def _decode_tail(self) -> None:
         """Extend the decoded text by the newest token, decoding a few tokens only (O(1) per token):
@@ -251,10 +300,14 @@ class GenerationState:
                     break
         return stable if stable.startswith(self.text) else self.text
 
-    def _emit(self, token: int | None, text: str, now: float) -> TokenEvent:
+    def _emit(
+        self, token: int | None, text: str, now: float, logprobs: tuple[float, tuple] | None = None
+    ) -> TokenEvent:
         delta = text[len(self.text) :] if text.startswith(self.text) else ""
         self.text = text if text.startswith(self.text) else self.text
-        return TokenEvent(token, delta, now)
+        if logprobs is None:
+            return TokenEvent(token, delta, now)
+        return TokenEvent(token, delta, now, logprobs[0], logprobs[1])
 
     def _flush(self, now: float) -> TokenEvent | None:
         """At EOS: release text held back for a possible stop string, if any."""

@@ -1,0 +1,106 @@
+"""Constrained decoding: a JSON grammar's token mask at every position, with llguidance.
+
+A request may ask for JSON (``response_format`` ``{"type": "json_object"}``) or for JSON that
+validates against a schema (``{"type": "json_schema", ...}``). The coordinator holds the LM head,
+so the constraint lives here: before a position's token is chosen, every token the grammar does
+not allow next gets a logit of -inf, so greedy and sampled output can only be grammatical; the
+grammar then consumes the token chosen. The stream stops as soon as only end-of-sequence can
+follow, and end-of-sequence is allowed only where the text is complete JSON.
+
+With speculation, each row of a chunk is masked with the grammar's state after the tokens
+committed before it, so output is exactly what plain decoding gives; drafts are cut at their
+first token the grammar would refuse before they are sent (``valid_prefix``), so no position is
+spent on a draft that cannot be accepted.
+
+llguidance was chosen over xgrammar and outlines-core (compared on 20 Pydantic schemas and free
+JSON with this tokenizer): it enforced every schema (bounds, enums, patterns, formats, $ref,
+additionalProperties), never allowed a special token inside a string, compiles a schema in
+1-3 ms, costs about 15 µs a position, has no runtime dependency and checks draft tokens without
+consuming them. xgrammar was ~5x faster a step but allowed raw control characters in bounded
+strings and special tokens in strings; outlines-core ignored numeric bounds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+JSON_DEFAULTS = {"whitespace_flexible": False}  # compact JSON: no run of spaces for a model to loop in
+
+
+class GrammarError(ValueError):
+    """A schema the grammar compiler refuses (the message says why)."""
+
+
+@dataclass(frozen=True)
+class JsonGrammar:
+    """What the output must be: any JSON object (``schema`` None) or JSON valid against ``schema``
+    (its JSON text, so the spec is hashable and travels as it came)."""
+
+    schema: str | None = None
+
+    def grammar(self) -> str:
+        schema = {"type": "object"} if self.schema is None else json.loads(self.schema)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
+
+
+@cache
+def _tokenizer(tokenizer, vocab: int, eos: int) -> llguidance.LLTokenizer:
+    """The tokenizer as llguidance sees it (about 0.3 s to build: once per model)."""
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
+
+
+def check(spec: JsonGrammar, tokenizer, vocab: int) -> None:
+    """Raise GrammarError when ``spec`` cannot constrain this model's output."""
+    error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        spec.grammar(), _tokenizer(tokenizer, vocab, tokenizer.eos_token_id)
+    )
+    if error:
+        raise GrammarError(f"the JSON schema cannot be used: {messages[0] if messages else 'invalid grammar'}")
+
+
+class Constraint:
+    """One stream's grammar state: the mask of allowed next tokens, and the tokens consumed."""
+
+    def __init__(self, spec: JsonGrammar, tokenizer, vocab: int) -> None:
+        self.vocab = vocab
+        self._matcher = llguidance.LLMatcher(
+            _tokenizer(tokenizer, vocab, tokenizer.eos_token_id), spec.grammar(), log_level=0
+        )
+        if self._matcher.is_error():
+            raise GrammarError(f"the JSON schema cannot be used: {self._matcher.get_error()}")
+        self._bits = allocate_token_bitmask(1, vocab)
+
+    def mask(self) -> torch.Tensor:
+        """bool (vocab,): True where a token may come next (end-of-sequence only where the text is complete)."""
+        fill_next_token_bitmask(self._matcher, self._bits)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab]
+        return torch.from_numpy(bits).view(torch.bool)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with every token the grammar does not allow next at -inf. (vocab,)"""
+        return logits.float().masked_fill(~self.mask(), float("-inf"))
+
+    def consume(self, token: int) -> None:
+        """Advance past a committed token (one ``apply`` allowed)."""
+        if not self._matcher.consume_token(token):
+            raise GrammarError(f"token {token} is not allowed here: {self._matcher.get_error()}")
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the current state on, the grammar allows in a row."""
+        return self._matcher.validate_tokens(tokens) if tokens else 0
+
+    @property
+    def stopped(self) -> bool:
+        """Only end-of-sequence can follow: the output is complete."""
+        return self._matcher.is_stopped()
