@@ -184,7 +184,7 @@ def test_a_role_that_is_not_a_string_is_a_bad_request(api, role, calls):
         client_of(api).chat.completions.create(model=MODEL, messages=[{"role": role, "content": "hi"}], max_tokens=4)
 
     assert error_of(refused.value) == {
-        "message": "messages[0] needs a role of ['assistant', 'developer', 'system', 'user'].",
+        "message": "messages[0] needs a role of ['assistant', 'developer', 'system', 'tool', 'user'].",
         "type": "invalid_request_error",
         "param": "messages.0.role",
         "code": None,
@@ -274,8 +274,9 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize(
     ("kind", "arguments", "param"),
     [
-        ("chat", {"tools": [TOOL]}, "tools"),
-        ("chat", {"tool_choice": "required"}, "tool_choice"),
+        ("chat", {"functions": [TOOL["function"]]}, "functions"),
+        ("chat", {"function_call": "auto"}, "function_call"),
+        ("completion", {"tools": [TOOL]}, "tools"),
         ("completion", {"response_format": {"type": "json_object"}}, "response_format"),
         ("chat", {"store": True}, "store"),
         ("completion", {"echo": True}, "echo"),
@@ -304,17 +305,28 @@ def test_an_argument_this_api_does_not_implement_is_refused_by_name(api, calls, 
     assert calls == []
 
 
-def test_a_history_with_tool_calls_is_refused_naming_the_field(api, calls):
+def test_a_history_with_tool_calls_and_results_is_accepted(api, calls):
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     messages = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
     ]
+
+    with pytest.raises(openai.APIStatusError) as no_capacity:
+        client_of(api).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+
+    assert no_capacity.value.status_code == 503  # validated and tokenized; no agents here
+    assert calls == ["tokenize", "admit"]
+
+
+def test_a_message_field_this_api_does_not_implement_is_refused_naming_it(api, calls):
+    messages = [{"role": "user", "content": "hi", "name": "carol"}]
 
     with pytest.raises(openai.BadRequestError) as refused:
         client_of(api).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
 
-    assert error_of(refused.value)["param"] == "messages.1.tool_calls"
+    assert error_of(refused.value)["param"] == "messages.0.name"
     assert error_of(refused.value)["code"] == "unsupported_parameter"
     assert calls == []
 

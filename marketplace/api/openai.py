@@ -32,7 +32,7 @@ from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
 from marketplace.db import release_connections
 from marketplace.errors import DomainError
-from marketplace.jobs import runner, services, tasks
+from marketplace.jobs import runner, services, tasks, tools
 from marketplace.jobs.errors import InvalidRequest, JobFailed, ModelNotFound, NoCapacity
 from marketplace.jobs.models import ApiKey, Job
 from marketplace.jobs.params import (
@@ -53,7 +53,7 @@ from marketplace.jobs.params import (
 from marketplace.placement.selectors import context_length, recovering, servable_pipelines
 
 log = logging.getLogger("swarm.api")
-ROLES = {"system", "user", "assistant", "developer"}
+ROLES = {"system", "user", "assistant", "developer", "tool"}
 # While a job is silent, its record is checked this often for signs of life; the response gives up
 # only when the job stopped making progress (jobs.services.stopped_answering), never on a clock of its own.
 PROGRESS_CHECK_S = 5.0
@@ -84,16 +84,18 @@ _COMMON_KEYS = frozenset(
     | {"speculation"}  # this API's own: False turns speculative decoding off (the same tokens)
 )
 REQUEST_KEYS = {
-    "chat": _COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"},
+    "chat": _COMMON_KEYS
+    | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
+    | {"tools", "tool_choice", "parallel_tool_calls"},
     "completion": _COMMON_KEYS | {"prompt", "logprobs"},
 }
 # Keys of OpenAI's API that this one does not implement (yet): accepted only with the value that
 # asks for nothing (None always counts as absent), otherwise refused as unsupported by name.
 NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "response_format": ({"type": "text"},),  # a text completion's: JSON output is a chat completion's
-    "tools": ([],),
+    "tools": ([],),  # a text completion's
     "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # means nothing without tools
+    "parallel_tool_calls": (True, False),
     "functions": ([],),
     "function_call": ("none",),
     "echo": (False,),
@@ -111,14 +113,18 @@ NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "prompt_cache_key": (),
     "safety_identifier": (),
 }
-MESSAGE_KEYS = frozenset({"role", "content"})
+MESSAGE_KEYS = {  # the keys a message of each role may carry
+    "assistant": frozenset({"role", "content", "tool_calls"}),
+    "tool": frozenset({"role", "content", "tool_call_id"}),
+}
+PLAIN_MESSAGE_KEYS = frozenset({"role", "content"})
 # What every listed model answers through this API, as /v1/models reports it.
 CAPABILITIES = {
     "chat_completions": True,
     "completions": True,
     "streaming": True,
     "embeddings": False,  # out of scope: the swarm serves generation only
-    "tools": False,
+    "tools": True,  # tool_choice "required" or a named function; "auto" is refused
     "structured_output": True,
     "logprobs": True,
 }
@@ -156,14 +162,19 @@ def _messages(body: dict) -> tuple[ChatMessage, ...]:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
             raise InvalidRequest(f"messages[{index}] needs a role of {sorted(ROLES)}.", param=f"messages.{index}.role")
+        allowed = MESSAGE_KEYS.get(message["role"], PLAIN_MESSAGE_KEYS)
         for key, value in message.items():
-            if key not in MESSAGE_KEYS and value is not None:
+            if key not in allowed and value is not None:
                 raise InvalidRequest(
                     f"Unsupported parameter: messages[{index}].{key} is not supported by this API yet.",
                     param=f"messages.{index}.{key}",
                     code="unsupported_parameter",
                 )
         content = message.get("content")
+        if message["role"] == "assistant" and message.get("tool_calls") is not None:
+            content = (content or "") + _calls_text(index, message["tool_calls"])
+        if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise InvalidRequest(f"messages[{index}] needs a 'tool_call_id'.", param=f"messages.{index}.tool_call_id")
         if isinstance(content, list):  # content parts: only text is supported
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
@@ -177,6 +188,22 @@ def _messages(body: dict) -> tuple[ChatMessage, ...]:
         role = "system" if message["role"] == "developer" else message["role"]
         clean.append(ChatMessage(role, content))
     return tuple(clean)
+
+
+def _calls_text(index: int, calls: object) -> str:
+    """An assistant message's earlier ``tool_calls``, as the model writes a call."""
+    if not isinstance(calls, list) or not all(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments"), str)
+        for c in calls
+    ):
+        raise InvalidRequest(
+            f"messages[{index}].tool_calls must be calls with a function name and JSON arguments.",
+            param=f"messages.{index}.tool_calls",
+        )
+    return tools.call_text(calls)
 
 
 def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
@@ -236,6 +263,21 @@ def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
             raise InvalidRequest(f"'logit_bias' keys must be token ids, got {key!r}.", param="logit_bias")
     logprobs = _logprobs(body, kind)
     response_format = _response_format(body.get("response_format")) if kind == "chat" else None
+    functions = tools.parse_tools(body.get("tools")) if kind == "chat" else ()
+    tool_choice = tools.parse_tool_choice(body.get("tool_choice"), functions)
+    if tool_choice == "auto":
+        raise InvalidRequest(
+            "Unsupported parameter: tool_choice 'auto' (the model choosing whether to call a tool) is not supported "
+            "by this API yet; use 'required', a named function, or 'none'.",
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
+    if tool_choice != "none" and response_format is not None:
+        raise InvalidRequest(
+            "A required tool call and 'response_format' cannot both shape the output.", param="tool_choice"
+        )
+    if not isinstance(body.get("parallel_tool_calls", True), bool | None):
+        raise InvalidRequest("'parallel_tool_calls' must be a boolean.", param="parallel_tool_calls")
     messages, prompt = None, None
     if kind == "chat":
         messages = _messages(body)
@@ -265,6 +307,8 @@ def _params(body: dict, kind: str) -> tuple[str, RequestParams]:
         logit_bias=tuple((int(key), bias) for key, bias in logit_bias.items()),
         logprobs=logprobs,
         response_format=response_format,
+        tools=functions,
+        tool_choice=tool_choice,
     )
     return model, params
 
@@ -474,6 +518,7 @@ class _Reply:
         self.job, self.kind, self.model = job, kind, model
         self.prompt_tokens = prompt_tokens
         self.logprobs = job.params.get("logprobs")  # alternatives per token, or None: no log-probabilities
+        self.calls_tool = job.params.get("tool_choice", "none") != "none"  # the output is one function call
         self._offset = 0  # a text completion's characters so far, for its logprobs' text_offset
         self.layer, self.channel = layer, channel
         self.created = int(time.time())
@@ -548,12 +593,14 @@ class _Reply:
                 raise _job_error(event)
         content = "".join(text)
         if self.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": content, "refusal": None},
-                "logprobs": self._logprobs(tokens),
-                "finish_reason": finish,
-            }
+            message = {"role": "assistant", "content": content, "refusal": None}
+            calls = tools.tool_calls_of(content) if self.calls_tool and finish == "stop" else None
+            if calls:
+                message, finish = (
+                    {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls},
+                    "tool_calls",
+                )
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(tokens), "finish_reason": finish}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": content, "logprobs": self._logprobs(tokens), "finish_reason": finish}
@@ -594,16 +641,29 @@ class _Reply:
             if self.kind == "chat":
                 yield _sse(self._chunk(None, None, first=True))
             tokens: list[dict] = []  # token events whose log-probabilities no chunk carried yet
+            held: list[str] = []  # a call's text, sent as tool_calls once whole
             async for event in self.events():
                 if event["type"] == "job.token":
                     if "logprob" in event:
                         tokens.append(event)
-                    if event["text"]:
+                    if event["text"] and self.calls_tool:
+                        held.append(event["text"])
+                    elif event["text"]:
                         yield _sse(self._chunk(event["text"], None, tokens=tokens))
                         tokens = []
                 elif event["type"] == "job.done":
                     ended = True
-                    yield _sse(self._chunk(None, event["finish_reason"], tokens=tokens))
+                    finish = event["finish_reason"]
+                    calls = tools.tool_calls_of("".join(held)) if held and finish == "stop" else None
+                    if calls:
+                        chunk = self._chunk(None, None, tokens=tokens)
+                        chunk["choices"][0]["delta"] = {"tool_calls": [{"index": 0, **calls[0]}]}
+                        yield _sse(chunk)
+                        finish, tokens = "tool_calls", []
+                    elif held:  # cut short: the text as it is
+                        yield _sse(self._chunk("".join(held), None, tokens=tokens))
+                        tokens = []
+                    yield _sse(self._chunk(None, finish, tokens=tokens))
                     if include_usage:
                         usage = {
                             **self._chunk(None, None),

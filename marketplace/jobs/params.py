@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from marketplace.jobs.errors import InvalidRequest
+from marketplace.jobs.tools import Tool
 
 MAX_STOP = 4  # stop strings a request may give, as OpenAI allows
 TEMPERATURE_RANGE = (0.0, 2.0)  # [low, high], as OpenAI allows
@@ -56,6 +57,8 @@ class RequestParams:
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k likeliest alternatives
     # The output must be JSON: ("json_object", None), or ("json_schema", the schema's JSON text).
     response_format: tuple[str, str | None] | None = None
+    tools: tuple[Tool, ...] = ()  # functions the model may be asked to call (tools.py)
+    tool_choice: str = "none"  # "none", "required" or a function's name: the output is then one call
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -103,6 +106,11 @@ class RequestParams:
             check_number(f"logit_bias.{token}", bias, BIAS_RANGE, low_open=False)
 
     @property
+    def calls_tool(self) -> bool:
+        """The output is one call of a function (``tool_choice`` required or named)."""
+        return self.tool_choice != "none"
+
+    @property
     def chat(self) -> bool:
         return self.messages is not None
 
@@ -145,6 +153,9 @@ class RequestParams:
         if self.response_format is not None:
             kind, schema = self.response_format
             data["response_format"] = {"type": kind} | ({} if schema is None else {"schema": json.loads(schema)})
+        if self.tools:
+            data["tools"] = [tool.to_json() for tool in self.tools]
+            data["tool_choice"] = self.tool_choice
         if self.messages is not None:
             data["messages"] = self.chat_messages()
         else:
@@ -175,6 +186,11 @@ class RequestParams:
             logit_bias=tuple((int(token), bias) for token, bias in (data.get("logit_bias") or {}).items()),
             logprobs=data.get("logprobs"),
             response_format=_response_format(data.get("response_format")),
+            tools=tuple(
+                Tool(t["name"], t["description"], json.dumps(t["parameters"], sort_keys=True))
+                for t in data.get("tools") or ()
+            ),
+            tool_choice=data.get("tool_choice", "none"),
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import secrets
 import uuid
@@ -21,6 +22,7 @@ from django.db.models import Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from marketplace.jobs import tools
 from marketplace.jobs.errors import (
     ApiKeyLimitReached,
     ApiKeyNameTaken,
@@ -136,17 +138,24 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
                 param="logit_bias",
             )
     tokenizer = models.load_tokenizer(model)
-    if params.response_format is not None:
+    spec = json_grammar(params)
+    if spec is not None:
+        param = "tools" if params.calls_tool else "response_format"
         try:
-            grammar.check(json_grammar(params), tokenizer, vocab)
+            grammar.check(spec, tokenizer, vocab)
         except grammar.GrammarError as exc:
-            raise InvalidRequest(f"'response_format': {exc}.", param="response_format") from None
-    prompt = params.chat_messages() if params.chat else params.prompt
-    return encode_prompt(tokenizer, prompt, chat=params.chat)
+            raise InvalidRequest(f"'{param}': {exc}.", param=param) from None
+    if not params.chat:
+        return encode_prompt(tokenizer, params.prompt, chat=False)
+    messages = tools.with_tools(params.chat_messages(), params.tools, params.tool_choice, tokenizer)
+    return encode_prompt(tokenizer, messages, chat=True)
 
 
 def json_grammar(params: RequestParams) -> grammar.JsonGrammar | None:
-    """The grammar a request's ``response_format`` asks the output to follow (None: free text)."""
+    """The grammar the output must follow: one call of the chosen function(s), or the request's
+    ``response_format`` (None: free text)."""
+    if params.calls_tool:
+        return grammar.JsonGrammar(json.dumps(tools.call_schema(params.tools, params.tool_choice), sort_keys=True))
     if params.response_format is None:
         return None
     return grammar.JsonGrammar(params.response_format[1])
