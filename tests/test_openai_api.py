@@ -23,6 +23,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from marketplace.api import ratelimit
 from marketplace.billing.models import Transfer
+from marketplace.jobs import runner
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.nodes.models import Node
@@ -543,6 +544,40 @@ def test_bad_logprobs_arguments_are_refused(client, arguments, message):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, extra_body=arguments)
 
     assert refused.value.response.json()["error"]["message"] == message
+
+
+def test_no_error_response_shows_a_nodes_address_id_or_key(live_swarm, client, settings):
+    """Every refusal a customer can provoke, read as text: none names where or who serves."""
+    settings.SWARM_MAX_TOKENS_LIMIT = 2048
+    nodes = list(Node.objects.values_list("node_id", "public_key", "data_url"))
+    secrets_of_nodes = [value for row in nodes for value in row if value]
+    requests = [
+        {"model": MODEL, "messages": CHAT, "max_tokens": 0},
+        {"model": "no-such-model", "messages": CHAT},
+        {"model": MODEL, "messages": CHAT, "max_tokens": 4, "frobnicate": 1},
+        {"model": MODEL, "messages": CHAT, "max_tokens": 4, "tools": [{"type": "function"}]},
+        {"model": MODEL, "messages": CHAT, "max_tokens": 4, "logit_bias": {"99999999": 1}},
+        {"model": MODEL, "messages": STORY * 400, "max_tokens": 2048},  # past the context length
+        {"model": MODEL, "messages": CHAT, "max_tokens": 4, "response_format": {"type": "json_schema"}},
+    ]
+    bodies = []
+    for body in requests:
+        response = httpx2.post(
+            f"{live_swarm.url}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {live_swarm.key}"},
+            timeout=60,
+        )
+        assert 400 <= response.status_code < 500, response.text
+        bodies.append(response.text)
+    # A failed job's last event as the API relays it (runner.public_failure), for every stage error code.
+    for code in ("stage_lost", "stage_stalled", "stage_timeout", "next_unreachable", "ticket_untrusted"):
+        message = f"stage 0 ({nodes[0][2]}) failed: {nodes[0][0]} key {nodes[0][1]}"
+        bodies.append(runner.public_failure(code, message))
+
+    for text in bodies:
+        assert "ws://" not in text and "wss://" not in text and "127.0.0.1" not in text
+        assert not any(value in text for value in secrets_of_nodes), text
 
 
 def test_stream_ends_with_the_usage_event_then_done_on_the_wire(live_swarm):
