@@ -616,7 +616,7 @@ def test_stream_ends_with_the_usage_event_then_done_on_the_wire(live_swarm):
         ({"extra_body": {"speculation": "off"}}, "'speculation' must be a boolean.", "speculation"),
         (
             {"messages": [{"role": "robot", "content": "hi"}]},
-            "messages[0] needs a role of ['assistant', 'developer', 'system', 'user'].",
+            "messages[0] needs a role of ['assistant', 'developer', 'system', 'tool', 'user'].",
             "messages.0.role",
         ),
     ],

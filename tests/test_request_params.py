@@ -64,39 +64,25 @@ def test_a_completion_request_reads_back_from_its_json_and_writes_the_same_json(
     assert params.to_json() == COMPLETION_JSON
 
 
+ADJUSTMENTS = {
+    "top_k": 40,
+    "min_p": 0.05,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.25,
+    "repetition_penalty": 1.2,
+}
+
+
 def test_the_logits_adjustments_are_stored_when_set_and_read_back():
-    params = RequestParams(
-        prompt="Hi",
-        top_k=40,
-        min_p=0.05,
-        presence_penalty=0.5,
-        frequency_penalty=-0.25,
-        repetition_penalty=1.2,
-        logit_bias=((42, 5.0), (7, -100)),
-    )
+    bias = ((42, 5.0), (7, -100))
+    params = RequestParams(prompt="Hi", logit_bias=bias, **ADJUSTMENTS)
 
     stored = params.to_json()
 
-    assert {
-        k: stored[k] for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-    } == {
-        "top_k": 40,
-        "min_p": 0.05,
-        "presence_penalty": 0.5,
-        "frequency_penalty": -0.25,
-        "repetition_penalty": 1.2,
-    }
+    assert {key: stored[key] for key in ADJUSTMENTS} == ADJUSTMENTS
     assert stored["logit_bias"] == {"42": 5.0, "7": -100}
     assert RequestParams.from_json(stored) == params
-    assert sampling_params(params) == SamplingParams(
-        temperature=1.0,
-        top_k=40,
-        min_p=0.05,
-        presence_penalty=0.5,
-        frequency_penalty=-0.25,
-        repetition_penalty=1.2,
-        logit_bias=((42, 5.0), (7, -100)),
-    )
+    assert sampling_params(params) == SamplingParams(temperature=1.0, logit_bias=bias, **ADJUSTMENTS)
 
 
 @pytest.mark.parametrize(
