@@ -440,6 +440,7 @@ class Agent:
                 await asyncio.wait([bound, task], return_when=asyncio.FIRST_COMPLETED)
                 if task.done():
                     error = f"cannot serve on port {self.port}: {task.exception()}"
+                    log.warning("assignment %d failed: %s", assignment, error)
                     await ws.send(protocol.encode(_failed(assignment, error)))
                     return
                 self.server, self._server_stop, self._server_task = server, stop, task
