@@ -14,18 +14,18 @@ from dataclasses import dataclass
 from marketplace.jobs.errors import InvalidRequest
 from marketplace.jobs.tools import Tool
 
+# The coordinator's own bounds: a request the API admits is one the coordinator takes.
+from worker_agent.coordinator.sampling import BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE
+from worker_agent.coordinator.session import MAX_TOP_LOGPROBS
+
 MAX_STOP = 4  # stop strings a request may give, as OpenAI allows
 TEMPERATURE_RANGE = (0.0, 2.0)  # [low, high], as OpenAI allows
 TOP_P_RANGE = (0.0, 1.0)  # (low, high]: a top_p of 0 would keep no token
 DEFAULT_MAX_TOKENS = 256  # completion tokens when the request names no limit
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as OpenAI's API takes it
-PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, as OpenAI bounds them
-REPETITION_RANGE = (0.0, 2.0)  # (low, high]: 1 changes nothing
 MIN_P_RANGE = (0.0, 1.0)
-BIAS_RANGE = (-100.0, 100.0)  # a logit_bias value, as OpenAI bounds it
 MAX_LOGIT_BIAS = 300  # tokens one request may bias
 MAX_TOP_K = 1 << 20
-MAX_TOP_LOGPROBS = 20  # alternatives per token a chat request may ask for, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # the same for a text completion's ``logprobs``
 
 
