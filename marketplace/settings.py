@@ -267,6 +267,9 @@ SWARM_REBALANCE_CV = env_float("SWARM_REBALANCE_CV", 0.25, minimum=0.0)
 SWARM_REBALANCE_MIN_INTERVAL_S = env_float("SWARM_REBALANCE_MIN_INTERVAL_S", 60.0, minimum=0.0)
 # ... and only when the new placement is predicted to serve this fraction more tokens/s (0.15: 15 %).
 SWARM_REPLACE_MARGIN = env_float("SWARM_REPLACE_MARGIN", 0.15, minimum=0.0)
+# A node whose last this-many blocks of a model, assigned since its control channel opened, all
+# failed to load or serve is left out of that model's placements until it reconnects.
+SWARM_BLOCK_FAILURES_BEFORE_BACKOFF = env_int("SWARM_BLOCK_FAILURES_BEFORE_BACKOFF", 3, minimum=1)
 # Speed is measured, not claimed (marketplace/nodes/capacity.py): a node's claim counts up to this
 # many times the speed a passed challenge proved, or, unproven, this many times the median claim.
 SWARM_SPEED_VERIFIED_SLACK = env_float("SWARM_SPEED_VERIFIED_SLACK", 4.0, minimum=1.0)

@@ -213,6 +213,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         max_layers=args.max_layers,
         shutdown_drain_s=args.drain_timeout,
         tls=tls,
+        port_chosen=bool(args.port or args.advertise_url),
     )
 
     async def main() -> None:

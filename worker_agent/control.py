@@ -56,6 +56,8 @@ from worker_agent.errors import SwarmError
 from worker_agent.keys import node_id, public_key_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from worker_agent.server import StageServer
     from worker_agent.stage import Stage
 
@@ -217,10 +219,15 @@ class Agent:
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         shutdown_drain_s: float = SHUTDOWN_DRAIN_S,
         tls: ssl.SSLContext | None = None,
+        port_chosen: bool = True,
     ) -> None:
         self.signing_key = signing_key
         self.state = state
         self.host, self.port, self.advertise_url = host, port, advertise_url
+        # False when the port was picked free at start (no --port, no --advertise-url): if another
+        # process takes it before the first block is served, the agent serves on a new free port and
+        # reports that URL in Ready instead of failing every assignment.
+        self.port_chosen = port_chosen
         self.dtype, self.device, self.wan = dtype, device, wan
         self.cheat = cheat  # tests only: wrong results on purpose, on the data plane
         self.trusted_key: bytes | None = None
@@ -432,24 +439,38 @@ class Agent:
                 cheat=self.cheat,
             )
             if self.server is None:
-                server = StageServer(stage, wan=WanProfile.parse(self.wan))
-                stop = asyncio.get_running_loop().create_future()
-                bound = asyncio.get_running_loop().create_future()
-                serving = server.serve(self.host, self.port, ready=bound.set_result, stop=stop, tls=self.tls)
-                task = asyncio.create_task(serving)
-                await asyncio.wait([bound, task], return_when=asyncio.FIRST_COMPLETED)
-                if task.done():
-                    error = f"cannot serve on port {self.port}: {task.exception()}"
+                wan = WanProfile.parse(self.wan)
+                error = await self._start_server(lambda: StageServer(stage, wan=wan))
+                if error is not None:
                     log.warning("assignment %d failed: %s", assignment, error)
                     await ws.send(protocol.encode(_failed(assignment, error)))
                     return
-                self.server, self._server_stop, self._server_task = server, stop, task
             else:
                 self.server.add_stage(stage)
             self.blocks[assignment] = Serving(assignment=assignment, stage=stage)
-            await ws.send(ready)
+            await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.advertise_url)))
             held = ", ".join(f"{b.stage.layer_start}:{b.stage.layer_end}" for b in self.blocks.values())
             log.info("serving %s layers %d:%d at %s (holding %s)", model, start, end, self.advertise_url, held)
+
+    async def _start_server(self, make_server: Callable[[], StageServer]) -> str | None:
+        """Serve the data plane on ``self.port``; the reason when it cannot. A port picked free at
+        start and taken since is given up for a new free one, and the advertised URL follows it."""
+        loop = asyncio.get_running_loop()
+        for port in (self.port, 0) if not self.port_chosen else (self.port,):
+            server = make_server()  # a server that failed to start has shut its executor down
+            stop, bound = loop.create_future(), loop.create_future()
+            task = asyncio.create_task(server.serve(self.host, port, ready=bound.set_result, stop=stop, tls=self.tls))
+            await asyncio.wait([bound, task], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                if port != self.port:
+                    log.warning("port %d was taken since start: serving on port %d", self.port, bound.result())
+                    self.port = bound.result()
+                    scheme = "wss" if self.tls is not None else "ws"
+                    self.advertise_url = f"{scheme}://{self.host}:{self.port}"
+                self.server, self._server_stop, self._server_task = server, stop, task
+                return None
+            error = f"cannot serve on port {self.port}: {task.exception()}"
+        return error
 
     async def _make_room(self, layers: int) -> None:
         """Unload the oldest blocks, each once its jobs in flight end, until ``layers`` more fit the cap."""

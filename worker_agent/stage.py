@@ -161,12 +161,12 @@ class Stage:
             waves[wave].append(index)
         started = time.perf_counter()
         outputs: list[torch.Tensor] = [None] * len(flat)  # type: ignore[list-item]
-        for wave in waves:
-            items = [flat[index] for index in wave]
+        for members in waves:
+            items = [flat[index] for index in members]
             cheat = self.cheat
             results = self.block.forward(items) if cheat is None else cheat.forward(self.block, items, live=True)
-            for index, result in zip(wave, results, strict=True):
-                outputs[index] = result
+            for member, result in zip(members, results, strict=True):
+                outputs[member] = result
         self.compute_seconds += time.perf_counter() - started
         grouped, index = [], 0
         for prepared in batch:

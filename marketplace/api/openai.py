@@ -15,6 +15,8 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
@@ -292,7 +294,7 @@ class _Reply:
                 raise _job_error(event)
         content = "".join(text)
         if self.kind == "chat":
-            message = {"role": "assistant", "content": content, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
             calls = tools.tool_calls_of(content) if self.calls_tool and finish == "stop" else None
             if calls:
                 message, finish = (
@@ -315,7 +317,7 @@ class _Reply:
         }
 
     def _chunk(
-        self, delta_text: str | None, finish: str | None, *, first: bool = False, tokens: list[dict] = ()
+        self, delta_text: str | None, finish: str | None, *, first: bool = False, tokens: Sequence[dict] = ()
     ) -> dict:
         logprobs = self._logprobs(list(tokens)) if tokens else None
         if self.kind == "chat":

@@ -112,7 +112,10 @@ def node_connected(node_pk: int) -> Node:
     )
     if unconfirmed:
         log.info("node %s reconnected: %d block(s) to be confirmed ready", node.node_id, unconfirmed)
-    if came_online:
+    holds = Assignment.objects.filter(node_id=node_pk, state__in=LIVE_STATES).exists()
+    failed = Assignment.objects.filter(node_id=node_pk, state=AssignmentState.FAILED).exists()
+    if came_online or (failed and not holds):
+        # A node left out for its failed blocks (``_keeps_failing``) gets a fresh start on reconnect.
         _placement_changed()
     return node
 
@@ -207,6 +210,7 @@ def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacit
     nodes = list(
         query.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False).exclude(pk__in=busy).order_by("pk")
     )
+    nodes = [n for n in nodes if not _keeps_failing(n, model)]
     speeds = credible_speeds(nodes)
     capacities = [
         NodeCapacity(node=n.node_id, compute=speeds[n.node_id], max_layers=cap, reputation=n.reputation)
@@ -214,6 +218,21 @@ def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacit
         if (cap := layer_cap(n, model)) >= 1
     ]
     return nodes, capacities
+
+
+def _keeps_failing(node: Node, model: str) -> bool:
+    """Whether the node's last SWARM_BLOCK_FAILURES_BEFORE_BACKOFF blocks of ``model`` since its
+    control channel opened all failed (each failure re-places the model, which would otherwise put
+    the block right back onto it, forever). A reconnect, a restarted agent, gives it a fresh start."""
+    needed = settings.SWARM_BLOCK_FAILURES_BEFORE_BACKOFF
+    recent = Assignment.objects.filter(node=node, model=model)
+    if node.connected_since is not None:
+        recent = recent.filter(created_at__gte=node.connected_since)
+    states = list(recent.order_by("-created_at", "-pk").values_list("state", flat=True)[:needed])
+    failing = len(states) == needed and all(state == AssignmentState.FAILED for state in states)
+    if failing:
+        log.warning("%s: left out of %s placements: its last %d blocks failed", node.node_id, model, needed)
+    return failing
 
 
 def place_dirty_models() -> list[str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
@@ -32,7 +33,12 @@ import numpy as np
 import torch
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-JSON_DEFAULTS = {"whitespace_flexible": False}  # compact JSON: no run of spaces for a model to loop in
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+JSON_DEFAULTS: JsonCompileOptions = {
+    "whitespace_flexible": False
+}  # compact JSON: no run of spaces for a model to loop in
 
 
 class GrammarError(ValueError):
