@@ -28,6 +28,7 @@ from marketplace.periodic import embedded_scheduler  # noqa: E402
 from marketplace.routing import websocket_urlpatterns  # noqa: E402
 
 log = logging.getLogger("swarm.scheduler")
+SCHEDULER_STOP_S = 60.0  # how long shutdown waits for the periodic entry running then
 
 # Static files (the dashboards' CSS and JS, htmx, the API docs' assets) come from this app itself
 # unless a proxy serves them: Django's own handler reads them through the staticfiles finders,
@@ -40,17 +41,22 @@ async def application(scope, receive, send):
     if scope["type"] != "lifespan":
         await router(scope, receive, send)
         return
-    task = None
+    task, stop = None, asyncio.Event()
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
             if settings.SWARM_EMBEDDED_SCHEDULER:
-                task = asyncio.create_task(embedded_scheduler(settings.SWARM_SWEEP_INTERVAL_S))
+                task = asyncio.create_task(embedded_scheduler(settings.SWARM_SWEEP_INTERVAL_S, stop))
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                stop.set()  # the entry running now ends first (see embedded_scheduler)
+                try:
+                    await asyncio.wait_for(asyncio.shield(task), SCHEDULER_STOP_S)
+                except TimeoutError:
+                    log.warning("the embedded scheduler did not stop within %gs: cancelled", SCHEDULER_STOP_S)
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await send({"type": "lifespan.shutdown.complete"})
             return

@@ -12,6 +12,7 @@ before any app is loaded, so it imports none of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ PERIODIC_WORK: tuple[PeriodicWork, ...] = (
     PeriodicWork("rebalance", "marketplace.placement.services.rebalance_if_needed", "SWARM_SWEEP_INTERVAL_S"),
     PeriodicWork("placement", "marketplace.placement.services.place_dirty_models", "SWARM_SWEEP_INTERVAL_S"),
     PeriodicWork("jobs", "marketplace.jobs.services.reconcile_jobs", "SWARM_SWEEP_INTERVAL_S"),
+    # Forget Idempotency-Keys (and the answers kept for their retries) past their time.
+    PeriodicWork("idempotency", "marketplace.jobs.idempotency.forget_expired", "SWARM_TRUST_INTERVAL_S"),
     # Trust: send due challenges, expire unanswered ones and uphold unreviewed strikes, release
     # earnings whose window passed, build the payout batch when due, send approved payouts.
     PeriodicWork("challenges", "marketplace.verification.challenges.send_due_challenges", "SWARM_TRUST_INTERVAL_S"),
@@ -74,17 +77,24 @@ def run(name: str) -> None:
     run_work(name)
 
 
-async def embedded_scheduler(tick_s: float) -> None:
+async def embedded_scheduler(tick_s: float, stop: asyncio.Event | None = None) -> None:
     """Run the table in this process: every tick, each entry whose period has passed, in table order.
-    One entry's failure is logged and does not stop the others."""
+    One entry's failure is logged and does not stop the others. Returns once ``stop`` is set and the
+    entry running then has ended: an entry cut off mid-run (its task cancelled) would go on in its
+    worker thread, and one that calls back into this event loop (a channel-layer send) would then
+    wait forever on a loop that stopped, holding the thread every database call of the process uses."""
     from channels.db import database_sync_to_async  # settings imports this module: Django is not set up yet
     from django.conf import settings
 
+    stop = stop or asyncio.Event()
     last_run = dict.fromkeys(BY_NAME, time.monotonic())  # each entry first runs one period after start
-    while True:
-        await asyncio.sleep(tick_s)
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), tick_s)
         now = time.monotonic()
         for work in PERIODIC_WORK:
+            if stop.is_set():
+                return
             if now - last_run[work.name] < float(getattr(settings, work.every)) - 1e-3:
                 continue
             last_run[work.name] = now
