@@ -313,6 +313,10 @@ SWARM_SETTLE_RETRY_S = env_float("SWARM_SETTLE_RETRY_S", 30.0, minimum=0.0)
 SWARM_SETTLE_RETRY_MAX_S = env_float("SWARM_SETTLE_RETRY_MAX_S", 3600.0, minimum=0.0)
 SWARM_SETTLE_FLAG_AFTER = env_int("SWARM_SETTLE_FLAG_AFTER", 3, minimum=1)
 SWARM_MAX_TOKENS_LIMIT = env_int("SWARM_MAX_TOKENS_LIMIT", 2048, minimum=1)
+# The most choices (``n``) one request may ask for: each is a job of its own, on a pipeline of its own.
+SWARM_MAX_CHOICES = env_int("SWARM_MAX_CHOICES", 8, minimum=1)
+# A request sent with an Idempotency-Key is answered again, not run again, to a retry within this.
+SWARM_IDEMPOTENCY_TTL_S = env_float("SWARM_IDEMPOTENCY_TTL_S", 24 * 3600.0, minimum=1.0)
 # Prices when an admin set none for a model: nano-dollars per million (prompt, completion) tokens.
 SWARM_DEFAULT_PRICES = (
     env_int("SWARM_PRICE_PROMPT_PER_MILLION", 100_000_000, minimum=0),  # $0.10 per million

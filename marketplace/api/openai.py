@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
@@ -27,21 +24,19 @@ from django.views.decorators.csrf import csrf_exempt
 
 from marketplace.api import ratelimit, request_body
 from marketplace.api.auth import api_key_required
-from marketplace.api.errors import allow_method, error_body, error_response
+from marketplace.api.errors import allow_method, error_response
 from marketplace.api.parsers import loads_bounded
+from marketplace.api.reply import Reply, replayed
 from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
 from marketplace.db import release_connections
 from marketplace.errors import DomainError
-from marketplace.jobs import runner, services, tasks, tools
-from marketplace.jobs.errors import InvalidRequest, JobFailed, NoCapacity
+from marketplace.jobs import idempotency, runner, services, tasks
+from marketplace.jobs.errors import InvalidRequest, NoCapacity
 from marketplace.jobs.models import ApiKey, Job
 from marketplace.placement.selectors import context_length, recovering, servable_pipelines
 
 log = logging.getLogger("swarm.api")
-# While a job is silent, its record is checked this often for signs of life; the response gives up
-# only when the job stopped making progress (jobs.services.stopped_answering), never on a clock of its own.
-PROGRESS_CHECK_S = 5.0
 
 
 def _json_body(request: HttpRequest) -> dict:
@@ -152,238 +147,94 @@ async def _complete(request: HttpRequest, api_key: ApiKey, kind: str) -> HttpRes
         body = _json_body(request)
     except DomainError as exc:
         return error_response(exc)
-    return await complete_for_key(api_key, body, kind, request.request_id)
+    return await complete_for_key(api_key, body, kind, request.request_id, request.headers.get("Idempotency-Key"))
 
 
-async def complete_for_key(api_key: ApiKey, body: dict, kind: str, request_id: str) -> HttpResponse:
-    """Validate a request ``body``, rate limit and admit it as a job of ``api_key``, and answer it
-    in OpenAI's shapes (SSE when streamed). The public API calls it with the bearer key; the
-    dashboard's playground with the signed-in customer's playground key."""
+async def complete_for_key(
+    api_key: ApiKey, body: dict, kind: str, request_id: str, idempotency_key: str | None = None
+) -> HttpResponse:
+    """Validate a request ``body``, rate limit and admit it as a job of ``api_key`` (a job per
+    choice), and answer it in OpenAI's shapes (SSE when streamed). The public API calls it with the
+    bearer key; the dashboard's playground with the signed-in customer's playground key. With an
+    ``idempotency_key`` (the request's Idempotency-Key header), a retry is answered, not run, again
+    (``jobs.idempotency``)."""
+    record = None
     try:
         model, params = request_body.parse(body, kind)
+        if idempotency_key is not None:
+            record, replay = await _claim(api_key, idempotency.check_key(idempotency_key), body)
+            if replay is not None:
+                response = replayed(replay, params.stream, params.include_usage)
+                response["x-request-id"], response["Idempotent-Replayed"] = request_id, "true"
+                return response
         # Tokenized once, here: the count holds credits and rate limits, the ids go to the coordinator.
         prompt_ids = await sync_to_async(services.tokenize_prompt)(model, params)
         given = body.get("max_completion_tokens", body.get("max_tokens")) is not None
         params = await sync_to_async(services.fit_context)(model, len(prompt_ids), params, max_tokens_given=given)
-        headers = await sync_to_async(ratelimit.check)(api_key, len(prompt_ids) + params.max_tokens)
-        job = await _admit(api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids)
+        # Each choice is a request of its own for the limits as for the bill.
+        headers = await sync_to_async(ratelimit.check)(api_key, params.n * (len(prompt_ids) + params.max_tokens))
+        jobs = await _admit(api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids)
+        if record is not None:
+            await sync_to_async(idempotency.attach)(record, jobs[0])
     except DomainError as exc:
+        if record is not None:
+            await sync_to_async(idempotency.abandon)(record)
         return error_response(exc, request_id=request_id)
     # The rest of the response only waits on the channel layer: hand this request's database
     # connection back now, not when a long stream ends, so streams cannot starve the jobs.
     await sync_to_async(release_connections)()
     layer = get_channel_layer()
-    channel = await layer.new_channel()
-    await layer.group_add(runner.group_name(job.pk), channel)  # subscribe before the coordinator starts
-    tasks.launch(job)
-    reply = _Reply(job, kind, model, job.prompt_tokens, layer, channel)
+    channels = []
+    for job in jobs:
+        channels.append(await layer.new_channel())
+        await layer.group_add(runner.group_name(job.pk), channels[-1])  # subscribe before the coordinator starts
+    for job in jobs:
+        tasks.launch(job)
+    answer = Reply(jobs, channels, kind, model, layer, idempotent=record)
     if params.stream:
-        response = StreamingHttpResponse(reply.sse(params.include_usage), content_type="text/event-stream")
+        response = StreamingHttpResponse(answer.sse(params.include_usage), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
     else:
         try:
-            answer = await reply.whole()
+            response = JsonResponse(await answer.whole())
         except DomainError as exc:
             return error_response(exc, request_id=request_id)
-        except asyncio.CancelledError:  # the client went away before the whole response
-            await asyncio.shield(runner.request_cancel(layer, job.pk))
-            raise
-        response = JsonResponse(answer)
     response["x-request-id"] = request_id
     for name, value in headers.items():
         response[name] = value
     return response
 
 
-ADMISSION_POLL_S = 0.25  # how often a request waiting for capacity asks again
+ADMISSION_POLL_S = 0.25  # how often a request waiting for capacity (or for its first attempt) asks again
 
 
-async def _admit(**job) -> Job:
+async def _claim(api_key: ApiKey, key: str, body: dict) -> tuple[int, dict | None]:
+    """Claim the Idempotency-Key ``key`` for ``body``: (its record, the first attempt's answer to
+    send again, or None to run the request). A first attempt still in flight is waited for, up to
+    a job's timeout; past it, 409 ``idempotency_key_in_use``."""
+    digest = idempotency.body_digest(body)
+    deadline = time.monotonic() + settings.SWARM_JOB_TIMEOUT_S + idempotency.LOST_AFTER_S
+    while True:
+        claim = await sync_to_async(idempotency.claim)(api_key.user, key, digest)
+        if not claim.wait:
+            return claim.record, claim.replay
+        if time.monotonic() >= deadline:
+            raise InvalidRequest(
+                "A request with this Idempotency-Key is still being answered; retry later.",
+                code="idempotency_key_in_use",
+            )
+        await asyncio.sleep(ADMISSION_POLL_S)
+
+
+async def _admit(**job) -> list[Job]:
     """Admit the job; when its model has no ready route but is recovering (a node died and its
     span is being healed, re-placed or reloaded), wait up to SWARM_ADMISSION_WAIT_S for one before
     answering 503: churn in the swarm is normal and a client should not see it."""
     deadline = time.monotonic() + settings.SWARM_ADMISSION_WAIT_S
     while True:
         try:
-            return await sync_to_async(services.admit_job)(**job)
+            return await sync_to_async(services.admit_jobs)(**job)
         except NoCapacity:
             if time.monotonic() >= deadline or not await sync_to_async(recovering)(job["model"]):
                 raise
         await asyncio.sleep(ADMISSION_POLL_S)
-
-
-class _Reply:
-    """Reads a job's events from its group and shapes them as OpenAI responses."""
-
-    def __init__(self, job, kind: str, model: str, prompt_tokens: int, layer, channel: str) -> None:
-        self.job, self.kind, self.model = job, kind, model
-        self.prompt_tokens = prompt_tokens
-        self.logprobs = job.params.get("logprobs")  # alternatives per token, or None: no log-probabilities
-        self.calls_tool = job.params.get("tool_choice", "none") != "none"  # the output is one function call
-        self._offset = 0  # a text completion's characters so far, for its logprobs' text_offset
-        self.layer, self.channel = layer, channel
-        self.created = int(time.time())
-
-    async def events(self):
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(PROGRESS_CHECK_S):
-                        event = await self.layer.receive(self.channel)
-                except TimeoutError:
-                    reason = await sync_to_async(services.stopped_answering)(self.job.pk)
-                    await sync_to_async(release_connections)()
-                    if reason is None:
-                        continue
-                    log.warning("job %s: %s", self.job.public_id, reason)
-                    yield {"type": "job.error", "code": "timeout", "message": reason}
-                    return
-                except Exception as exc:  # the channel layer's own (e.g. Redis) error
-                    log.warning("job %s: no event: %r", self.job.public_id, exc)
-                    yield {"type": "job.error", "code": "timeout", "message": "the job stopped answering"}
-                    return
-                yield event
-                if event["type"] in ("job.done", "job.error"):
-                    return
-        finally:
-            await self.layer.group_discard(runner.group_name(self.job.pk), self.channel)
-
-    def _usage(self, completion_tokens: int) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_tokens + completion_tokens,
-        }
-
-    def _logprobs(self, tokens: list[dict]) -> dict | None:
-        """The ``logprobs`` object of a choice or chunk for the token events ``tokens``, in the
-        endpoint's shape; None when the request asked for none."""
-        if self.logprobs is None:
-            return None
-        if self.kind == "chat":
-
-            def entry(text: str, logprob: float) -> dict:
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-            content = [
-                entry(t["token"], t["logprob"]) | {"top_logprobs": [entry(a, b) for a, b in t["top_logprobs"]]}
-                for t in tokens
-            ]
-            return {"content": content, "refusal": None}
-        offsets = []
-        for t in tokens:
-            offsets.append(self._offset)
-            self._offset += len(t["token"])
-        return {
-            "tokens": [t["token"] for t in tokens],
-            "token_logprobs": [t["logprob"] for t in tokens],
-            "top_logprobs": [dict(t["top_logprobs"]) for t in tokens],
-            "text_offset": offsets,
-        }
-
-    async def whole(self) -> dict:
-        text, finish, completion, tokens = [], "stop", 0, []
-        async for event in self.events():
-            if event["type"] == "job.token":
-                text.append(event["text"])
-                if "logprob" in event:
-                    tokens.append(event)
-            elif event["type"] == "job.done":
-                finish, completion = event["finish_reason"], event["completion_tokens"]
-            else:
-                raise _job_error(event)
-        content = "".join(text)
-        if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-            calls = tools.tool_calls_of(content) if self.calls_tool and finish == "stop" else None
-            if calls:
-                message, finish = (
-                    {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls},
-                    "tool_calls",
-                )
-            choice = {"index": 0, "message": message, "logprobs": self._logprobs(tokens), "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": content, "logprobs": self._logprobs(tokens), "finish_reason": finish}
-            obj = "text_completion"
-        return {
-            "id": self.job.public_id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self._usage(completion),
-            "system_fingerprint": None,
-        }
-
-    def _chunk(
-        self, delta_text: str | None, finish: str | None, *, first: bool = False, tokens: Sequence[dict] = ()
-    ) -> dict:
-        logprobs = self._logprobs(list(tokens)) if tokens else None
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if first else ({"content": delta_text} if delta_text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta_text or "", "logprobs": logprobs, "finish_reason": finish}
-            obj = "text_completion"
-        return {
-            "id": self.job.public_id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "system_fingerprint": None,
-        }
-
-    async def sse(self, include_usage: bool):
-        ended = False
-        try:
-            if self.kind == "chat":
-                yield _sse(self._chunk(None, None, first=True))
-            tokens: list[dict] = []  # token events whose log-probabilities no chunk carried yet
-            held: list[str] = []  # a call's text, sent as tool_calls once whole
-            async for event in self.events():
-                if event["type"] == "job.token":
-                    if "logprob" in event:
-                        tokens.append(event)
-                    if event["text"] and self.calls_tool:
-                        held.append(event["text"])
-                    elif event["text"]:
-                        yield _sse(self._chunk(event["text"], None, tokens=tokens))
-                        tokens = []
-                elif event["type"] == "job.done":
-                    ended = True
-                    finish = event["finish_reason"]
-                    calls = tools.tool_calls_of("".join(held)) if held and finish == "stop" else None
-                    if calls:
-                        chunk = self._chunk(None, None, tokens=tokens)
-                        chunk["choices"][0]["delta"] = {"tool_calls": [{"index": 0, **calls[0]}]}
-                        yield _sse(chunk)
-                        finish, tokens = "tool_calls", []
-                    elif held:  # cut short: the text as it is
-                        yield _sse(self._chunk("".join(held), None, tokens=tokens))
-                        tokens = []
-                    yield _sse(self._chunk(None, finish, tokens=tokens))
-                    if include_usage:
-                        usage = {
-                            **self._chunk(None, None),
-                            "choices": [],
-                            "usage": self._usage(event["completion_tokens"]),
-                        }
-                        yield _sse(usage)
-                else:
-                    ended = True
-                    yield _sse(error_body(_job_error(event)))
-            yield b"data: [DONE]\n\n"
-        finally:
-            if not ended:  # the client went away mid-stream: stop the job, keep what was done
-                await runner.request_cancel(self.layer, self.job.pk)
-
-
-def _job_error(event: dict) -> JobFailed:
-    return JobFailed(f"The job failed: {event.get('message')}", code=event.get("code", "job_failed"))
-
-
-def _sse(payload: dict) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()

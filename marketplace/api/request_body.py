@@ -159,8 +159,10 @@ def parse(body: dict, kind: str) -> tuple[str, RequestParams]:
     if model not in settings.SWARM_MODELS:
         raise ModelNotFound(f"The model '{model}' does not exist.", param="model")
     n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise InvalidRequest("Only n=1 is supported.", param="n")
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= settings.SWARM_MAX_CHOICES:
+        raise InvalidRequest(f"'n' must be an integer in [1, {settings.SWARM_MAX_CHOICES}].", param="n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is None:
@@ -212,8 +214,9 @@ def parse(body: dict, kind: str) -> tuple[str, RequestParams]:
     tool_choice = tools.parse_tool_choice(body.get("tool_choice"), functions)
     if tool_choice == "auto":
         raise InvalidRequest(
-            "Unsupported parameter: tool_choice 'auto' (the model choosing whether to call a tool) is not supported "
-            "by this API yet; use 'required', a named function, or 'none'.",
+            f"Unsupported parameter: tool_choice 'auto' (the model choosing whether to call a tool): the model "
+            f"'{model}' has no tool use in its chat template, so it cannot choose; use 'required', a named "
+            "function, or 'none' (the default without tools).",
             param="tool_choice",
             code="unsupported_parameter",
         )
@@ -254,6 +257,7 @@ def parse(body: dict, kind: str) -> tuple[str, RequestParams]:
         response_format=response_format,
         tools=functions,
         tool_choice=tool_choice,
+        n=n,
     )
     return model, params
 

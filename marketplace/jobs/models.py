@@ -46,6 +46,12 @@ class Job(models.Model):
     model = models.CharField(max_length=128)
     params = models.JSONField(default=dict)  # RequestParams.to_json(): max_tokens, temperature, top_p, seed, stop, ...
     state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.QUEUED)
+    # A request asking for n choices runs n jobs: choice 0 carries the response's id, and each
+    # other choice points to it (``first_choice``) with its index.
+    choice_index = models.PositiveSmallIntegerField(default=0)
+    first_choice = models.ForeignKey(
+        "self", on_delete=models.CASCADE, null=True, blank=True, related_name="other_choices"
+    )
     finish_reason = models.CharField(max_length=16, blank=True)  # "stop" or "length"
     error_code = models.CharField(max_length=64, blank=True)
     error_message = models.TextField(blank=True)
@@ -100,3 +106,25 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.public_id} ({self.state})"
+
+
+class IdempotentRequest(models.Model):
+    """A request sent with an ``Idempotency-Key``: a retry with the same key and body gets the first
+    one's answer again instead of running (and being charged) twice. Kept SWARM_IDEMPOTENCY_TTL_S."""
+
+    class State(models.TextChoices):
+        RUNNING = "running", "running"  # the request that claimed the key is being answered
+        DONE = "done", "done"  # answered: ``response`` is sent again to a retry
+        ABANDONED = "abandoned", "abandoned"  # it failed or its client left: a retry runs afresh
+
+    customer = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    body_sha256 = models.CharField(max_length=64)  # of the request body, canonical JSON
+    state = models.CharField(max_length=16, choices=State.choices, default=State.RUNNING)
+    job = models.ForeignKey(Job, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")  # choice 0
+    response = models.JSONField(null=True, blank=True)  # the whole response, once answered
+    created_at = models.DateTimeField()  # when this attempt claimed the key
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["customer", "key"], name="one_request_per_idempotency_key")]
+        indexes = [models.Index(fields=["created_at"])]

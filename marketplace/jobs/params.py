@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from marketplace.jobs.errors import InvalidRequest
 from marketplace.jobs.tools import Tool
@@ -59,6 +59,8 @@ class RequestParams:
     response_format: tuple[str, str | None] | None = None
     tools: tuple[Tool, ...] = ()  # functions the model may be asked to call (tools.py)
     tool_choice: str = "none"  # "none", "required" or a function's name: the output is then one call
+    # Choices the request asked for (>= 1): each runs as a job of its own, and this is stored on each.
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -97,6 +99,8 @@ class RequestParams:
             raise InvalidRequest(
                 "'response_format.type' must be text, json_object or json_schema.", param="response_format"
             )
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise InvalidRequest(f"'n' must be an integer >= 1, got {self.n!r}.", param="n")
         ids = [token for token, _ in self.logit_bias]
         if len(ids) > MAX_LOGIT_BIAS or len(set(ids)) != len(ids):
             raise InvalidRequest(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} distinct tokens.", param="logit_bias")
@@ -104,6 +108,14 @@ class RequestParams:
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise InvalidRequest(f"'logit_bias' keys must be token ids, got {token!r}.", param="logit_bias")
             check_number(f"logit_bias.{token}", bias, BIAS_RANGE, low_open=False)
+
+    def for_choice(self, index: int) -> RequestParams:
+        """The parameters of choice ``index`` (0-based) of ``n``: the same, but a given seed moves
+        by the index (wrapping within 64 bits), so that seeded choices differ and each replays."""
+        if self.seed is None or index == 0:
+            return self
+        low, high = SEED_RANGE
+        return replace(self, seed=(self.seed - low + index) % (high - low + 1) + low)
 
     @property
     def calls_tool(self) -> bool:
@@ -146,6 +158,8 @@ class RequestParams:
             "repetition_penalty": (self.repetition_penalty, 1.0),
         }
         data |= {key: value for key, (value, default) in adjustments.items() if value != default}
+        if self.n != 1:
+            data["n"] = self.n
         if self.logit_bias:
             data["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         if self.logprobs is not None:
@@ -191,6 +205,7 @@ class RequestParams:
                 for t in data.get("tools") or ()
             ),
             tool_choice=data.get("tool_choice", "none"),
+            n=data.get("n", 1),
         )
 
 

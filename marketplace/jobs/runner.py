@@ -18,6 +18,7 @@ listen from their own event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -337,13 +338,36 @@ def public_failure(code: str, message: str) -> str:
 
 
 def logprob_fields(tokenizer, event: TokenEvent) -> dict:
-    """A token event's log-probabilities for the API: the token's text and its log-probability,
-    and the likeliest tokens' ``[text, log-probability]``, most likely first."""
+    """A token event's log-probabilities for the API: the token's text, its bytes and its
+    log-probability, and the likeliest tokens' ``[text, log-probability, bytes]``, most likely first."""
     return {
         "token": tokenizer.decode([event.token_id]),
+        "bytes": token_bytes(tokenizer, event.token_id),
         "logprob": event.logprob,
-        "top_logprobs": [[tokenizer.decode([token]), logprob] for token, logprob in event.top_logprobs],
+        "top_logprobs": [
+            [tokenizer.decode([token]), logprob, token_bytes(tokenizer, token)] for token, logprob in event.top_logprobs
+        ],
     }
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token_id: int) -> list[int]:
+    """The token's own bytes, as OpenAI's ``bytes`` gives them: a byte-level BPE token that holds
+    part of a character (an emoji split over two tokens) has the bytes of that part, where its
+    decoded text has only a replacement character. Other tokenizers: the UTF-8 of its text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.decoder).__name__ == "ByteLevel":
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        decoder = _byte_level_decoder()
+        if isinstance(piece, str) and all(char in decoder for char in piece):
+            return [decoder[char] for char in piece]
+    return list(tokenizer.decode([token_id]).encode())
 
 
 async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_tokens: int) -> None:

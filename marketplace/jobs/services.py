@@ -185,7 +185,39 @@ def fit_context(model: str, prompt_tokens: int, params: RequestParams, *, max_to
 
 
 @transaction.atomic
-def admit_job(*, api_key: ApiKey, kind: str, model: str, params: RequestParams, prompt_ids: Sequence[int]) -> Job:
+def admit_jobs(
+    *, api_key: ApiKey, kind: str, model: str, params: RequestParams, prompt_ids: Sequence[int]
+) -> list[Job]:
+    """Admit a request's ``params.n`` choices together, each a job of its own (``admit_job``)
+    with its own route, hold and receipts: all of them, or none (402 or 503 for one rolls every
+    one back). Choice 0 carries the response's id; choice i's id adds ``-i`` to it."""
+    jobs = [admit_job(api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids)]
+    for index in range(1, params.n):
+        jobs.append(
+            admit_job(
+                api_key=api_key,
+                kind=kind,
+                model=model,
+                params=params.for_choice(index),
+                prompt_ids=prompt_ids,
+                first_choice=jobs[0],
+                choice_index=index,
+            )
+        )
+    return jobs
+
+
+@transaction.atomic
+def admit_job(
+    *,
+    api_key: ApiKey,
+    kind: str,
+    model: str,
+    params: RequestParams,
+    prompt_ids: Sequence[int],
+    first_choice: Job | None = None,
+    choice_index: int = 0,
+) -> Job:
     """Create a queued job on the lowest-latency ready route; 503 when the model has none.
 
     ``prompt_ids`` (from ``tokenize_prompt``) are stored with the job, so that its coordinator
@@ -196,8 +228,11 @@ def admit_job(*, api_key: ApiKey, kind: str, model: str, params: RequestParams, 
     region, stages, _ = chosen
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     route = route_of(stages)
+    public_id = f"{prefix}-{uuid.uuid4().hex}" if first_choice is None else f"{first_choice.public_id}-{choice_index}"
     job = Job.objects.create(
-        public_id=f"{prefix}-{uuid.uuid4().hex}",
+        public_id=public_id,
+        first_choice=first_choice,
+        choice_index=choice_index,
         kind=kind,
         customer=api_key.user,
         api_key=api_key,

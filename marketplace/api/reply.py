@@ -1,0 +1,353 @@
+"""A request's answer in OpenAI's shapes, read from its jobs' channel-layer groups.
+
+A request asking for ``n`` choices runs ``n`` jobs (``jobs.services.admit_jobs``); each job's events
+arrive on a channel of its own and make one choice (``Choice``). ``Reply`` puts them together: one
+response (the id of choice 0, every choice with its index, the usage summed over the choices, as
+each choice is billed as a request of its own), or one stream whose chunks carry the index of the
+choice they extend. A choice that fails fails the request: the other choices' jobs are stopped,
+and each job is charged for what it produced (``jobs.settlement``), as a single request is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+
+from marketplace.api.errors import error_body
+from marketplace.db import release_connections
+from marketplace.jobs import idempotency, runner, services, tools
+from marketplace.jobs.errors import JobFailed
+from marketplace.jobs.models import Job
+
+log = logging.getLogger("swarm.api")
+# While a job is silent, its record is checked this often for signs of life; the response gives up
+# only when the job stopped making progress (jobs.services.stopped_answering), never on a clock of its own.
+PROGRESS_CHECK_S = 5.0
+
+
+class Choice:
+    """One job's events, shaped as the choice ``index`` of a response or of its chunks."""
+
+    def __init__(self, job: Job, index: int, kind: str, layer, channel: str) -> None:
+        self.job, self.index, self.kind = job, index, kind
+        self.logprobs = job.params.get("logprobs")  # alternatives per token, or None: no log-probabilities
+        self.calls_tool = job.params.get("tool_choice", "none") != "none"  # the output is one function call
+        self._offset = 0  # a text completion's characters so far, for its logprobs' text_offset
+        self.layer, self.channel = layer, channel
+        self.ended = False  # its job's last event (done or error) was read
+
+    async def events(self) -> AsyncIterator[dict]:
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(PROGRESS_CHECK_S):
+                        event = await self.layer.receive(self.channel)
+                except TimeoutError:
+                    reason = await sync_to_async(services.stopped_answering)(self.job.pk)
+                    await sync_to_async(release_connections)()
+                    if reason is None:
+                        continue
+                    log.warning("job %s: %s", self.job.public_id, reason)
+                    event = {"type": "job.error", "code": "timeout", "message": reason}
+                except Exception as exc:  # the channel layer's own (e.g. Redis) error
+                    log.warning("job %s: no event: %r", self.job.public_id, exc)
+                    event = {"type": "job.error", "code": "timeout", "message": "the job stopped answering"}
+                if event["type"] in ("job.done", "job.error"):
+                    self.ended = True
+                yield event
+                if self.ended:
+                    return
+        finally:
+            await self.layer.group_discard(runner.group_name(self.job.pk), self.channel)
+
+    def _logprobs(self, tokens: Sequence[dict]) -> dict | None:
+        """The ``logprobs`` object of a choice or chunk for the token events ``tokens``, in the
+        endpoint's shape; None when the request asked for none."""
+        if self.logprobs is None:
+            return None
+        if self.kind == "chat":
+
+            def entry(text: str, logprob: float, raw: list[int] | None) -> dict:
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode()) if raw is None else raw}
+
+            content = [
+                entry(t["token"], t["logprob"], t.get("bytes"))
+                | {"top_logprobs": [entry(a, b, None if len(alt) < 3 else alt[2]) for a, b, *alt in t["top_logprobs"]]}
+                for t in tokens
+            ]
+            return {"content": content, "refusal": None}
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t["token"])
+        return {
+            "tokens": [t["token"] for t in tokens],
+            "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [{alt[0]: alt[1] for alt in t["top_logprobs"]} for t in tokens],
+            "text_offset": offsets,
+        }
+
+    async def whole(self) -> tuple[dict, int]:
+        """The whole choice and its completion tokens; JobFailed when its job failed."""
+        text, finish, completion, tokens = [], "stop", 0, []
+        async for event in self.events():
+            if event["type"] == "job.token":
+                text.append(event["text"])
+                if "logprob" in event:
+                    tokens.append(event)
+            elif event["type"] == "job.done":
+                finish, completion = event["finish_reason"], event["completion_tokens"]
+            else:
+                raise job_error(event)
+        content = "".join(text)
+        logprobs = self._logprobs(tokens)
+        if self.kind != "chat":
+            return {"index": self.index, "text": content, "logprobs": logprobs, "finish_reason": finish}, completion
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        calls = tools.tool_calls_of(content) if self.calls_tool and finish == "stop" else None
+        if calls:
+            message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
+            finish = "tool_calls"
+        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}, completion
+
+    def chunk(self, text: str | None, finish: str | None, *, first: bool = False, tokens: Sequence[dict] = ()) -> dict:
+        """The choice's entry in a streamed chunk."""
+        logprobs = self._logprobs(tokens) if tokens else None
+        if self.kind != "chat":
+            return {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    async def deltas(self) -> AsyncIterator[dict | int]:
+        """The choice's chunk entries as its tokens arrive, then its completion tokens (an int);
+        JobFailed when its job failed."""
+        tokens: list[dict] = []  # token events whose log-probabilities no chunk carried yet
+        held: list[str] = []  # a call's text, sent as tool_calls once whole
+        async for event in self.events():
+            if event["type"] == "job.token":
+                if "logprob" in event:
+                    tokens.append(event)
+                if event["text"] and self.calls_tool:
+                    held.append(event["text"])
+                elif event["text"]:
+                    yield self.chunk(event["text"], None, tokens=tokens)
+                    tokens = []
+            elif event["type"] == "job.done":
+                finish = event["finish_reason"]
+                calls = tools.tool_calls_of("".join(held)) if held and finish == "stop" else None
+                if calls:
+                    entry = self.chunk(None, None, tokens=tokens)
+                    entry["delta"] = {"tool_calls": [{"index": 0, **calls[0]}]}
+                    yield entry
+                    finish, tokens = "tool_calls", []
+                elif held:  # cut short: the text as it is
+                    yield self.chunk("".join(held), None, tokens=tokens)
+                    tokens = []
+                yield self.chunk(None, finish, tokens=tokens)
+                yield event["completion_tokens"]
+            else:
+                raise job_error(event)
+
+
+class Reply:
+    """A request's answer from the choices of its jobs (choice 0's id names the response)."""
+
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        channels: Sequence[str],
+        kind: str,
+        model: str,
+        layer,
+        *,
+        idempotent: int | None = None,
+    ) -> None:
+        self.jobs, self.kind, self.model, self.layer = list(jobs), kind, model, layer
+        self.idempotent = idempotent  # the request's IdempotentRequest: its answer is kept for retries
+        self.choices = [
+            Choice(job, i, kind, layer, channel) for i, (job, channel) in enumerate(zip(jobs, channels, strict=True))
+        ]
+        self.prompt_tokens = sum(job.prompt_tokens for job in jobs)  # each choice is billed its prompt
+        self.created = int(time.time())
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+    def envelope(self, choices: list[dict]) -> dict:
+        return {
+            "id": self.jobs[0].public_id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+
+    async def cancel_unfinished(self) -> None:
+        """Stop the jobs whose choices have not ended (the client went away, or a choice failed)."""
+        for choice in self.choices:
+            if not choice.ended:
+                await runner.request_cancel(self.layer, choice.job.pk)
+
+    def answer(self, choices: list[dict], completion_tokens: int) -> dict:
+        """The whole (not streamed) response."""
+        return self.envelope(choices) | {
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "usage": self.usage(completion_tokens),
+        }
+
+    async def _kept(self, answer: dict | None) -> None:
+        """An idempotent request's end: its answer kept for retries, or (None) the key let go."""
+        if self.idempotent is not None:
+            if answer is None:
+                await sync_to_async(idempotency.abandon)(self.idempotent)
+            else:
+                await sync_to_async(idempotency.complete)(self.idempotent, answer)
+
+    async def whole(self) -> dict:
+        """The whole response; JobFailed when a choice's job failed (the others are stopped)."""
+        tasks = [asyncio.ensure_future(choice.whole()) for choice in self.choices]
+        try:
+            done = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.shield(self.cancel_unfinished())
+            await asyncio.shield(self._kept(None))
+            raise
+        answer = self.answer([choice for choice, _ in done], sum(completion for _, completion in done))
+        await self._kept(answer)
+        return answer
+
+    async def sse(self, include_usage: bool) -> AsyncIterator[bytes]:
+        """The response as server-sent events: each choice's chunks as its tokens arrive."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for item in choice.deltas():
+                    await queue.put(item)
+            except JobFailed as exc:
+                await queue.put(exc)
+            finally:
+                await queue.put(None)  # this choice is over
+
+        if self.kind == "chat":
+            yield sse(self.envelope([choice.chunk(None, None, first=True) for choice in self.choices]))
+        pumps = [asyncio.create_task(pump(choice)) for choice in self.choices]
+        completion, running, answer = 0, len(pumps), None
+        built = [Built(self.kind, choice.logprobs is not None, choice.index) for choice in self.choices]
+        try:
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, JobFailed):
+                    yield sse(error_body(item))
+                    break
+                elif isinstance(item, int):
+                    completion += item
+                else:
+                    built[item["index"]].add(item)
+                    yield sse(self.envelope([item]))
+            else:
+                answer = self.answer([b.choice for b in built], completion)
+                if include_usage:
+                    yield sse(self.envelope([]) | {"usage": self.usage(completion)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            # The client went away mid-stream, or a choice failed: stop the rest, keep what was done.
+            await asyncio.shield(self.cancel_unfinished())
+            await asyncio.shield(self._kept(answer))
+
+
+class Built:
+    """A streamed choice put back together as the whole response's choice, from its chunk entries."""
+
+    def __init__(self, kind: str, logprobs: bool, index: int) -> None:
+        self.kind = kind
+        empty: dict[str, Any] | None
+        if kind == "chat":
+            empty = {"content": [], "refusal": None} if logprobs else None
+            message = {"role": "assistant", "content": "", "refusal": None}
+            self.choice: dict[str, Any] = {"index": index, "message": message, "logprobs": empty, "finish_reason": None}
+        else:
+            empty = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} if logprobs else None
+            self.choice = {"index": index, "text": "", "logprobs": empty, "finish_reason": None}
+
+    def add(self, entry: dict) -> None:
+        if entry["finish_reason"] is not None:
+            self.choice["finish_reason"] = entry["finish_reason"]
+        if entry["logprobs"] is not None and self.choice["logprobs"] is not None:
+            for name, values in entry["logprobs"].items():
+                if isinstance(values, list):
+                    self.choice["logprobs"][name].extend(values)
+        if self.kind != "chat":
+            self.choice["text"] += entry["text"]
+            return
+        message, delta = self.choice["message"], entry["delta"]
+        if "tool_calls" in delta:
+            message["content"] = None
+            message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in delta["tool_calls"]]
+        elif delta.get("content"):
+            message["content"] += delta["content"]
+
+
+def replayed(answer: dict, stream: bool, include_usage: bool) -> HttpResponse:
+    """A kept answer sent again: as it was, or as a stream of one chunk per choice then its end."""
+    if not stream:
+        return JsonResponse(answer)
+    chat = answer["object"] == "chat.completion"
+    envelope = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint")}
+    envelope["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+    async def events() -> AsyncIterator[bytes]:
+        if chat:
+            role = [{"index": c["index"], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None} for c in answer["choices"]]  # fmt: skip
+            yield sse(envelope | {"choices": role})
+        for c in answer["choices"]:
+            if chat:
+                message = c["message"]
+                delta = (
+                    {"tool_calls": [{"index": 0, **call} for call in message["tool_calls"]]}
+                    if message.get("tool_calls")
+                    else {"content": message["content"]}
+                )
+                body = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
+                end = {"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
+            else:
+                body = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}
+                end = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+            yield sse(envelope | {"choices": [body]})
+            yield sse(envelope | {"choices": [end]})
+        if include_usage:
+            yield sse(envelope | {"choices": [], "usage": answer["usage"]})
+        yield b"data: [DONE]\n\n"
+
+    response = StreamingHttpResponse(events(), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    return response
+
+
+def job_error(event: dict) -> JobFailed:
+    return JobFailed(f"The job failed: {event.get('message')}", code=event.get("code", "job_failed"))
+
+
+def sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
