@@ -609,7 +609,7 @@ def test_stream_ends_with_the_usage_event_then_done_on_the_wire(live_swarm):
 @pytest.mark.parametrize(
     ("overrides", "message", "param"),
     [
-        ({"n": 2}, "Only n=1 is supported.", "n"),
+        ({"n": 9}, "'n' must be an integer in [1, 8].", "n"),
         ({"max_tokens": 0}, "'max_tokens' must be an integer in [1, 2048].", "max_tokens"),
         ({"temperature": 3}, "'temperature' must be in [0, 2], got 3.", "temperature"),
         ({"messages": []}, "'messages' must be a non-empty array.", "messages"),
