@@ -44,27 +44,40 @@ class Choice:
         self.ended = False  # its job's last event (done or error) was read
 
     async def events(self) -> AsyncIterator[dict]:
+        """The job's events, in order, up to its last. A silent job's record is checked every
+        PROGRESS_CHECK_S without cancelling the receive in flight: a receive cancelled just as its
+        message arrives loses that message in channels_redis (the message is taken from the
+        channel's buffer, then dropped with the cancelled wait), which stalled about one stream in
+        30 under load (a token missing, or the job's end never seen)."""
+        receiving: asyncio.Future | None = None
         try:
             while True:
-                try:
-                    async with asyncio.timeout(PROGRESS_CHECK_S):
-                        event = await self.layer.receive(self.channel)
-                except TimeoutError:
+                if receiving is None:
+                    receiving = asyncio.ensure_future(self.layer.receive(self.channel))
+                done, _ = await asyncio.wait({receiving}, timeout=PROGRESS_CHECK_S)
+                if not done:
                     reason = await sync_to_async(services.stopped_answering)(self.job.pk)
                     await sync_to_async(release_connections)()
                     if reason is None:
                         continue
                     log.warning("job %s: %s", self.job.public_id, reason)
                     event = {"type": "job.error", "code": "timeout", "message": reason}
-                except Exception as exc:  # the channel layer's own (e.g. Redis) error
-                    log.warning("job %s: no event: %r", self.job.public_id, exc)
-                    event = {"type": "job.error", "code": "timeout", "message": "the job stopped answering"}
+                else:
+                    received, receiving = receiving, None
+                    try:
+                        event = received.result()
+                    except Exception as exc:  # the channel layer's own (e.g. Redis) error
+                        log.warning("job %s: no event: %r", self.job.public_id, exc)
+                        event = {"type": "job.error", "code": "timeout", "message": "the job stopped answering"}
                 if event["type"] in ("job.done", "job.error"):
                     self.ended = True
                 yield event
                 if self.ended:
                     return
         finally:
+            if receiving is not None:  # the response is over (or its client left): nothing more is read
+                receiving.cancel()
+                await asyncio.gather(receiving, return_exceptions=True)
             await self.layer.group_discard(runner.group_name(self.job.pk), self.channel)
 
     def _logprobs(self, tokens: Sequence[dict]) -> dict | None:
