@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint format clean
+.PHONY: demo test bench lint format clean production
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,22 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/python -m marketplace.demo
 
+# The production topology on this machine (Procfile): PostgreSQL and Redis from DATABASE_URL and
+# REDIS_URL, two web processes, two coordinator workers, a verify worker, a periodic-work worker, beat.
+# Its processes' counters are added up in /metrics through PROMETHEUS_MULTIPROC_DIR, emptied at start.
+PROMETHEUS_MULTIPROC_DIR ?= $(CURDIR)/.data/prometheus
+production: $(STAMP)
+	$(BIN)/python -m marketplace migrate --noinput
+	rm -rf "$(PROMETHEUS_MULTIPROC_DIR)" && mkdir -p "$(PROMETHEUS_MULTIPROC_DIR)"
+	PROMETHEUS_MULTIPROC_DIR="$(PROMETHEUS_MULTIPROC_DIR)" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start -f Procfile
+
+# What the tests drive besides Python: Debian's Chromium (the dashboards) and docker-compose
+# (the deployment file is rendered and checked).
+SYSTEM_TOOLS := chromium docker-compose
+
 test: $(STAMP)
+	@for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null 2>&1 || \
+		apt-get install -y --no-install-recommends $$tool >/dev/null || exit 1; done
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest

@@ -1,13 +1,63 @@
-"""The Celery app: coordinator queues per region, periodic sweeps (Celery beat)."""
+"""The Celery app: coordinator queues per region, periodic sweeps (Celery beat).
+
+Logging: a worker logs as the web process does (``settings.LOGGING``, built by
+``marketplace.logs``), never in Celery's own format; a task queued inside a request or a job
+carries their ids in its message headers, and its worker logs its start and end, and every line
+between, with them.
+"""
 
 from __future__ import annotations
 
+import logging
+import logging.config
 import os
+from typing import Any
 
 from celery import Celery
+from celery.signals import before_task_publish, setup_logging, task_postrun, task_prerun
+from django.conf import settings
+
+from marketplace import logs
+from marketplace.periodic import RUN_TASK
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
 
 app = Celery("marketplace")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+log = logging.getLogger("swarm.tasks")
+_bound: dict[str, logs.Bound] = {}  # by task id: the log context bound from its message, until it ends
+
+
+@setup_logging.connect
+def use_django_logging(**_: Any) -> None:
+    """With a receiver here Celery configures no logging of its own (nor redirects stdout), and
+    ``settings.LOGGING`` applies: the same format, level (SWARM_LOG_LEVEL, not ``--loglevel``)
+    and context ids as the web process."""
+    logging.config.dictConfig(settings.LOGGING)
+
+
+@before_task_publish.connect
+def carry_log_context(headers: dict | None = None, **_: Any) -> None:
+    if headers is not None:
+        headers.update(logs.task_headers())
+
+
+def _level(task: Any, state: str | None = None) -> int:
+    """The periodic work (a task every few seconds) logs at DEBUG unless it failed; others at INFO."""
+    if task.name == RUN_TASK and state in (None, "SUCCESS"):
+        return logging.DEBUG
+    return logging.INFO if state in (None, "SUCCESS") else logging.WARNING
+
+
+@task_prerun.connect
+def task_started(task_id: str, task: Any, args: tuple = (), **_: Any) -> None:
+    _bound[task_id] = logs.bind_task(task.request)
+    log.log(_level(task), "task %s[%s] started with %s", task.name, task_id, list(args))
+
+
+@task_postrun.connect
+def task_ended(task_id: str, task: Any, state: str | None = None, **_: Any) -> None:
+    log.log(_level(task, state), "task %s[%s] ended: %s", task.name, task_id, state)
+    logs.unbind(_bound.pop(task_id, []))

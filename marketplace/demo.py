@@ -22,6 +22,7 @@ from pathlib import Path
 DEMO_DIR = Path(os.environ.get("DEMO_DIR", ".demo")).resolve()
 PORT = int(os.environ.get("DEMO_PORT", "8000"))
 MODEL = "smollm2-135m"
+AGENT_DRAIN_S = 10.0  # on Ctrl-C, how long the agents let the requests in flight finish first
 NANO_PER_DOLLAR = 1_000_000_000
 
 os.environ.setdefault("SWARM_DATA_DIR", str(DEMO_DIR / "data"))
@@ -117,7 +118,8 @@ def _join(base_url: str, tokens: list[str], agents: list[subprocess.Popen]) -> N
         key = DEMO_DIR / f"agent{index}.key"
         for stale in (key, key.with_name(key.name + ".pub"), key.with_name(key.name + ".join.json")):
             stale.unlink(missing_ok=True)  # fresh nodes each run: the tokens were just issued
-        agents.append(join_agent(base_url, token, key, DEMO_DIR / f"agent{index}.log", model=MODEL, max_layers=10))
+        log = DEMO_DIR / f"agent{index}.log"
+        agents.append(join_agent(base_url, token, key, log, model=MODEL, max_layers=10, drain_timeout_s=AGENT_DRAIN_S))
 
 
 def _wait_servable(agents: list[subprocess.Popen], timeout: float = 300) -> None:
@@ -262,7 +264,9 @@ def main() -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         print("\nstopping ...", flush=True)
-        stop_processes(agents, timeout_s=10)
+        # The Ctrl-C reached the agents too: each lets its jobs in flight end first (up to its drain
+        # timeout), then exits; the SIGTERM sent here is part of the same stop, not a second one.
+        stop_processes(agents, timeout_s=AGENT_DRAIN_S + 5)
         server.stop()
     return 0
 

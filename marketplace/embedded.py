@@ -26,6 +26,7 @@ class EmbeddedServer:
             port=self.port,
             lifespan="on",
             log_level="warning",
+            log_config=None,  # uvicorn's lines go through settings.LOGGING, formatted as all the others
             ws="websockets-sansio",
             # Open WebSockets (agents' control channels, dashboards) must not hold a stop forever.
             timeout_graceful_shutdown=5,

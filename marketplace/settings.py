@@ -8,6 +8,7 @@ periodic sweeps run in the web process. Production: DATABASE_URL (PostgreSQL) an
 from __future__ import annotations
 
 import os
+import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 from marketplace.conf import env_bool, env_float, env_int, env_list, env_str
+from marketplace.logs import LOG_FORMATS, LOG_LEVELS, logging_config
 from marketplace.periodic import beat_schedule
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -42,14 +44,14 @@ ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::
 CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
 
 # --- security -----------------------------------------------------------------------------
-# Behind SWARM_PRODUCTION: cookies only over HTTPS, plain HTTP redirected (/healthz excepted, for
-# health checks), HSTS. Behind a proxy that ends TLS, SWARM_PROXY_SSL_HEADER=1 trusts its
+# Behind SWARM_PRODUCTION: cookies only over HTTPS, plain HTTP redirected (/healthz and /readyz
+# excepted, for health checks), HSTS. Behind a proxy that ends TLS, SWARM_PROXY_SSL_HEADER=1 trusts its
 # X-Forwarded-Proto header to say the request was HTTPS.
 SESSION_COOKIE_SECURE = PRODUCTION
 CSRF_COOKIE_SECURE = PRODUCTION
 SESSION_COOKIE_HTTPONLY = True
 SECURE_SSL_REDIRECT = env_bool("SWARM_SSL_REDIRECT", PRODUCTION)
-SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
 SECURE_HSTS_SECONDS = env_int("SWARM_HSTS_SECONDS", 31_536_000 if PRODUCTION else 0, minimum=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = PRODUCTION
 SECURE_CONTENT_TYPE_NOSNIFF = True
@@ -96,9 +98,12 @@ INSTALLED_APPS = [
     "marketplace.web",
     "marketplace.verification",
     "marketplace.payouts",
+    "marketplace.install",
 ]
 
 MIDDLEWARE = [
+    "marketplace.monitoring.middleware.http_metrics",  # first: it sees the status that went out
+    "marketplace.logs.RequestIdMiddleware",  # names the request (x-request-id) in every line logged from here in
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -282,6 +287,14 @@ SWARM_SPEED_FALSE_CLAIM = env_float("SWARM_SPEED_FALSE_CLAIM", 50.0, minimum=2.0
 SWARM_AGENT_URL_HOSTS = env_list("SWARM_AGENT_URL_HOSTS", [])
 # The control plane's ed25519 key that signs job tickets (created on first use if missing).
 SWARM_TICKET_KEY_PATH = Path(env_str("SWARM_TICKET_KEY_PATH", str(DATA_DIR / "ticket.key")))
+# The address agents and providers reach this control plane at (https://swarm.example.com): the
+# dashboard's install command and the install script name it. Empty: the address of each request.
+SWARM_PUBLIC_URL = env_str("SWARM_PUBLIC_URL", "").rstrip("/")
+if SWARM_PUBLIC_URL and not re.fullmatch(r"https?://[A-Za-z0-9.\-]+(:[0-9]+)?(/[A-Za-z0-9._~\-/]*)?", SWARM_PUBLIC_URL):
+    raise ImproperlyConfigured(f"SWARM_PUBLIC_URL must be a plain http(s) URL, got {SWARM_PUBLIC_URL!r}")
+# Where the agent's wheel and the models' wheels served at /install/wheels/ are kept (filled by
+# `python -m marketplace build_agent_wheel`, or on the first request to /install/).
+SWARM_WHEELS_DIR = Path(env_str("SWARM_WHEELS_DIR", str(DATA_DIR / "wheels")))
 # Where a job's coordinator runs: "inprocess" (the web process's event loop) or "celery" (a task
 # on the queue coord.<region>, for Celery workers of that region).
 SWARM_COORDINATOR_LAUNCH = env_str("SWARM_COORDINATOR_LAUNCH", "celery" if REDIS_URL else "inprocess")
@@ -323,6 +336,9 @@ SWARM_DEFAULT_PRICES = (
     env_int("SWARM_PRICE_COMPLETION_PER_MILLION", 200_000_000, minimum=0),  # $0.20 per million
 )
 SWARM_JOIN_TOKEN_TTL_S = env_int("SWARM_JOIN_TOKEN_TTL_S", 7 * 24 * 3600, minimum=60)
+# Failed join token checks (POST /api/v1/agents/check-token) one client address may make in a
+# minute, counted in the cache; past it, checks from there answer 429 until the minute ends.
+SWARM_JOIN_CHECK_FAILURES_PER_ADDRESS = env_int("SWARM_JOIN_CHECK_FAILURES_PER_ADDRESS", 30, minimum=1)
 # Active API keys one customer may hold (the dashboard playground's own key is not counted).
 SWARM_API_KEYS_PER_ACCOUNT = env_int("SWARM_API_KEYS_PER_ACCOUNT", 50, minimum=1)
 # A request's prompt (a completion's prompt, or a chat's message contents together), in UTF-8 bytes,
@@ -358,6 +374,18 @@ SWARM_NEW_NODE_DAYS = env_float("SWARM_NEW_NODE_DAYS", 7.0, minimum=0.0)
 SWARM_STRIKE_REVIEW_S = env_float("SWARM_STRIKE_REVIEW_S", 24 * 3600.0, minimum=0.0)
 SWARM_STRIKES_TO_EJECT = env_int("SWARM_STRIKES_TO_EJECT", 3, minimum=1)
 SWARM_STRIKE_PERIOD_DAYS = env_float("SWARM_STRIKE_PERIOD_DAYS", 30.0, minimum=0.0)
+
+# --- monitoring: /metrics, /readyz ---------------------------------------------------------------
+# /metrics (Prometheus) shows business figures: with a token set it answers only "Authorization:
+# Bearer <token>"; without one, only requests from this machine. (PROMETHEUS_MULTIPROC_DIR, read by
+# marketplace.metrics, adds up the counters of every process; see there.)
+SWARM_METRICS_TOKEN = env_str("SWARM_METRICS_TOKEN", "")
+# How long a scrape waits for the database's figures and the Celery queues' lengths.
+SWARM_METRICS_TIMEOUT_S = env_float("SWARM_METRICS_TIMEOUT_S", 5.0, minimum=0.1)
+# /readyz: each dependency's connect and read timeout; and the database it checks (a URL as
+# DATABASE_URL; empty: the app's own).
+SWARM_READYZ_TIMEOUT_S = env_float("SWARM_READYZ_TIMEOUT_S", 2.0, minimum=0.1)
+SWARM_READYZ_DATABASE_URL = env_str("SWARM_READYZ_DATABASE_URL", "")
 
 # --- payouts ------------------------------------------------------------------------------------
 # The platform keeps this share of each verified job's charge (basis points); the rest is split
@@ -413,12 +441,17 @@ if not (
         f"got {STRIPE_TOPUP_MIN_DOLLARS} and {STRIPE_TOPUP_MAX_DOLLARS}"
     )
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env_str("SWARM_LOG_LEVEL", "INFO")},
-}
+# --- logging ------------------------------------------------------------------------------------
+# Every line, the web process's and the Celery workers' alike, to stderr with its UTC time, level,
+# logger, and the request id and job id it was logged for ("-" outside any): as text, or with
+# SWARM_LOG_FORMAT=json one JSON object per line with the same fields (marketplace/logs.py).
+SWARM_LOG_FORMAT = env_str("SWARM_LOG_FORMAT", "text").strip().lower()
+if SWARM_LOG_FORMAT not in LOG_FORMATS:
+    raise ImproperlyConfigured(f"SWARM_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {SWARM_LOG_FORMAT!r}")
+SWARM_LOG_LEVEL = env_str("SWARM_LOG_LEVEL", "INFO").strip().upper()
+if SWARM_LOG_LEVEL not in LOG_LEVELS:
+    raise ImproperlyConfigured(f"SWARM_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {SWARM_LOG_LEVEL!r}")
+LOGGING = logging_config(SWARM_LOG_FORMAT, SWARM_LOG_LEVEL)
 
 # --- periodic work (one table for Celery beat and the embedded scheduler) --------------------
 CELERY_BEAT_SCHEDULE = beat_schedule(globals())

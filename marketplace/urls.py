@@ -1,13 +1,8 @@
 from django.contrib import admin
-from django.http import JsonResponse
 from django.urls import include, path
 
 from marketplace.api import openai
-
-
-def health(request):
-    return JsonResponse({"status": "ok"})
-
+from marketplace.monitoring import views as monitoring
 
 urlpatterns = [
     path("v1/models", openai.list_models, name="v1-models"),
@@ -16,7 +11,10 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include("marketplace.api.urls")),
     path("", include("marketplace.api.stripe_urls")),
-    path("healthz", health, name="health"),
+    path("healthz", monitoring.healthz, name="health"),
+    path("readyz", monitoring.readyz, name="ready"),
+    path("metrics", monitoring.metrics_view, name="metrics"),
+    path("", include("marketplace.install.urls")),
     path("", include("marketplace.web.account_urls")),
     path("", include("marketplace.web.urls")),
 ]

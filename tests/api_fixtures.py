@@ -32,8 +32,10 @@ from django.contrib.auth import get_user_model
 from django.core.cache import cache as django_cache
 from django.core.management import call_command
 from django.test.utils import override_settings
+from django.utils import timezone
 
 from marketplace.api import ratelimit
+from marketplace.billing.models import ModelPrice
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services as node_services
@@ -41,6 +43,7 @@ from marketplace.nodes.tickets import issuer_key
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer
 from worker_agent import model as models
+from worker_agent.joining import TOKEN_ENV
 
 MODEL = "smollm2-135m"
 SPANS = [(0, 10), (10, 20), (20, 30)]
@@ -85,8 +88,6 @@ def join(url: str, token: str, workdir, index: int) -> subprocess.Popen:
         "join",
         "--control-plane",
         url,
-        "--token",
-        token,
         "--key",
         str(workdir / f"agent{index}.key"),
         "--model",
@@ -99,7 +100,8 @@ def join(url: str, token: str, workdir, index: int) -> subprocess.Popen:
         "info",
     ]
     log = open(workdir / f"agent{index}.log", "w")  # noqa: SIM115 - owned by the child process
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: token}  # never on the command line
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def servable_route(agents: list[subprocess.Popen], workdir) -> list[dict] | None:
@@ -229,3 +231,17 @@ def greedy_chat(messages: list[dict], max_tokens: int) -> Reference:
 def greedy_text(prompt: str, max_tokens: int) -> Reference:
     """Single-process greedy ``generate`` on a plain prompt, as the API's text completions run it."""
     return _greedy(tuple(models.load_tokenizer(MODEL)(prompt)["input_ids"]), max_tokens)
+
+
+@pytest.fixture
+def priced():
+    """The model priced ($7 / $13 per million tokens) for the test's length: (prompt, completion)
+    nano-dollars per million tokens (the live swarm's tokens are free otherwise)."""
+    price = ModelPrice.objects.create(
+        model=MODEL,
+        prompt_per_million=7_000_000_000,
+        completion_per_million=13_000_000_000,
+        effective_from=timezone.now(),
+    )
+    yield price.prompt_per_million, price.completion_per_million
+    price.delete()

@@ -69,7 +69,7 @@ def test_provider_creates_a_node_and_sees_its_join_token_once(provider, client_f
     assert len(token) == 47
     assert body == pending_body(node) | {
         "join_token": token,
-        "join_command": f"swarm-worker join --control-plane http://testserver --token {token}",
+        "join_command": f"SWARM_JOIN_TOKEN={token} swarm-worker join --control-plane http://testserver",
     }
     assert (node.owner, node.name, node.region) == (provider, "gpu-1", "eu-west")
     assert node.join_token_hash == hashlib.sha256(token.encode()).hexdigest()
@@ -359,7 +359,7 @@ def test_rotate_token_invalidates_the_old_token_and_the_new_one_joins(provider, 
     new_token = rotated.json()["join_token"]
     assert rotated.json() == {
         "join_token": new_token,
-        "join_command": f"swarm-worker join --control-plane http://testserver --token {new_token}",
+        "join_command": f"SWARM_JOIN_TOKEN={new_token} swarm-worker join --control-plane http://testserver",
     }
     assert new_token.startswith("swj_")
     assert new_token != old_token

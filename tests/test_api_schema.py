@@ -44,6 +44,7 @@ def test_schema_lists_every_endpoint(schema):
         "/api/v1/nodes/{id}/drain/": ["post"],
         "/api/v1/nodes/{id}/rotate-token/": ["post"],
         "/api/v1/agents/register": ["post"],
+        "/api/v1/agents/check-token": ["post"],
     }
 
 

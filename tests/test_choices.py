@@ -10,10 +10,9 @@ from collections import defaultdict
 import httpx2
 import openai
 import pytest
-from django.utils import timezone
 from openai import OpenAI
 
-from marketplace.billing.models import AccountKind, ModelPrice, Transfer
+from marketplace.billing.models import AccountKind, Transfer
 from marketplace.billing.services import account, cost, credits, grant, transfer
 from marketplace.jobs.models import Job, JobState
 from tests.api_fixtures import MODEL, greedy_chat, module_db, wait_for
@@ -38,19 +37,6 @@ def choices_of(public_id: str) -> list[Job]:
     pks = [job.pk for job in jobs]
     wait_for(lambda: not Job.objects.filter(pk__in=pks, settled_at__isnull=True).exists(), 60, "the choices to settle")
     return list(Job.objects.filter(pk__in=pks).order_by("choice_index"))
-
-
-@pytest.fixture
-def priced():
-    """The model priced ($7 / $13 per million tokens) for the test's length."""
-    price = ModelPrice.objects.create(
-        model=MODEL,
-        prompt_per_million=7_000_000_000,
-        completion_per_million=13_000_000_000,
-        effective_from=timezone.now(),
-    )
-    yield price.prompt_per_million, price.completion_per_million
-    price.delete()
 
 
 @pytest.mark.billing

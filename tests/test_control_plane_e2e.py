@@ -89,10 +89,9 @@ def test_joined_agents_are_placed_served_and_replaced_when_one_dies(control_plan
         api(control_plane, "POST", "/api/v1/nodes/", "prov", "pw-123456", {"name": f"gpu-{i}"}) for i in range(3)
     ]
     assert [n["state"] for n in created] == ["pending"] * 3
-    assert all(
-        n["join_command"].startswith(f"swarm-worker join --control-plane {control_plane.url} --token swj_")
-        for n in created
-    )
+    assert [n["join_command"] for n in created] == [
+        f"SWARM_JOIN_TOKEN={n['join_token']} swarm-worker join --control-plane {control_plane.url}" for n in created
+    ]
 
     agents = [
         join_agent(

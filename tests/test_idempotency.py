@@ -13,7 +13,7 @@ import pytest
 from django.utils import timezone
 from openai import OpenAI
 
-from marketplace.billing.models import AccountKind, ModelPrice, Transfer
+from marketplace.billing.models import AccountKind, Transfer
 from marketplace.billing.services import account, credits, grant, transfer
 from marketplace.jobs import idempotency
 from marketplace.jobs.models import IdempotentRequest, Job
@@ -28,16 +28,9 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture
-def client(live_swarm) -> OpenAI:
-    price = ModelPrice.objects.create(
-        model=MODEL,
-        prompt_per_million=7_000_000_000,
-        completion_per_million=13_000_000_000,
-        effective_from=timezone.now(),
-    )
+def client(live_swarm, priced) -> OpenAI:
     grant(live_swarm.customer, 1)
-    yield OpenAI(base_url=f"{live_swarm.url}/v1", api_key=live_swarm.key, max_retries=0, timeout=180)
-    price.delete()
+    return OpenAI(base_url=f"{live_swarm.url}/v1", api_key=live_swarm.key, max_retries=0, timeout=180)
 
 
 def settled() -> None:

@@ -242,7 +242,7 @@ def test_production_turns_on_secure_cookies_https_and_hsts(load_settings):
         "SECURE_HSTS_SECONDS": 31_536_000,
         "SECURE_HSTS_INCLUDE_SUBDOMAINS": True,
     }
-    assert values["SECURE_REDIRECT_EXEMPT"] == [r"^healthz$"]
+    assert values["SECURE_REDIRECT_EXEMPT"] == [r"^healthz$", r"^readyz$"]
     assert "SECURE_PROXY_SSL_HEADER" not in values
 
 

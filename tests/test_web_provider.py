@@ -69,9 +69,7 @@ def test_a_provider_adds_a_node_runs_the_agent_and_watches_it_join_live(web, tmp
     assert (node.owner.username, node.name, node.region, node.state) == ("frank", "gpu-1", "eu-west", "pending")
     command = command_box.inner_text()
     match = re.fullmatch(
-        rf"pip install 'swarm-marketplace\[worker\]' && swarm-worker join --control-plane {re.escape(web.url)} "
-        rf"--token (swj_[A-Za-z0-9_-]+) --model {MODEL}",
-        command,
+        rf"curl -fsSL {re.escape(web.url)}/install/agent\.sh \| SWARM_JOIN_TOKEN=(swj_[A-Za-z0-9_-]+) sh", command
     )
     assert match, command
     token = match.group(1)

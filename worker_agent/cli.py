@@ -3,6 +3,7 @@
 swarm-worker keygen --out node.key
 swarm-worker serve --model smollm2-135m --layers 0:10 --port 7001 --key node.key --trust-key issuer.pub
 swarm-worker bench --model smollm2-135m --layers 0:10
+SWARM_JOIN_TOKEN=swj_... swarm-worker join --control-plane https://HOST
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ import asyncio
 import json
 import logging
 import os
+import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from worker_agent.errors import SwarmError
+from worker_agent.joining import JOIN_TRIES
 
 
 def parse_span(text: str) -> tuple[int, int]:
@@ -25,6 +29,16 @@ def parse_span(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"layer span must look like 0:10, got {text!r}") from None
     return start, end
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of 1 or more, got {text!r}")
+    return value
 
 
 def _set_threads(threads: int | None) -> None:
@@ -66,6 +80,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from worker_agent.wan import WanProfile
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _refuse_device(args.device):
+        return 2
     _set_threads(args.threads)
     if not args.trust_key and not args.insecure_open:
         print("error: give --trust-key (the job ticket issuer's public key) or --insecure-open", file=sys.stderr)
@@ -149,6 +165,55 @@ def _cheat(args: argparse.Namespace):
     return cheat_from_option(args.cheat)
 
 
+def _refuse_device(device: str) -> bool:
+    """Print why torch cannot run on ``device`` here, if it cannot (then the command exits 2)."""
+    # Imported per command: `keygen` and `--help` answer without loading torch.
+    from worker_agent.devices import device_problem
+
+    problem = device_problem(device)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+    return problem is not None
+
+
+SAME_STOP_S = 2.0  # a stop signal this soon after the first one is part of the same stop
+
+
+class StopSignals:
+    """Turns SIGTERM and SIGINT into calls of ``stop`` (``Agent.stop``: the first drains the jobs in
+    flight, a second stops at once). A Ctrl-C reaches every process of the terminal's foreground
+    group: the agent and the program that started it (a script, ``make demo``, a supervisor), which
+    then often signals the agent itself. That signal is the same stop, not the owner asking to cut
+    the jobs in flight: one that comes within ``window_s`` of the first is taken as part of it."""
+
+    def __init__(
+        self, stop: Callable[[], None], *, clock: Callable[[], float] = time.monotonic, window_s: float = SAME_STOP_S
+    ) -> None:
+        self.stop, self.clock, self.window_s = stop, clock, window_s
+        self.first: float | None = None  # when the first stop signal came (clock seconds)
+
+    def __call__(self, name: str) -> None:
+        now = self.clock()
+        if self.first is None:
+            self.first = now
+            self.stop()
+        elif now - self.first < self.window_s:
+            print(
+                f"{name} {now - self.first:.1f}s after the first stop signal: the same stop "
+                f"(signal again after {self.window_s:g}s to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            self.stop()
+
+
+TOKEN_ON_ARGV = (
+    "error: --token would show the join token to every user of this machine (ps); give it in the "
+    "SWARM_JOIN_TOKEN environment variable or in a file named by --token-file"
+)
+
+
 def _free_port(host: str) -> int:
     import socket
 
@@ -160,9 +225,16 @@ def _free_port(host: str) -> int:
 def cmd_join(args: argparse.Namespace) -> int:
     """Register with the control plane (once) and serve what it assigns, until stopped."""
     # Imported per command: `keygen` and `--help` answer without loading torch.
-    from worker_agent.control import Agent, JoinError, JoinState, hardware_report, measure_compute, register
+    from worker_agent import joining
+    from worker_agent.control import Agent, JoinState, hardware_report, measure_compute, register
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.token is not None:
+        print(TOKEN_ON_ARGV, file=sys.stderr)
+        return 2
+    token = joining.read_token(args.token_file, os.environ)
+    if _refuse_device(args.device):
+        return 2
     _set_threads(args.threads)
     cheat = _cheat(args)  # the Agent announces it
     key_path = Path(args.key)
@@ -174,22 +246,29 @@ def cmd_join(args: argparse.Namespace) -> int:
     saved = JoinState.load(state_path)
     if saved is not None and saved.control_plane != args.control_plane.rstrip("/"):
         saved = None
-    if args.token:
-        print(f"measuring this machine on {args.model} ...", file=sys.stderr, flush=True)
-        compute = measure_compute(args.model, dtype=args.dtype, device=args.device)
+    retry, rng = joining.Retry(tries=args.join_tries), random.Random()
+    if token:
         try:
-            state = register(
-                args.control_plane,
-                args.token,
-                signing_key,
-                compute=compute,
-                data_url=advertise,
-                hardware=hardware_report(args.device, args.max_layers),
+            # Cheap checks first: a wrong URL or token fails now, not after the benchmark.
+            joining.preflight(args.control_plane, token, retry, rng=rng)
+            print(f"measuring this machine on {args.model} ...", file=sys.stderr, flush=True)
+            compute = measure_compute(args.model, dtype=args.dtype, device=args.device)
+            state = joining.retrying(
+                lambda: register(
+                    args.control_plane,
+                    token,
+                    signing_key,
+                    compute=compute,
+                    data_url=advertise,
+                    hardware=hardware_report(args.device, args.max_layers),
+                ),
+                retry,
+                rng=rng,
             )
-        except JoinError as exc:
-            if saved is None or "invalid_join_token" not in str(exc):
+        except joining.Refused as exc:
+            if saved is None or exc.code != "invalid_join_token":
                 raise
-            print("the token was used already; reconnecting as the node registered before", file=sys.stderr)
+            print(f"{exc}; reconnecting as {saved.node}, which this key joined as before", file=sys.stderr)
             state = saved
         else:
             state.save(state_path)
@@ -197,7 +276,11 @@ def cmd_join(args: argparse.Namespace) -> int:
     elif saved is not None:
         state = saved
     else:
-        print("error: this key has not joined that control plane yet: give --token", file=sys.stderr)
+        print(
+            f"error: this key has not joined {args.control_plane} yet: give the node's join token in the "
+            f"{joining.TOKEN_ENV} environment variable or with --token-file",
+            file=sys.stderr,
+        )
         return 2
     print(f"JOINED node={state.node} control={state.control_url} data={advertise} pid={os.getpid()}", flush=True)
     agent = Agent(
@@ -214,17 +297,33 @@ def cmd_join(args: argparse.Namespace) -> int:
         shutdown_drain_s=args.drain_timeout,
         tls=tls,
         port_chosen=bool(args.port or args.advertise_url),
+        status_path=key_path.with_name(key_path.name + ".status.json"),
     )
 
     async def main() -> None:
         import signal
 
         loop = asyncio.get_running_loop()
+        signals = StopSignals(agent.stop)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, agent.stop)
+            loop.add_signal_handler(sig, signals, sig.name)
         await agent.run()
 
     asyncio.run(main())
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Whether the agent that joined with ``--key`` is connected (its heartbeat status is fresh)."""
+    # Imported per command: `keygen` and `--help` answer without loading torch.
+    from worker_agent.control import read_health
+
+    key_path = Path(args.key)
+    problem = read_health(key_path.with_name(key_path.name + ".status.json"), max_age_s=args.max_age)
+    if problem is not None:
+        print(f"unhealthy: {problem}", file=sys.stderr)
+        return 1
+    print("healthy")
     return 0
 
 
@@ -237,6 +336,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from worker_agent.block import Block, WorkItem
     from worker_agent.kvcache import SessionLimits, SessionStore
 
+    if _refuse_device(args.device):
+        return 2
     _set_threads(args.threads)
     start, end = args.layers
     block = Block(models.load_block(args.model, start, end, dtype=args.dtype, device=args.device))
@@ -315,7 +416,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     join = sub.add_parser("join", help="join a control plane and serve the blocks it assigns")
     join.add_argument("--control-plane", required=True, help="e.g. http://127.0.0.1:8000")
-    join.add_argument("--token", default=None, help="the node's one-time join token (not needed to reconnect)")
+    join.add_argument("--token", default=None, help=argparse.SUPPRESS)  # refused: see TOKEN_ON_ARGV
+    join.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="read the node's one-time join token from this file (default: the SWARM_JOIN_TOKEN environment "
+        "variable; neither is needed to reconnect once joined)",
+    )
+    join.add_argument(
+        "--join-tries",
+        type=positive_int,
+        default=JOIN_TRIES,
+        metavar="N",
+        help="calls to the control plane while it cannot be reached or answers 5xx, when joining (waits of "
+        f"up to 1, 2, 4, ... 30 s between, at random; default {JOIN_TRIES})",
+    )
     join.add_argument("--key", default="node.key", help="node key file (created if missing)")
     join.add_argument("--model", default="smollm2-135m", help="model to benchmark this machine on")
     join.add_argument("--host", default="127.0.0.1", help="data-plane bind address")
@@ -335,16 +451,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="S",
-        help="on SIGTERM or Ctrl-C, let the jobs in flight finish for up to S seconds first (a second signal "
-        "stops at once; 0: stop at once)",
+        help="on SIGTERM or Ctrl-C, let the jobs in flight finish for up to S seconds first (a second signal, "
+        f"{SAME_STOP_S:g} s or more after the first, stops at once; 0: stop at once)",
     )
     join.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    join.add_argument("--device", default="cpu")
+    join.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before the benchmark)")
     join.add_argument("--threads", type=int, default=None)
     join.add_argument("--wan", default="", help='emulated WAN on outgoing data-plane frames, e.g. "rtt=50ms"')
     join.add_argument("--log-level", default="info")
     join.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # tests only: see worker_agent/cheat.py
     join.set_defaults(func=cmd_join)
+
+    health = sub.add_parser(
+        "health", help="exit 0 if the agent joined with this key has its control channel up (a container healthcheck)"
+    )
+    health.add_argument("--key", required=True, help="the key file the agent joined with")
+    health.add_argument(
+        "--max-age", type=float, default=None, help="seconds since its last heartbeat (default: 3 heartbeat intervals)"
+    )
+    health.set_defaults(func=cmd_health)
 
     bench = sub.add_parser("bench", help="measure this block's throughput (layer-tokens/s)")
     model_args(bench)

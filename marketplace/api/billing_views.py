@@ -98,6 +98,7 @@ async def generation(request: HttpRequest, api_key: ApiKey) -> JsonResponse:
         {
             "data": {
                 "id": job.public_id,
+                "request_id": job.request_id or None,  # the x-request-id of the request that made it
                 "model": job.model,
                 "state": job.state,
                 "finish_reason": job.finish_reason or None,

@@ -13,7 +13,6 @@ import asyncio
 import functools
 import logging
 import time
-import uuid
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
@@ -22,6 +21,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from marketplace import logs
 from marketplace.api import ratelimit, request_body
 from marketplace.api.auth import api_key_required
 from marketplace.api.errors import allow_method, error_response
@@ -82,23 +82,8 @@ def releases_db(view):
     return wrapped
 
 
-def stamps_request_id(view):
-    """Name each request ``req_<hex>`` (``request.request_id``) and send the name back in the
-    x-request-id header of every answer, refusals included, so a client can quote it."""
-
-    @functools.wraps(view)
-    async def wrapped(request, *args, **kwargs):
-        request.request_id = f"req_{uuid.uuid4().hex}"
-        response = await view(request, *args, **kwargs)
-        response["x-request-id"] = request.request_id
-        return response
-
-    return wrapped
-
-
 @csrf_exempt
 @releases_db
-@stamps_request_id
 @allow_method("GET")
 @api_key_required
 async def list_models(request: HttpRequest, api_key: ApiKey) -> JsonResponse:
@@ -126,7 +111,6 @@ async def list_models(request: HttpRequest, api_key: ApiKey) -> JsonResponse:
 
 @csrf_exempt
 @releases_db
-@stamps_request_id
 @allow_method("POST")
 @api_key_required
 async def chat_completions(request: HttpRequest, api_key: ApiKey) -> HttpResponse:
@@ -135,7 +119,6 @@ async def chat_completions(request: HttpRequest, api_key: ApiKey) -> HttpRespons
 
 @csrf_exempt
 @releases_db
-@stamps_request_id
 @allow_method("POST")
 @api_key_required
 async def completions(request: HttpRequest, api_key: ApiKey) -> HttpResponse:
@@ -173,7 +156,12 @@ async def complete_for_key(
         params = await sync_to_async(services.fit_context)(model, len(prompt_ids), params, max_tokens_given=given)
         # Each choice is a request of its own for the limits as for the bill.
         headers = await sync_to_async(ratelimit.check)(api_key, params.n * (len(prompt_ids) + params.max_tokens))
-        jobs = await _admit(api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids)
+        jobs = await _admit(
+            api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids, request_id=request_id
+        )
+        # From here on the request's lines (its stream, its end) name its job too: choice 0's, the response's id.
+        logs.bind(job_id=jobs[0].public_id)
+        log.info("admitted %d job(s) for %s on key %s", len(jobs), model, api_key.prefix)
         if record is not None:
             await sync_to_async(idempotency.attach)(record, jobs[0])
     except DomainError as exc:

@@ -77,6 +77,16 @@ class AgentRegisterSerializer(serializers.Serializer):
     agent_version = serializers.CharField(max_length=32, required=False, default="")
 
 
+class AgentTokenCheckSerializer(serializers.Serializer):
+    token = serializers.CharField(max_length=128)
+
+
+class AgentTokenCheckedSerializer(serializers.Serializer):
+    valid = serializers.BooleanField()
+    node_name = serializers.CharField(help_text="the name its owner gave the node the token joins")
+    expires_at = serializers.DateTimeField(help_text="when the token stops working, if unused")
+
+
 class AgentRegisteredSerializer(serializers.Serializer):
     node = serializers.CharField()
     control_url = serializers.CharField()

@@ -11,6 +11,7 @@ router.register("keys", views.ApiKeyViewSet, basename="key")
 urlpatterns = [
     path("v1/", include(router.urls)),
     path("v1/agents/register", views.register_agent, name="agent-register"),
+    path("v1/agents/check-token", views.check_join_token, name="agent-check-token"),
     path("v1/credits", billing_views.credits, name="credits"),
     path("v1/generation", billing_views.generation, name="generation"),
     path("v1/billing/balance", billing_views.balance, name="billing-balance"),

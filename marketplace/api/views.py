@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from django.conf import settings
 from django.db import transaction
 from django.http import JsonResponse
@@ -13,12 +15,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from marketplace.api import serializers as s
-from marketplace.api.errors import error_response
+from marketplace.api.errors import error_body, error_response, http_error
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken
 from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services
-from marketplace.nodes.errors import NodeError, NodeNameTaken
+from marketplace.nodes.errors import InvalidJoinToken, NodeError, NodeNameTaken, TooManyTokenChecks
 from marketplace.nodes.models import Node
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement_services
@@ -32,8 +34,10 @@ class IsProvider(permissions.BasePermission):
 
 
 def join_command(request: Request, token: str) -> str:
+    """The command to run on the machine, the token in its environment: never on a command line,
+    where every user of the machine can read it (``ps``)."""
     base = request.build_absolute_uri("/").rstrip("/")
-    return f"swarm-worker join --control-plane {base} --token {token}"
+    return f"SWARM_JOIN_TOKEN={shlex.quote(token)} swarm-worker join --control-plane {base}"
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
@@ -141,3 +145,26 @@ class ApiKeyViewSet(
 
     def perform_destroy(self, instance: ApiKey) -> None:
         jobs_services.revoke_api_key(instance)
+
+
+@extend_schema(request=s.AgentTokenCheckSerializer, responses={200: s.AgentTokenCheckedSerializer})
+@api_view(["POST"])
+@authentication_classes([])
+@permission_classes([permissions.AllowAny])
+def check_join_token(request: Request) -> Response | JsonResponse:
+    """Whether a join token would join its node now, without using it up: an agent asks before its
+    benchmark, so a wrong token fails at once. A refusal names its ``reason`` (unknown, used,
+    expired) next to the code ``invalid_join_token``."""
+    data = s.AgentTokenCheckSerializer(data=request.data)
+    data.is_valid(raise_exception=True)
+    try:
+        node = services.check_join_token(data.validated_data["token"], address=request.META.get("REMOTE_ADDR", ""))
+    except NodeError as exc:
+        body = error_body(exc)
+        if isinstance(exc, InvalidJoinToken):
+            body["error"]["reason"] = exc.reason
+        response = JsonResponse(body, status=http_error(exc).status)
+        if isinstance(exc, TooManyTokenChecks):
+            response["Retry-After"] = str(exc.retry_after)
+        return response
+    return Response({"valid": True, "node_name": node.name, "expires_at": node.join_token_expires_at})

@@ -13,6 +13,7 @@ from marketplace.jobs.models import Job
 class JobAdmin(admin.ModelAdmin):
     list_display = (
         "public_id",
+        "request_id",
         "customer",
         "model",
         "state",
@@ -24,7 +25,7 @@ class JobAdmin(admin.ModelAdmin):
         "settle_error",
     )
     list_filter = ("settle_flagged", "verified", "state", "model")
-    search_fields = ("public_id",)
+    search_fields = ("public_id", "request_id")  # the response's id, or the x-request-id a customer quotes
     exclude = ("transcripts",)
     actions = ["retry_settlement"]
 

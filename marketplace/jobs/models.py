@@ -41,6 +41,9 @@ FINAL_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 class Job(models.Model):
     public_id = models.CharField(max_length=64, unique=True)  # the response id, e.g. "chatcmpl-..."
     kind = models.CharField(max_length=16)  # "chat" or "completion"
+    # The HTTP request that admitted it (``req_<hex>``, its x-request-id header, which its customer
+    # can quote); every choice of that request has it, and so does every line its run logs.
+    request_id = models.CharField(max_length=64, blank=True)
     customer = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
     api_key = models.ForeignKey(ApiKey, on_delete=models.SET_NULL, null=True, blank=True, related_name="jobs")
     model = models.CharField(max_length=128)

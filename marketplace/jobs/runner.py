@@ -28,6 +28,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from nacl.signing import SigningKey
 
+from marketplace import logs
 from marketplace.db import release_connections
 from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
@@ -127,11 +128,17 @@ def sampling_params(params: RequestParams) -> SamplingParams:
 
 
 async def run_job(job_pk: int) -> str:
-    """Run the job to its end and settle its hold; returns its final state."""
-    try:
-        return await _run(job_pk)
-    finally:
-        await in_thread(settle, job_pk)
+    """Run the job to its end and settle its hold; returns its final state. Every line logged
+    meanwhile, here and in the coordinator, names the job and the request that admitted it."""
+    names = await in_thread(lambda: Job.objects.filter(pk=job_pk).values_list("public_id", "request_id").first())
+    public_id, request_id = names or (None, None)
+    with logs.bound(job_id=public_id, request_id=request_id):
+        try:
+            state = await _run(job_pk)
+        finally:
+            await in_thread(settle, job_pk)
+        log.info("job ended: %s", state)
+        return state
 
 
 async def _run(job_pk: int) -> str:
@@ -139,6 +146,7 @@ async def _run(job_pk: int) -> str:
     job = await in_thread(Job.objects.get, pk=job_pk)
     if not await in_thread(services.mark_running, job_pk):
         return job.state
+    log.info("job running: %s, %d prompt tokens, on %d stages", job.model, job.prompt_tokens, len(job.route))
     group = group_name(job_pk)
     delivered = Delivered()
     try:

@@ -22,6 +22,7 @@ from django.db.models import Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from marketplace import metrics
 from marketplace.jobs import tools
 from marketplace.jobs.errors import (
     ApiKeyLimitReached,
@@ -186,12 +187,15 @@ def fit_context(model: str, prompt_tokens: int, params: RequestParams, *, max_to
 
 @transaction.atomic
 def admit_jobs(
-    *, api_key: ApiKey, kind: str, model: str, params: RequestParams, prompt_ids: Sequence[int]
+    *, api_key: ApiKey, kind: str, model: str, params: RequestParams, prompt_ids: Sequence[int], request_id: str = ""
 ) -> list[Job]:
     """Admit a request's ``params.n`` choices together, each a job of its own (``admit_job``)
     with its own route, hold and receipts: all of them, or none (402 or 503 for one rolls every
-    one back). Choice 0 carries the response's id; choice i's id adds ``-i`` to it."""
-    jobs = [admit_job(api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids)]
+    one back). Choice 0 carries the response's id; choice i's id adds ``-i`` to it. Each records
+    ``request_id``, the HTTP request's."""
+    jobs = [
+        admit_job(api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids, request_id=request_id)
+    ]
     for index in range(1, params.n):
         jobs.append(
             admit_job(
@@ -202,6 +206,7 @@ def admit_jobs(
                 prompt_ids=prompt_ids,
                 first_choice=jobs[0],
                 choice_index=index,
+                request_id=request_id,
             )
         )
     return jobs
@@ -217,11 +222,13 @@ def admit_job(
     prompt_ids: Sequence[int],
     first_choice: Job | None = None,
     choice_index: int = 0,
+    request_id: str = "",
 ) -> Job:
     """Create a queued job on the lowest-latency ready route; 503 when the model has none.
 
     ``prompt_ids`` (from ``tokenize_prompt``) are stored with the job, so that its coordinator
-    runs exactly the tokens the hold and the rate limit counted."""
+    runs exactly the tokens the hold and the rate limit counted; ``request_id`` (the HTTP
+    request's ``x-request-id``), so that an operator finds the job a customer quotes it for."""
     chosen = route_request(model)
     if chosen is None:
         raise NoCapacity(f"No capacity for model {model!r} right now: no complete pipeline is ready.")
@@ -231,6 +238,7 @@ def admit_job(
     public_id = f"{prefix}-{uuid.uuid4().hex}" if first_choice is None else f"{first_choice.public_id}-{choice_index}"
     job = Job.objects.create(
         public_id=public_id,
+        request_id=request_id,
         first_choice=first_choice,
         choice_index=choice_index,
         kind=kind,
@@ -368,6 +376,21 @@ def finish_job(
             finished_at=timezone.now(),
         )
     )
+    if updated:
+        job = Job.objects.filter(pk=job_pk).values("model", "prompt_tokens").get()
+        # Counted once the end is committed: a rolled-back end did not happen.
+        transaction.on_commit(
+            lambda: metrics.job_finished(
+                job["model"],
+                state,
+                prompt_tokens=job["prompt_tokens"],
+                completion_tokens=completion_tokens,
+                ttft_ms=ttft_ms,
+                tokens_per_s=tokens_per_s,
+                drafted_tokens=drafted_tokens,
+                accepted_tokens=accepted_tokens,
+            )
+        )
     return bool(updated)
 
 

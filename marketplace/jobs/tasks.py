@@ -8,6 +8,7 @@ import contextvars
 from celery import shared_task
 from django.conf import settings
 
+from marketplace import logs
 from marketplace.jobs.models import Job
 from marketplace.jobs.runner import run_job
 
@@ -23,7 +24,8 @@ def run_job_task(job_pk: int) -> str:
 def launch(job: Job) -> None:
     """Start the job's coordinator: a Celery task on ``coord.<region>``, or in this process."""
     if settings.SWARM_COORDINATOR_LAUNCH == "celery":
-        run_job_task.apply_async(args=[job.pk], queue=f"coord.{job.coordinator_region}")
+        with logs.bound(job_id=job.public_id):  # its message carries the job's id to the worker's lines
+            run_job_task.apply_async(args=[job.pk], queue=f"coord.{job.coordinator_region}")
         return
     # A fresh context: the job must not inherit the request's (and so its per-request database
     # thread and connection), since it outlives the request.

@@ -10,7 +10,23 @@ class NodeError(DomainError):
 
 
 class InvalidJoinToken(NodeError):
+    """``reason``, when a check of the token says why: "unknown", "used" or "expired"."""
+
     code = "invalid_join_token"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class TooManyTokenChecks(NodeError):
+    """Too many failed join token checks from one address within the window; ``retry_after`` in seconds."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class KeyAlreadyRegistered(NodeError):

@@ -28,6 +28,9 @@ class Node(models.Model):
     # One-time join token: only its sha256 is stored; the token itself is shown once.
     join_token_hash = models.CharField(max_length=64, unique=True, null=True, blank=True)
     join_token_expires_at = models.DateTimeField(null=True, blank=True)
+    # The sha256 of the token its agent last joined with: a check of that token can say "used"
+    # rather than "unknown", and a join retried after its answer was lost is recognised.
+    used_join_token_hash = models.CharField(max_length=64, null=True, blank=True, db_index=True)
 
     # Hardware and benchmark, as the agent reported them at join.
     device = models.CharField(max_length=16, blank=True)  # "cpu" or "cuda"

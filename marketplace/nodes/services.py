@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -30,6 +31,7 @@ from marketplace.nodes.errors import (
     KeyAlreadyRegistered,
     NodeNameTaken,
     NodeNotAllowed,
+    TooManyTokenChecks,
 )
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
@@ -42,6 +44,8 @@ log = logging.getLogger("swarm.nodes")
 TOKEN_PREFIX = "swj_"
 SPEED_SMOOTHING = 0.3  # weight of the newest measured speed in the node's running estimate
 MAX_POSITIONS = 1 << 20  # the most positions per session an agent may report holding
+JOIN_RETRY_WINDOW_S = 600  # how long after a join the same key may post it again (its answer was lost)
+JOIN_CHECK_WINDOW_S = 60  # failed token checks are counted per address in windows this long
 
 
 def node_group(node_id: str) -> str:
@@ -140,8 +144,13 @@ def register_agent(
     if not isinstance(token, str) or not token.startswith(TOKEN_PREFIX):
         raise InvalidJoinToken("the join token is not valid")
     _verify(raw_key, JOIN_CONTEXT + token.encode() + b"\0" + raw_key, signature, InvalidReport)
-    node = Node.objects.select_for_update().filter(join_token_hash=_hash_token(token)).first()
-    if node is None or node.join_token_expires_at is None or node.join_token_expires_at < timezone.now():
+    token_hash = _hash_token(token)
+    node = Node.objects.select_for_update().filter(join_token_hash=token_hash).first()
+    if node is not None and (node.join_token_expires_at is None or node.join_token_expires_at < timezone.now()):
+        node = None
+    if node is None:
+        node = _retried_join(token_hash, public_key.lower())
+    if node is None:
         raise InvalidJoinToken("the join token is not valid (unknown, used or expired)")
     if node.state == NodeState.EJECTED:
         raise NodeNotAllowed("this node was ejected")
@@ -158,6 +167,7 @@ def register_agent(
         raise InvalidReport("dtypes must be a list of dtype names")
     node.public_key = public_key.lower()
     node.node_id = node_id_of(raw_key)
+    node.used_join_token_hash = token_hash
     node.join_token_hash = None
     node.join_token_expires_at = None
     node.device = str(hardware.get("device", ""))[:16]
@@ -178,6 +188,73 @@ def register_agent(
     except IntegrityError as exc:
         raise KeyAlreadyRegistered("this key is already registered to another node") from exc
     notify_node_changed(node.pk)
+    return node
+
+
+def _retried_join(token_hash: str, public_key: str) -> Node | None:
+    """The node this key joined with this token less than JOIN_RETRY_WINDOW_S ago, whose agent has
+    not opened its control channel since: the same join posted again because its answer was lost
+    (an agent retries a join that got no answer). None otherwise: the token was used."""
+    node = (
+        Node.objects.select_for_update()
+        .filter(used_join_token_hash=token_hash, public_key=public_key, deleted_at__isnull=True)
+        .first()
+    )
+    if node is None or node.joined_at is None:
+        return None
+    if (timezone.now() - node.joined_at).total_seconds() > JOIN_RETRY_WINDOW_S:
+        return None
+    if node.connected_since is not None and node.connected_since >= node.joined_at:
+        return None
+    return node
+
+
+def check_join_token(token: str, *, address: str, now: datetime | None = None) -> Node:
+    """The node ``token`` would join now, without using the token up (an agent asks before its
+    benchmark); else ``InvalidJoinToken`` with its ``reason`` (unknown, used, expired), or
+    ``NodeNotAllowed`` for an ejected node. The token is looked up by its sha256, as
+    ``register_agent`` does, so how long an answer takes says nothing about how close a guess came.
+    Failed checks are counted per client ``address``: past SWARM_JOIN_CHECK_FAILURES_PER_ADDRESS
+    within a window of JOIN_CHECK_WINDOW_S, ``TooManyTokenChecks`` until the window ends."""
+    now = now or timezone.now()
+    window = int(now.timestamp() // JOIN_CHECK_WINDOW_S)
+    key = token_check_failures_key(address, window)
+    if cache.get(key, 0) >= settings.SWARM_JOIN_CHECK_FAILURES_PER_ADDRESS:
+        wait = max(1, int((window + 1) * JOIN_CHECK_WINDOW_S - now.timestamp()))
+        raise TooManyTokenChecks(f"Too many failed join token checks. Try again in {wait} seconds.", retry_after=wait)
+    try:
+        return _token_node(token, now)
+    except InvalidJoinToken:
+        cache.add(key, 0, timeout=JOIN_CHECK_WINDOW_S * 2)
+        cache.incr(key)
+        raise
+
+
+def token_check_failures_key(address: str, window: int) -> str:
+    """The cache key counting failed token checks from ``address`` in ``window``."""
+    return f"join-check-fail:{address}:{window}"
+
+
+def _token_node(token: str, now: datetime) -> Node:
+    token_hash = _hash_token(token) if isinstance(token, str) and token.startswith(TOKEN_PREFIX) else None
+    node = Node.objects.filter(join_token_hash=token_hash).first() if token_hash else None
+    if node is None:
+        if token_hash and Node.objects.filter(used_join_token_hash=token_hash, deleted_at__isnull=True).exists():
+            raise InvalidJoinToken(
+                "the join token was used already: a node joined with it. Rotate the node's token for a new "
+                "one; an agent that joined with it reconnects without a token",
+                reason="used",
+            )
+        raise InvalidJoinToken(
+            "the join token is not known here: mistyped, replaced by a newer one, or its node deleted",
+            reason="unknown",
+        )
+    expires = node.join_token_expires_at
+    if expires is None or expires < now:
+        when = f" at {expires.isoformat(timespec='seconds')}" if expires is not None else ""
+        raise InvalidJoinToken(f"the join token expired{when}: rotate the node's token for a new one", reason="expired")
+    if node.state == NodeState.EJECTED:
+        raise NodeNotAllowed("this node was ejected")
     return node
 
 

@@ -10,7 +10,6 @@ nodes) live in admin_views.py: POST forms with CSRF, for staff only.
 from __future__ import annotations
 
 import functools
-import uuid
 from collections.abc import Callable
 
 import stripe
@@ -28,12 +27,13 @@ from django_htmx.http import HttpResponseClientRedirect
 from marketplace.api.errors import allow_method, error_response
 from marketplace.api.openai import complete_for_key, releases_db
 from marketplace.api.parsers import loads_bounded
-from marketplace.api.views import join_command
 from marketplace.billing import selectors as billing
 from marketplace.billing.errors import PaymentProviderUnavailable
 from marketplace.billing.models import TopUpState
 from marketplace.billing.topups import start_top_up
 from marketplace.errors import DomainError
+from marketplace.install.script import install_command
+from marketplace.install.views import public_url
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken, AuthenticationFailed, InvalidRequest
 from marketplace.nodes import services as node_services
@@ -46,8 +46,6 @@ from marketplace.web.forms import ApiKeyForm, NodeForm, TopUpForm
 from marketplace.web.services import ensure_playground_key
 
 USAGE_GROUPS = ("day", "model", "key")
-WORKER_PACKAGE = "swarm-marketplace[worker]"
-DEFAULT_AGENT_MODEL = "smollm2-135m"  # what `swarm-worker join --model` benchmarks when not told
 
 
 def role_required(check: Callable) -> Callable:
@@ -95,12 +93,9 @@ def _form_panel(request: HttpRequest, partial: str, page: str, form, context: di
 
 
 def _install_command(request: HttpRequest, token: str) -> str:
-    """The one line a provider pastes on the machine: install the agent, then join with the token."""
-    command = f"pip install '{WORKER_PACKAGE}' && {join_command(request, token)}"
-    model = settings.SWARM_MODELS[0] if settings.SWARM_MODELS else DEFAULT_AGENT_MODEL
-    if model != DEFAULT_AGENT_MODEL:
-        command += f" --model {model}"
-    return command
+    """The one line a provider pastes on the machine: the control plane's install script, which
+    installs the agent and joins with the token."""
+    return install_command(public_url(request), token)
 
 
 def _nodes_panel(request: HttpRequest, form: NodeForm, *, added=None, token: str = "") -> HttpResponse:
@@ -357,7 +352,7 @@ async def playground_chat(request: HttpRequest) -> HttpResponse:
         "stream_options": {"include_usage": True},
     }
     api_key = await sync_to_async(ensure_playground_key)(user)
-    return await complete_for_key(api_key, body, "chat", f"req_{uuid.uuid4().hex}")
+    return await complete_for_key(api_key, body, "chat", request.request_id)
 
 
 @customer_required

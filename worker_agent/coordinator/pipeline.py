@@ -519,7 +519,12 @@ class Pipeline:
                     except AuditError as exc:
                         gap = AuditGap(session, stage, stage, f"its traffic does not make valid material: {exc}")
                 log.warning(
-                    "session %s: no audit material for stage %d: stage %d %s", session, stage, gap.owed_by, gap.reason
+                    "job %s session %s: no audit material for stage %d: stage %d %s",
+                    self.job,
+                    session,
+                    stage,
+                    gap.owed_by,
+                    gap.reason,
                 )
                 missing.append(gap)
             return materials, missing

