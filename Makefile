@@ -49,6 +49,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/fuzz.py
 	$(BIN)/python bench/churn.py
 	$(BIN)/python bench/speculative.py
+	@if [ -n "$$DATABASE_URL" ] && [ -n "$$REDIS_URL" ]; then $(BIN)/python bench/load.py; \
+	else echo "bench/load.py needs DATABASE_URL (PostgreSQL) and REDIS_URL (Redis): the production topology"; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -138,7 +138,7 @@ def test_a_job_runs_in_a_celery_worker_of_its_region(swarm_with_worker, tmp_path
     assert job.completion_tokens == 6
     assert job.verified is True
     assert len(job.receipts) == 3
-    done = re.compile(r"Task marketplace\.jobs\.tasks\.run_job\[[0-9a-f-]+\] succeeded in [0-9.]+s: 'succeeded'")
+    done = re.compile(r"task marketplace\.jobs\.tasks\.run_job\[[0-9a-f-]+\] ended: SUCCESS")
     wait_for(lambda: done.search((tmp_path / "worker.log").read_text()), 30, "the task to finish in the worker")
     job.refresh_from_db()
     assert job.charged_amount > 0
