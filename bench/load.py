@@ -181,17 +181,27 @@ class Topology:
                     max_layers=self.args.max_layers,
                 )
             )
+        from marketplace.nodes.models import LinkMeasurement
         from marketplace.placement.selectors import servable_pipelines
 
-        deadline = time.monotonic() + 600
+        # Ready, then probed (the measured links may reorder the ring once), then unchanged for 5 s:
+        # a re-placement mid-run would reload blocks and send the direct runs to the wrong stages.
+        deadline, stable_since, last = time.monotonic() + 600, None, None
         while time.monotonic() < deadline:
-            pipelines = servable_pipelines(self.args.model)
-            if pipelines:
-                return pipelines[0]
             if any(agent.poll() is not None for agent in self.agents):
                 raise RuntimeError(f"an agent exited:\n{self.tail('agent0.log')}")
+            pipelines = servable_pipelines(self.args.model)
+            current = [(s.node, s.data_url, s.layer_start, s.layer_end) for s in pipelines[0]] if pipelines else None
+            nodes = {stage[0] for stage in current or []}
+            probed = set(
+                LinkMeasurement.objects.filter(source__node_id__in=nodes).values_list("source__node_id", flat=True)
+            )
+            if current is None or current != last or probed != nodes:
+                stable_since, last = time.monotonic(), current
+            elif time.monotonic() - stable_since >= 5:
+                return pipelines[0]
             time.sleep(0.5)
-        raise RuntimeError("no servable pipeline in 600 s")
+        raise RuntimeError("no servable, stable pipeline in 600 s")
 
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.workdir / name
@@ -277,11 +287,11 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-async def burst(url: str, key: str, args: argparse.Namespace, first: int) -> dict:
+async def burst(url: str, key: str, args: argparse.Namespace, first: int) -> tuple[list[dict], float]:
     async with client(url, key) as c:
         started = time.perf_counter()
         runs = await asyncio.gather(*(one(c, first + i, args.max_tokens, args.model) for i in range(args.concurrency)))
-        return summarize(list(runs), time.perf_counter() - started)
+        return list(runs), time.perf_counter() - started
 
 
 async def direct_burst(stages: list, args: argparse.Namespace) -> dict:
@@ -299,7 +309,7 @@ async def direct_burst(stages: list, args: argparse.Namespace) -> dict:
     }
 
 
-async def steady(url: str, key: str, args: argparse.Namespace, first: int) -> dict:
+async def steady(url: str, key: str, args: argparse.Namespace, first: int) -> tuple[list[dict], float]:
     async with client(url, key) as c:
         started = time.perf_counter()
         tasks = []
@@ -307,7 +317,7 @@ async def steady(url: str, key: str, args: argparse.Namespace, first: int) -> di
             await asyncio.sleep(max(0.0, started + i / args.rate - time.perf_counter()))
             tasks.append(asyncio.create_task(one(c, first + i, args.max_tokens, args.model)))
         runs = await asyncio.gather(*tasks)
-        return summarize(list(runs), time.perf_counter() - started)
+        return list(runs), time.perf_counter() - started
 
 
 async def singles(url: str, key: str, stages: list, args: argparse.Namespace) -> dict:
@@ -398,9 +408,9 @@ def main() -> int:
             granted = credits(customer)
             stages = topology.join(tokens)
             result = {"single": asyncio.run(singles(topology.url, key, stages, args))}
-            result["burst"] = asyncio.run(burst(topology.url, key, args, 2000))
+            result["burst"] = summarize(*asyncio.run(burst(topology.url, key, args, 2000)))
             result["direct_burst"] = asyncio.run(direct_burst(stages, args))
-            result["steady"] = asyncio.run(steady(topology.url, key, args, 5000))
+            result["steady"] = summarize(*asyncio.run(steady(topology.url, key, args, 5000)))
             result["ledger"] = ledger(customer, granted)
         except BaseException:
             print(topology.tail("honcho.log"), file=sys.stderr)
@@ -439,7 +449,7 @@ def main() -> int:
     print(f"ledger: {result['ledger']}")
     for target, met in result["targets"].items():
         print(f"  {'PASS' if met else 'MISS'}  {target}")
-    print(f"written to {args.output.relative_to(ROOT)}")
+    print(f"written to {args.output}")
     return 0
 
 
