@@ -29,6 +29,9 @@ os.environ.setdefault("SWARM_DATA_DIR", str(DEMO_DIR / "data"))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
 os.environ.setdefault("SWARM_HEARTBEAT_INTERVAL_S", "2")
 os.environ.setdefault("SWARM_HEARTBEAT_TIMEOUT_S", "10")
+# The demo prints its own account of the job; the control plane's INFO lines (this same process)
+# would interleave with the streamed answer. SWARM_LOG_LEVEL=INFO shows them.
+os.environ.setdefault("SWARM_LOG_LEVEL", "WARNING")
 
 
 from marketplace.embedded import EmbeddedServer  # noqa: E402 - after the environment is set
