@@ -444,7 +444,7 @@ def main() -> int:
     result["api_vs_direct_tokens_per_s"] = round(api_tps / direct_tps, 3) if direct_tps else None
     result["targets"] = targets(result)
     result["conditions"] = {
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": {k: str(v) for k, v in vars(args).items() if k != "output"},
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
         "load_average_at_end": os.getloadavg(),
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
