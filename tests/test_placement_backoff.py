@@ -14,18 +14,24 @@ pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]
 
 
+@pytest.fixture
+def b(provider, make_joined_node, measure_ring, swarm_settings):
+    """Node b of a model placed over two nodes of 15 layers each: the model needs both."""
+    a = make_joined_node(provider, "a", max_layers=15).node
+    b = make_joined_node(provider, "b", max_layers=15).node
+    measure_ring([a, b])
+    services.place_model(MODEL)
+    return b
+
+
 def live(node) -> list[Assignment]:
     return list(Assignment.objects.filter(node=node, state=AssignmentState.ASSIGNED))
 
 
 def test_a_node_whose_last_blocks_all_failed_is_left_out_until_it_reconnects(
-    provider, make_joined_node, measure_ring, swarm_settings, settings, django_capture_on_commit_callbacks
+    b, settings, django_capture_on_commit_callbacks
 ):
     settings.SWARM_BLOCK_FAILURES_BEFORE_BACKOFF = 3
-    a = make_joined_node(provider, "a", max_layers=15).node
-    b = make_joined_node(provider, "b", max_layers=15).node
-    measure_ring([a, b])
-    services.place_model(MODEL)
 
     for failure in range(3):
         [block] = live(b)  # placed (back) onto b: the model needs both nodes
@@ -42,14 +48,8 @@ def test_a_node_whose_last_blocks_all_failed_is_left_out_until_it_reconnects(
     assert len(live(b)) == 1
 
 
-def test_fewer_failures_than_the_threshold_do_not_leave_a_node_out(
-    provider, make_joined_node, measure_ring, swarm_settings, settings, django_capture_on_commit_callbacks
-):
+def test_fewer_failures_than_the_threshold_do_not_leave_a_node_out(b, settings, django_capture_on_commit_callbacks):
     settings.SWARM_BLOCK_FAILURES_BEFORE_BACKOFF = 3
-    a = make_joined_node(provider, "a", max_layers=15).node
-    b = make_joined_node(provider, "b", max_layers=15).node
-    measure_ring([a, b])
-    services.place_model(MODEL)
     for _ in range(2):
         [block] = live(b)
         with django_capture_on_commit_callbacks(execute=True):

@@ -115,7 +115,7 @@ def node_connected(node_pk: int) -> Node:
     holds = Assignment.objects.filter(node_id=node_pk, state__in=LIVE_STATES).exists()
     failed = Assignment.objects.filter(node_id=node_pk, state=AssignmentState.FAILED).exists()
     if came_online or (failed and not holds):
-        # A node left out for its failed blocks (``_keeps_failing``) gets a fresh start on reconnect.
+        # A node left out for its failed blocks (``_failing``) gets a fresh start on reconnect.
         _placement_changed()
     return node
 
@@ -210,7 +210,8 @@ def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacit
     nodes = list(
         query.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False).exclude(pk__in=busy).order_by("pk")
     )
-    nodes = [n for n in nodes if not _keeps_failing(n, model)]
+    failing = _failing(nodes, model)
+    nodes = [n for n in nodes if n.pk not in failing]
     speeds = credible_speeds(nodes)
     capacities = [
         NodeCapacity(node=n.node_id, compute=speeds[n.node_id], max_layers=cap, reputation=n.reputation)
@@ -220,18 +221,25 @@ def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacit
     return nodes, capacities
 
 
-def _keeps_failing(node: Node, model: str) -> bool:
-    """Whether the node's last SWARM_BLOCK_FAILURES_BEFORE_BACKOFF blocks of ``model`` since its
-    control channel opened all failed (each failure re-places the model, which would otherwise put
-    the block right back onto it, forever). A reconnect, a restarted agent, gives it a fresh start."""
+def _failing(nodes: list[Node], model: str) -> set[int]:
+    """The nodes (pks) whose last SWARM_BLOCK_FAILURES_BEFORE_BACKOFF blocks of ``model`` since
+    their control channel opened all failed (each failure re-places the model, which would
+    otherwise put the block right back onto them, forever). A reconnect, a restarted agent, gives a
+    node a fresh start. One query for all of them."""
     needed = settings.SWARM_BLOCK_FAILURES_BEFORE_BACKOFF
-    recent = Assignment.objects.filter(node=node, model=model)
-    if node.connected_since is not None:
-        recent = recent.filter(created_at__gte=node.connected_since)
-    states = list(recent.order_by("-created_at", "-pk").values_list("state", flat=True)[:needed])
-    failing = len(states) == needed and all(state == AssignmentState.FAILED for state in states)
-    if failing:
-        log.warning("%s: left out of %s placements: its last %d blocks failed", node.node_id, model, needed)
+    since = {n.pk: n.connected_since for n in nodes}
+    recent: dict[int, list[str]] = {pk: [] for pk in since}
+    rows = Assignment.objects.filter(node_id__in=since, model=model)
+    if None not in since.values() and since:
+        rows = rows.filter(created_at__gte=min(since.values()))
+    for node_pk, state, created_at in rows.order_by("-created_at", "-pk").values_list("node_id", "state", "created_at"):
+        opened = since[node_pk]
+        if len(recent[node_pk]) < needed and (opened is None or created_at >= opened):
+            recent[node_pk].append(state)
+    failing = {pk for pk, states in recent.items() if len(states) == needed and set(states) == {AssignmentState.FAILED}}
+    for node in nodes:
+        if node.pk in failing:
+            log.warning("%s: left out of %s placements: its last %d blocks failed", node.node_id, model, needed)
     return failing
 
 
