@@ -295,12 +295,26 @@ async def burst(url: str, key: str, args: argparse.Namespace, first: int) -> tup
         return list(runs), time.perf_counter() - started
 
 
+def session_room(stages: list) -> int:
+    """Sessions the pipeline carries at once: its stages' smallest room, as admission counts it."""
+    from marketplace.nodes.models import Node
+    from marketplace.placement.selectors import session_room as room
+
+    return min(room(node) for node in Node.objects.filter(node_id__in=[s.node for s in stages]))
+
+
 async def direct_burst(stages: list, args: argparse.Namespace) -> dict:
+    """The burst's requests on Coordinators called directly in this process, at most as many at
+    once as the pipeline holds sessions (the API's admission queues the rest the same way)."""
+    room = await asyncio.to_thread(session_room, stages)
+    slots = asyncio.Semaphore(room)
+
     async def direct(i: int) -> dict:
-        try:
-            return await bench_api.direct_stream(args.model, stages, i, args.max_tokens, prompt(i))
-        except Exception as exc:  # e.g. a stage's session limit: counted, as the API's failures are
-            return {"completion_tokens": 0, "error": str(exc)[:200]}
+        async with slots:
+            try:
+                return await bench_api.direct_stream(args.model, stages, i, args.max_tokens, prompt(i))
+            except Exception as exc:  # counted, as the API's failures are
+                return {"completion_tokens": 0, "error": str(exc)[:200]}
 
     started = time.perf_counter()
     runs = await asyncio.gather(*(direct(i) for i in range(args.concurrency)))
@@ -308,6 +322,7 @@ async def direct_burst(stages: list, args: argparse.Namespace) -> dict:
     tokens = sum(r["completion_tokens"] for r in runs)
     errors = sorted({r["error"] for r in runs if "error" in r})
     return {
+        "at_once": room,
         "failed": sum(1 for r in runs if "error" in r),
         "errors": errors[:5],
         "requests": len(runs),

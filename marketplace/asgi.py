@@ -1,7 +1,9 @@
 """ASGI entry point: HTTP (Django, and /static/ unless SWARM_SERVE_STATIC=0), WebSockets
 (Channels), and lifespan.
 
-On lifespan startup in the embedded default (no Redis), the periodic work (``marketplace.periodic``)
+On lifespan startup the models' configs and tokenizers are loaded before the process takes
+requests (a burst right after a start would otherwise find each request tokenizing on a cold
+tokenizer). In the embedded default (no Redis), the periodic work (``marketplace.periodic``)
 runs as a task of this process; in production Celery beat runs the same table.
 
     uvicorn marketplace.asgi:application --port 8000
@@ -37,6 +39,19 @@ http_app = ASGIStaticFilesHandler(django_app) if settings.SWARM_SERVE_STATIC els
 router = ProtocolTypeRouter({"http": http_app, "websocket": URLRouter(websocket_urlpatterns)})
 
 
+def warm_models() -> None:
+    """Load each served model's config and tokenizer into this process's caches; a model that
+    cannot load is logged and left to fail its requests with the loader's own message."""
+    from worker_agent import model as models  # torch and transformers: loaded when the app starts, not on import
+
+    for model in settings.SWARM_MODELS:
+        try:
+            models.load_config(model)
+            models.load_tokenizer(model)
+        except Exception as exc:  # a broken checkpoint must not keep the other models from serving
+            log.warning("model %s: not preloaded: %s", model, exc)
+
+
 async def application(scope, receive, send):
     if scope["type"] != "lifespan":
         await router(scope, receive, send)
@@ -45,6 +60,7 @@ async def application(scope, receive, send):
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            await asyncio.to_thread(warm_models)
             if settings.SWARM_EMBEDDED_SCHEDULER:
                 task = asyncio.create_task(embedded_scheduler(settings.SWARM_SWEEP_INTERVAL_S, stop))
             await send({"type": "lifespan.startup.complete"})

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from celery import Celery
-from celery.signals import before_task_publish, setup_logging, task_postrun, task_prerun
+from celery.signals import before_task_publish, setup_logging, task_postrun, task_prerun, worker_ready
 from django.conf import settings
 
 from marketplace import logs
@@ -36,6 +36,25 @@ def use_django_logging(**_: Any) -> None:
     ``settings.LOGGING`` applies: the same format, level (SWARM_LOG_LEVEL, not ``--loglevel``)
     and context ids as the web process."""
     logging.config.dictConfig(settings.LOGGING)
+
+
+@worker_ready.connect
+def warm_models(sender: Any = None, **_: Any) -> None:
+    """Load the served models' configs and tokenizers, and in a coordinator worker (one consuming a
+    ``coord.*`` queue) their heads, before the first task: a coordinator worker runs every job on
+    one event loop (``jobs.tasks``), which a cold load would hold for seconds under the first burst."""
+    from worker_agent import model as models  # torch: only in the workers that start, not in every importer
+
+    queues = [queue.name for queue in getattr(getattr(sender, "task_consumer", None), "queues", [])]
+    coordinator = any(name.startswith("coord.") for name in queues)
+    for model in settings.SWARM_MODELS:
+        try:
+            models.load_config(model)
+            models.load_tokenizer(model)
+            if coordinator:
+                models.load_head(model)
+        except Exception as exc:  # a broken checkpoint must not keep the worker from the other models
+            log.warning("model %s: not preloaded: %s", model, exc)
 
 
 @before_task_publish.connect

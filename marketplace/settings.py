@@ -298,6 +298,8 @@ SWARM_WHEELS_DIR = Path(env_str("SWARM_WHEELS_DIR", str(DATA_DIR / "wheels")))
 # Where a job's coordinator runs: "inprocess" (the web process's event loop) or "celery" (a task
 # on the queue coord.<region>, for Celery workers of that region).
 SWARM_COORDINATOR_LAUNCH = env_str("SWARM_COORDINATOR_LAUNCH", "celery" if REDIS_URL else "inprocess")
+# A coordinator worker's threads for its jobs' database and cache calls (marketplace.jobs.tasks).
+SWARM_COORDINATOR_DB_THREADS = env_int("SWARM_COORDINATOR_DB_THREADS", 16, minimum=1)
 if SWARM_COORDINATOR_LAUNCH not in ("inprocess", "celery"):
     raise ImproperlyConfigured("SWARM_COORDINATOR_LAUNCH must be 'inprocess' or 'celery'")
 SWARM_JOB_TIMEOUT_S = env_float("SWARM_JOB_TIMEOUT_S", 300.0, minimum=1.0)
@@ -319,6 +321,11 @@ SWARM_HEAL_WAIT_S = env_float("SWARM_HEAL_WAIT_S", 30.0, minimum=0.0)
 # A request admitted when its model has no ready route waits this long for one while the model is
 # recovering, then answers 503; a model no node serves answers 503 at once.
 SWARM_ADMISSION_WAIT_S = env_float("SWARM_ADMISSION_WAIT_S", 30.0, minimum=0.0)
+# A request whose model's every route carries as many jobs as its stages hold queues this long for
+# a free one, then answers 503 overloaded; SWARM_JOBS_PER_NODE caps the jobs one node carries at
+# once (below what its agent reports holding).
+SWARM_QUEUE_WAIT_S = env_float("SWARM_QUEUE_WAIT_S", 60.0, minimum=0.0)
+SWARM_JOBS_PER_NODE = env_int("SWARM_JOBS_PER_NODE", 64, minimum=1)
 SWARM_JOB_STALE_S = env_float("SWARM_JOB_STALE_S", 60.0, minimum=1.0)  # no progress this long: coordinator lost
 # A job whose settlement raised is tried again after SWARM_SETTLE_RETRY_S, doubling up to
 # SWARM_SETTLE_RETRY_MAX_S; after SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins.

@@ -132,6 +132,7 @@ def hardware_report(device: str, max_layers: int | None) -> dict:
             "dtypes": ["float32", "bfloat16"],
         }
     report["max_positions"] = SessionLimits().max_tokens  # positions a session may hold on its stages
+    report["max_sessions"] = SessionLimits().max_sessions  # sessions its stages hold at once
     if max_layers:
         report["max_layers"] = max_layers
     return report

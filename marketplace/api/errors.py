@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from marketplace.errors import DomainError
-from marketplace.jobs.errors import InvalidRequest, RateLimited
+from marketplace.jobs.errors import InvalidRequest, Overloaded, RateLimited
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ HTTP_ERRORS: dict[str, HttpError] = {
     # The service's side.
     "job_failed": HttpError(500, "server_error"),
     "no_capacity": HttpError(503, "service_unavailable"),
+    "overloaded": HttpError(503, "service_unavailable"),
     "payment_provider_unavailable": HttpError(503, "service_unavailable"),
     "webhook_not_configured": HttpError(503, "service_unavailable"),
 }
@@ -107,6 +108,8 @@ def error_response(exc: DomainError, *, request_id: str | None = None) -> JsonRe
         response["x-request-id"] = request_id
     if mapped.status == 402:  # more credits are needed first: the OpenAI SDKs must not retry
         response["x-should-retry"] = "false"
+    if isinstance(exc, Overloaded):
+        response["Retry-After"] = str(exc.retry_after)
     if isinstance(exc, RateLimited):
         response["Retry-After"] = str(exc.retry_after)
         for name, value in exc.headers.items():

@@ -22,7 +22,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from marketplace import logs
-from marketplace.api import ratelimit, request_body
+from marketplace.api import admission, ratelimit, request_body
 from marketplace.api.auth import api_key_required
 from marketplace.api.errors import allow_method, error_response
 from marketplace.api.parsers import loads_bounded
@@ -32,9 +32,9 @@ from marketplace.billing.services import prices_for
 from marketplace.db import release_connections
 from marketplace.errors import DomainError
 from marketplace.jobs import idempotency, runner, services, tasks
-from marketplace.jobs.errors import InvalidRequest, NoCapacity
-from marketplace.jobs.models import ApiKey, Job
-from marketplace.placement.selectors import context_length, recovering, servable_pipelines
+from marketplace.jobs.errors import InvalidRequest
+from marketplace.jobs.models import ApiKey
+from marketplace.placement.selectors import context_length, servable_pipelines
 
 log = logging.getLogger("swarm.api")
 
@@ -156,7 +156,7 @@ async def complete_for_key(
         params = await sync_to_async(services.fit_context)(model, len(prompt_ids), params, max_tokens_given=given)
         # Each choice is a request of its own for the limits as for the bill.
         headers = await sync_to_async(ratelimit.check)(api_key, params.n * (len(prompt_ids) + params.max_tokens))
-        jobs = await _admit(
+        jobs = await admission.admit(
             api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids, request_id=request_id
         )
         # From here on the request's lines (its stream, its end) name its job too: choice 0's, the response's id.
@@ -193,9 +193,6 @@ async def complete_for_key(
     return response
 
 
-ADMISSION_POLL_S = 0.25  # how often a request waiting for capacity (or for its first attempt) asks again
-
-
 async def _claim(api_key: ApiKey, key: str, body: dict) -> tuple[int, dict | None]:
     """Claim the Idempotency-Key ``key`` for ``body``: (its record, the first attempt's answer to
     send again, or None to run the request). A first attempt still in flight is waited for, up to
@@ -211,18 +208,4 @@ async def _claim(api_key: ApiKey, key: str, body: dict) -> tuple[int, dict | Non
                 "A request with this Idempotency-Key is still being answered; retry later.",
                 code="idempotency_key_in_use",
             )
-        await asyncio.sleep(ADMISSION_POLL_S)
-
-
-async def _admit(**job) -> list[Job]:
-    """Admit the job; when its model has no ready route but is recovering (a node died and its
-    span is being healed, re-placed or reloaded), wait up to SWARM_ADMISSION_WAIT_S for one before
-    answering 503: churn in the swarm is normal and a client should not see it."""
-    deadline = time.monotonic() + settings.SWARM_ADMISSION_WAIT_S
-    while True:
-        try:
-            return await sync_to_async(services.admit_jobs)(**job)
-        except NoCapacity:
-            if time.monotonic() >= deadline or not await sync_to_async(recovering)(job["model"]):
-                raise
-        await asyncio.sleep(ADMISSION_POLL_S)
+        await asyncio.sleep(admission.ADMISSION_POLL_S)

@@ -3,9 +3,10 @@ production, so every web process shares them)."""
 
 from __future__ import annotations
 
+import functools
 import time
 
-from django.core.cache import cache
+from django.core.cache import caches
 
 from marketplace.jobs.errors import RateLimited
 from marketplace.jobs.models import ApiKey
@@ -13,9 +14,17 @@ from marketplace.jobs.models import ApiKey
 WINDOW_S = 60
 
 
+@functools.cache
+def _cache():
+    """One cache client for the whole process. ``django.core.cache.cache`` is one per thread, and
+    an async view's ORM and cache calls run in a thread per request: with Redis that is a new
+    connection (and its handshake) per request."""
+    return caches.create_connection("default")
+
+
 def _incr(key: str, amount: int) -> int:
-    cache.add(key, 0, timeout=WINDOW_S * 2)
-    return cache.incr(key, amount)
+    _cache().add(key, 0, timeout=WINDOW_S * 2)
+    return _cache().incr(key, amount)
 
 
 def check(api_key: ApiKey, tokens: int, *, now: float | None = None) -> dict:
@@ -34,8 +43,8 @@ def check(api_key: ApiKey, tokens: int, *, now: float | None = None) -> dict:
     over_requests = used_requests > api_key.requests_per_minute
     over_tokens = used_tokens > api_key.tokens_per_minute
     if over_requests or over_tokens:  # a refused request is not counted
-        used_requests = cache.decr(requests_key, 1)
-        used_tokens = cache.decr(tokens_key, tokens)
+        used_requests = _cache().decr(requests_key, 1)
+        used_tokens = _cache().decr(tokens_key, tokens)
     headers = {
         "x-ratelimit-limit-requests": str(api_key.requests_per_minute),
         "x-ratelimit-remaining-requests": str(max(0, api_key.requests_per_minute - used_requests)),

@@ -20,6 +20,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
+from marketplace.api import admission
 from marketplace.api.errors import error_body
 from marketplace.db import release_connections
 from marketplace.jobs import idempotency, runner, services, tools
@@ -71,6 +72,7 @@ class Choice:
                         event = {"type": "job.error", "code": "timeout", "message": "the job stopped answering"}
                 if event["type"] in ("job.done", "job.error"):
                     self.ended = True
+                    admission.job_ended()
                 yield event
                 if self.ended:
                     return

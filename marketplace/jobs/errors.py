@@ -46,6 +46,17 @@ class NoCapacity(ApiError):
     code = "no_capacity"
 
 
+class Overloaded(NoCapacity):
+    """Every route of the model carries as many jobs as its stages hold, and none freed up while
+    the request waited (SWARM_QUEUE_WAIT_S)."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class JobFailed(ApiError):
     """An admitted job ended in error; the instance's code is the failure's (e.g. ``timeout``)."""
 

@@ -12,6 +12,7 @@ import json
 import logging
 import secrets
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
@@ -30,12 +31,14 @@ from marketplace.jobs.errors import (
     AuthenticationFailed,
     InvalidRequest,
     NoCapacity,
+    Overloaded,
 )
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.jobs.settlement import place_hold, settle
 from marketplace.nodes.models import Node, NodeState
+from marketplace.placement.models import PlacementState
 from marketplace.placement.selectors import context_length, recovering, route_around, route_request
 from marketplace.placement.services import report_node_failure
 from marketplace.verification.audits import choose_audit_stages
@@ -212,6 +215,17 @@ def admit_jobs(
     return jobs
 
 
+OVERLOADED_RETRY_AFTER_S = 2  # Retry-After of a 503 overloaded
+
+
+def jobs_in_flight() -> Counter[str]:
+    """Jobs admitted and not ended, by node id: each holds a session on every stage of its route."""
+    busy: Counter[str] = Counter()
+    for route in Job.objects.filter(state__in=[JobState.QUEUED, JobState.RUNNING]).values_list("route", flat=True):
+        busy.update(stage["node"] for stage in route)
+    return busy
+
+
 @transaction.atomic
 def admit_job(
     *,
@@ -229,8 +243,16 @@ def admit_job(
     ``prompt_ids`` (from ``tokenize_prompt``) are stored with the job, so that its coordinator
     runs exactly the tokens the hold and the rate limit counted; ``request_id`` (the HTTP
     request's ``x-request-id``), so that an operator finds the job a customer quotes it for."""
-    chosen = route_request(model)
+    # One admission at a time per model from here to the commit: each counts the jobs in flight
+    # that those before it admitted, so no stage is sent more sessions than it holds.
+    PlacementState.objects.select_for_update().filter(model=model).first()
+    chosen = route_request(model, jobs_in_flight())
     if chosen is None:
+        if route_request(model) is not None:
+            raise Overloaded(
+                f"Model {model!r} is serving as many requests as its nodes hold; retry shortly.",
+                retry_after=OVERLOADED_RETRY_AFTER_S,
+            )
         raise NoCapacity(f"No capacity for model {model!r} right now: no complete pipeline is ready.")
     region, stages, _ = chosen
     prefix = "chatcmpl" if kind == "chat" else "cmpl"

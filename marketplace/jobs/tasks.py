@@ -1,9 +1,18 @@
-"""Launching a job's coordinator: a Celery task on ``coord.<region>`` (threads pool), or in this process."""
+"""Launching a job's coordinator: a Celery task on ``coord.<region>`` (threads pool), or in this process.
+
+In a coordinator worker every job runs on one event loop of the process (``job_loop``), in a
+thread of its own; the Celery task only hands the job to it and waits. So the worker's job
+concurrency is its Celery concurrency (each waiting thread costs a thread, not an event loop),
+jobs share the process's connections to Redis and the database pool, and a burst of jobs is not
+held at the pool's size while the stages still have room for sessions.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from celery import shared_task
 from django.conf import settings
@@ -13,12 +22,33 @@ from marketplace.jobs.models import Job
 from marketplace.jobs.runner import run_job
 
 _embedded_jobs: set[asyncio.Task] = set()
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def job_loop() -> asyncio.AbstractEventLoop:
+    """This process's coordinator event loop, started on first use in a daemon thread. Its default
+    executor (where jobs run their ORM and cache calls, ``runner.in_thread``) has
+    SWARM_COORDINATOR_DB_THREADS threads; each holds a database connection only for a call."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or not _loop.is_running():
+            loop = asyncio.new_event_loop()
+            loop.set_default_executor(
+                ThreadPoolExecutor(settings.SWARM_COORDINATOR_DB_THREADS, thread_name_prefix="job-db")
+            )
+            started = threading.Event()
+            loop.call_soon(started.set)
+            threading.Thread(target=loop.run_forever, name="coordinators", daemon=True).start()
+            started.wait()
+            _loop = loop
+        return _loop
 
 
 @shared_task(name="marketplace.jobs.tasks.run_job", acks_late=False)
 def run_job_task(job_pk: int) -> str:
     # acks_late off: a coordinator that died mid-stream must not be replayed onto a new stream.
-    return asyncio.run(run_job(job_pk))
+    return asyncio.run_coroutine_threadsafe(run_job(job_pk), job_loop()).result()
 
 
 def launch(job: Job) -> None:

@@ -40,6 +40,7 @@ class Node(models.Model):
     max_layers = models.PositiveIntegerField(null=True, blank=True)  # a cap the owner set; else from memory
     # Positions one session may hold on it (prompt + completion tokens); None: the agent did not say.
     max_positions = models.PositiveIntegerField(null=True, blank=True)
+    max_sessions = models.PositiveIntegerField(null=True, blank=True)  # sessions at once per stage, as reported
     compute_layer_tokens_per_s = models.FloatField(default=0.0)  # decode, batch 1, from `swarm-worker bench`
     # The best speed the control plane itself measured (a passed challenge, timed): see nodes/capacity.py.
     verified_layer_tokens_per_s = models.FloatField(null=True, blank=True)

@@ -44,6 +44,7 @@ log = logging.getLogger("swarm.nodes")
 TOKEN_PREFIX = "swj_"
 SPEED_SMOOTHING = 0.3  # weight of the newest measured speed in the node's running estimate
 MAX_POSITIONS = 1 << 20  # the most positions per session an agent may report holding
+MAX_SESSIONS = 4096  # the most sessions at once an agent may report holding
 JOIN_RETRY_WINDOW_S = 600  # how long after a join the same key may post it again (its answer was lost)
 JOIN_CHECK_WINDOW_S = 60  # failed token checks are counted per address in windows this long
 
@@ -161,6 +162,9 @@ def register_agent(
     max_positions = _number(hardware, "max_positions", minimum=1, maximum=MAX_POSITIONS, required=False)
     if max_positions is not None and not isinstance(hardware["max_positions"], int):
         raise InvalidReport(f"max_positions must be an integer, got {hardware['max_positions']!r}")
+    max_sessions = _number(hardware, "max_sessions", minimum=1, maximum=MAX_SESSIONS, required=False)
+    if max_sessions is not None and not isinstance(hardware["max_sessions"], int):
+        raise InvalidReport(f"max_sessions must be an integer, got {hardware['max_sessions']!r}")
     compute = _number(benchmark, "layer_tokens_per_s", minimum=1e-9)
     dtypes = hardware.get("dtypes", [])
     if not isinstance(dtypes, list) or not all(isinstance(d, str) and 0 < len(d) <= 16 for d in dtypes):
@@ -176,6 +180,7 @@ def register_agent(
     node.dtypes = dtypes[:8]
     node.max_layers = int(max_layers) if max_layers else None
     node.max_positions = int(max_positions) if max_positions else None
+    node.max_sessions = int(max_sessions) if max_sessions else None
     node.compute_layer_tokens_per_s = compute
     node.data_url = data_url
     node.agent_version = str(agent_version)[:32]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -17,8 +17,16 @@ from marketplace.placement.routing import route
 from worker_agent import model as models
 from worker_agent.kvcache import SessionLimits
 
-# Positions per session of an agent that reports no limit: the agent's own default.
+# Positions per session, and sessions at once, of an agent that reports no limit: the agent's defaults.
 AGENT_DEFAULT_POSITIONS = SessionLimits().max_tokens
+AGENT_DEFAULT_SESSIONS = SessionLimits().max_sessions
+
+
+def session_room(node: Node) -> int:
+    """Jobs a node's stage may carry at once: what it reported holding (its agent refuses a session
+    past that), capped by SWARM_JOBS_PER_NODE. A node claiming more than it holds only fails its
+    own sessions, and the jobs heal around it."""
+    return min(node.max_sessions or AGENT_DEFAULT_SESSIONS, settings.SWARM_JOBS_PER_NODE)
 
 
 @dataclass(frozen=True)
@@ -152,15 +160,21 @@ def _costs(nodes: list[str]) -> tuple[dict[tuple[str, str], float], dict[str, fl
     return rtt, {node: 1000.0 / value for node, value in speed.items() if value}
 
 
-def route_request(model: str):
+def route_request(model: str, busy: Mapping[str, int] | None = None):
     """The lowest-latency chain of routable stages for one request, and the coordinator region it
     starts from; None when no chain covers the model. Stages are every routable block of the
     model, on pipelines and warm spares alike: while a pipeline has a member reported failed (or
     being replaced), a spare holding its span keeps the model servable, as it does for a request
-    healing around it (``route_around``)."""
+    healing around it (``route_around``). With ``busy`` (jobs in flight by node id), a node
+    carrying its ``session_room`` already is left out."""
     if not PlacementState.objects.filter(model=model).exists():
         return None
-    stages = [_pipeline_stage(a) for a in live_assignments(model) if _routable(a)]
+    busy = busy or {}
+    stages = [
+        _pipeline_stage(a)
+        for a in live_assignments(model)
+        if _routable(a) and busy.get(a.node.node_id, 0) < session_room(a.node)
+    ]
     if not stages:
         return None
     rtt, layer_ms = _costs(sorted({stage.node for stage in stages}))
