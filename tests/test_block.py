@@ -375,35 +375,6 @@ def test_mistral_layers_without_a_sliding_window_equal_hugging_faces_layers(tmp_
     _assert_close(torch.cat(outputs), _reference(block.weights, inputs[:7]))
 
 
-def test_refuses_layers_with_a_sliding_window_naming_it(tmp_path):
-    from transformers import MistralConfig
-
-    weights = models.load_block(_checkpoint(tmp_path / "windowed", _small(MistralConfig, sliding_window=16)), 0, 2)
-
-    with pytest.raises(ModelError) as err:
-        Block(weights)
-
-    assert err.value.code == "model_unsupported"
-    assert str(err.value) == (
-        "windowed layer 0 uses sliding-window attention (window 16), which the layer block does not implement"
-    )
-
-
-def test_refuses_a_model_type_whose_layers_compute_something_else(tmp_path):
-    from transformers import GraniteConfig
-
-    weights = models.load_block(_checkpoint(tmp_path / "granite", _small(GraniteConfig, residual_multiplier=0.5)), 0, 1)
-
-    with pytest.raises(ModelError) as err:
-        Block(weights)
-
-    assert err.value.code == "model_unsupported"
-    assert str(err.value) == (
-        "granite: the layer block computes Llama-style decoder layers (llama, mistral, qwen2, qwen3), "
-        "not model type 'granite'"
-    )
-
-
 def test_refuses_a_layer_with_parts_it_does_not_compute():
     weights = models.load_block(MODEL, 0, 2)
     extended = type(weights.layers[1])(weights.config, layer_idx=1)

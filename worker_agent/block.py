@@ -13,17 +13,37 @@ calls. At most ``max_batch`` items run per pass; more are split into several pas
 a few rows (decode steps, short speculative chunks) multiplies by each weight through
 ``model.linear``, which on CPU reads the weight at about twice the bandwidth of ``nn.Linear``.
 
-The maths is that of a Llama decoder layer, computed with the loaded layer's own submodules:
-``x + o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))`` with
-``n = input_layernorm(x)``, then ``x + down_proj(act(gate_proj(m)) * up_proj(m))`` with
-``m = post_attention_layernorm(x)``, with grouped-query
-attention, projection biases where the checkpoint has them, per-head q/k norms where the layer
-has them (Qwen3), and whatever rope scaling the model's rotary module implements. Building a
-``Block`` over anything else raises ``ModelError`` (code ``model_unsupported``) naming what it
-lacks: a model type other than llama, mistral, qwen2 and qwen3 (other Llama-like types add
-multipliers, extra norms, fused projections or post-norms), a layer whose submodules differ from
-those above, or sliding-window attention in effect (a Mistral config with ``sliding_window``
-set, Qwen's sliding layers). There is no fallback to Hugging Face's own layer forward.
+The block computes the decoder layers of the model types in ``architectures.SUPPORTED_MODEL_TYPES``
+(llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, granite) itself, with the loaded layer's own
+submodules (norms, activations, projections) and its modeling module's rotary function, so each
+type's own numerics (Gemma's ``x * (1 + w)`` RMSNorm in float32, its GELU-tanh, Phi-3's partial
+rotary) come from transformers; what the block adds is the order they are combined in:
+
+    n = input_layernorm(x);  q, k, v = q_proj(n), k_proj(n), v_proj(n)   (or split qkv_proj(n))
+    q, k = q_norm(q), k_norm(k)                       per head, where the layer has them (Qwen3)
+    a = o_proj(attention(rope(q), rope(k), v))
+    x = x + r * a;  x = x + r * mlp(post_attention_layernorm(x))                  (Llama order)
+    x = x + post_attention_layernorm(a);                                     (Gemma 2's sandwich)
+        x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
+    mlp(m) = down_proj(act(gate_proj(m)) * up_proj(m))          (or gate, up split gate_up_proj(m))
+
+with r = 1 but for Granite (its residual_multiplier; the product is skipped where r = 1).
+
+Attention is grouped-query with the layer's own ``scaling`` (Gemma 2's query_pre_attn_scalar,
+Granite's attention_multiplier), causal, with projection biases where the checkpoint has them. A
+layer with a sliding window (Mistral's or Phi-3's ``config.sliding_window``, the sliding layers of
+Gemma 2 and Qwen) lets a query at position p see keys at positions k with p - window < k <= p, as
+transformers' sliding mask does, at any sequence length; the cache still holds every position,
+so truncation and re-prefill work the same on every layer. Gemma 2's attention logits are
+soft-capped (c * tanh(s / c), before the mask) and its softmax runs in float32, as its eager
+attention does; every other type goes through torch's fused scaled-dot-product attention.
+Scaling the embeddings (Gemma, Granite) and the logits (Granite's division, Gemma 2's soft-cap)
+is the coordinator's (``model.Head``).
+
+Building a ``Block`` over anything else raises ``ModelError`` (code ``model_unsupported``)
+naming what it lacks: a model type not in the list (``load_block`` refuses those before reading a
+weight), a layer whose submodules differ from its type's entry in ``architectures.py``, or
+bidirectional attention. There is no fallback to Hugging Face's own layer forward.
 """
 
 from __future__ import annotations
@@ -36,15 +56,12 @@ import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
+from worker_agent.architectures import SUPPORTED_MODEL_TYPES, Architecture, architecture, sliding_window
 from worker_agent.errors import ModelError
 from worker_agent.kvcache import KVLayout, KVSession
 from worker_agent.model import BlockWeights, linear, model_name
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_LAYER_PARTS = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
-_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
-_HEAD_NORMS = frozenset({"q_norm", "k_norm"})
-_MLP_PARTS = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
+__all__ = ["SUPPORTED_MODEL_TYPES", "Block", "WorkItem"]
 
 
 @dataclass(frozen=True)
@@ -56,14 +73,11 @@ class WorkItem:
 
 @dataclass(frozen=True)
 class _Span:
-    """Where one item sits in a pass, and what its queries may see."""
+    """Where one item sits in a pass."""
 
     row: int  # the item's first row among the pass's concatenated rows
     start: int  # position of its first token in its session
     count: int  # its tokens
-    # (group * count, start + count), True where a query row may attend a key; None for one token,
-    # which attends every key. Rows are ordered (head of the group, token), as ``_attend`` packs them.
-    mask: torch.Tensor | None
 
     @property
     def rows(self) -> slice:
@@ -74,21 +88,45 @@ class _Span:
         return self.start + self.count
 
 
+@dataclass(frozen=True)
+class _Keys:
+    """The keys one item's queries attend to on layers of one window."""
+
+    low: int  # the first key position any of its queries may see; keys [low, span.end) are read
+    # (group * count, end - low), True where a query row may attend a key; None where every row sees
+    # every key read (one token). Rows are ordered (head of the group, token), as ``_attend`` packs them.
+    mask: torch.Tensor | None
+
+
 class Block:
     """Layers ``[layer_start, layer_end)`` of a model, run over work items (see the module docstring)."""
 
     def __init__(self, weights: BlockWeights, *, max_batch: int = 32) -> None:
-        attention = _check_supported(weights)
+        kind = _check_supported(weights)
+        attention = weights.layers[0].self_attn
+        config = weights.config
         self.weights = weights
         self.max_batch = max_batch
         self.head_dim = int(attention.head_dim)
-        self.heads = attention.q_proj.out_features // self.head_dim
-        self.kv_heads = attention.k_proj.out_features // self.head_dim
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.group = self.heads // self.kv_heads  # query heads sharing one key/value head
         self.scaling = float(attention.scaling)
-        self.head_norms = hasattr(attention, "q_norm")
+        self.head_norms = "q_norm" in kind.attention_parts
+        self.fused_qkv = "qkv_proj" in kind.attention_parts
+        self.fused_gate_up = "gate_up_proj" in kind.mlp_parts
+        self.sandwich_norms = "pre_feedforward_layernorm" in kind.layer_parts
+        # Granite's residual_multiplier on each sublayer's output; None: added as it is.
+        self.residual_scale = float(config.residual_multiplier) if kind.scaled_residuals else None
+        softcap = getattr(attention, "attn_logit_softcapping", None)
+        self.softcap = None if softcap is None else float(softcap)
+        # Each layer's sliding window; None: it attends to every earlier position.
+        self.windows = [
+            sliding_window(kind, config, weights.layer_start + local) for local in range(len(weights.layers))
+        ]
         self.layout = KVLayout(len(weights.layers), self.kv_heads, self.head_dim, weights.dtype, weights.device)
-        # The model's own rotary maths (Llama's rotate-half for every supported type).
+        # The model's own rotary maths: rotate-half, over the leading rotary dims only where the
+        # model rotates part of each head (Phi-3's partial_rotary_factor).
         self._rotate: Callable = sys.modules[type(attention).__module__].apply_rotary_pos_emb
 
     @property
@@ -124,24 +162,33 @@ class Block:
             # session holds what lies below ``start``, all of it still valid.
             item.session.truncate(item.start)
             item.session.reserve(item.start + count, self.layout)
-            spans.append(_Span(row, item.start, count, self._mask(item.start, count)))
+            spans.append(_Span(row, item.start, count))
             row += count
+        # What each item's queries see, once per distinct window of the block's layers.
+        keys = {window: [self._keys(span, window) for span in spans] for window in set(self.windows)}
         hidden = torch.cat([item.hidden.to(device, dtype) for item in items])  # (tokens, hidden)
         positions = torch.cat([torch.arange(span.start, span.end, device=device) for span in spans])  # (tokens,)
-        cos, sin = self.weights.rotary(hidden, positions.unsqueeze(0))  # (1, tokens, head_dim) each
+        cos, sin = self.weights.rotary(hidden, positions.unsqueeze(0))  # (1, tokens, rotary dims) each
         for index, layer in enumerate(self.weights.layers):
-            hidden = self._layer(layer, index, hidden, cos[0], sin[0], items, spans)
+            visible = keys[self.windows[index]]
+            hidden = self._layer(layer, index, hidden, cos[0], sin[0], items, spans, visible)
         for item, span in zip(items, spans, strict=True):
             item.session.length = span.end
         return list(hidden.split([span.count for span in spans]))
 
-    def _mask(self, start: int, count: int) -> torch.Tensor | None:
-        if count == 1:
-            return None
+    def _keys(self, span: _Span, window: int | None) -> _Keys:
+        """Keys [low, end) and the mask over them: causal, and within ``window`` positions of the
+        query where the layer has one (a query at p sees p - window < k <= p, transformers' rule)."""
+        low = 0 if window is None else max(0, span.start - window + 1)
+        if span.count == 1:
+            return _Keys(low, None)
         device = self.weights.device
-        keys = torch.arange(start + count, device=device)
-        causal = keys <= (start + torch.arange(count, device=device)).unsqueeze(1)  # (count, start + count)
-        return causal.repeat(self.group, 1)  # (group * count, start + count)
+        keys = torch.arange(low, span.end, device=device)  # (end - low,)
+        queries = (span.start + torch.arange(span.count, device=device)).unsqueeze(1)  # (count, 1)
+        visible = keys <= queries  # (count, end - low)
+        if window is not None:
+            visible &= keys > queries - window
+        return _Keys(low, visible.repeat(self.group, 1))  # (group * count, end - low)
 
     def _layer(
         self,
@@ -152,41 +199,97 @@ class Block:
         sin: torch.Tensor,
         items: list[WorkItem],
         spans: list[_Span],
+        visible: list[_Keys],
     ) -> torch.Tensor:
-        """One decoder layer over the pass's rows. hidden: (tokens, hidden); cos, sin: (tokens, head_dim)."""
+        """One decoder layer over the pass's rows. hidden: (tokens, hidden); cos, sin: (tokens, rotary dims)."""
         attention = layer.self_attn
-        tokens = hidden.shape[0]
-        normed = layer.input_layernorm(hidden)
-        queries = _project(attention.q_proj, normed).view(tokens, self.heads, self.head_dim)
-        keys = _project(attention.k_proj, normed).view(tokens, self.kv_heads, self.head_dim)
-        values = _project(attention.v_proj, normed).view(tokens, self.kv_heads, self.head_dim)
+        queries, keys, values = self._project_qkv(attention, layer.input_layernorm(hidden))
         if self.head_norms:
             queries, keys = attention.q_norm(queries), attention.k_norm(keys)
         queries, keys = self._rotate(queries.transpose(0, 1), keys.transpose(0, 1), cos, sin, unsqueeze_dim=0)
         values = values.transpose(0, 1)  # queries (heads, tokens, d); keys, values (kv_heads, tokens, d)
 
-        mixed = hidden.new_empty(tokens, self.heads * self.head_dim)  # (tokens, heads * d)
-        for item, span in zip(items, spans, strict=True):
+        mixed = hidden.new_empty(hidden.shape[0], self.heads * self.head_dim)  # (tokens, heads * d)
+        for item, span, seen in zip(items, spans, visible, strict=True):
             cached_keys, cached_values = item.session.keys[index], item.session.values[index]
             cached_keys[:, span.start : span.end] = keys[:, span.rows]
             cached_values[:, span.start : span.end] = values[:, span.rows]
-            out = self._attend(queries[:, span.rows], cached_keys[:, : span.end], cached_values[:, : span.end], span)
+            out = self._attend(
+                queries[:, span.rows], cached_keys[:, seen.low : span.end], cached_values[:, seen.low : span.end], seen
+            )
             mixed[span.rows] = out.transpose(0, 1).reshape(span.count, -1)
-        hidden = hidden + _project(attention.o_proj, mixed)
-        mlp, normed = layer.mlp, layer.post_attention_layernorm(hidden)
-        gated = mlp.act_fn(_project(mlp.gate_proj, normed)) * _project(mlp.up_proj, normed)
-        return hidden + _project(mlp.down_proj, gated)
+        attended = _project(attention.o_proj, mixed)  # (tokens, hidden)
+        if self.sandwich_norms:
+            hidden = hidden + layer.post_attention_layernorm(attended)
+            fed = self._mlp(layer.mlp, layer.pre_feedforward_layernorm(hidden))
+            return hidden + layer.post_feedforward_layernorm(fed)
+        hidden = hidden + self._residual(attended)
+        return hidden + self._residual(self._mlp(layer.mlp, layer.post_attention_layernorm(hidden)))
 
-    def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, span: _Span) -> torch.Tensor:
-        """queries (heads, count, d); keys, values (kv_heads, end, d) -> (heads, count, d).
+    def _residual(self, out: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream."""
+        return out if self.residual_scale is None else out * self.residual_scale
+
+    def _project_qkv(
+        self, attention: nn.Module, normed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (tokens, heads, d), keys and values (tokens, kv_heads, d) of the normed rows."""
+        tokens, d = normed.shape[0], self.head_dim
+        if self.fused_qkv:
+            fused = _project(attention.qkv_proj, normed)  # (tokens, (heads + 2 * kv_heads) * d)
+            queries, keys, values = fused.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        else:
+            queries = _project(attention.q_proj, normed)
+            keys = _project(attention.k_proj, normed)
+            values = _project(attention.v_proj, normed)
+        return (
+            queries.reshape(tokens, self.heads, d),
+            keys.reshape(tokens, self.kv_heads, d),
+            values.reshape(tokens, self.kv_heads, d),
+        )
+
+    def _mlp(self, mlp: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        """down(act(gate) * up) of the normed rows. (tokens, hidden)"""
+        if self.fused_gate_up:
+            gate, up = _project(mlp.gate_up_proj, normed).chunk(2, dim=-1)  # (tokens, inner) each
+            return _project(mlp.down_proj, up * mlp.activation_fn(gate))
+        return _project(mlp.down_proj, mlp.act_fn(_project(mlp.gate_proj, normed)) * _project(mlp.up_proj, normed))
+
+    def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: _Keys) -> torch.Tensor:
+        """queries (heads, count, d); keys, values (kv_heads, keys, d) -> (heads, count, d).
 
         The query heads sharing a key/value head become rows against it, so the keys are never
-        repeated per head; the mask is the causal one repeated for each head of the group."""
-        rows = self.group * span.count
-        packed = queries.reshape(1, self.kv_heads, rows, self.head_dim)  # (1, kv_heads, group * count, d)
-        # 4-D, as torch's fused CPU kernel wants (3-D inputs take the slower unfused path).
-        out = scaled_dot_product_attention(packed, keys[None], values[None], attn_mask=span.mask, scale=self.scaling)
-        return out.view(self.heads, span.count, self.head_dim)
+        repeated per head; the mask is repeated for each head of the group."""
+        count = queries.shape[1]
+        packed = queries.reshape(1, self.kv_heads, self.group * count, self.head_dim)  # (1, kv_heads, group * count, d)
+        if self.softcap is not None:
+            out = _softcapped_attention(packed, keys[None], values[None], seen.mask, self.scaling, self.softcap)
+        else:
+            # 4-D, as torch's fused CPU kernel wants (3-D inputs take the slower unfused path).
+            out = scaled_dot_product_attention(
+                packed, keys[None], values[None], attn_mask=seen.mask, scale=self.scaling
+            )
+        # reshape, not view: CUDA's fused kernels may return the rows in a layout a view cannot cover.
+        return out.reshape(self.heads, count, self.head_dim)
+
+
+def _softcapped_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    cap: float,
+) -> torch.Tensor:
+    """Attention whose scores are squashed to (-cap, cap) before the mask, as Gemma 2's eager
+    attention computes it (torch's fused kernel has no soft-cap): softmax in float32, then back to
+    the inputs' dtype. queries (1, kv_heads, rows, d); keys, values (1, kv_heads, keys, d)."""
+    scores = torch.matmul(queries, keys.transpose(2, 3)) * scaling  # (1, kv_heads, rows, keys)
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return torch.matmul(weights, values)  # (1, kv_heads, rows, d)
 
 
 def _project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -194,43 +297,27 @@ def _project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
-def _check_supported(weights: BlockWeights) -> nn.Module:
-    """The first layer's attention module, once every layer is one ``Block`` computes exactly."""
+def _check_supported(weights: BlockWeights) -> Architecture:
+    """The entry of the model's type, once every layer is one ``Block`` computes exactly."""
     config, name = weights.config, model_name(weights.model)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelError(
-            f"{name}: the layer block computes Llama-style decoder layers "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)}), not model type {model_type!r}",
-            code="model_unsupported",
-        )
+    kind = architecture(getattr(config, "model_type", None), name)
     for local, layer in enumerate(weights.layers):
         where = f"{name} layer {weights.layer_start + local}"
-        parts = {part for part, _ in layer.named_children()}
-        if parts != _LAYER_PARTS:
+        _check_parts(where, "parts", layer, kind.layer_parts)
+        _check_parts(where, "attention parts", layer.self_attn, kind.attention_parts)
+        _check_parts(where, "MLP parts", layer.mlp, kind.mlp_parts)
+        if not getattr(layer.self_attn, "is_causal", True):
             raise ModelError(
-                f"{where} has parts {sorted(parts)}; the layer block computes exactly {sorted(_LAYER_PARTS)}",
+                f"{where} attends bidirectionally; the layer block computes causal attention only",
                 code="model_unsupported",
             )
-        attention = layer.self_attn
-        attention_parts = {part for part, _ in attention.named_children()}
-        if attention_parts not in (_PROJECTIONS, _PROJECTIONS | _HEAD_NORMS):
-            raise ModelError(
-                f"{where} has attention parts {sorted(attention_parts)}; the layer block computes "
-                f"{sorted(_PROJECTIONS)}, optionally with {sorted(_HEAD_NORMS)}",
-                code="model_unsupported",
-            )
-        mlp_parts = {part for part, _ in layer.mlp.named_children()}
-        if mlp_parts != _MLP_PARTS:
-            raise ModelError(
-                f"{where} has MLP parts {sorted(mlp_parts)}; the layer block computes exactly {sorted(_MLP_PARTS)}",
-                code="model_unsupported",
-            )
-        # Mistral reads its window from the config; Qwen sets it per layer (None on full-attention layers).
-        window = getattr(attention, "sliding_window", getattr(config, "sliding_window", None))
-        if window is not None:
-            raise ModelError(
-                f"{where} uses sliding-window attention (window {window}), which the layer block does not implement",
-                code="model_unsupported",
-            )
-    return weights.layers[0].self_attn
+    return kind
+
+
+def _check_parts(where: str, what: str, module: nn.Module, expected: frozenset[str]) -> None:
+    parts = {part for part, _ in module.named_children()}
+    if parts != expected:
+        raise ModelError(
+            f"{where} has {what} {sorted(parts)}; the layer block computes exactly {sorted(expected)}",
+            code="model_unsupported",
+        )

