@@ -130,20 +130,21 @@ def sampling_params(params: RequestParams) -> SamplingParams:
 async def run_job(job_pk: int) -> str:
     """Run the job to its end and settle its hold; returns its final state. Every line logged
     meanwhile, here and in the coordinator, names the job and the request that admitted it."""
-    names = await in_thread(lambda: Job.objects.filter(pk=job_pk).values_list("public_id", "request_id").first())
-    public_id, request_id = names or (None, None)
+    job = await in_thread(Job.objects.filter(pk=job_pk).first)
+    public_id, request_id = (job.public_id, job.request_id) if job is not None else (None, None)
     with logs.bound(job_id=public_id, request_id=request_id):
         try:
-            state = await _run(job_pk)
+            state = await _run(job_pk, job)
         finally:
             await in_thread(settle, job_pk)
         log.info("job ended: %s", state)
         return state
 
 
-async def _run(job_pk: int) -> str:
+async def _run(job_pk: int, job: Job | None) -> str:
     layer = get_channel_layer()
-    job = await in_thread(Job.objects.get, pk=job_pk)
+    if job is None:
+        job = await in_thread(Job.objects.get, pk=job_pk)  # raises DoesNotExist, as it always did
     if not await in_thread(services.mark_running, job_pk):
         return job.state
     log.info("job running: %s, %d prompt tokens, on %d stages", job.model, job.prompt_tokens, len(job.route))
@@ -228,21 +229,23 @@ class JobGrant:
 
 
 async def _specs(job: Job, route: list[dict], grant: JobGrant) -> list[StageSpec]:
-    """Each stage of ``route`` with a ticket for this job, signed here."""
-    specs = []
-    for stage in route:
-        ticket = await in_thread(
-            ticket_for,
-            job=job.public_id,
-            node=stage["node"],
-            model=job.model,
-            layer_start=stage["layer_start"],
-            layer_end=stage["layer_end"],
-            coordinator_key=bytes(grant.coordinator_key.verify_key),
-            expires_at=grant.expires_at,
-        )
-        specs.append(StageSpec(stage["url"], ticket))
-    return specs
+    """Each stage of ``route`` with a ticket for this job, signed here (in one worker thread)."""
+
+    def tickets() -> list[bytes]:
+        return [
+            ticket_for(
+                job=job.public_id,
+                node=stage["node"],
+                model=job.model,
+                layer_start=stage["layer_start"],
+                layer_end=stage["layer_end"],
+                coordinator_key=bytes(grant.coordinator_key.verify_key),
+                expires_at=grant.expires_at,
+            )
+            for stage in route
+        ]
+
+    return [StageSpec(stage["url"], ticket) for stage, ticket in zip(route, await in_thread(tickets), strict=True)]
 
 
 class JobHealer:

@@ -226,7 +226,7 @@ def jobs_in_flight() -> Counter[str]:
     return busy
 
 
-@transaction.atomic
+@transaction.atomic(savepoint=False)  # admit_jobs' transaction is all or none already
 def admit_job(
     *,
     api_key: ApiKey,
