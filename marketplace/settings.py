@@ -272,6 +272,12 @@ SWARM_REBALANCE_CV = env_float("SWARM_REBALANCE_CV", 0.25, minimum=0.0)
 SWARM_REBALANCE_MIN_INTERVAL_S = env_float("SWARM_REBALANCE_MIN_INTERVAL_S", 60.0, minimum=0.0)
 # ... and only when the new placement is predicted to serve this fraction more tokens/s (0.15: 15 %).
 SWARM_REPLACE_MARGIN = env_float("SWARM_REPLACE_MARGIN", 0.15, minimum=0.0)
+# With several SWARM_MODELS, the nodes are shared among them by demand: the tokens (prompt +
+# completion) of each model's jobs over the last SWARM_DEMAND_WINDOW_S seconds. Demand moves nodes
+# at most once per SWARM_REBALANCE_MIN_INTERVAL_S, and only once some model's fraction of the work
+# moved by more than SWARM_DEMAND_SHIFT (0.25: by more than a quarter) since the last split.
+SWARM_DEMAND_WINDOW_S = env_float("SWARM_DEMAND_WINDOW_S", 600.0, minimum=1.0)
+SWARM_DEMAND_SHIFT = env_float("SWARM_DEMAND_SHIFT", 0.25, minimum=0.0)
 # A node whose last this-many blocks of a model, assigned since its control channel opened, all
 # failed to load or serve is left out of that model's placements until it reconnects.
 SWARM_BLOCK_FAILURES_BEFORE_BACKOFF = env_int("SWARM_BLOCK_FAILURES_BEFORE_BACKOFF", 3, minimum=1)

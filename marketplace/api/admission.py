@@ -81,8 +81,18 @@ async def admit(**job) -> list[Job]:
     while True:
         ended = gate.ended
         try:
-            async with lock:
+            try:  # the turn itself is waited for no longer than the queue allows
+                async with asyncio.timeout(max(queue_deadline - time.monotonic(), 0.01)):
+                    await lock.acquire()
+            except TimeoutError:
+                raise Overloaded(
+                    f"Model {job['model']!r} has more requests waiting than it can admit; retry shortly.",
+                    retry_after=services.OVERLOADED_RETRY_AFTER_S,
+                ) from None
+            try:
                 return await sync_to_async(_admit_jobs)(**job)
+            finally:
+                lock.release()
         except Overloaded:
             if time.monotonic() >= queue_deadline:
                 raise

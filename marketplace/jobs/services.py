@@ -36,7 +36,7 @@ from marketplace.jobs.errors import (
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
-from marketplace.jobs.settlement import place_hold, settle
+from marketplace.jobs.settlement import hold_terms, place_hold, settle
 from marketplace.nodes.models import Node, NodeState
 from marketplace.placement.models import PlacementState
 from marketplace.placement.selectors import context_length, recovering, route_around, route_request
@@ -273,8 +273,9 @@ def admit_job(
         coordinator_region=region,
         route=route,
         audit_stages=choose_audit_stages(route),
+        **hold_terms(model, len(prompt_ids), params.max_tokens),
     )
-    place_hold(job)  # 402 here rolls the whole admission back
+    place_hold(job, priced=True)  # 402 here rolls the whole admission back
     return job
 
 

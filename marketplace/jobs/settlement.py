@@ -30,20 +30,34 @@ from worker_agent.receipts import MalformedReceipt, Receipt, SessionTranscript
 log = logging.getLogger("swarm.jobs")
 
 
+def hold_terms(model: str, prompt_tokens: int, max_tokens: int) -> dict:
+    """A new job's prices (nano-dollars per million prompt and completion tokens, as they stand
+    now) and its hold (its worst case: the prompt and ``max_tokens`` at those prices), as the
+    job's fields."""
+    prices = prices_for(model)
+    return {
+        "price_prompt_per_million": prices[0],
+        "price_completion_per_million": prices[1],
+        "hold_amount": cost(prompt_tokens, max_tokens, prices),
+    }
+
+
 @transaction.atomic
-def place_hold(job: Job) -> None:
-    """Reserve the job's worst-case price; InsufficientCredits when the credits do not cover it."""
-    prices = prices_for(job.model)
-    hold = cost(job.prompt_tokens, job.params["max_tokens"], prices)
-    job.price_prompt_per_million, job.price_completion_per_million = prices
-    job.hold_amount = hold
-    job.save(update_fields=["price_prompt_per_million", "price_completion_per_million", "hold_amount"])
-    if hold:
+def place_hold(job: Job, *, priced: bool = False) -> None:
+    """Reserve the job's worst-case price; InsufficientCredits when the credits do not cover it.
+    ``priced``: the job was created with its ``hold_terms`` already (admission does so, saving a
+    write); otherwise they are set and saved here."""
+    if not priced:
+        terms = hold_terms(job.model, job.prompt_tokens, job.params["max_tokens"])
+        for name, value in terms.items():
+            setattr(job, name, value)
+        job.save(update_fields=list(terms))
+    if job.hold_amount:
         customer = job.customer
         transfer(
             account(AccountKind.CUSTOMER_CREDIT, customer),
             account(AccountKind.CUSTOMER_HOLD, customer),
-            hold,
+            job.hold_amount,
             kind="hold",
             job=job,
         )

@@ -67,3 +67,8 @@ class PlacementState(models.Model):
     placed_at = models.DateTimeField(null=True, blank=True)
     note = models.TextField(blank=True)  # why the last placement could not cover the model, if so
     coordinator_regions = models.JSONField(default=list)  # per pipeline: the region its coordinator runs in
+    # When several models are served (``shares``): the node ids this model may be placed on, the
+    # demand (tokens over the window) the share was last made for, and when demand last moved a node.
+    share = models.JSONField(default=list)
+    demand = models.FloatField(default=0.0)
+    shared_at = models.DateTimeField(null=True, blank=True)

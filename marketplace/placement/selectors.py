@@ -130,15 +130,8 @@ def link_maps(node_ids: list[str]) -> tuple[dict[tuple[str, str], float], dict[s
     regions; a region cannot measure back, so a node<->region link counts the node's measurement
     for both directions. A region's uplink is configured (SWARM_REGION_UPLINK_MBPS).
     """
-    rtt: dict[tuple[str, str], float] = {}
+    rtt = link_rtts(node_ids)
     uplink: dict[str, float] = {}
-    rows = LinkMeasurement.objects.filter(source__node_id__in=node_ids).values_list(
-        "source__node_id", "target", "rtt_ms"
-    )
-    for source, target, value in rows:
-        rtt[(source, target)] = value
-        if target.startswith("region:"):
-            rtt[(target, source)] = value
     measured = LinkMeasurement.objects.filter(source__node_id__in=node_ids, uplink_mbps__isnull=False)
     for source, value in (
         measured.values("source__node_id").annotate(best=Max("uplink_mbps")).values_list("source__node_id", "best")
@@ -153,9 +146,22 @@ def link_maps(node_ids: list[str]) -> tuple[dict[tuple[str, str], float], dict[s
     return rtt, uplink
 
 
+def link_rtts(node_ids: list[str]) -> dict[tuple[str, str], float]:
+    """``link_maps``' round trips alone (one query): what routing needs."""
+    rtt: dict[tuple[str, str], float] = {}
+    rows = LinkMeasurement.objects.filter(source__node_id__in=node_ids).values_list(
+        "source__node_id", "target", "rtt_ms"
+    )
+    for source, target, value in rows:
+        rtt[(source, target)] = value
+        if target.startswith("region:"):
+            rtt[(target, source)] = value
+    return rtt
+
+
 def _costs(nodes: list[str]) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
     """Measured round trips between ``nodes`` (and the regions) and each node's time per layer, ms."""
-    rtt, _ = link_maps(nodes)
+    rtt = link_rtts(nodes)
     speed = credible_speeds(Node.objects.filter(node_id__in=nodes))
     return rtt, {node: 1000.0 / value for node, value in speed.items() if value}
 

@@ -12,6 +12,26 @@ while it loads the new one. The old assignment is released in the database at on
 takes only ready assignments, so no new job goes to it), but the agent is told to release it
 only once the new assignment is ready, or has failed to load (``assignment_ready``,
 ``assignment_failed``). A node left without any block is told at once.
+
+Several models (``SWARM_MODELS``) share one set of nodes, an agent serving one model at a time:
+``shares`` splits the active nodes among them (``sharing.share``: every model first gets the
+fewest nodes that hold one complete pipeline of it, in order of demand when the nodes cannot hold
+every model's at once; the rest in proportion to each model's work, the tokens of its jobs over
+SWARM_DEMAND_WINDOW_S times its layer count, or its layer count alone while nothing is asked), and
+each model is placed as above over its own share. Demand moves nodes at most once per
+SWARM_REBALANCE_MIN_INTERVAL_S and only when some model's fraction of the work moved by more than
+SWARM_DEMAND_SHIFT (``share_by_demand``); nodes joining or leaving re-share at once, by the demand
+last used. A node moving from model A to model B is handed over make before break:
+
+1. B's placement leaves it out while it holds a live block of A (``_candidates``);
+2. A is placed again over its new share; the moving node's block of A stays live and routable, as a
+   spare, while A has no servable pipeline without it (``_apply``);
+3. once one has (the blocks that replace it report ready, or another pipeline was whole all along),
+   its block of A is released (``_release_leaving``): the agent takes no new job on it and unloads
+   it once its jobs in flight end, and B is placed again, now with that node.
+
+A model the nodes cannot serve alongside the others (its share is empty) has its blocks released
+at once: its jobs in flight still end on them, and its new requests find no route.
 """
 
 from __future__ import annotations
@@ -19,7 +39,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -31,6 +51,7 @@ from marketplace.nodes.capacity import credible_speeds
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import push
+from marketplace.placement import shares
 from marketplace.placement.allocation import (
     NodeCapacity,
     Stage,
@@ -46,21 +67,12 @@ from marketplace.placement.allocation import (
 from marketplace.placement.data_urls import check_data_url
 from marketplace.placement.errors import InvalidDataUrl, PlacementError
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
-from marketplace.placement.selectors import link_maps, region_target
+from marketplace.placement.selectors import link_maps, region_target, servable_pipelines
 from marketplace.placement.tour import hop_cost, place_coordinator
 from worker_agent import control_protocol as protocol
 from worker_agent import model as models
 
 log = logging.getLogger("swarm.placement")
-
-MEMORY_FRACTION = 0.8  # share of a node's reported memory planned for weights; the rest for KV and runtime
-BYTES_PER_PARAMETER = 4  # float32 blocks (CPU default)
-
-
-def layer_cap(node: Node, model: str) -> int:
-    """How many layers of ``model`` a node can hold: its owner's cap, else what fits its memory."""
-    fits = int(node.memory_bytes * MEMORY_FRACTION // (models.layer_parameters(model) * BYTES_PER_PARAMETER))
-    return max(0, min(node.max_layers, fits) if node.max_layers else fits)
 
 
 def mark_dirty(model: str | None = None) -> None:
@@ -202,21 +214,25 @@ def delete_node(node: Node) -> None:
 
 
 def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacity]]:
-    """The nodes a placement of ``model`` may use now, and what the planner knows of each."""
-    # An agent serves one block at a time: a node holding a live block of another model is not
-    # available to this one (the first model placed keeps its nodes until they are released).
+    """The nodes a placement of ``model`` may use now, and what the planner knows of each: the
+    active nodes of its share (every active node when one model is served)."""
+    # An agent serves one model at a time: a node holding a live block of another model is not
+    # available to this one until that block is released (a node moving between shares is handed
+    # over make before break, see ``_release_leaving``).
     busy = Assignment.objects.filter(state__in=LIVE_STATES).exclude(model=model).values("node_id")
     query = Node.objects.select_for_update() if lock else Node.objects.all()
-    nodes = list(
-        query.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False).exclude(pk__in=busy).order_by("pk")
-    )
+    query = query.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False).exclude(pk__in=busy)
+    share = shares.share_of(model)
+    if share is not None:
+        query = query.filter(node_id__in=share)
+    nodes = list(query.order_by("pk"))
     failing = _failing(nodes, model)
     nodes = [n for n in nodes if n.pk not in failing]
     speeds = credible_speeds(nodes)
     capacities = [
         NodeCapacity(node=n.node_id, compute=speeds[n.node_id], max_layers=cap, reputation=n.reputation)
         for n in nodes
-        if (cap := layer_cap(n, model)) >= 1
+        if (cap := shares.layer_cap(n, model)) >= 1
     ]
     return nodes, capacities
 
@@ -244,11 +260,24 @@ def _failing(nodes: list[Node], model: str) -> set[int]:
 
 
 def place_dirty_models() -> list[str]:
+    """Place every model marked dirty (after sharing the nodes again if they changed); then let go
+    the blocks of nodes that moved to another model, where their old model no longer needs them."""
+    shares.follow_capacity()
     placed = []
-    for state in PlacementState.objects.filter(dirty=True):
+    for state in PlacementState.objects.filter(dirty=True).order_by("pk"):
         place_model(state.model)
         placed.append(state.model)
+    for model in shares.shared_models():
+        with transaction.atomic():
+            _release_leaving(model)
     return placed
+
+
+def share_by_demand(tokens: Mapping[str, float], now: datetime | None = None) -> list[str]:
+    """Share the nodes among the served models for ``tokens`` (prompt + completion tokens of each
+    model's jobs over SWARM_DEMAND_WINDOW_S), when demand moved enough and not too recently
+    (``shares.follow_demand``); returns the models whose share changed, placed at the next sweep."""
+    return shares.follow_demand(tokens, now=now)
 
 
 @transaction.atomic
@@ -263,6 +292,7 @@ def place_model(model: str) -> list[Assignment]:
     newcomers become warm spares (``_join_as_spares``) and nothing that serves moves. Anything
     else (a block that failed to load, a rebalance that pays, a gap no spare covers, a join that
     pays) is planned afresh by ``allocation.place``."""
+    shares.follow_capacity()
     state, _ = PlacementState.objects.select_for_update().get_or_create(model=model)
     nodes, capacities = _candidates(model, lock=True)
     n_layers = models.n_layers(model)
@@ -274,6 +304,7 @@ def place_model(model: str) -> list[Assignment]:
         .select_related("node")
     }
     now = timezone.now()
+    leaving = _leaving(model, live)
     state.generation += 1
     state.dirty = False
     state.placed_at = now
@@ -292,18 +323,25 @@ def place_model(model: str) -> list[Assignment]:
                 else None
             )
             if plan is None:
-                raise PlacementError("no active node can hold a layer of this model")
+                raise PlacementError(
+                    "no active node can hold a layer of this model"
+                    if shares.share_of(model) is None
+                    else "no active node of its share of the nodes can hold a layer of this model"
+                )
         except PlacementError as exc:
             state.note = str(exc)
             state.save()
             log.warning("cannot place %s: %s", model, exc)
+            # No placement is coming that could replace the blocks of nodes moved to other models.
+            _let_go([live.pop(node) for node in sorted(leaving)], f"{model} cannot be placed on its share")
             return list(live.values())
         pipelines, state.coordinator_regions = order_pipelines(model, plan.pipelines)
         wanted = _wanted(pipelines, carry_spares(plan.spares, plan.pipelines, pipelines))
         how = "placed"
     state.note = ""
     state.save()
-    result = _apply(model, state.generation, wanted, live, by_id, now)
+    result = _apply(model, state.generation, wanted, live, by_id, now, hold=leaving)
+    _release_leaving(model)
     log.info(
         "%s %s (generation %d): %s",
         how,
@@ -360,14 +398,26 @@ def _repair(
 
 
 def _apply(
-    model: str, generation: int, wanted: Wanted, live: dict[str, Assignment], by_id: dict[str, Node], now
+    model: str,
+    generation: int,
+    wanted: Wanted,
+    live: dict[str, Assignment],
+    by_id: dict[str, Node],
+    now,
+    *,
+    hold: Collection[str] = (),
 ) -> list[Assignment]:
     """Make the live assignments what ``wanted`` says: a block whose span is unchanged is kept (its
-    agent keeps it warm, whatever its new position), the others are released and new ones pushed."""
+    agent keeps it warm, whatever its new position), the others are released and new ones pushed.
+    The blocks of the ``hold`` nodes (moving to another model's share) that ``wanted`` leaves out
+    stay live as spares, until ``_release_leaving`` lets them go."""
     result = []
     superseded: dict[str, Assignment] = {}  # node -> its released block, held until the new one is ready
+    spare_pipeline = max((target[0] for target in wanted.values() if not target[4]), default=-1) + 1
     for node_id, assignment in live.items():
         target = wanted.get(node_id)
+        if target is None and node_id in hold:
+            target = (spare_pipeline, 0, assignment.layer_start, assignment.layer_end, True)
         if target is not None and (assignment.layer_start, assignment.layer_end) == target[2:4]:
             assignment.pipeline, assignment.position, _, _, assignment.is_spare = target
             assignment.generation = generation
@@ -401,6 +451,58 @@ def _apply(
         notify_node_changed(assignment.node_id)
         result.append(assignment)
     return result
+
+
+def _leaving(model: str, live: dict[str, Assignment]) -> set[str]:
+    """The nodes holding a live block of ``model`` that its share no longer has, while they are
+    up (active, control channel open, not reported failed): they moved to another model's share.
+    A node that left the swarm is not among them: its block is released as before."""
+    share = shares.share_of(model)
+    if share is None:
+        return set()
+    return {
+        node_id
+        for node_id, assignment in live.items()
+        if node_id not in share
+        and assignment.node.state == NodeState.ACTIVE
+        and assignment.node.connected
+        and assignment.node.suspected_at is None
+    }
+
+
+def _release_leaving(model: str) -> list[str]:
+    """Make before break across models: the blocks of ``model`` on nodes that moved to another
+    model's share are let go once ``model`` has a servable pipeline through none of them (their
+    replacements are ready, or another pipeline was whole all along); returns those nodes' ids."""
+    share = shares.share_of(model)
+    if share is None:
+        return []
+    live = Assignment.objects.select_for_update().filter(model=model, state__in=LIVE_STATES).select_related("node")
+    leaving = [a for a in live.order_by("pk") if a.node.node_id not in share]
+    away = {a.node.node_id for a in leaving}
+    if not leaving or not any(all(s.node not in away for s in p) for p in servable_pipelines(model)):
+        return []
+    return _let_go(leaving, f"{model} is servable without them")
+
+
+def _let_go(leaving: list[Assignment], why: str) -> list[str]:
+    """Release the blocks of nodes that moved to another model (the agent takes no new job on them
+    and unloads them once their jobs in flight end), and place those models again."""
+    if not leaving:
+        return []
+    now = timezone.now()
+    for assignment in leaving:
+        assignment.state, assignment.released_at = AssignmentState.RELEASED, now
+        assignment.save(update_fields=["state", "released_at"])
+        _push_release(assignment)
+        notify_node_changed(assignment.node_id)
+        taker = shares.model_sharing(assignment.node.node_id)
+        if taker is not None:
+            # Once this commits: the placement rows are locked before the assignments everywhere else.
+            transaction.on_commit(lambda taker=taker: mark_dirty(taker))
+    nodes = [a.node.node_id for a in leaving]
+    log.info("%s: let go the blocks of %s on %s (moved to other models)", why, leaving[0].model, ", ".join(nodes))
+    return nodes
 
 
 def order_pipelines(model: str, pipelines) -> tuple[list[tuple[Stage, ...]], list[str]]:
@@ -572,6 +674,7 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
         _release_superseded(assignment_pk)
         notify_node_changed(node_pk)
         model = Assignment.objects.get(pk=assignment_pk).model
+        _release_leaving(model)  # this block may be the last one the model waited for
         live = Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
         if not confirmed_again and all(a.state == AssignmentState.READY for a in live):
             request_probes(model, [a.node for a in live])

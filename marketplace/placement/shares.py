@@ -1,0 +1,185 @@
+"""Which nodes each served model may be placed on, when the swarm serves several (``SWARM_MODELS``).
+
+The split is ``sharing.share`` (pure: floors first, the rest in proportion to demand); this module
+keeps it in ``PlacementState.share`` and redoes it when
+
+- the nodes changed (``follow_capacity``, before every placement): a node joined, came back or
+  left. The demand the shares were last made for is kept, and a node moves only when a floor or
+  the targets need it elsewhere;
+- demand moved (``follow_demand``, from the periodic sweep with the tokens of the demand window):
+  at most once per SWARM_REBALANCE_MIN_INTERVAL_S, only when some model's fraction of the work moved
+  by more than SWARM_DEMAND_SHIFT since the shares were made (``sharing.demand_moved``), and only
+  when the new split moves at least one node from one model to another.
+
+A model whose blocks are not exactly on its new share is marked dirty, and its next placement
+uses that share (``services.place_model``, which also hands a moving node over make before break).
+With one model served there is nothing to share: ``share_of`` is None and every node may take it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from datetime import datetime
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from marketplace.nodes.capacity import credible_speeds
+from marketplace.nodes.models import Node, NodeState
+from marketplace.placement.models import LIVE_STATES, Assignment, PlacementState
+from marketplace.placement.sharing import ModelDemand, NodeOffer, demand_moved, share, work
+from worker_agent import model as models
+
+log = logging.getLogger("swarm.placement")
+
+MEMORY_FRACTION = 0.8  # share of a node's reported memory planned for weights; the rest for KV and runtime
+BYTES_PER_PARAMETER = 4  # float32 blocks (CPU default)
+
+
+def layer_cap(node: Node, model: str) -> int:
+    """How many layers of ``model`` a node can hold: its owner's cap, else what fits its memory."""
+    fits = int(node.memory_bytes * MEMORY_FRACTION // (models.layer_parameters(model) * BYTES_PER_PARAMETER))
+    return max(0, min(node.max_layers, fits) if node.max_layers else fits)
+
+
+def shared_models() -> list[str]:
+    """The models that share the nodes, in SWARM_MODELS order; empty when one model is served."""
+    served = list(dict.fromkeys(settings.SWARM_MODELS))
+    return served if len(served) > 1 else []
+
+
+def share_of(model: str) -> set[str] | None:
+    """The node ids ``model`` may be placed on now; None when nodes are not shared (one model
+    served, or a model outside SWARM_MODELS): then every node may take it."""
+    if model not in shared_models():
+        return None
+    state = PlacementState.objects.filter(model=model).only("share").first()
+    return set(state.share) if state is not None else set()
+
+
+def model_sharing(node_id: str) -> str | None:
+    """The model whose share holds ``node_id``, if any."""
+    for state in PlacementState.objects.filter(model__in=shared_models()).only("model", "share"):
+        if node_id in state.share:
+            return state.model
+    return None
+
+
+def due(now: datetime | None = None) -> bool:
+    """Whether demand may move nodes now: several models are served and the last move by demand is
+    SWARM_REBALANCE_MIN_INTERVAL_S old (or there was none)."""
+    served = shared_models()
+    if not served:
+        return False
+    return _interval_passed(list(PlacementState.objects.filter(model__in=served)), now or timezone.now())
+
+
+@transaction.atomic
+def follow_capacity() -> list[str]:
+    """Share the nodes again if the set of nodes able to serve changed since the shares were made;
+    the models whose share changed (marked dirty)."""
+    served = shared_models()
+    if not served:
+        return []
+    states = _states(served)
+    offers = _offers(served, states)
+    able = {offer.node for offer in offers if any(layers >= 1 for layers in offer.layers.values())}
+    if able == {node for state in states for node in state.share}:
+        return []
+    given = share(_demands(served, {state.model: state.demand for state in states}), offers)
+    return _store(states, given, "the nodes changed")
+
+
+@transaction.atomic
+def follow_demand(tokens: Mapping[str, float], now: datetime | None = None) -> list[str]:
+    """Share the nodes for ``tokens`` (prompt + completion tokens per model over the demand window)
+    when demand moved enough (see the module docstring); the models whose share changed (marked dirty)."""
+    served = shared_models()
+    if not served:
+        return []
+    now = now or timezone.now()
+    states = _states(served)
+    if not _interval_passed(states, now):
+        return []
+    demands = _demands(served, tokens)
+    before = work(_demands(served, {state.model: state.demand for state in states}))
+    if not demand_moved(before, work(demands), settings.SWARM_DEMAND_SHIFT):
+        return []
+    current = {node: state.model for state in states for node in state.share}
+    given = share(demands, _offers(served, states))
+    moves = sorted(node for node, model in given.items() if current.get(node, model) != model)
+    for state in states:
+        # Moved or not, this demand becomes the reference that the next shift is measured from.
+        state.demand = float(tokens.get(state.model, 0.0))
+        if moves:
+            state.shared_at = now
+    mix = ", ".join(f"{d.model} {d.tokens:.0f}" for d in demands)
+    return _store(
+        states, given, f"demand moved (tokens over the window: {mix}); moving {', '.join(moves) or 'no node'}"
+    )
+
+
+def _interval_passed(states: list[PlacementState], now: datetime) -> bool:
+    last = max((state.shared_at for state in states if state.shared_at is not None), default=None)
+    return last is None or (now - last).total_seconds() >= settings.SWARM_REBALANCE_MIN_INTERVAL_S
+
+
+def _states(served: list[str]) -> list[PlacementState]:
+    """One locked row per served model (rows locked in pk order, as every placement locks them),
+    returned in SWARM_MODELS order."""
+    for model in served:
+        PlacementState.objects.get_or_create(model=model)
+    rows = {s.model: s for s in PlacementState.objects.select_for_update().filter(model__in=served).order_by("pk")}
+    return [rows[model] for model in served]
+
+
+def _demands(served: list[str], tokens: Mapping[str, float]) -> list[ModelDemand]:
+    return [ModelDemand(model, models.n_layers(model), max(float(tokens.get(model, 0.0)), 0.0)) for model in served]
+
+
+def _offers(served: list[str], states: list[PlacementState]) -> list[NodeOffer]:
+    """The nodes that may serve now (active, control channel up), each with its credible speed, what
+    it can hold of each model, and the model whose share has it (for a node in no share yet: the
+    model it holds a block of, as when a swarm that served one model starts serving several)."""
+    nodes = list(Node.objects.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False).order_by("pk"))
+    speeds = credible_speeds(nodes)
+    current = {node: state.model for state in states for node in state.share}
+    holding = dict(
+        Assignment.objects.filter(state__in=LIVE_STATES, model__in=served, node__in=nodes)
+        .order_by("pk")
+        .values_list("node__node_id", "model")
+    )
+    return [
+        NodeOffer(
+            node=n.node_id,
+            speed=speeds[n.node_id],
+            layers={model: layer_cap(n, model) for model in served},
+            current=current.get(n.node_id) or holding.get(n.node_id),
+        )
+        for n in nodes
+    ]
+
+
+def _store(states: list[PlacementState], given: Mapping[str, str], why: str) -> list[str]:
+    """Save each model's share; return the models whose share changed, marking dirty those whose
+    blocks are not exactly on their new share (a share first recorded for the nodes a model already
+    holds moves nothing, and places nothing again)."""
+    held: dict[str, set[str]] = {state.model: set() for state in states}
+    live = Assignment.objects.filter(state__in=LIVE_STATES, model__in=held).values_list("model", "node__node_id")
+    for model, node in live:
+        held[model].add(node)
+    changed = []
+    for state in states:
+        nodes = sorted(node for node, model in given.items() if model == state.model)
+        if nodes != sorted(state.share):
+            state.share = nodes
+            state.dirty = state.dirty or set(nodes) != held[state.model]
+            changed.append(state.model)
+        state.save()
+    if changed:
+        log.info(
+            "shared the nodes (%s): %s", why, "; ".join(f"{state.model}: {', '.join(state.share)}" for state in states)
+        )
+    return changed
