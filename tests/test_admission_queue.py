@@ -131,3 +131,55 @@ def test_a_queued_request_is_admitted_when_a_job_ends_and_one_that_waits_too_lon
 
     jobs = asyncio.run(queue_then_free())
     assert admitted.is_set() and jobs[0].state == JobState.QUEUED
+
+
+def test_a_full_model_s_line_is_first_come_first_served_and_only_its_head_asks(
+    transactional_db, settings, placed, api_key, monkeypatch
+):
+    settings.SWARM_JOBS_PER_NODE = 1
+    running = admit(api_key)[0]
+    params = RequestParams(max_tokens=4, temperature=0.0, prompt="Once upon a time")
+    prompt_ids = services.tokenize_prompt(MODEL, params)
+    asked: list[str] = []  # the request id of every admission the database was asked for
+    admit_jobs = services.admit_jobs
+
+    def counted(**job):
+        asked.append(job["request_id"])
+        return admit_jobs(**job)
+
+    monkeypatch.setattr(services, "admit_jobs", counted)
+
+    def end(job_pk: int) -> None:
+        try:
+            Job.objects.filter(pk=job_pk).update(state=JobState.SUCCEEDED)
+        finally:
+            connections.close_all()
+
+    async def scenario() -> list[str]:
+        admitted: list[str] = []
+
+        async def request(name: str) -> None:
+            jobs = await admission.admit(
+                api_key=api_key, kind="completion", model=MODEL, params=params, prompt_ids=prompt_ids, request_id=name
+            )
+            admitted.append(name)
+            await asyncio.to_thread(end, jobs[0].pk)  # it ran: its session is free again
+            admission.job_ended()
+
+        waiting = []
+        for name in ("r0", "r1", "r2", "r3"):
+            waiting.append(asyncio.create_task(request(name)))
+            await asyncio.sleep(0.05)  # in this order
+        for _ in range(3):  # streams of other requests end, freeing nothing: only the head asks again
+            admission.job_ended()
+            await asyncio.sleep(0.05)
+        assert set(asked) == {"r0"}
+        await asyncio.to_thread(end, running.pk)
+        admission.job_ended()
+        await asyncio.wait_for(asyncio.gather(*waiting), 30)
+        return admitted
+
+    admitted = asyncio.run(scenario())
+
+    assert admitted == ["r0", "r1", "r2", "r3"]
+    assert asked[: asked.index("r1")] == ["r0"] * asked.index("r1")  # nobody else asked while r0 waited

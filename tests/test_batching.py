@@ -1,18 +1,23 @@
 """Work computed together travels together: the coordinator's head runs concurrent sessions'
-requests as one batch, and a stage sends one frame per job for a batch's outputs."""
+requests (of every coordinator of its event loop) as one batch, and a stage sends one frame per
+job for a batch's outputs. What a batch is fed is checked first: a stage's answer of the wrong
+width or dtype, or an output too short for its rows, fails its own route, never another's batch."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 
 from worker_agent import model as models
 from worker_agent.coordinator.head import HeadBatcher
+from worker_agent.coordinator.pipeline import Pipeline, StageSpec, Transcript
+from worker_agent.errors import StageError
 from worker_agent.server import merge_outputs, one_step_per_session
 from worker_agent.stage import Output, Prepared
-from worker_agent.wire import Forward, Item, tensor_payload
+from worker_agent.wire import DTYPES, Forward, Item, Result, tensor_payload
 
 pytestmark = pytest.mark.dataplane
 
@@ -44,17 +49,75 @@ def test_requests_of_one_turn_run_as_one_batch_with_the_same_results(head):
     assert embedded[1] == tensor_payload(head.embed_tokens([7]), "f32")
 
 
-def test_a_failing_batch_fails_every_waiter(head):
+def test_a_failing_pass_fails_its_waiters(head):
     async def main():
         batcher = HeadBatcher(head, "f32")
-        try:
-            return await asyncio.gather(batcher.logits(b"\x00" * 12), batcher.embed([1]), return_exceptions=True)
+        try:  # a token id past the vocabulary fails the embedding lookup of the whole pass
+            return await asyncio.gather(batcher.embed([10**9]), batcher.embed([1]), return_exceptions=True)
         finally:
             batcher.close()
 
     results = asyncio.run(main())
 
-    assert [type(r) for r in results] == [RuntimeError, RuntimeError]
+    assert [type(r) for r in results] == [IndexError, IndexError]
+
+
+def test_an_output_too_short_for_its_rows_is_refused_alone(head):
+    row = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+
+    async def main():
+        batcher = HeadBatcher(head, "f32")
+        try:
+            return await asyncio.gather(
+                batcher.logits(b"\x00" * 12),  # not one row of 64 float32
+                batcher.logits_rows(tensor_payload(row, "f32"), 3),  # 2 rows, not 3
+                batcher.logits(tensor_payload(row, "f32")),
+                batcher.embed([1]),
+                return_exceptions=True,
+            )
+        finally:
+            batcher.close()
+
+    short, too_few, logits, embedded = asyncio.run(main())
+
+    assert isinstance(short, ValueError) and "does not hold 1 rows" in str(short)
+    assert isinstance(too_few, ValueError) and "does not hold 3 rows" in str(too_few)
+    torch.testing.assert_close(logits, head.logits(row[-1:])[0], rtol=1e-5, atol=1e-5)
+    assert embedded == tensor_payload(head.embed_tokens([1]), "f32")
+
+
+def test_coordinators_of_one_loop_share_passes_and_requests_wait_for_the_pass_running(head):
+    rows = [torch.randn(1, 64, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
+
+    async def main():
+        batcher = HeadBatcher.shared(head, "f32")
+        assert HeadBatcher.shared(head, "f32") is batcher
+        assert HeadBatcher.shared(head, "f16") is not batcher
+        release = threading.Event()
+        blocker = asyncio.get_running_loop().run_in_executor(batcher._thread, release.wait)  # holds the pass
+        first = asyncio.ensure_future(batcher.logits(tensor_payload(rows[0], "f32")))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the first pass is handed to the (held) worker thread
+        later = []
+        for row in rows[1:]:  # each in a turn of its own while that pass is running
+            later.append(asyncio.ensure_future(batcher.logits(tensor_payload(row, "f32"))))
+            await asyncio.sleep(0)
+        release.set()
+        await blocker
+        results = await asyncio.gather(first, *later)
+        return results, batcher.batches, batcher
+
+    results, batches, batcher = asyncio.run(main())
+    other = asyncio.run(_shared_batcher(head))
+
+    assert batches == 2  # the first alone, the three that waited for it together
+    assert other is not batcher  # another event loop has its own
+    for row, logits in zip(rows, results, strict=True):
+        torch.testing.assert_close(logits, head.logits(row)[0], rtol=1e-5, atol=1e-5)
+
+
+async def _shared_batcher(head) -> HeadBatcher:
+    return HeadBatcher.shared(head, "f32")
 
 
 def _output(session: str, rows: int, fill: int) -> Output:
@@ -104,3 +167,36 @@ def test_a_pass_takes_one_step_per_session_and_keeps_each_sessions_order():
     assert [tag for tag, _ in held] == ["a", "b+c", "d+a"]
     batch, held = one_step_per_session(held)
     assert ([tag for tag, _ in batch], [tag for tag, _ in held]) == (["a", "b+c"], ["d+a"])
+
+
+def _answer(width: int, dtype: str = "f32") -> Result:
+    item = Item("s0", 0, 0, 2)
+    return Result("job", (item,), dtype, (2, width), b"\x00" * 2 * width * DTYPES[dtype].itemsize)
+
+
+@pytest.mark.parametrize(("width", "dtype"), [(32, "f32"), (64, "f16")])
+def test_an_answer_of_another_width_or_dtype_fails_the_route_blaming_the_last_stage(width, dtype):
+    async def main():
+        pipeline = Pipeline("job", [StageSpec("ws://127.0.0.1:9", b"")] * 2, hidden_size=64)
+        waiting = asyncio.get_running_loop().create_future()
+        pipeline._waiting[("s0", 0)] = waiting
+        pipeline.on_result(1, _answer(width, dtype))
+        return waiting.exception()
+
+    error = asyncio.run(main())
+
+    assert isinstance(error, StageError)
+    assert (error.code, error.stage) == ("stage_bad_output", 1)
+    assert f"stage 1 answered {dtype} rows {width} wide, not f32 x 64" in str(error)
+
+
+def test_an_answer_of_the_route_s_width_and_dtype_is_delivered():
+    async def main():
+        pipeline = Pipeline("job", [StageSpec("ws://127.0.0.1:9", b"")] * 2, hidden_size=64)
+        waiting = asyncio.get_running_loop().create_future()
+        pipeline._waiting[("s0", 0)] = waiting
+        pipeline.transcripts["s0"] = Transcript()
+        pipeline.on_result(1, _answer(64))
+        return await waiting
+
+    assert asyncio.run(main()) == b"\x00" * 2 * 64 * 4

@@ -164,3 +164,71 @@ def test_default_prices_apply_without_a_price_row(customer, settings):
 
     assert services.prices_for("some-model") == (100_000_000, 200_000_000)
     assert services.cost(1, 1, (100_000_000, 200_000_000)) == 300
+
+
+def _balances() -> dict[int, int]:
+    return dict(LedgerAccount.objects.values_list("pk", "balance"))
+
+
+def test_several_transfers_at_once_move_each_balance_by_its_net_and_record_each(customer, django_user_model):
+    services.grant(customer, "1")
+    provider = django_user_model.objects.create_user(username="prov", email="p@example.com", password="x")
+    found = services.accounts(
+        [
+            (AccountKind.CUSTOMER_CREDIT, customer),
+            (AccountKind.CUSTOMER_HOLD, customer.pk),
+            (AccountKind.PLATFORM_REVENUE, None),
+            (AccountKind.PROVIDER_PENDING, provider),  # not there yet: created
+        ]
+    )
+    credit, hold = found[(AccountKind.CUSTOMER_CREDIT, customer.pk)], found[(AccountKind.CUSTOMER_HOLD, customer.pk)]
+    revenue, pending = found[(AccountKind.PLATFORM_REVENUE, None)], found[(AccountKind.PROVIDER_PENDING, provider.pk)]
+    before = _balances()
+
+    made = services.transfer_many(
+        [
+            services.Move(credit, hold, 700, kind="hold"),
+            services.Move(hold, revenue, 500, kind="charge"),
+            services.Move(hold, credit, 200, kind="release"),
+            services.Move(revenue, pending, 300, kind="earning", memo="node n"),
+        ]
+    )
+
+    after = _balances()
+    assert [(t.kind, t.amount, t.debit_id, t.credit_id) for t in made] == [
+        ("hold", 700, credit.pk, hold.pk),
+        ("charge", 500, hold.pk, revenue.pk),
+        ("release", 200, hold.pk, credit.pk),
+        ("earning", 300, revenue.pk, pending.pk),
+    ]
+    assert all(t.pk is not None and t.created_at is not None for t in made)
+    assert after[credit.pk] - before[credit.pk] == -500
+    assert after[hold.pk] - before[hold.pk] == 0
+    assert after[revenue.pk] - before[revenue.pk] == 200
+    assert after[pending.pk] == 300
+    assert (
+        services.accounts([(AccountKind.PROVIDER_PENDING, provider)])[(AccountKind.PROVIDER_PENDING, provider.pk)].pk
+        == pending.pk
+    )  # found again, not created twice
+
+
+def test_several_transfers_at_once_write_nothing_when_one_fails(customer):
+    services.grant(customer, "1")
+    found = services.accounts([(AccountKind.CUSTOMER_CREDIT, customer), (AccountKind.CUSTOMER_HOLD, customer)])
+    credit, hold = found[(AccountKind.CUSTOMER_CREDIT, customer.pk)], found[(AccountKind.CUSTOMER_HOLD, customer.pk)]
+    revenue = services.account(AccountKind.PLATFORM_REVENUE)
+    before, count = _balances(), Transfer.objects.count()
+    dollar = NANO_PER_DOLLAR
+
+    with pytest.raises(InsufficientCredits):  # the second move overdraws what the first left
+        services.transfer_many([services.Move(credit, hold, dollar // 2, kind="hold"),
+                                services.Move(credit, hold, dollar, kind="hold")])  # fmt: skip
+    with pytest.raises(ValueError, match="would take a hold below zero"):
+        services.transfer_many([services.Move(hold, revenue, 1, kind="charge")])
+    with pytest.raises(ValueError, match="positive whole number"):
+        services.transfer_many([services.Move(credit, hold, 0, kind="hold")])
+    with pytest.raises(ValueError, match="between two accounts"):
+        services.transfer_many([services.Move(credit, credit, 5, kind="hold")])
+
+    assert _balances() == before
+    assert Transfer.objects.count() == count

@@ -1,16 +1,20 @@
-"""Admission under load: one admission at a time per model in this process, and a queue for
-requests that find every route of their model full.
+"""Admission under load: the requests of a model take their turns at admission in this process,
+first come first served, and the request at the head of the line waits for room when every route
+of its model is full.
 
 Each admission (``jobs.services.admit_jobs``) locks its model's placement row until it commits,
 so that it counts the jobs admitted before it. Requests of a burst therefore take their turn here,
-on an asyncio lock, rather than in the database; and a request waiting its turn has handed its
-pooled connection back: a queue of admissions must not hold the process's connections, which the
+in a line per model, rather than in the database; and a request waiting its turn has handed its
+pooled connection back: a line of admissions must not hold the process's connections, which the
 agents' heartbeats need too (a pool held by waiters took every node offline in a burst of 200).
 
-A request whose model's every route already carries as many jobs as its stages hold
-(``Overloaded``) waits for one of this process's streams to end (``job_ended``), or at most its
-poll interval (jobs of the other web processes end too), and asks again, up to
-SWARM_QUEUE_WAIT_S; then it answers 503 ``overloaded`` with Retry-After.
+Only the head of the line asks the database. When its model's every route already carries as
+many jobs as its stages hold (``Overloaded``), it waits for one of this process's streams to end
+(``job_ended``), or at most its poll interval (jobs of the other web processes end too), and asks
+again; the others wait behind it without asking (a stream's end used to wake every waiter, and
+each ran a whole admission for the one session freed). A request that leaves the head, admitted
+or refused, hands the turn to the next at once. Nobody waits longer than SWARM_QUEUE_WAIT_S in
+all: then it is answered 503 ``overloaded`` with Retry-After.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import random
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
@@ -32,14 +37,15 @@ from marketplace.jobs.models import Job
 from marketplace.placement.selectors import recovering
 
 ADMISSION_POLL_S = 0.25  # how often a request waiting for a recovering model's route asks again
-QUEUE_POLL_S = (0.05, 1.0)  # a queued request's longest wait between two asks: from 50 ms, doubling to 1 s
+QUEUE_POLL_S = (0.05, 1.0)  # the head of a full model's line asks again within 50 ms, doubling to 1 s
 
 
 @dataclass
 class _Gate:
-    """This event loop's admission state: a lock per model, and a signal that some stream ended."""
+    """This event loop's admission state: a line per model (each request's turn, a future set when
+    it is at the head), and a signal that some stream ended."""
 
-    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    lines: dict[str, deque[asyncio.Future]] = field(default_factory=dict)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -54,7 +60,7 @@ def _gate() -> _Gate:
 
 
 def job_ended() -> None:
-    """A stream of this process saw its job end: its sessions are free, the queue may ask again."""
+    """A stream of this process saw its job end: its sessions are free, the head of a line may ask again."""
     gate = _gate()
     gate.ended.set()
     gate.ended = asyncio.Event()  # the next waiters wait for the next end
@@ -68,36 +74,47 @@ def _admit_jobs(**job) -> list[Job]:
 
 
 async def admit(**job) -> list[Job]:
-    """Admit the request's jobs (``services.admit_jobs``' arguments). When its model has no ready
-    route but is recovering (a node died and its span is being healed, re-placed or reloaded),
-    wait up to SWARM_ADMISSION_WAIT_S for one before answering 503: churn in the swarm is normal
-    and a client should not see it. When every route is full, queue (see the module docstring)."""
+    """Admit the request's jobs (``services.admit_jobs``' arguments) at its turn in its model's
+    line. When its model has no ready route but is recovering (a node died and its span is being
+    healed, re-placed or reloaded), wait up to SWARM_ADMISSION_WAIT_S for one before answering 503:
+    churn in the swarm is normal and a client should not see it. When every route is full, wait for
+    room (see the module docstring)."""
     gate = _gate()
-    lock = gate.locks.setdefault(job["model"], asyncio.Lock())
+    line = gate.lines.setdefault(job["model"], deque())
     now = time.monotonic()
     deadline, queue_deadline = now + settings.SWARM_ADMISSION_WAIT_S, now + settings.SWARM_QUEUE_WAIT_S
-    poll = QUEUE_POLL_S[0]
     await sync_to_async(release_connections)()  # the key's lookup took one: not held while waiting
+    turn = asyncio.get_running_loop().create_future()
+    line.append(turn)
+    if line[0] is turn:
+        turn.set_result(None)
+    try:
+        await asyncio.wait({turn}, timeout=max(queue_deadline - time.monotonic(), 0.01))
+        if not turn.done():
+            raise Overloaded(
+                f"Model {job['model']!r} has more requests waiting than it can admit; retry shortly.",
+                retry_after=services.OVERLOADED_RETRY_AFTER_S,
+            )
+        return await _at_head(gate, job, deadline, queue_deadline)
+    finally:
+        head = line[0] is turn
+        line.remove(turn)
+        if head and line and not line[0].done():
+            line[0].set_result(None)  # the next request's turn
+
+
+async def _at_head(gate: _Gate, job: dict, deadline: float, queue_deadline: float) -> list[Job]:
+    poll = QUEUE_POLL_S[0]
     while True:
         ended = gate.ended
         try:
-            try:  # the turn itself is waited for no longer than the queue allows
-                async with asyncio.timeout(max(queue_deadline - time.monotonic(), 0.01)):
-                    await lock.acquire()
-            except TimeoutError:
-                raise Overloaded(
-                    f"Model {job['model']!r} has more requests waiting than it can admit; retry shortly.",
-                    retry_after=services.OVERLOADED_RETRY_AFTER_S,
-                ) from None
-            try:
-                return await sync_to_async(_admit_jobs)(**job)
-            finally:
-                lock.release()
+            return await sync_to_async(_admit_jobs)(**job)
         except Overloaded:
-            if time.monotonic() >= queue_deadline:
+            left = queue_deadline - time.monotonic()
+            if left <= 0:
                 raise
-            with contextlib.suppress(TimeoutError):  # jittered, so the queued do not all ask in step
-                await asyncio.wait_for(ended.wait(), poll * random.uniform(0.5, 1.0))
+            with contextlib.suppress(TimeoutError):  # jittered, so the processes' heads do not ask in step
+                await asyncio.wait_for(ended.wait(), min(poll * random.uniform(0.5, 1.0), left))
             poll = min(2 * poll, QUEUE_POLL_S[1])
         except NoCapacity:
             if time.monotonic() >= deadline or not await sync_to_async(recovering)(job["model"]):

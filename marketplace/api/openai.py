@@ -34,6 +34,7 @@ from marketplace.errors import DomainError
 from marketplace.jobs import idempotency, runner, services, tasks
 from marketplace.jobs.errors import InvalidRequest
 from marketplace.jobs.models import ApiKey
+from marketplace.jobs.params import RequestParams
 from marketplace.placement.selectors import context_length, servable_pipelines
 
 log = logging.getLogger("swarm.api")
@@ -150,12 +151,8 @@ async def complete_for_key(
                 response = replayed(replay, params.stream, params.include_usage)
                 response["x-request-id"], response["Idempotent-Replayed"] = request_id, "true"
                 return response
-        # Tokenized once, here: the count holds credits and rate limits, the ids go to the coordinator.
-        prompt_ids = await sync_to_async(services.tokenize_prompt)(model, params)
         given = body.get("max_completion_tokens", body.get("max_tokens")) is not None
-        params = await sync_to_async(services.fit_context)(model, len(prompt_ids), params, max_tokens_given=given)
-        # Each choice is a request of its own for the limits as for the bill.
-        headers = await sync_to_async(ratelimit.check)(api_key, params.n * (len(prompt_ids) + params.max_tokens))
+        prompt_ids, params, headers = await sync_to_async(_prepare)(api_key, model, params, max_tokens_given=given)
         jobs = await admission.admit(
             api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids, request_id=request_id
         )
@@ -191,6 +188,19 @@ async def complete_for_key(
     for name, value in headers.items():
         response[name] = value
     return response
+
+
+def _prepare(
+    api_key: ApiKey, model: str, params: RequestParams, *, max_tokens_given: bool
+) -> tuple[tuple[int, ...], RequestParams, dict]:
+    """A request's work before admission, in one worker thread: its prompt tokenized once (the
+    count holds credits and rate limits, the ids go to the coordinator), its completion fitted to
+    the context, and the key's rate limits checked (each choice is a request of its own for the
+    limits as for the bill). Returns (prompt ids, fitted params, rate-limit headers)."""
+    prompt_ids = services.tokenize_prompt(model, params)
+    params = services.fit_context(model, len(prompt_ids), params, max_tokens_given=max_tokens_given)
+    headers = ratelimit.check(api_key, params.n * (len(prompt_ids) + params.max_tokens))
+    return prompt_ids, params, headers
 
 
 async def _claim(api_key: ApiKey, key: str, body: dict) -> tuple[int, dict | None]:

@@ -6,7 +6,11 @@ use these from ``marketplace.jobs.settlement``, which keeps a job's money steps 
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -15,6 +19,7 @@ from django.utils import timezone
 
 from marketplace.billing.errors import InsufficientCredits
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, ModelPrice, Transfer
+from worker_agent.checkpoints import ref_name
 
 
 def account(kind: str, owner=None) -> LedgerAccount:
@@ -57,13 +62,110 @@ def transfer(
     )
 
 
+@dataclass(frozen=True)
+class Move:
+    """One transfer of ``transfer_many``: ``transfer``'s arguments."""
+
+    debit: LedgerAccount
+    credit: LedgerAccount
+    amount: int
+    kind: str
+    job: Any = None
+    reference: str = ""
+    memo: str = ""
+
+
+def accounts(wanted: Iterable[tuple[str, Any]]) -> dict[tuple[str, int | None], LedgerAccount]:
+    """The accounts of ``(kind, owner)`` pairs (an owner, its pk, or None for the platform's), by
+    ``(kind, owner pk)``: those that exist in one query, the others created as ``account`` does."""
+    keys = {(kind, getattr(owner, "pk", owner)) for kind, owner in wanted}
+    found: dict[tuple[str, int | None], LedgerAccount] = {}
+    owned = [(kind, owner) for kind, owner in keys if owner is not None]
+    platform = [kind for kind, owner in keys if owner is None]
+    query = LedgerAccount.objects.none()
+    if owned:
+        query = LedgerAccount.objects.filter(
+            kind__in={kind for kind, _ in owned}, owner_id__in={owner for _, owner in owned}
+        )
+    if platform:
+        query = query | LedgerAccount.objects.filter(kind__in=platform, owner__isnull=True)
+    for row in query:
+        found[(row.kind, row.owner_id)] = row
+    for kind, owner in keys - found.keys():
+        found[(kind, owner)] = account(kind, owner)
+    return found
+
+
+@transaction.atomic
+def transfer_many(moves: Sequence[Move]) -> list[Transfer]:
+    """Make each of ``moves`` as ``transfer`` would, in one transaction and a few statements: the
+    accounts locked once (in primary-key order, as ``transfer`` locks them), each balance changed
+    once by its net amount, the transfers written in one insert. The moves are checked in order
+    against the locked balances first, so nothing is written when one fails: a customer's credit
+    may not go below zero (InsufficientCredits) nor a hold (ValueError, a bug)."""
+    for move in moves:
+        if not isinstance(move.amount, int) or isinstance(move.amount, bool) or move.amount <= 0:
+            raise ValueError(f"a transfer moves a positive whole number of nano-dollars, got {move.amount!r}")
+        if move.debit.pk == move.credit.pk:
+            raise ValueError(f"a transfer is between two accounts, not {move.debit} and itself")
+    if not moves:
+        return []
+    ids = sorted({move.debit.pk for move in moves} | {move.credit.pk for move in moves})
+    locked = {a.pk: a for a in LedgerAccount.objects.select_for_update().filter(pk__in=ids).order_by("pk")}
+    balance = {pk: row.balance for pk, row in locked.items()}
+    net: dict[int, int] = defaultdict(int)
+    for move in moves:
+        kind = locked[move.debit.pk].kind
+        if kind == AccountKind.CUSTOMER_CREDIT and balance[move.debit.pk] < move.amount:
+            raise InsufficientCredits("Insufficient credits: top up your balance to continue.")
+        if kind == AccountKind.CUSTOMER_HOLD and balance[move.debit.pk] < move.amount:
+            raise ValueError(f"transfer of {move.amount} would take a hold below zero")
+        balance[move.debit.pk] -= move.amount
+        balance[move.credit.pk] += move.amount
+        net[move.debit.pk] -= move.amount
+        net[move.credit.pk] += move.amount
+    for pk, change in net.items():
+        if change:
+            LedgerAccount.objects.filter(pk=pk).update(balance=F("balance") + change)
+    return Transfer.objects.bulk_create(
+        Transfer(
+            debit=move.debit,
+            credit=move.credit,
+            amount=move.amount,
+            kind=move.kind,
+            job=move.job,
+            reference=move.reference,
+            memo=move.memo,
+        )
+        for move in moves
+    )
+
+
 def prices_for(model: str) -> tuple[int, int]:
-    """(prompt, completion) nano-dollars per million tokens in force now."""
-    price = ModelPrice.objects.filter(model=model, effective_from__lte=timezone.now()).first()
+    """(prompt, completion) nano-dollars per million tokens in force now. Prices are set by model
+    name: a catalog model ref (``name@<hash>``) pays its name's prices."""
+    price = ModelPrice.objects.filter(model=ref_name(model), effective_from__lte=timezone.now()).first()
     if price is not None:
         return price.prompt_per_million, price.completion_per_million
     prompt, completion = settings.SWARM_DEFAULT_PRICES
     return prompt, completion
+
+
+def set_prices(model: str, prompt_per_million: int, completion_per_million: int) -> ModelPrice | None:
+    """Put new prices (nano-dollars per million tokens) in force now for the model named ``model``:
+    a new row, so that the price each job paid stays on record; None when they are in force already."""
+    for value in (prompt_per_million, completion_per_million):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"a price is a whole number of nano-dollars >= 0, got {value!r}")
+    wanted = (prompt_per_million, completion_per_million)
+    if ModelPrice.objects.filter(model=model).exists() and prices_for(model) == wanted:
+        return None
+    return ModelPrice.objects.create(
+        model=model,
+        prompt_per_million=prompt_per_million,
+        completion_per_million=completion_per_million,
+        effective_from=timezone.now(),
+    )
 
 
 def cost(prompt_tokens: int, completion_tokens: int, prices: tuple[int, int]) -> int:

@@ -130,22 +130,22 @@ def sampling_params(params: RequestParams) -> SamplingParams:
 async def run_job(job_pk: int) -> str:
     """Run the job to its end and settle its hold; returns its final state. Every line logged
     meanwhile, here and in the coordinator, names the job and the request that admitted it."""
-    job = await in_thread(Job.objects.filter(pk=job_pk).first)
+    job, started = await in_thread(services.start_job, job_pk)
     public_id, request_id = (job.public_id, job.request_id) if job is not None else (None, None)
     with logs.bound(job_id=public_id, request_id=request_id):
         try:
-            state = await _run(job_pk, job)
+            state = await _run(job_pk, job, started)
         finally:
             await in_thread(settle, job_pk)
         log.info("job ended: %s", state)
         return state
 
 
-async def _run(job_pk: int, job: Job | None) -> str:
+async def _run(job_pk: int, job: Job | None, started: bool) -> str:
     layer = get_channel_layer()
     if job is None:
         job = await in_thread(Job.objects.get, pk=job_pk)  # raises DoesNotExist, as it always did
-    if not await in_thread(services.mark_running, job_pk):
+    if not started:  # ended before it started (cancelled, timed out), or another coordinator runs it
         return job.state
     log.info("job running: %s, %d prompt tokens, on %d stages", job.model, job.prompt_tokens, len(job.route))
     group = group_name(job_pk)

@@ -245,10 +245,10 @@ def admit_job(
     request's ``x-request-id``), so that an operator finds the job a customer quotes it for."""
     # One admission at a time per model from here to the commit: each counts the jobs in flight
     # that those before it admitted, so no stage is sent more sessions than it holds.
-    PlacementState.objects.select_for_update().filter(model=model).first()
-    chosen = route_request(model, jobs_in_flight())
+    placed = PlacementState.objects.select_for_update().filter(model=model).first() is not None
+    chosen = route_request(model, jobs_in_flight(), placed=placed)
     if chosen is None:
-        if route_request(model) is not None:
+        if route_request(model, placed=placed) is not None:
             raise Overloaded(
                 f"Model {model!r} is serving as many requests as its nodes hold; retry shortly.",
                 retry_after=OVERLOADED_RETRY_AFTER_S,
@@ -272,7 +272,7 @@ def admit_job(
         prompt_tokens=len(prompt_ids),
         coordinator_region=region,
         route=route,
-        audit_stages=choose_audit_stages(route),
+        audit_stages=choose_audit_stages(route, fractions={stage.node: stage.audit_fraction for stage in stages}),
         **hold_terms(model, len(prompt_ids), params.max_tokens),
     )
     place_hold(job, priced=True)  # 402 here rolls the whole admission back
@@ -358,6 +358,13 @@ def mark_running(job_pk: int) -> bool:
     return bool(
         Job.objects.filter(pk=job_pk, state=JobState.QUEUED).update(state=JobState.RUNNING, started_at=timezone.now())
     )
+
+
+def start_job(job_pk: int) -> tuple[Job | None, bool]:
+    """A coordinator's first step, in one worker thread: mark the job running (True when this call
+    did: it was queued, and no other coordinator took it) and read its row."""
+    started = mark_running(job_pk)
+    return Job.objects.filter(pk=job_pk).first(), started
 
 
 def finish_job(

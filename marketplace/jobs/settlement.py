@@ -18,7 +18,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from marketplace.billing.models import AccountKind
-from marketplace.billing.services import account, cost, prices_for, transfer
+from marketplace.billing.services import Move, accounts, cost, prices_for, transfer_many
 from marketplace.jobs.models import FINAL_STATES, Job
 from marketplace.jobs.route import route_assignments
 from marketplace.payouts.services import credit_earnings
@@ -53,14 +53,10 @@ def place_hold(job: Job, *, priced: bool = False) -> None:
             setattr(job, name, value)
         job.save(update_fields=list(terms))
     if job.hold_amount:
-        customer = job.customer
-        transfer(
-            account(AccountKind.CUSTOMER_CREDIT, customer),
-            account(AccountKind.CUSTOMER_HOLD, customer),
-            job.hold_amount,
-            kind="hold",
-            job=job,
-        )
+        owner = job.customer_id
+        found = accounts([(AccountKind.CUSTOMER_CREDIT, owner), (AccountKind.CUSTOMER_HOLD, owner)])
+        credit, hold = found[(AccountKind.CUSTOMER_CREDIT, owner)], found[(AccountKind.CUSTOMER_HOLD, owner)]
+        transfer_many([Move(credit, hold, job.hold_amount, kind="hold", job=job)])
 
 
 @transaction.atomic
@@ -73,13 +69,18 @@ def settle(job_pk: int) -> int:
     prices = (job.price_prompt_per_million, job.price_completion_per_million)
     charge = cost(job.prompt_tokens, job.completion_tokens, prices) if job.completion_tokens else 0
     charge = min(charge, job.hold_amount)
-    hold = account(AccountKind.CUSTOMER_HOLD, job.customer)
+    owner = job.customer_id
+    found = accounts(
+        [(AccountKind.CUSTOMER_HOLD, owner), (AccountKind.PLATFORM_REVENUE, None), (AccountKind.CUSTOMER_CREDIT, owner)]
+    )
+    hold = found[(AccountKind.CUSTOMER_HOLD, owner)]
+    moves = []
     if charge:
-        transfer(hold, account(AccountKind.PLATFORM_REVENUE), charge, kind="charge", job=job)
+        moves.append(Move(hold, found[(AccountKind.PLATFORM_REVENUE, None)], charge, kind="charge", job=job))
     if job.hold_amount - charge:
-        transfer(
-            hold, account(AccountKind.CUSTOMER_CREDIT, job.customer), job.hold_amount - charge, kind="release", job=job
-        )
+        release = job.hold_amount - charge
+        moves.append(Move(hold, found[(AccountKind.CUSTOMER_CREDIT, owner)], release, kind="release", job=job))
+    transfer_many(moves)
     job.charged_amount = charge
     job.settled_at = timezone.now()
     job.settle_flagged, job.settle_retry_at = False, None  # settled: nothing left for an admin (the error stays)

@@ -27,7 +27,7 @@ from django.db.models import F, Sum
 from django.utils import timezone
 
 from marketplace.billing.models import AccountKind, LedgerAccount
-from marketplace.billing.services import account, transfer
+from marketplace.billing.services import Move, account, accounts, transfer, transfer_many
 from marketplace.billing.stripe_client import PaymentProviderUnavailable, call_stripe
 from marketplace.nodes.models import Node
 from marketplace.payouts.errors import PayoutRefused
@@ -67,34 +67,34 @@ def credit_earnings(job, layer_tokens_by_node: dict[str, int]) -> list[Earning]:
         return []
     fee = job.charged_amount * settings.SWARM_PLATFORM_FEE_BPS // 10_000
     shares = split(job.charged_amount - fee, layer_tokens_by_node)
-    nodes = {n.node_id: n for n in Node.objects.filter(node_id__in=list(shares)).select_related("owner")}
+    nodes = {n.node_id: n for n in Node.objects.filter(node_id__in=list(shares))}
     available_at = (job.finished_at or timezone.now()) + timedelta(seconds=settings.SWARM_CHALLENGE_WINDOW_S)
-    revenue = account(AccountKind.PLATFORM_REVENUE)
-    earnings = []
+    found = accounts(
+        [(AccountKind.PLATFORM_REVENUE, None)] + [(AccountKind.PROVIDER_PENDING, n.owner_id) for n in nodes.values()]
+    )
+    revenue = found[(AccountKind.PLATFORM_REVENUE, None)]
+    earnings, moves = [], []
     for node_id, amount in sorted(shares.items()):
         node = nodes.get(node_id)
         if node is None:  # deleted by its owner since (or never registered): nobody to pay, it stays revenue
             log.warning("job %s: node %s is not in the registry; its share of %d stays revenue", job.public_id,
                         node_id, amount)  # fmt: skip
             continue
-        earning = Earning.objects.create(
-            node=node,
-            provider=node.owner,
-            job=job,
-            amount=amount,
-            layer_tokens=layer_tokens_by_node[node_id],
-            available_at=available_at,
+        earnings.append(
+            Earning(
+                node=node,
+                provider_id=node.owner_id,
+                job=job,
+                amount=amount,
+                layer_tokens=layer_tokens_by_node[node_id],
+                available_at=available_at,
+            )
         )
         if amount:
-            transfer(
-                revenue,
-                account(AccountKind.PROVIDER_PENDING, node.owner),
-                amount,
-                kind="earning",
-                job=job,
-                memo=f"node {node_id}",
-            )
-        earnings.append(earning)
+            pending = found[(AccountKind.PROVIDER_PENDING, node.owner_id)]
+            moves.append(Move(revenue, pending, amount, kind="earning", job=job, memo=f"node {node_id}"))
+    earnings = Earning.objects.bulk_create(earnings)
+    transfer_many(moves)
     return earnings
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db.models import Max
@@ -37,6 +37,9 @@ class PipelineStage:
     layer_start: int
     layer_end: int
     region: str
+    # The node's audit fraction when the stage was read (None: a new node's default applies), so
+    # that admission draws the job's audits without reading the nodes again.
+    audit_fraction: float | None = field(default=None, compare=False)
 
 
 def live_assignments(model: str):
@@ -59,9 +62,11 @@ def _routable(assignment: Assignment) -> bool:
 
 
 def _pipeline_stage(a: Assignment) -> PipelineStage:
+    node = a.node
     return PipelineStage(
-        a.node.node_id, a.node.public_key, a.data_url or a.node.data_url, a.layer_start, a.layer_end, a.node.region
-    )
+        node.node_id, node.public_key, a.data_url or node.data_url, a.layer_start, a.layer_end, node.region,
+        node.audit_fraction,
+    )  # fmt: skip
 
 
 def servable_pipelines(model: str) -> list[list[PipelineStage]]:
@@ -159,31 +164,31 @@ def link_rtts(node_ids: list[str]) -> dict[tuple[str, str], float]:
     return rtt
 
 
-def _costs(nodes: list[str]) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
-    """Measured round trips between ``nodes`` (and the regions) and each node's time per layer, ms."""
+def _costs(nodes: list[str], rows: list[Node] | None = None) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """Measured round trips between ``nodes`` (and the regions) and each node's time per layer, ms.
+    ``rows``: those nodes' rows when the caller has them already (one query fewer)."""
     rtt = link_rtts(nodes)
-    speed = credible_speeds(Node.objects.filter(node_id__in=nodes))
+    speed = credible_speeds(Node.objects.filter(node_id__in=nodes) if rows is None else rows)
     return rtt, {node: 1000.0 / value for node, value in speed.items() if value}
 
 
-def route_request(model: str, busy: Mapping[str, int] | None = None):
+def route_request(model: str, busy: Mapping[str, int] | None = None, *, placed: bool = False):
     """The lowest-latency chain of routable stages for one request, and the coordinator region it
     starts from; None when no chain covers the model. Stages are every routable block of the
     model, on pipelines and warm spares alike: while a pipeline has a member reported failed (or
     being replaced), a spare holding its span keeps the model servable, as it does for a request
     healing around it (``route_around``). With ``busy`` (jobs in flight by node id), a node
-    carrying its ``session_room`` already is left out."""
-    if not PlacementState.objects.filter(model=model).exists():
+    carrying its ``session_room`` already is left out. ``placed``: the caller knows the model has
+    a placement (admission locked its row), so it is not looked up again."""
+    if not placed and not PlacementState.objects.filter(model=model).exists():
         return None
     busy = busy or {}
-    stages = [
-        _pipeline_stage(a)
-        for a in live_assignments(model)
-        if _routable(a) and busy.get(a.node.node_id, 0) < session_room(a.node)
-    ]
-    if not stages:
+    usable = [a for a in live_assignments(model) if _routable(a) and busy.get(a.node.node_id, 0) < session_room(a.node)]
+    if not usable:
         return None
-    rtt, layer_ms = _costs(sorted({stage.node for stage in stages}))
+    stages = [_pipeline_stage(a) for a in usable]
+    rows = list({a.node.node_id: a.node for a in usable}.values())
+    rtt, layer_ms = _costs(sorted(node.node_id for node in rows), rows)
     best = None
     for region in settings.SWARM_COORDINATOR_REGIONS:
         source = region_target(region)

@@ -35,12 +35,16 @@ from worker_agent.receipts import MissingReceipt
 log = logging.getLogger("swarm.verification")
 
 
-def choose_audit_stages(route: list[dict], rng: random.Random | None = None) -> list[int]:
-    """The pipeline positions of a new job to audit: each stage's node at its own audit fraction."""
+def choose_audit_stages(
+    route: list[dict], rng: random.Random | None = None, *, fractions: dict[str, float | None] | None = None
+) -> list[int]:
+    """The pipeline positions of a new job to audit: each stage's node at its own audit fraction
+    (``fractions`` by node id when the caller read them already; None: a new node's default)."""
     rng = rng or random.SystemRandom()
-    fractions = dict(
-        Node.objects.filter(node_id__in=[s["node"] for s in route]).values_list("node_id", "audit_fraction")
-    )
+    if fractions is None:
+        fractions = dict(
+            Node.objects.filter(node_id__in=[s["node"] for s in route]).values_list("node_id", "audit_fraction")
+        )
     chosen = []
     for index, stage in enumerate(route):
         fraction = fractions.get(stage["node"])

@@ -130,7 +130,14 @@ class Coordinator:
         self.tokenizer = models.load_tokenizer(model)
         self.n_layers = models.n_layers(model)
         self.receipts: list[Receipt] = []
-        self.batcher = HeadBatcher(self.head, self.pipeline.dtype)
+        self._batcher: HeadBatcher | None = None
+
+    @property
+    def batcher(self) -> HeadBatcher:
+        """The event loop's head batcher (shared with the loop's other coordinators)."""
+        if self._batcher is None:
+            self._batcher = HeadBatcher.shared(self.head, self.pipeline.dtype)
+        return self._batcher
 
     def _pipeline(self, stages: list[StageSpec], audit_stages: Collection[int]) -> Pipeline:
         return Pipeline(
@@ -178,7 +185,6 @@ class Coordinator:
             _, pending = await asyncio.wait(self._closing, timeout=HEALED_CLOSE_S)
             for task in pending:
                 task.cancel()
-        self.batcher.close()
 
     async def _connect(self) -> None:
         infos = await self.pipeline.connect()

@@ -452,7 +452,9 @@ class Pipeline:
 
     def on_result(self, index: int, result: wire.Result) -> None:
         """Stage ``index``'s output: the step's answer from the last stage, otherwise a ring tap
-        (kept for audits only, never an answer) or a star output to relay on."""
+        (kept for audits only, never an answer) or a star output to relay on. An answer of another
+        dtype or width than the route's fails the route's steps, blaming the last stage."""
+        usable = result.dtype == self.dtype and (self.hidden_size is None or result.shape[1] == self.hidden_size)
         if index + 1 < len(self.links):
             for item in result.items:
                 key = (item.session, item.step)
@@ -461,13 +463,22 @@ class Pipeline:
                     self._moved_at[key] = asyncio.get_running_loop().time()
             # A tap of another dtype or width is not the stage's output as the next stage takes it:
             # it is not kept, and the audit it was owed to counts it missing, owed by this stage.
-            usable = result.dtype == self.dtype and (self.hidden_size is None or result.shape[1] == self.hidden_size)
             if self._captures and usable:
                 for item, chunk in zip(result.items, result.item_bytes(), strict=True):
                     self._capture(item, index + 1, chunk)
             if self.topology == "star":
                 relay = wire.Forward(result.job, result.items, result.dtype, result.shape, result.payload)
                 self._spawn(self._relay(index + 1, relay))
+            return
+        if not usable:
+            width = f"{self.hidden_size}" if self.hidden_size is not None else "the route's width"
+            self.fail_all(
+                StageError(
+                    f"stage {index} answered {result.dtype} rows {result.shape[1]} wide, not {self.dtype} x {width}",
+                    code="stage_bad_output",
+                    stage=index,
+                )
+            )
             return
         for item, chunk in zip(result.items, result.item_bytes(), strict=True):
             future = self._waiting.get((item.session, item.step))
