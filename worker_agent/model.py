@@ -397,6 +397,16 @@ def _check_quantize(quantize: str | None, dtype: str, device: str) -> None:
         raise ModelError(f"int8 weights compute with bfloat16 activations: use dtype bfloat16, not {dtype}")
 
 
+def _plan_free_attention(device: torch.device) -> None:
+    """On CUDA, attention runs without cuDNN's SDPA kernels (the process-wide switch; the flash and
+    memory-efficient kernels remain). cuDNN builds an execution plan for each new sequence length,
+    and decoding meets a new length at every step of every session until each has been seen once:
+    on an H200, a 30-layer bfloat16 block's one-session decode step took 62-72 ms for the first
+    hundred steps after loading, and 18 ms with cuDNN's kernels off (float32 never used them)."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def load_block(
     model: str,
     layer_start: int,
@@ -419,6 +429,7 @@ def load_block(
         raise ModelError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     _check_quantize(quantize, dtype, device)
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
+    _plan_free_attention(torch_device)
     layer_cls, rotary_cls, _ = _architecture(config)
     started = time.monotonic()
     weight_format = dtype if quantize is None else f"{quantize} weights, {dtype} activations"
