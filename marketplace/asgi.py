@@ -25,8 +25,12 @@ django_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.db import DatabaseError  # noqa: E402
 
+from marketplace.catalog.selectors import served_models  # noqa: E402
+from marketplace.catalog.services import register_settings_checkpoints  # noqa: E402
 from marketplace.periodic import embedded_scheduler  # noqa: E402
+from marketplace.placement.services import mark_dirty  # noqa: E402
 from marketplace.routing import websocket_urlpatterns  # noqa: E402
 
 log = logging.getLogger("swarm.scheduler")
@@ -40,11 +44,20 @@ router = ProtocolTypeRouter({"http": http_app, "websocket": URLRouter(websocket_
 
 
 def warm_models() -> None:
-    """Load each served model's config and tokenizer into this process's caches; a model that
-    cannot load is logged and left to fail its requests with the loader's own message."""
+    """Register the checkpoint folders SWARM_MODELS names in the catalog (``catalog.services``;
+    placed at the next sweep), then load each served model's config and tokenizer into this
+    process's caches; a model that cannot load is logged and left to fail its requests with the
+    loader's own message."""
     from worker_agent import model as models  # torch and transformers: loaded when the app starts, not on import
 
-    for model in settings.SWARM_MODELS:
+    try:
+        for ref in register_settings_checkpoints():
+            mark_dirty(ref)
+        served = served_models()
+    except DatabaseError as exc:  # not migrated yet: each model loads at its first request instead
+        log.warning("the catalog cannot be read: %s; no model preloaded", exc)
+        served = []
+    for model in served:
         try:
             models.load_config(model)
             models.load_tokenizer(model)

@@ -43,11 +43,14 @@ def warm_models(sender: Any = None, **_: Any) -> None:
     """Load the served models' configs and tokenizers, and in a coordinator worker (one consuming a
     ``coord.*`` queue) their heads, before the first task: a coordinator worker runs every job on
     one event loop (``jobs.tasks``), which a cold load would hold for seconds under the first burst."""
-    from worker_agent import model as models  # torch: only in the workers that start, not in every importer
+    # Imported once Django is set up (this module is imported before it) and torch only in the
+    # workers that start, not in every importer.
+    from marketplace.catalog.selectors import served_models
+    from worker_agent import model as models
 
     queues = [queue.name for queue in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     coordinator = any(name.startswith("coord.") for name in queues)
-    for model in settings.SWARM_MODELS:
+    for model in served_models():
         try:
             models.load_config(model)
             models.load_tokenizer(model)

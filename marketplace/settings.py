@@ -99,6 +99,7 @@ INSTALLED_APPS = [
     "marketplace.verification",
     "marketplace.payouts",
     "marketplace.install",
+    "marketplace.catalog",
 ]
 
 MIDDLEWARE = [
@@ -149,7 +150,8 @@ TIME_ZONE = "UTC"
 
 # Migrations live in the top-level migrations/ package.
 MIGRATION_MODULES = {
-    app: f"migrations.{app}" for app in ("accounts", "nodes", "placement", "jobs", "billing", "verification", "payouts")
+    app: f"migrations.{app}"
+    for app in ("accounts", "nodes", "placement", "jobs", "billing", "verification", "payouts", "catalog")
 }
 
 # --- database -----------------------------------------------------------------------------
@@ -241,8 +243,16 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- the swarm ------------------------------------------------------------------------------
-# Models the marketplace serves (registry ids of worker_agent.model).
+# Models the marketplace serves besides the catalog's enabled entries: registry ids of
+# worker_agent.model, or checkpoint folders (each registered in the catalog under its folder's name
+# at start-up, and served as that entry).
 SWARM_MODELS = env_list("SWARM_MODELS", ["smollm2-135m"])
+# The catalog (marketplace/catalog): where the control plane keeps the checkpoints it registered,
+# one folder per content hash, which its coordinators load and agents download; an archive source
+# is fetched within SWARM_CATALOG_FETCH_TIMEOUT_S per read and refused past SWARM_CATALOG_MAX_ARCHIVE_BYTES.
+SWARM_CATALOG_DIR = Path(env_str("SWARM_CATALOG_DIR", str(DATA_DIR / "catalog")))
+SWARM_CATALOG_FETCH_TIMEOUT_S = env_float("SWARM_CATALOG_FETCH_TIMEOUT_S", 60.0, minimum=0.1)
+SWARM_CATALOG_MAX_ARCHIVE_BYTES = env_int("SWARM_CATALOG_MAX_ARCHIVE_BYTES", 200 * 1024**3, minimum=1)
 # A node that sent no heartbeat for this long goes offline and loses its assignment.
 SWARM_HEARTBEAT_INTERVAL_S = env_float("SWARM_HEARTBEAT_INTERVAL_S", 5.0, minimum=0.1)
 SWARM_HEARTBEAT_TIMEOUT_S = env_float("SWARM_HEARTBEAT_TIMEOUT_S", 20.0, minimum=0.5)
@@ -262,6 +272,10 @@ SWARM_AUTO_PLACE = env_bool("SWARM_AUTO_PLACE", True)
 # Nodes kept off the serving path with a warm block, per pipeline, when there are more nodes
 # than the pipelines need (0: every node serves).
 SWARM_SPARES_PER_PIPELINE = env_int("SWARM_SPARES_PER_PIPELINE", 1, minimum=0)
+# A node is given the layers whose weights, plus a KV cache for this many sessions of its full
+# position limit on every layer, fit in its reported memory (marketplace/placement/memory.py); no
+# more sessions than the node said it holds at once.
+SWARM_KV_BUDGET_SESSIONS = env_int("SWARM_KV_BUDGET_SESSIONS", 8, minimum=1)
 SWARM_COORDINATOR_REGIONS = env_list("SWARM_COORDINATOR_REGIONS", ["local"])
 # Where agents measure their RTT to each region ("region=url,..."); a region without one is
 # probed at the control plane's own /healthz.

@@ -37,6 +37,8 @@ def test_schema_lists_every_endpoint(schema):
         "/api/v1/billing/transactions": ["get"],
         "/api/v1/billing/usage": ["get"],
         "/api/v1/billing/usage.csv": ["get"],
+        "/api/v1/catalog/": ["get", "post"],
+        "/api/v1/catalog/{name}/": ["get", "patch"],
         "/api/v1/keys/": ["get", "post"],
         "/api/v1/keys/{id}/": ["delete", "get"],
         "/api/v1/nodes/": ["get", "post"],

@@ -349,3 +349,22 @@ def test_a_share_recorded_for_the_nodes_a_model_already_holds_places_nothing_aga
     assert PlacementState.objects.get(model=SMOL).generation == generation
     assert pushed.messages == []
     assert holders() == {SMOL: ["a", "b"], TINY: []}
+
+
+def test_a_third_model_added_to_two_sharing_the_nodes_gets_its_floor_at_the_next_sweep(
+    make_nodes, two_models, pushed, django_capture_on_commit_callbacks
+):
+    third = "tiny-llama-seed1"  # tiny-llama's shape (6 layers): one node makes its pipeline
+    make_nodes(a=400.0, b=300.0, c=200.0, d=100.0)
+    services.mark_dirty()
+    settle(django_capture_on_commit_callbacks)
+    assert shares() == {SMOL: ["a", "b", "d"], TINY: ["c"]}
+
+    two_models.SWARM_MODELS = [SMOL, TINY, third]  # no node joined or left
+    services.mark_dirty(third)
+    settle(django_capture_on_commit_callbacks)
+
+    held = dict(Assignment.objects.filter(state__in=LIVE, model=third).values_list("node__name", "model"))
+    assert held == {"d": third}  # smollm2 keeps its floor (a, b), tiny-llama its own (c)
+    assert len(servable_pipelines(third)) == 1
+    assert len(servable_pipelines(SMOL)) == 1 and len(servable_pipelines(TINY)) == 1

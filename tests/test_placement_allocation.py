@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 
@@ -22,6 +23,7 @@ from marketplace.placement.allocation import (
     spans_for,
     water_fill,
 )
+from marketplace.placement.covering import lpt, lpt_used
 from marketplace.placement.errors import PlacementError
 
 pytestmark = pytest.mark.control
@@ -97,7 +99,31 @@ def test_pipeline_count_on_a_thousand_nodes_forms_valid_disjoint_pipelines():
     assert not set(members) & set(plan.spares)
     assert all(sum(caps[node] for node in pipeline) >= 80 for pipeline in plan.pipelines)
     assert plan.score == plan.k**2 / plan.stages_total
-    assert plan.k >= 100
+    assert (plan.k, plan.stages_total, len(plan.spares)) == (249, 833, 167)
+    assert plan.pipelines[:2] == (("n0046", "n0228"), ("n0096", "n0373"))
+
+
+def test_pipeline_count_when_most_nodes_hold_the_whole_model():
+    # 2,000 nodes of 2..60 layers for a 32-layer model: 1,478 pipelines, 957 of them one node.
+    rng = random.Random(3)
+    nodes = [NodeCapacity(f"n{i:04d}", rng.uniform(1, 100), rng.randint(2, 60)) for i in range(2000)]
+
+    plan = choose_pipeline_count(nodes, 32)
+
+    assert (plan.exact, plan.k, plan.stages_total) == (False, 1478, 1999)
+    assert sum(len(pipeline) == 1 for pipeline in plan.pipelines) == 957
+    assert plan.pipelines[:2] == (("n0507",), ("n0630",))
+
+
+def test_lpt_counted_by_deficit_takes_as_many_nodes_as_lpt_built_node_by_node():
+    rng = random.Random(17)
+    for _ in range(300):
+        n_layers = rng.randint(1, 80)
+        caps = sorted((min(rng.randint(1, 2 * n_layers), n_layers) for _ in range(rng.randint(1, 200))), reverse=True)
+        runs = [(cap, len(list(same))) for cap, same in itertools.groupby(caps)]
+        for k in {1, rng.randint(1, len(caps)), len(caps)}:
+            built = lpt(caps, n_layers, k)
+            assert lpt_used(runs, n_layers, k) == (None if built is None else sum(map(len, built)))
 
 
 def test_pipeline_count_raises_when_all_memory_cannot_hold_the_model():

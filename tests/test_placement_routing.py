@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from marketplace.placement.allocation import Stage
@@ -93,3 +96,52 @@ def test_raises_when_no_chain_covers_every_layer():
 def test_raises_on_a_stage_beyond_the_model():
     with pytest.raises(PlacementError):
         route([Stage("a", 0, 9)], 8, RTT_MS, LAYER_MS)
+
+
+def cheapest_by_enumeration(stages, n_layers, rtt, layer_ms, unmeasured_ms) -> float:
+    """The least cost over every chain of ``stages`` from layer 0 to ``n_layers``, by trying them all."""
+
+    def hop(a: str, b: str) -> float:
+        return 0.0 if a == b else rtt[(a, b)] / 2 if (a, b) in rtt else unmeasured_ms
+
+    def work(stage: Stage) -> float:
+        return stage.layers * layer_ms[stage.node] if stage.node in layer_ms else unmeasured_ms
+
+    def rest(previous: str, layer: int) -> float:
+        if layer == n_layers:
+            return hop(previous, "coordinator")
+        return min(
+            (hop(previous, s.node) + work(s) + rest(s.node, s.layer_end) for s in stages if s.layer_start == layer),
+            default=math.inf,
+        )
+
+    return rest("coordinator", 0)
+
+
+def test_the_route_costs_the_least_of_all_chains_on_random_instances():
+    # Whole-number costs add up exactly, so the enumeration and the route agree to the last bit,
+    # and ties are frequent: the pruned second pass must keep a cheapest chain all the same.
+    rng = random.Random(23)
+    for _ in range(400):
+        nodes = [f"n{i}" for i in range(rng.randint(1, 8))]
+        n_layers = rng.randint(1, 8)
+        stages = list(
+            {
+                Stage(rng.choice(nodes), start, rng.randint(start + 1, n_layers))
+                for start in (rng.randrange(n_layers) for _ in range(rng.randint(1, 14)))
+            }
+        )
+        points = [*nodes, "coordinator"]
+        rtt = {(a, b): float(rng.randint(0, 9)) for a in points for b in points if a != b and rng.random() < 0.8}
+        layer_ms = {n: float(rng.randint(0, 5)) for n in nodes if rng.random() < 0.9}
+
+        expected = cheapest_by_enumeration(stages, n_layers, rtt, layer_ms, 100.0)
+
+        if math.isinf(expected):
+            with pytest.raises(PlacementError):
+                route(stages, n_layers, rtt, layer_ms, unmeasured_ms=100.0)
+            continue
+        best = route(stages, n_layers, rtt, layer_ms, unmeasured_ms=100.0)
+        assert best.cost_ms == expected
+        assert [s.layer_start for s in best.stages] == [0] + [s.layer_end for s in best.stages[:-1]]
+        assert best.stages[-1].layer_end == n_layers

@@ -260,7 +260,7 @@ def cmd_join(args: argparse.Namespace) -> int:
                     signing_key,
                     compute=compute,
                     data_url=advertise,
-                    hardware=hardware_report(args.device, args.max_layers),
+                    hardware=hardware_report(args.device, args.max_layers, args.dtype),
                 ),
                 retry,
                 rng=rng,

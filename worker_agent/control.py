@@ -12,9 +12,11 @@ production give ``--control-plane https://...``: the join then runs over TLS and
 channel is ``wss://``. The control channel (a WebSocket) opens with a
 signed answer to the server's fresh nonce; over it the agent sends heartbeats with its load and
 receives assignments (model + layer span: it loads that block and serves it on its data-plane
-port, then reports ``ready``), drain, stop and probe requests (RTT and uplink to peers). Seeded
-spot-challenges do not come this way: they arrive on the data plane as ordinary sessions of a
-ticketed job (``coordinator/challenger.py``), so the agent serves them as it serves any job.
+port, then reports ``ready``; the files of a catalog model's block are fetched from the control
+plane first and checked against its content hash, ``fetch.py``), drain, stop and probe requests
+(RTT and uplink to peers). Seeded spot-challenges do not come this way: they arrive on the data
+plane as ordinary sessions of a ticketed job (``coordinator/challenger.py``), so the agent serves
+them as it serves any job.
 
 Every message is built and parsed by ``control_protocol`` (typed, versioned, bounded); a frame
 it refuses is logged and dropped.
@@ -47,7 +49,7 @@ import psutil
 import websockets
 from websockets.asyncio.client import connect
 
-from worker_agent import __version__, probes
+from worker_agent import __version__, fetch, probes
 from worker_agent import control_protocol as protocol
 from worker_agent.cheat import Cheat, warning_banner
 from worker_agent.control_protocol import ProtocolError, control_signature, join_signature
@@ -109,7 +111,9 @@ class Serving:
         return self.stage.layer_end - self.stage.layer_start
 
 
-def hardware_report(device: str, max_layers: int | None) -> dict:
+def hardware_report(device: str, max_layers: int | None, dtype: str = "float32") -> dict:
+    """What the agent tells the control plane of its machine at join. ``dtypes`` lists the dtypes
+    its device runs, the one it serves in (``dtype``) first: placement sizes its blocks by it."""
     import torch
 
     # Both load torch, which the agent imports only when it needs it (this report, a benchmark).
@@ -131,6 +135,7 @@ def hardware_report(device: str, max_layers: int | None) -> dict:
             "memory_bytes": int(psutil.virtual_memory().available),
             "dtypes": ["float32", "bfloat16"],
         }
+    report["dtypes"] = [dtype, *(d for d in report["dtypes"] if d != dtype)]
     report["max_positions"] = SessionLimits().max_tokens  # positions a session may hold on its stages
     report["max_sessions"] = SessionLimits().max_sessions  # sessions its stages hold at once
     if max_layers:
@@ -424,10 +429,13 @@ class Agent:
             await self._make_room(end - start)
             log.info("assigned %s layers %d:%d (assignment %s)", model, start, end, assignment)
             try:
+                if message.content_hash is not None:
+                    await asyncio.to_thread(self._fetch, message)
                 weights = await asyncio.to_thread(
                     models.load_block, model, start, end, dtype=self.dtype, device=self.device
                 )
             except SwarmError as exc:
+                log.warning("assignment %d refused: %s (%s)", assignment, exc, exc.code)
                 await ws.send(protocol.encode(_failed(assignment, str(exc))))
                 return
             if assignment in self._released:  # released while it loaded
@@ -452,6 +460,12 @@ class Agent:
             await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.advertise_url)))
             held = ", ".join(f"{b.stage.layer_start}:{b.stage.layer_end}" for b in self.blocks.values())
             log.info("serving %s layers %d:%d at %s (holding %s)", model, start, end, self.advertise_url, held)
+
+    def _fetch(self, message: protocol.Assign) -> None:
+        """The files a catalog model's block needs, fetched from the control plane or found in the
+        cache, each checked against the assigned content hash (``fetch.ensure_block_files``)."""
+        url = fetch.manifest_url(self.state.control_plane, message.source or "")
+        fetch.ensure_block_files(url, message.model, message.content_hash or "", message.layer_start, message.layer_end)
 
     async def _start_server(self, make_server: Callable[[], StageServer]) -> str | None:
         """Serve the data plane on ``self.port``; the reason when it cannot. A port picked free at

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, cast
 
 from nacl.signing import SigningKey
 
+from worker_agent import checkpoints
 from worker_agent.errors import SwarmError
 from worker_agent.keys import public_key_bytes
 
@@ -236,18 +237,34 @@ class Auth(Message):
 
 @dataclass(frozen=True)
 class Assign(Message):
-    """Control plane -> agent: load this block and serve it, then report Ready or Failed."""
+    """Control plane -> agent: load this block and serve it, then report Ready or Failed.
+
+    A catalog model comes with its content hash and the URL of its file manifest: the agent
+    fetches the files its block needs from there and checks them against the hash
+    (``worker_agent.fetch``). A registry model comes without either: the agent builds it."""
 
     TYPE: ClassVar = MessageType.ASSIGN
     assignment: int  # the control plane's id of the assignment, echoed in Ready/Failed/Release
-    model: str  # model id from the registry (or a checkpoint name)
+    model: str  # a registry id, or a catalog model ref ``name@<first 16 hex of content_hash>``
     layer_start: int  # first decoder layer of the block, inclusive
     layer_end: int  # last decoder layer of the block, exclusive
+    content_hash: str | None = None  # a catalog model's content hash: 64 lowercase hex digits
+    source: str | None = None  # its manifest's URL: absolute (http/https) or relative to the control plane
 
     def __post_init__(self) -> None:
         _int("assignment", self.assignment, 1, MAX_ID)
         _text("model", self.model, MAX_NAME_CHARS)
         _span(self.layer_start, self.layer_end)
+        if (self.content_hash is None) != (self.source is None):
+            raise ProtocolError("content_hash and source come together, or not at all", code=BAD_FIELD)
+        if self.content_hash is not None:
+            _text("source", self.source, MAX_URL_CHARS)
+            if not isinstance(self.content_hash, str) or not checkpoints.ref_matches(self.model, self.content_hash):
+                raise ProtocolError(
+                    f"a catalog model's content_hash must be 64 lowercase hex digits that model "
+                    f"{_show(self.model)} names (name@<its first 16>), got {_show(self.content_hash)}",
+                    code=BAD_FIELD,
+                )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Model registry and partial weight loading.
 
-A model is named by an id from ``REGISTRY`` or by a local Hugging Face checkpoint directory
-(``config.json`` + safetensors, Llama-family decoder). Registry models are materialized once
+A model is named by an id from ``REGISTRY``, by a local Hugging Face checkpoint directory
+(``config.json`` + safetensors, Llama-family decoder), or by a catalog model ref ``name@<16 hex>``
+whose folder a store holds (``checkpoints.find``). Registry models are materialized once
 into a safetensors cache (``$SWARM_MODEL_CACHE``, default ``~/.cache/swarm-marketplace/models``)
 so that every process afterwards reads only the tensors it needs:
 
@@ -20,7 +21,6 @@ import functools
 import importlib
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -35,7 +35,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from worker_agent import checkpoints
 from worker_agent.architectures import Architecture, architecture
+from worker_agent.checkpoints import cache_root
 from worker_agent.errors import ModelError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -131,10 +133,6 @@ REGISTRY: dict[str, RegistryEntry] = {
 }
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("SWARM_MODEL_CACHE", Path.home() / ".cache" / "swarm-marketplace" / "models"))
-
-
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,7 +145,10 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def resolve_checkpoint(model: str) -> Path:
-    """The checkpoint folder for a registry id (built on first use) or a local directory."""
+    """The checkpoint folder for a registry id (built on first use), a catalog model ref (in a
+    store: ``checkpoints.find``) or a local directory."""
+    if checkpoints.is_ref(model):
+        return checkpoints.find(model)
     if model in REGISTRY:
         target = cache_root() / model
         if (target / "config.json").is_file():
@@ -196,8 +197,8 @@ def load_config(model: str):
 
 
 def model_name(model: str) -> str:
-    """The id that tickets and receipts carry: the registry id or the folder's name."""
-    return model if model in REGISTRY else Path(model).expanduser().resolve().name
+    """The id that tickets and receipts carry: the registry id, the catalog model ref, or the folder's name."""
+    return model if model in REGISTRY or checkpoints.is_ref(model) else Path(model).expanduser().resolve().name
 
 
 def n_layers(model: str) -> int:

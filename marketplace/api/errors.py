@@ -61,6 +61,7 @@ HTTP_ERRORS: dict[str, HttpError] = {
     "method_not_allowed": HttpError(405, INVALID),
     "model_not_found": HttpError(404, INVALID),
     "not_found": HttpError(404, INVALID),
+    "catalog_not_found": HttpError(404, INVALID),
     # Who is asking.
     "invalid_api_key": HttpError(401, "authentication_error"),
     "not_signed_in": HttpError(401, "authentication_error"),

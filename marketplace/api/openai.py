@@ -29,6 +29,7 @@ from marketplace.api.parsers import loads_bounded
 from marketplace.api.reply import Reply, replayed
 from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
+from marketplace.catalog.selectors import served_models
 from marketplace.db import release_connections
 from marketplace.errors import DomainError
 from marketplace.jobs import idempotency, runner, services, tasks
@@ -36,6 +37,7 @@ from marketplace.jobs.errors import InvalidRequest
 from marketplace.jobs.models import ApiKey
 from marketplace.jobs.params import RequestParams
 from marketplace.placement.selectors import context_length, servable_pipelines
+from worker_agent.checkpoints import is_ref, ref_name
 
 log = logging.getLogger("swarm.api")
 
@@ -90,12 +92,13 @@ def releases_db(view):
 async def list_models(request: HttpRequest, api_key: ApiKey) -> JsonResponse:
     def listing() -> list[dict]:
         entries = []
-        for model in settings.SWARM_MODELS:
+        for model in served_models():
             if servable_pipelines(model):
                 prompt, completion = prices_for(model)
                 entries.append(
                     {
-                        "id": model,
+                        "id": ref_name(model),  # a catalog model by its name; its ref pins the weights
+                        **({"snapshot": model} if is_ref(model) else {}),
                         "object": "model",
                         "created": 0,
                         "owned_by": "swarm",
@@ -143,16 +146,16 @@ async def complete_for_key(
     ``idempotency_key`` (the request's Idempotency-Key header), a retry is answered, not run, again
     (``jobs.idempotency``)."""
     record = None
+    parsed = None
     try:
-        model, params = request_body.parse(body, kind)
         if idempotency_key is not None:
+            parsed = await sync_to_async(request_body.parse)(body, kind)  # it reads the catalog
             record, replay = await _claim(api_key, idempotency.check_key(idempotency_key), body)
             if replay is not None:
-                response = replayed(replay, params.stream, params.include_usage)
+                response = replayed(replay, parsed[1].stream, parsed[1].include_usage)
                 response["x-request-id"], response["Idempotent-Replayed"] = request_id, "true"
                 return response
-        given = body.get("max_completion_tokens", body.get("max_tokens")) is not None
-        prompt_ids, params, headers = await sync_to_async(_prepare)(api_key, model, params, max_tokens_given=given)
+        model, params, prompt_ids, headers = await sync_to_async(_prepare)(api_key, body, kind, parsed)
         jobs = await admission.admit(
             api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids, request_id=request_id
         )
@@ -191,16 +194,20 @@ async def complete_for_key(
 
 
 def _prepare(
-    api_key: ApiKey, model: str, params: RequestParams, *, max_tokens_given: bool
-) -> tuple[tuple[int, ...], RequestParams, dict]:
-    """A request's work before admission, in one worker thread: its prompt tokenized once (the
-    count holds credits and rate limits, the ids go to the coordinator), its completion fitted to
-    the context, and the key's rate limits checked (each choice is a request of its own for the
-    limits as for the bill). Returns (prompt ids, fitted params, rate-limit headers)."""
+    api_key: ApiKey, body: dict, kind: str, parsed: tuple[str, RequestParams] | None
+) -> tuple[str, RequestParams, tuple[int, ...], dict]:
+    """A request's work before admission, in one worker thread: its body parsed (unless
+    ``parsed`` already: the served model's key, which reads the catalog, and the parameters), its
+    prompt tokenized once (the count holds credits and rate limits, the ids go to the coordinator),
+    its completion fitted to the context, and the key's rate limits checked (each choice is a
+    request of its own for the limits as for the bill). Returns (model, fitted params, prompt ids,
+    rate-limit headers)."""
+    model, params = parsed if parsed is not None else request_body.parse(body, kind)
     prompt_ids = services.tokenize_prompt(model, params)
-    params = services.fit_context(model, len(prompt_ids), params, max_tokens_given=max_tokens_given)
+    given = body.get("max_completion_tokens", body.get("max_tokens")) is not None
+    params = services.fit_context(model, len(prompt_ids), params, max_tokens_given=given)
     headers = ratelimit.check(api_key, params.n * (len(prompt_ids) + params.max_tokens))
-    return prompt_ids, params, headers
+    return model, params, prompt_ids, headers
 
 
 async def _claim(api_key: ApiKey, key: str, body: dict) -> tuple[int, dict | None]:

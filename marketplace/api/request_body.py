@@ -8,6 +8,7 @@ import re
 
 from django.conf import settings
 
+from marketplace.catalog.selectors import requested_model
 from marketplace.jobs import tools
 from marketplace.jobs.errors import InvalidRequest, ModelNotFound
 from marketplace.jobs.params import (
@@ -151,13 +152,16 @@ def _calls_text(index: int, calls: object) -> str:
 
 
 def parse(body: dict, kind: str) -> tuple[str, RequestParams]:
-    """The model and the parameters of a request body of ``kind`` ("chat" or "completion"); 400 naming what is wrong."""
+    """The served model's key (``catalog.selectors.requested_model``: a catalog name becomes its
+    model ref) and the parameters of a request body of ``kind`` ("chat" or "completion"); 400
+    naming what is wrong. It reads the catalog: call it from a thread, not an event loop."""
     _check_keys(body, kind)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
+    requested = body.get("model")
+    if not isinstance(requested, str) or not requested:
         raise InvalidRequest("'model' is required.", param="model")
-    if model not in settings.SWARM_MODELS:
-        raise ModelNotFound(f"The model '{model}' does not exist.", param="model")
+    model = requested_model(requested)
+    if model is None:
+        raise ModelNotFound(f"The model '{requested}' does not exist.", param="model")
     n = body.get("n")
     if n is None:
         n = 1

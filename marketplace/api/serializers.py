@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
+from marketplace import offerings
+from marketplace.catalog.models import DESCRIBED_BY, CatalogModel, SourceKind
 from marketplace.nodes.models import Node
 
 
@@ -107,3 +109,51 @@ class ApiKeySerializer(serializers.Serializer):
 
 class ApiKeyCreatedSerializer(ApiKeySerializer):
     key = serializers.CharField(read_only=True, help_text="the full key: shown once, never again")
+
+
+class CatalogModelSerializer(serializers.ModelSerializer):
+    """A catalog entry as staff read it: what was registered, what was read from the checkpoint, and
+    its prices in force (dollars per million tokens, as decimal strings)."""
+
+    ref = serializers.CharField(read_only=True)
+    prompt_price = serializers.SerializerMethodField()
+    completion_price = serializers.SerializerMethodField()
+
+    class Meta:
+        model = CatalogModel
+        fields = [
+            *DESCRIBED_BY,
+            "min_reputation",
+            "enabled",
+            "prompt_price",
+            "completion_price",
+            "files",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    def get_prompt_price(self, entry: CatalogModel) -> str:
+        return format(offerings.prices(entry.name)[0].normalize(), "f")
+
+    def get_completion_price(self, entry: CatalogModel) -> str:
+        return format(offerings.prices(entry.name)[1].normalize(), "f")
+
+
+class CatalogChangeSerializer(serializers.Serializer):
+    """What staff may change of an entry. Values are checked by the service, whose refusal names
+    the field: prices are dollars per million tokens (a string or a number, >= 0, 9 decimals)."""
+
+    enabled = serializers.BooleanField(required=False)
+    min_reputation = serializers.FloatField(required=False)
+    prompt_price = serializers.CharField(required=False, max_length=40)
+    completion_price = serializers.CharField(required=False, max_length=40)
+
+
+class CatalogRegisterSerializer(CatalogChangeSerializer):
+    """A registration: a name and a source; everything else is read from the checkpoint."""
+
+    name = serializers.CharField(max_length=200)
+    source_kind = serializers.ChoiceField(choices=SourceKind.choices)
+    source = serializers.CharField(max_length=1024)
+    source_sha256 = serializers.CharField(required=False, allow_blank=True, max_length=200)

@@ -2,11 +2,12 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework.routers import DefaultRouter
 
-from marketplace.api import billing_views, views
+from marketplace.api import billing_views, catalog_views, views
 
 router = DefaultRouter()
 router.register("nodes", views.NodeViewSet, basename="node")
 router.register("keys", views.ApiKeyViewSet, basename="key")
+router.register("catalog", catalog_views.CatalogViewSet, basename="catalog")
 
 urlpatterns = [
     path("v1/", include(router.urls)),

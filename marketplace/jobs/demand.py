@@ -13,6 +13,7 @@ from django.conf import settings
 from django.db.models import F, Sum
 from django.utils import timezone
 
+from marketplace.catalog.selectors import served_models
 from marketplace.jobs.models import Job
 from marketplace.placement import services as placement
 from marketplace.placement.shares import due, shared_models
@@ -24,7 +25,7 @@ def recent_demand(now: datetime | None = None) -> dict[str, int]:
     demand all the same. A running job counts the tokens it delivered so far."""
     now = now or timezone.now()
     since = now - timedelta(seconds=settings.SWARM_DEMAND_WINDOW_S)
-    served = list(dict.fromkeys(settings.SWARM_MODELS))
+    served = served_models()
     rows = (
         Job.objects.filter(created_at__gte=since, created_at__lte=now, model__in=served)
         .values("model")

@@ -25,6 +25,7 @@ from kombu.transport.redis import Channel as RedisChannel
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount
+from marketplace.catalog.selectors import served_models
 from marketplace.db import release_connections
 from marketplace.jobs.models import Job, JobState
 from marketplace.nodes.models import Node, NodeState
@@ -68,7 +69,7 @@ def _gauge(
 def database_families() -> list[Metric]:
     """The database's figures, in one short read per table (worker thread; its connection is handed back)."""
     try:
-        models = settings.SWARM_MODELS
+        models = served_models()
         jobs = _counts(Job.objects.filter(state__in=IN_FLIGHT), "model", "state")
         nodes = _counts(Node.objects.all(), "state")
         assignments = _counts(Assignment.objects.filter(state__in=LIVE_STATES), "model", "state", "is_spare")

@@ -17,7 +17,6 @@ when a pipeline member leaves, :func:`repair` puts a spare holding its span in i
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
@@ -25,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from marketplace.placement import covering
 from marketplace.placement.errors import PlacementError
 
 # Above this many multiset states the exact pipeline-count DP gives way to the greedy; 2**16
@@ -176,124 +176,6 @@ def _as_nodes(capacities: Sequence[int] | Sequence[NodeCapacity]) -> list[NodeCa
     return [c if isinstance(c, NodeCapacity) else NodeCapacity(str(i), 1.0, c) for i, c in enumerate(capacities)]
 
 
-def _add(value: int, cap: int, n_layers: int) -> int:
-    """One item into the sequential bin-covering state ``value = covered * L + fill``."""
-    fill = value % n_layers
-    return value + cap if fill + cap < n_layers else (value // n_layers + 1) * n_layers
-
-
-def _exact_groups(caps: list[int], n_layers: int) -> list[list[int]]:
-    """Exact s*(k) for every k and the groups of the best k (indices into ``caps``, sorted desc).
-
-    ``cover(S)``, the most disjoint groups of items of ``S`` each summing to >= L, is the best, over
-    all orders of ``S``, of filling one open bin at a time and closing it once it reaches L (an
-    optimal grouping laid out group after group closes at least as many bins). The DP keeps, per
-    multiset of items (a count per distinct capacity), the lexicographically largest (closed
-    bins, open fill): one more closed bin beats any fill below L. ``s*(k)`` is then the shortest
-    prefix ``s`` of the items sorted by capacity with ``cover(prefix_s) >= k`` (exchange argument:
-    swapping a used node for a larger unused one never uncovers a group). At that minimal ``s``
-    the best order closes exactly k bins with nothing left open, or a shorter prefix would do.
-    """
-    values = sorted(set(caps), reverse=True)
-    counts = [caps.count(v) for v in values]
-    strides = [math.prod(c + 1 for c in counts[:t]) for t in range(len(values))]
-    states = strides[-1] * (counts[-1] + 1)
-    best, last = [0] * states, [0] * states  # value = closed * L + fill; last class added
-    digits = [0] * len(values)  # the state's count of each class, kept as an odometer
-    classes = list(enumerate(zip(values, strides, strict=True)))
-    for state in range(1, states):
-        t = 0
-        while digits[t] == counts[t]:
-            digits[t] = 0
-            t += 1
-        digits[t] += 1
-        top = arg = -1
-        for t, (value, stride) in classes:
-            if digits[t]:
-                candidate = _add(best[state - stride], value, n_layers)
-                if candidate > top:
-                    top, arg = candidate, t
-        best[state], last[state] = top, arg
-    prefix_states, state = [0], 0
-    for t, count in enumerate(counts):
-        for _ in range(count):
-            state += strides[t]
-            prefix_states.append(state)
-    covered = [best[s] // n_layers for s in prefix_states]
-    fewest = {k: bisect.bisect_left(covered, k) for k in range(1, covered[-1] + 1)}  # k -> s*(k)
-    k = max(fewest, key=lambda k: (Fraction(k * k, fewest[k]), k))
-    state, sequence = prefix_states[fewest[k]], []
-    while state:
-        sequence.append(last[state])
-        state -= strides[last[state]]
-    first_of = {v: caps.index(v) for v in values}
-    taken = dict.fromkeys(range(len(values)), 0)
-    groups, group, fill = [], [], 0
-    for t in reversed(sequence):
-        group.append(first_of[values[t]] + taken[t])
-        taken[t] += 1
-        fill += values[t]
-        if fill >= n_layers:
-            groups.append(sorted(group))
-            group, fill = [], 0
-    return groups
-
-
-def _spread(caps: list[int], n_layers: int, k: int) -> list[list[int]] | None:
-    """Greedy 1: each next-largest node joins the open pipeline missing the most layers (LPT)."""
-    heap = [(-n_layers, b) for b in range(k)]
-    groups: list[list[int]] = [[] for _ in range(k)]
-    for i, cap in enumerate(caps):
-        deficit, b = heapq.heappop(heap)
-        groups[b].append(i)
-        if -deficit > cap:
-            heapq.heappush(heap, (deficit + cap, b))
-        elif not heap:
-            return groups
-    return None
-
-
-def _best_fit(caps: list[int], n_layers: int, k: int) -> list[list[int]] | None:
-    """Greedy 2: pipeline after pipeline, take the largest node left, or, once a node left can
-    close the pipeline, the smallest such node (the least memory wasted past ``n_layers``)."""
-    pool = sorted((cap, -i) for i, cap in enumerate(caps))
-    groups = []
-    for _ in range(k):
-        group, deficit = [], n_layers
-        while deficit > 0:
-            if not pool:
-                return None
-            j = bisect.bisect_left(pool, (deficit, -len(caps))) if pool[-1][0] >= deficit else len(pool) - 1
-            cap, minus_i = pool.pop(j)
-            group.append(-minus_i)
-            deficit -= cap
-        groups.append(sorted(group))
-    return groups
-
-
-def _greedy_groups(caps: list[int], n_layers: int) -> list[list[int]]:
-    """Branch and bound over k, with the better of two greedy bin coverings as s(k).
-
-    ``LB(k) = max(k, shortest prefix whose sum reaches k*L)`` bounds s*(k) below, so k is skipped
-    when ``k**2 / LB(k)`` cannot beat the best score found; k runs from the largest feasible down,
-    and since ``k**2 / LB(k) <= k`` the search stops once the best score reaches k.
-    """
-    prefix = list(itertools.accumulate(caps))
-    best: tuple[int, int, list[list[int]]] | None = None
-    for k in range(min(len(caps), prefix[-1] // n_layers), 0, -1):
-        if best is not None and k * best[1] <= best[0] ** 2:
-            break
-        lower = max(k, bisect.bisect_left(prefix, k * n_layers) + 1)
-        if best is not None and k * k * best[1] <= best[0] ** 2 * lower:
-            continue
-        for groups in (_spread(caps, n_layers, k), _best_fit(caps, n_layers, k)):
-            used = None if groups is None else sum(len(g) for g in groups)
-            if used is not None and (best is None or k * k * best[1] > best[0] ** 2 * used):
-                best = (k, used, groups)
-    assert best is not None  # k = 1 always succeeds: the capacities sum to >= L
-    return best[2]
-
-
 def choose_pipeline_count(capacities: Sequence[int] | Sequence[NodeCapacity], n_layers: int) -> PipelinePlan:
     """Choose k, the number of disjoint pipelines, maximising ``k**2 / s*(k)`` (ties: larger k).
 
@@ -304,10 +186,10 @@ def choose_pipeline_count(capacities: Sequence[int] | Sequence[NodeCapacity], n_
 
     Nodes are ranked by capacity (largest first, then compute, then id); by the exchange argument
     the nodes used can always be taken as a prefix of that ranking. Exact (multiset DP, see
-    ``_exact_groups``) when the instance has at most ``EXACT_STATES`` states, which includes every
-    instance of 16 nodes or fewer. Above that ``s(k)`` is the fewer nodes of two greedy bin
-    coverings, ``_spread`` (LPT: next-largest node into the pipeline missing the most layers)
-    and ``_best_fit`` (close each pipeline with the smallest node that does): exact for k = 1
+    ``covering.exact_groups``) when the instance has at most ``EXACT_STATES`` states, which includes
+    every instance of 16 nodes or fewer. Above that ``s(k)`` is the fewer nodes of two greedy bin
+    coverings (``covering.greedy_groups``): LPT (next-largest node into the pipeline missing the
+    most layers) and best fit (close each pipeline with the smallest node that does): exact for k = 1
     and whenever every node covers a pipeline alone, an upper bound on s*(k) otherwise
     (``bench/placement.py`` counts how often it matches the exact score on small random
     instances); ``exact`` says which path ran. Bare integer capacities name their nodes by
@@ -323,7 +205,7 @@ def choose_pipeline_count(capacities: Sequence[int] | Sequence[NodeCapacity], n_
     if sum(caps) < n_layers:
         raise PlacementError(f"{len(nodes)} nodes hold {sum(caps)} layers, need {n_layers}")
     exact = math.prod(caps.count(v) + 1 for v in set(caps)) <= EXACT_STATES
-    groups = _exact_groups(caps, n_layers) if exact else _greedy_groups(caps, n_layers)
+    groups = covering.exact_groups(caps, n_layers) if exact else covering.greedy_groups(caps, n_layers)
     used = {i for group in groups for i in group}
     stages_total = len(used)
     return PipelinePlan(
@@ -386,12 +268,16 @@ def place(
     used = {m for members in groups for m in members}
     extra = sorted((n for n in admitted if n.node not in used), key=lambda n: (-n.max_layers, -n.compute, n.node))
     extra = extra[spares_per_pipeline * len(groups) :]
+    # The open pipelines by (compute so far, index): the lightest, then the earliest, takes the next.
+    lightest = [(sum(by_id[m].compute for m in g), i) for i, g in enumerate(groups) if len(g) < max_stages]
+    heapq.heapify(lightest)
     for node in extra:
-        open_groups = [g for g in groups if len(g) < max_stages]
-        if not open_groups:
+        if not lightest:
             break
-        target = min(open_groups, key=lambda g: (sum(by_id[m].compute for m in g), groups.index(g)))
-        target.append(node.node)
+        _, i = heapq.heappop(lightest)
+        groups[i].append(node.node)
+        if len(groups[i]) < max_stages:
+            heapq.heappush(lightest, (sum(by_id[m].compute for m in groups[i]), i))
     pipelines, idle = [], []
     for members in groups:
         layers = water_fill([by_id[m] for m in members], n_layers)

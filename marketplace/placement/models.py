@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from marketplace.catalog.selectors import assignment_source
 from marketplace.nodes.models import Node
 from worker_agent import control_protocol as protocol
 
@@ -53,8 +54,13 @@ class Assignment(models.Model):
         ]
 
     def as_message(self) -> protocol.Assign:
+        """The assignment for its agent; a catalog model's names where to fetch its files."""
         return protocol.Assign(
-            assignment=self.pk, model=self.model, layer_start=self.layer_start, layer_end=self.layer_end
+            assignment=self.pk,
+            model=self.model,
+            layer_start=self.layer_start,
+            layer_end=self.layer_end,
+            **assignment_source(self.model),
         )
 
 

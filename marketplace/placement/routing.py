@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from marketplace.placement.allocation import Stage
@@ -54,6 +54,15 @@ def _as_stage(stage: Stage | tuple[str, int, int], n_layers: int) -> Stage:
     return stage
 
 
+Arrival = tuple[float, Stage | None]  # (cost of the chain kept to a stage's end, that stage; None: the source)
+Priced = dict[int, list[tuple[Stage, float]]]  # boundary -> the stages starting there, each with its compute, ms
+Choose = Callable[[Stage, float, list[Arrival]], Arrival | None]  # (stage, its compute, arrivals) -> kept
+
+# Relative room left above the first pass's bound, so that float rounding in adding the same costs
+# in another order never prunes the best chain.
+BOUND_SLACK = 1e-9
+
+
 def route(
     stages: Sequence[Stage | tuple[str, int, int]],
     n_layers: int,
@@ -72,9 +81,16 @@ def route(
     ``d(b) = compute(b) + min over a ending at start(b) of (d(a) + hop(a, b))``, with the source
     as the only predecessor at layer 0, and the answer is ``min over a ending at n_layers of
     d(a) + hop(a, source)``. The predecessors of a boundary are scanned cheapest first and the
-    scan stops once ``d(a)`` alone reaches the best found (hops are >= 0), which leaves most
-    pairs unlooked-up when stage costs differ. Deterministic: among equal costs the predecessor
-    scanned first wins (lower ``d(a)``, then smaller (node, start, end)).
+    scan stops once ``d(a)`` alone reaches the best found (hops are >= 0). Deterministic: among
+    equal costs the predecessor scanned first wins (lower ``d(a)``, then smaller (node, start, end)).
+
+    Round trips are the cost (a lookup each), so two passes look up few of them. The first takes
+    each stage after its cheapest arrival alone: every figure it finds is a real chain's cost, so
+    its best bounds the answer. The second is the DP above, skipping a predecessor ``a`` of ``b``
+    once ``d(a) + compute(b) + rest(end(b))`` passes that bound, ``rest`` being the least compute
+    any chain from a boundary to the last layer needs: no chain through that hop can be the best,
+    and the best chain's own hops all stay under the bound, so the answer, and the chain chosen
+    among equal costs, are the DP's.
 
     Raises PlacementError when no chain covers every layer.
     """
@@ -83,41 +99,101 @@ def route(
     starting: dict[int, list[Stage]] = defaultdict(list)
     for stage in sorted({_as_stage(s, n_layers) for s in stages}, key=lambda s: (s.node, s.layer_start, s.layer_end)):
         starting[stage.layer_start].append(stage)
-    ending: dict[int, list[tuple[float, Stage | None]]] = defaultdict(list)
-    ending[0].append((0.0, None))
-    came_from: dict[Stage, Stage | None] = {}
-    for boundary in sorted(starting):
-        arrivals = sorted(ending.pop(boundary, []), key=lambda da: (da[0], _key(da[1])))
-        if not arrivals:
-            continue
-        for stage in starting[boundary]:
-            compute = layer_ms.get(stage.node)
-            if compute is not None and not (math.isfinite(compute) and compute >= 0):
-                raise PlacementError(f"{stage.node}: bad layer time {compute!r}")
-            work = unmeasured_ms if compute is None else stage.layers * compute
-            best, prev = math.inf, None
-            for cost, before in arrivals:
-                if cost >= best:
-                    break
-                total = cost + _hop(rtt_ms, source if before is None else before.node, stage.node, unmeasured_ms)
-                if total < best:
-                    best, prev = total, before
-            came_from[stage] = prev
-            ending[stage.layer_end].append((best + work, stage))
-    finals = sorted(ending.get(n_layers, []), key=lambda da: (da[0], _key(da[1])))
-    best, last = math.inf, None
-    for cost, stage in finals:
-        if cost >= best:
-            break
-        total = cost + _hop(rtt_ms, stage.node, source, unmeasured_ms)
-        if total < best:
-            best, last = total, stage
-    if last is None:
-        raise PlacementError(f"no chain of the {len(came_from)} reachable stages covers layers 0:{n_layers}")
+    priced = _price(starting, layer_ms, unmeasured_ms)
+
+    def hop(before: Stage | None, node: str) -> float:
+        return _hop(rtt_ms, source if before is None else before.node, node, unmeasured_ms)
+
+    def cheapest(stage: Stage, arrivals: list[Arrival]) -> Arrival:
+        cost, before = arrivals[0]
+        return cost + hop(before, stage.node), before
+
+    _, finals = _sweep(priced, n_layers, lambda stage, work, arrivals: cheapest(stage, arrivals))
+    bound, _ = _close(finals, hop, source)
+    if math.isinf(bound):
+        reached = sum(len(row) for row in priced.values())
+        raise PlacementError(f"no chain of the {reached} reachable stages covers layers 0:{n_layers}")
+    rest = _rest(priced, n_layers)
+    ceiling = bound * (1 + BOUND_SLACK)
+
+    def best_under_bound(stage: Stage, work: float, arrivals: list[Arrival]) -> Arrival | None:
+        limit = ceiling - work - rest.get(stage.layer_end, math.inf)
+        best: Arrival | None = None
+        for cost, before in arrivals:
+            if cost > limit or (best is not None and cost >= best[0]):
+                break
+            total = cost + hop(before, stage.node)
+            if best is None or total < best[0]:
+                best = (total, before)
+        return best
+
+    came_from, finals = _sweep(priced, n_layers, best_under_bound)
+    best, last = _close(finals, hop, source)
+    assert last is not None  # the bound keeps the best chain
     chain = [last]
     while came_from[chain[-1]] is not None:
         chain.append(came_from[chain[-1]])
     return Route(stages=tuple(reversed(chain)), cost_ms=best)
+
+
+def _price(starting: Mapping[int, list[Stage]], layer_ms: Mapping[str, float], unmeasured_ms: float) -> Priced:
+    """The stages that some chain from layer 0 reaches, by start, each with its compute time: its
+    layers times the node's time per layer, or ``unmeasured_ms`` for a node without one."""
+    priced: Priced = {}
+    reached = {0}
+    for boundary in sorted(starting):
+        if boundary not in reached:
+            continue
+        priced[boundary] = []
+        for stage in starting[boundary]:
+            compute = layer_ms.get(stage.node)
+            if compute is not None and not (math.isfinite(compute) and compute >= 0):
+                raise PlacementError(f"{stage.node}: bad layer time {compute!r}")
+            priced[boundary].append((stage, unmeasured_ms if compute is None else stage.layers * compute))
+            reached.add(stage.layer_end)
+    return priced
+
+
+def _sweep(priced: Priced, n_layers: int, choose: Choose) -> tuple[dict[Stage, Stage | None], list[Arrival]]:
+    """Boundaries in increasing order: each stage gets the predecessor ``choose`` picks among the
+    chains arriving at its start, cheapest first (None: the stage is dropped). Returns each kept
+    stage's predecessor and the chains arriving at the last layer."""
+    ending: dict[int, list[Arrival]] = defaultdict(list)
+    ending[0].append((0.0, None))
+    came_from: dict[Stage, Stage | None] = {}
+    for boundary, row in priced.items():
+        arrivals = sorted(ending.pop(boundary, []), key=lambda da: (da[0], _key(da[1])))
+        if not arrivals:
+            continue
+        for stage, work in row:
+            chosen = choose(stage, work, arrivals)
+            if chosen is not None:
+                came_from[stage] = chosen[1]
+                ending[stage.layer_end].append((chosen[0] + work, stage))
+    return came_from, ending.get(n_layers, [])
+
+
+def _close(finals: list[Arrival], hop: Callable[[Stage | None, str], float], source: str) -> tuple[float, Stage | None]:
+    """The cheapest of the chains reaching the last layer once back at the source (inf, None: none)."""
+    best, last = math.inf, None
+    for cost, stage in sorted(finals, key=lambda da: (da[0], _key(da[1]))):
+        if cost >= best:
+            break
+        total = cost + hop(stage, source)
+        if total < best:
+            best, last = total, stage
+    return best, last
+
+
+def _rest(priced: Priced, n_layers: int) -> dict[int, float]:
+    """From each boundary, the least compute of any chain of these stages to the last layer: hops
+    cost >= 0, so no chain from there costs less."""
+    rest = {n_layers: 0.0}
+    for boundary in sorted(priced, reverse=True):
+        for stage, work in priced[boundary]:
+            if stage.layer_end in rest:
+                rest[boundary] = min(rest.get(boundary, math.inf), work + rest[stage.layer_end])
+    return rest
 
 
 def _key(stage: Stage | None) -> tuple[str, int, int]:

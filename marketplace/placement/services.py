@@ -46,6 +46,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from marketplace.catalog.selectors import min_reputation, served_models
 from marketplace.nodes import services as nodes
 from marketplace.nodes.capacity import credible_speeds
 from marketplace.nodes.live import notify_node_changed
@@ -77,8 +78,25 @@ log = logging.getLogger("swarm.placement")
 
 def mark_dirty(model: str | None = None) -> None:
     """Ask for a new placement of one model (or every served model) at the next sweep."""
-    for name in [model] if model else settings.SWARM_MODELS:
+    for name in [model] if model else served_models():
         PlacementState.objects.update_or_create(model=name, defaults={"dirty": True})
+
+
+@transaction.atomic
+def stop_serving(model: str) -> int:
+    """``model`` is served no more (its catalog entry was disabled): its live blocks are released
+    (each agent takes no new job on it and unloads it once its jobs in flight end), it is not
+    placed again, and the other models are placed again over the nodes it frees. Returns the
+    blocks released."""
+    PlacementState.objects.filter(model=model).update(dirty=False, note="not served")
+    live = Assignment.objects.select_for_update().filter(model=model, state__in=LIVE_STATES).select_related("node")
+    released = list(live.order_by("pk"))
+    for assignment in released:
+        _release(assignment)
+    if released:
+        log.info("%s is served no more: released its blocks on %d nodes", model, len(released))
+        _placement_changed()
+    return len(released)
 
 
 @transaction.atomic
@@ -225,15 +243,23 @@ def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacit
     share = shares.share_of(model)
     if share is not None:
         query = query.filter(node_id__in=share)
+    # A catalog model may ask for nodes of some standing (its entry's min_reputation).
+    query = query.filter(reputation__gte=min_reputation(model))
     nodes = list(query.order_by("pk"))
     failing = _failing(nodes, model)
     nodes = [n for n in nodes if n.pk not in failing]
     speeds = credible_speeds(nodes)
+    caps = {n.pk: shares.layer_cap(n, model) for n in nodes}
     capacities = [
-        NodeCapacity(node=n.node_id, compute=speeds[n.node_id], max_layers=cap, reputation=n.reputation)
+        NodeCapacity(node=n.node_id, compute=speeds[n.node_id], max_layers=caps[n.pk], reputation=n.reputation)
         for n in nodes
-        if (cap := shares.layer_cap(n, model)) >= 1
+        if caps[n.pk] >= 1
     ]
+    # Sharing gives no node a share of a model it cannot hold a layer of: those are in no share.
+    too_small = [n for n in nodes if caps[n.pk] < 1] if share is None else shares.outside_shares()
+    for node in too_small:
+        if (reason := shares.no_room(node, model)) is not None:
+            log.warning("%s: left out of %s placements: %s", node.node_id, model, reason)
     return nodes, capacities
 
 
@@ -264,7 +290,8 @@ def place_dirty_models() -> list[str]:
     the blocks of nodes that moved to another model, where their old model no longer needs them."""
     shares.follow_capacity()
     placed = []
-    for state in PlacementState.objects.filter(dirty=True).order_by("pk"):
+    # A model no longer served (a catalog entry disabled) is not placed again, whatever marked it.
+    for state in PlacementState.objects.filter(dirty=True, model__in=served_models()).order_by("pk"):
         place_model(state.model)
         placed.append(state.model)
     for model in shares.shared_models():
@@ -490,12 +517,8 @@ def _let_go(leaving: list[Assignment], why: str) -> list[str]:
     and unloads them once their jobs in flight end), and place those models again."""
     if not leaving:
         return []
-    now = timezone.now()
     for assignment in leaving:
-        assignment.state, assignment.released_at = AssignmentState.RELEASED, now
-        assignment.save(update_fields=["state", "released_at"])
-        _push_release(assignment)
-        notify_node_changed(assignment.node_id)
+        _release(assignment)
         taker = shares.model_sharing(assignment.node.node_id)
         if taker is not None:
             # Once this commits: the placement rows are locked before the assignments everywhere else.
@@ -635,6 +658,14 @@ def _replacement_pays(model: str, live: list[Assignment]) -> bool:
         "re-placing" if pays else f"kept (under the {settings.SWARM_REPLACE_MARGIN:.0%} margin)",
     )
     return pays
+
+
+def _release(assignment: Assignment) -> None:
+    """Release a live block: recorded, the agent told, the node's pages updated."""
+    assignment.state, assignment.released_at = AssignmentState.RELEASED, timezone.now()
+    assignment.save(update_fields=["state", "released_at"])
+    _push_release(assignment)
+    notify_node_changed(assignment.node_id)
 
 
 def _push_release(assignment: Assignment) -> None:

@@ -26,27 +26,55 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from marketplace.catalog.selectors import min_reputation, served_models
 from marketplace.nodes.capacity import credible_speeds
 from marketplace.nodes.models import Node, NodeState
+from marketplace.placement import memory
 from marketplace.placement.models import LIVE_STATES, Assignment, PlacementState
+from marketplace.placement.selectors import AGENT_DEFAULT_POSITIONS, model_positions
 from marketplace.placement.sharing import ModelDemand, NodeOffer, demand_moved, share, work
 from worker_agent import model as models
 
 log = logging.getLogger("swarm.placement")
 
-MEMORY_FRACTION = 0.8  # share of a node's reported memory planned for weights; the rest for KV and runtime
-BYTES_PER_PARAMETER = 4  # float32 blocks (CPU default)
-
 
 def layer_cap(node: Node, model: str) -> int:
-    """How many layers of ``model`` a node can hold: its owner's cap, else what fits its memory."""
-    fits = int(node.memory_bytes * MEMORY_FRACTION // (models.layer_parameters(model) * BYTES_PER_PARAMETER))
-    return max(0, min(node.max_layers, fits) if node.max_layers else fits)
+    """How many layers of ``model`` a node can hold: what fits its memory (``memory``: weights in
+    the dtype it serves in plus a KV budget), and no more than its owner's cap."""
+    fits = memory.layers_that_fit(node.memory_bytes, layer_footprint(node, model))
+    return min(node.max_layers, fits) if node.max_layers else fits
+
+
+def no_room(node: Node, model: str) -> str | None:
+    """Why ``node`` cannot hold a single layer of ``model``; None when it can."""
+    layer = layer_footprint(node, model)
+    return memory.no_room(node.memory_bytes, layer) if memory.layers_that_fit(node.memory_bytes, layer) < 1 else None
+
+
+def layer_footprint(node: Node, model: str) -> memory.LayerFootprint:
+    """One layer of ``model`` on ``node``: in the dtype it serves in (``memory.serving_dtype``), with
+    a KV budget of SWARM_KV_BUDGET_SESSIONS sessions (no more than the node said it holds at once)
+    of as many positions as one session may hold there (the node's limit and the model's own)."""
+    config = models.load_config(model)
+    shape = memory.ModelShape(
+        layer_parameters=models.layer_parameters(model),
+        hidden=config.hidden_size,
+        kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+    )
+    limits = [p for p in (node.max_positions, model_positions(model)) if p]
+    sessions = settings.SWARM_KV_BUDGET_SESSIONS
+    return memory.footprint(
+        shape,
+        memory.serving_dtype(node.dtypes),
+        positions=min(limits, default=AGENT_DEFAULT_POSITIONS),
+        sessions=min(sessions, node.max_sessions) if node.max_sessions else sessions,
+    )
 
 
 def shared_models() -> list[str]:
-    """The models that share the nodes, in SWARM_MODELS order; empty when one model is served."""
-    served = list(dict.fromkeys(settings.SWARM_MODELS))
+    """The models that share the nodes, in ``served_models`` order; empty when one model is served."""
+    served = served_models()
     return served if len(served) > 1 else []
 
 
@@ -57,6 +85,14 @@ def share_of(model: str) -> set[str] | None:
         return None
     state = PlacementState.objects.filter(model=model).only("share").first()
     return set(state.share) if state is not None else set()
+
+
+def outside_shares() -> list[Node]:
+    """The nodes able to serve now (active, control channel up) that no served model's share has:
+    those too small for every model, or that joined since the nodes were last shared."""
+    shared = {node for state in PlacementState.objects.filter(model__in=shared_models()) for node in state.share}
+    able = Node.objects.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False)
+    return [n for n in able.order_by("pk") if n.node_id not in shared]
 
 
 def model_sharing(node_id: str) -> str | None:
@@ -86,10 +122,13 @@ def follow_capacity() -> list[str]:
     states = _states(served)
     offers = _offers(served, states)
     able = {offer.node for offer in offers if any(layers >= 1 for layers in offer.layers.values())}
-    if able == {node for state in states for node in state.share}:
+    # A model with no share yet (just added to the served models) is shared nodes now too, not
+    # when a node next joins or leaves.
+    unshared = [state.model for state in states if not state.share]
+    if able == {node for state in states for node in state.share} and not unshared:
         return []
     given = share(_demands(served, {state.model: state.demand for state in states}), offers)
-    return _store(states, given, "the nodes changed")
+    return _store(states, given, f"{', '.join(unshared)} had no nodes" if unshared else "the nodes changed")
 
 
 @transaction.atomic
@@ -145,6 +184,7 @@ def _offers(served: list[str], states: list[PlacementState]) -> list[NodeOffer]:
     model it holds a block of, as when a swarm that served one model starts serving several)."""
     nodes = list(Node.objects.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False).order_by("pk"))
     speeds = credible_speeds(nodes)
+    needs = {model: min_reputation(model) for model in served}
     current = {node: state.model for state in states for node in state.share}
     holding = dict(
         Assignment.objects.filter(state__in=LIVE_STATES, model__in=served, node__in=nodes)
@@ -155,7 +195,8 @@ def _offers(served: list[str], states: list[PlacementState]) -> list[NodeOffer]:
         NodeOffer(
             node=n.node_id,
             speed=speeds[n.node_id],
-            layers={model: layer_cap(n, model) for model in served},
+            # A node below a model's minimum reputation (its catalog entry's) can hold none of it.
+            layers={model: layer_cap(n, model) if n.reputation >= needs[model] else 0 for model in served},
             current=current.get(n.node_id) or holding.get(n.node_id),
         )
         for n in nodes

@@ -29,6 +29,7 @@ threshold since; the caller also rate-limits it and applies it only when a node 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,9 @@ class NodeOffer:
         return min(max(self.layers.get(model.model, 0), 0), model.n_layers)
 
 
+Held = dict[str, dict[str, int]]  # node id -> model -> layers of it the node can hold (``NodeOffer.holds``)
+
+
 def work(models: Sequence[ModelDemand]) -> dict[str, float]:
     """Layer-tokens each model asks for: its tokens times its layers. With no demand for any of
     them, each weighs its layer count alone, as if every model were asked for the same tokens."""
@@ -84,19 +88,20 @@ def share(models: Sequence[ModelDemand], nodes: Sequence[NodeOffer]) -> dict[str
         raise PlacementError("a model is listed twice")
     if len({n.node for n in nodes}) != len(nodes):
         raise PlacementError("duplicate node ids")
+    held = {n.node: {m.model: n.holds(m) for m in models} for n in nodes}  # read ~10 times a node
     by_demand = sorted(models, key=lambda m: -m.tokens)  # stable: the given order breaks ties
-    floors = max((_floors(by_demand, nodes, keep) for keep in (True, False)), key=len)  # first wins ties
+    floors = max((_floors(by_demand, nodes, keep, held) for keep in (True, False)), key=len)  # first wins ties
     served = [m for m in models if m.model in floors]
     if not served:
         return {}
     given = {n.node: model for model, floor in floors.items() for n in floor}
-    rest = [n for n in nodes if n.node not in given and any(n.holds(m) for m in served)]
+    rest = [n for n in nodes if n.node not in given and any(held[n.node][m.model] for m in served)]
     total_speed = sum(n.speed for n in nodes if n.node in given) + sum(n.speed for n in rest)
     weights = work(served)
     total_work = sum(weights.values())
     target = {m.model: total_speed * weights[m.model] / total_work for m in served}
     speed = {model: sum(n.speed for n in floor) for model, floor in floors.items()}
-    can_hold = {n.node: [m.model for m in served if n.holds(m)] for n in rest}
+    can_hold = {n.node: [m.model for m in served if held[n.node][m.model]] for n in rest}
     left = []
     for node in sorted(rest, key=lambda n: (-n.speed, n.node)):
         model = node.current
@@ -114,13 +119,15 @@ def share(models: Sequence[ModelDemand], nodes: Sequence[NodeOffer]) -> dict[str
     return given
 
 
-def _floors(models: Sequence[ModelDemand], nodes: Sequence[NodeOffer], keep: bool) -> dict[str, list[NodeOffer]]:
+def _floors(
+    models: Sequence[ModelDemand], nodes: Sequence[NodeOffer], keep: bool, held: Held
+) -> dict[str, list[NodeOffer]]:
     """Each model's floor, in the order given, from the nodes the earlier ones left; models whose
     floor cannot be covered are left out. ``keep``: a model takes the nodes it has now first."""
     free = list(nodes)
     floors = {}
     for i, model in enumerate(models):
-        floor = _floor(model, free, keep, later=models[i + 1 :])
+        floor = _floor(model, free, keep, models[i + 1 :], held)
         if floor is not None:
             floors[model.model] = floor
             taken = {n.node for n in floor}
@@ -129,7 +136,7 @@ def _floors(models: Sequence[ModelDemand], nodes: Sequence[NodeOffer], keep: boo
 
 
 def _floor(
-    model: ModelDemand, nodes: Sequence[NodeOffer], keep: bool, later: Sequence[ModelDemand]
+    model: ModelDemand, nodes: Sequence[NodeOffer], keep: bool, later: Sequence[ModelDemand], held: Held
 ) -> list[NodeOffer] | None:
     """The nodes that hold one complete pipeline of ``model``, taken until their layers cover it:
     its own first (when ``keep``), then those that fewer of the ``later`` models could use (a node
@@ -137,16 +144,23 @@ def _floor(
     None when all of them together do not cover it."""
 
     def rank(n: NodeOffer) -> tuple:
-        wanted_later = sum(1 for other in later if n.holds(other))
-        return (keep and n.current != model.model, wanted_later, -n.holds(model), -n.speed, n.node)
+        layers = held[n.node]
+        wanted_later = sum(1 for other in later if layers[other.model])
+        return (keep and n.current != model.model, wanted_later, -layers[model.model], -n.speed, n.node)
 
+    able = [n for n in nodes if held[n.node][model.model]]
+    if sum(held[n.node][model.model] for n in able) < model.n_layers:
+        return None
+    # A floor is a few nodes of thousands: a heap yields them in rank order without sorting all.
+    # Ranks end with the node id, so they never tie and the nodes themselves are never compared.
+    queue = [(rank(n), n) for n in able]
+    heapq.heapify(queue)
     chosen, covered = [], 0
-    for node in sorted((n for n in nodes if n.holds(model)), key=rank):
-        if covered >= model.n_layers:
-            break
+    while covered < model.n_layers:
+        _, node = heapq.heappop(queue)
         chosen.append(node)
-        covered += node.holds(model)
-    return chosen if covered >= model.n_layers else None
+        covered += held[node.node][model.model]
+    return chosen
 
 
 def demand_moved(before: Mapping[str, float], after: Mapping[str, float], threshold: float) -> bool:

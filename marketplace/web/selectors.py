@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db.models import Avg, Count, Sum
 from django.utils import timezone
 
 from marketplace.billing import selectors as billing
 from marketplace.billing.models import TopUp
 from marketplace.billing.services import prices_for
+from marketplace.catalog.selectors import served_models
 from marketplace.jobs import selectors as job_selectors
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.services import PLAYGROUND_KEY_NAME
@@ -20,6 +20,7 @@ from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentStat
 from marketplace.placement.selectors import servable_pipelines
 from marketplace.web import charts
 from worker_agent import model as models
+from worker_agent.checkpoints import ref_name
 
 THROUGHPUT_WINDOW_S = 60
 THROUGHPUT_MINUTES = 30
@@ -121,10 +122,10 @@ class ServableModel:
 
 def servable_models() -> list[ServableModel]:
     found = []
-    for model in settings.SWARM_MODELS:
+    for model in served_models():
         if servable_pipelines(model):
             prompt, completion = prices_for(model)
-            found.append(ServableModel(model, billing.per_token(prompt), billing.per_token(completion)))
+            found.append(ServableModel(ref_name(model), billing.per_token(prompt), billing.per_token(completion)))
     return found
 
 
@@ -256,7 +257,7 @@ def model_health(model: str) -> ModelHealth:
 
 
 def swarm_health() -> list[ModelHealth]:
-    return [model_health(model) for model in settings.SWARM_MODELS]
+    return [model_health(model) for model in served_models()]
 
 
 @dataclass(frozen=True)
