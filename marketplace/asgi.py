@@ -29,6 +29,7 @@ from django.db import DatabaseError  # noqa: E402
 
 from marketplace.catalog.selectors import served_models  # noqa: E402
 from marketplace.catalog.services import register_settings_checkpoints  # noqa: E402
+from marketplace.db import release_connections  # noqa: E402
 from marketplace.periodic import embedded_scheduler  # noqa: E402
 from marketplace.placement.services import mark_dirty  # noqa: E402
 from marketplace.routing import websocket_urlpatterns  # noqa: E402
@@ -57,6 +58,8 @@ def warm_models() -> None:
     except DatabaseError as exc:  # not migrated yet: each model loads at its first request instead
         log.warning("the catalog cannot be read: %s; no model preloaded", exc)
         served = []
+    finally:
+        release_connections()  # this worker thread's: the pool's connection is not kept by a thread that is done
     for model in served:
         try:
             models.load_config(model)

@@ -46,11 +46,16 @@ def warm_models(sender: Any = None, **_: Any) -> None:
     # Imported once Django is set up (this module is imported before it) and torch only in the
     # workers that start, not in every importer.
     from marketplace.catalog.selectors import served_models
+    from marketplace.db import release_connections
     from worker_agent import model as models
 
     queues = [queue.name for queue in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     coordinator = any(name.startswith("coord.") for name in queues)
-    for model in served_models():
+    try:
+        served = served_models()
+    finally:
+        release_connections()  # not held by this thread for the worker's life
+    for model in served:
         try:
             models.load_config(model)
             models.load_tokenizer(model)

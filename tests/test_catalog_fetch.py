@@ -6,10 +6,12 @@ checkpoint folder that SWARM_MODELS names, registered when the control plane sta
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 
 import pytest
+from django.db import connection
 
 from marketplace import offerings
 from marketplace.catalog import services
@@ -160,3 +162,23 @@ def test_a_checkpoint_folder_in_swarm_models_is_registered_by_its_name_when_the_
     assert (entry.name, entry.source_kind, entry.source) == ("llama-untied", SourceKind.DIRECTORY, str(folder))
     assert served_models() == [entry.ref]  # by its ref, never by its path
     assert PlacementState.objects.get(model=entry.ref).dirty is True
+
+
+def test_the_start_up_s_catalog_reads_hand_their_pooled_connection_back(catalog, settings, tmp_path):
+    # The web process warms its models in a worker thread at start-up; a connection kept by that
+    # thread is lost to the pool, and a process started often (a test suite's live servers) ran dry.
+    from marketplace.asgi import warm_models
+
+    settings.SWARM_MODELS = [str(llama_checkpoint(tmp_path / "warmed", seed=4))]
+    held: list[bool] = []
+
+    def start() -> None:
+        warm_models()
+        held.append(connection.connection is not None)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join(120)
+
+    assert CatalogModel.objects.filter(name="warmed").exists()  # it did read and write the catalog
+    assert held == [False]
