@@ -22,13 +22,23 @@ from django.views.decorators.http import require_GET
 
 from marketplace.catalog.models import CatalogModel
 from marketplace.catalog.selectors import served_entry
+from marketplace.db import release_connections
 
 CHUNK_BYTES = 1 << 20
 MANIFEST_VERSION = 1
 
 
+def _served(ref: str) -> CatalogModel | None:
+    # An async view's ORM call runs in a thread that Django's end-of-request cleanup never visits:
+    # its connection goes back to the pool here, or each download would keep one.
+    try:
+        return served_entry(ref)
+    finally:
+        release_connections()
+
+
 async def _entry(ref: str) -> CatalogModel:
-    entry = await sync_to_async(served_entry)(ref)
+    entry = await sync_to_async(_served)(ref)
     if entry is None:
         raise Http404("no such model in the catalog")
     return entry
