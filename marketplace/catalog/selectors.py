@@ -42,6 +42,8 @@ def entry_for(model: str) -> CatalogModel | None:
 
 def requested_model(requested: str) -> str | None:
     """The key of the served model a request names, by key or by catalog name; None if none."""
+    if requested in settings.SWARM_MODELS and not is_path(requested):
+        return requested  # served by the settings: no catalog read on a request's way in
     served = served_models()
     if requested in served:
         return requested
