@@ -29,6 +29,17 @@ INTERMEDIATE = 128
 LAYER_BYTES = 4 * (HIDDEN * 64 + 2 * HIDDEN * 32 + 64 * HIDDEN + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN)
 
 
+# The files of an unsharded ``llama_checkpoint``, sorted: what a registration keeps of it.
+CHECKPOINT_FILES = [
+    "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
+
+
 def llama_checkpoint(folder: Path, *, seed: int = 0, shard: str | None = None) -> Path:
     """A seeded random Llama in ``folder``; ``shard`` is ``save_pretrained``'s max_shard_size."""
     config = LlamaConfig(

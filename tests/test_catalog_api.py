@@ -20,21 +20,13 @@ from marketplace.jobs.errors import ModelNotFound
 from marketplace.placement import services as placement
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import AGENT_DEFAULT_POSITIONS
+from tests.catalog_fixtures import CHECKPOINT_FILES as FILES
 from tests.catalog_fixtures import LAYER_BYTES, content_hash_of, llama_checkpoint
 from tests.factories import drf_datetime
 from worker_agent import control_protocol as protocol
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures", "tests.catalog_fixtures"]
-
-FILES = [
-    "chat_template.jinja",
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-]
 
 
 @pytest.fixture(scope="module")

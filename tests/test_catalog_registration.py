@@ -22,19 +22,11 @@ from marketplace.catalog import services
 from marketplace.catalog.errors import CatalogError
 from marketplace.catalog.models import CatalogModel, SourceKind
 from marketplace.catalog.selectors import served_models
+from tests.catalog_fixtures import CHECKPOINT_FILES as FILES
 from tests.catalog_fixtures import LAYER_BYTES, content_hash_of, llama_checkpoint
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.catalog_fixtures"]
-
-FILES = [
-    "chat_template.jinja",
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-]
 
 
 @pytest.fixture(scope="module")

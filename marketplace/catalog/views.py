@@ -58,7 +58,8 @@ async def manifest(request: HttpRequest, ref: str) -> JsonResponse:
     )
 
 
-async def _chunks(path: Path) -> AsyncIterator[bytes]:
+async def file_chunks(path: Path) -> AsyncIterator[bytes]:
+    """A file's bytes in 1 MiB chunks, read off the event loop (the install's wheels use it too)."""
     handle = await asyncio.to_thread(open, path, "rb")
     try:
         while chunk := await asyncio.to_thread(handle.read, CHUNK_BYTES):
@@ -74,7 +75,7 @@ async def checkpoint_file(request: HttpRequest, ref: str, name: str) -> Streamin
     if listed is None:
         raise Http404("no such file in the checkpoint")
     # Streamed from an async iterator: the ASGI handler would read a file response whole into memory.
-    response = StreamingHttpResponse(_chunks(Path(settings.SWARM_CATALOG_DIR) / entry.content_hash / name))
+    response = StreamingHttpResponse(file_chunks(Path(settings.SWARM_CATALOG_DIR) / entry.content_hash / name))
     response["Content-Type"] = "application/octet-stream"
     response["Content-Length"] = str(listed["size"])
     response["Content-Disposition"] = f'attachment; filename="{name}"'

@@ -11,7 +11,6 @@ views are async and do that in a worker thread, so that the rest of the site is 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,10 @@ from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.http import require_GET
 
+from marketplace.catalog.views import file_chunks
 from marketplace.install import services
 from marketplace.install.errors import WheelsUnavailable
 from marketplace.install.script import render_script
-
-CHUNK_BYTES = 1 << 20
 
 
 def public_url(request: HttpRequest) -> str:
@@ -63,15 +61,6 @@ async def manifest(request: HttpRequest) -> HttpResponse:
     return response
 
 
-async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
-    handle = await asyncio.to_thread(open, path, "rb")
-    try:
-        while chunk := await asyncio.to_thread(handle.read, CHUNK_BYTES):
-            yield chunk
-    finally:
-        handle.close()
-
-
 @require_GET
 async def wheel(request: HttpRequest, name: str) -> HttpResponse | StreamingHttpResponse:
     try:
@@ -81,7 +70,7 @@ async def wheel(request: HttpRequest, name: str) -> HttpResponse | StreamingHttp
     if entry is None:
         raise Http404("no such wheel")
     # Streamed from an async iterator: the ASGI handler would read a file response whole into memory.
-    response = StreamingHttpResponse(_file_chunks(Path(settings.SWARM_WHEELS_DIR) / entry.name))
+    response = StreamingHttpResponse(file_chunks(Path(settings.SWARM_WHEELS_DIR) / entry.name))
     response["Content-Type"] = "application/octet-stream"
     response["Content-Length"] = str(entry.size)
     response["Content-Disposition"] = f'attachment; filename="{entry.name}"'
