@@ -419,6 +419,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--steady-s", type=float, default=300.0)
     parser.add_argument("--singles", type=int, default=20)
+    parser.add_argument(
+        "--singles-only", action="store_true", help="only part 1 (TTFT overhead at one request); prints, writes nothing"
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--redis-db", type=int, default=14)
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -446,6 +449,9 @@ def main() -> int:
             granted = credits(customer)
             stages = topology.join(tokens)
             result = {"single": asyncio.run(singles(topology.url, key, stages, args))}
+            if args.singles_only:
+                print(json.dumps(result["single"]))
+                return 0
             result["burst"] = summarize(*asyncio.run(burst(topology.url, key, args, 2000)))
             result["direct_burst"] = asyncio.run(direct_burst(stages, args))
             result["steady"] = summarize(*asyncio.run(steady(topology.url, key, args, 5000)))
