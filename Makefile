@@ -25,11 +25,14 @@ demo: $(STAMP)
 # The production topology on this machine (Procfile): PostgreSQL and Redis from DATABASE_URL and
 # REDIS_URL, two web processes, two coordinator workers, a verify worker, a periodic-work worker, beat.
 # Its processes' counters are added up in /metrics through PROMETHEUS_MULTIPROC_DIR, emptied at start.
+# Agents must serve their data plane over TLS (SWARM_REQUIRE_DATA_TLS=1 unless set: swarm-worker join --tls auto).
 PROMETHEUS_MULTIPROC_DIR ?= $(CURDIR)/.data/prometheus
+SWARM_REQUIRE_DATA_TLS ?= 1
 production: $(STAMP)
 	$(BIN)/python -m marketplace migrate --noinput
 	rm -rf "$(PROMETHEUS_MULTIPROC_DIR)" && mkdir -p "$(PROMETHEUS_MULTIPROC_DIR)"
-	PROMETHEUS_MULTIPROC_DIR="$(PROMETHEUS_MULTIPROC_DIR)" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start -f Procfile
+	SWARM_REQUIRE_DATA_TLS="$(SWARM_REQUIRE_DATA_TLS)" PROMETHEUS_MULTIPROC_DIR="$(PROMETHEUS_MULTIPROC_DIR)" \
+		PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start -f Procfile
 
 # What the tests drive besides Python: Debian's Chromium (the dashboards) and docker-compose
 # (the deployment file is rendered and checked).

@@ -245,6 +245,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         print(f"control plane at {base_url}; starting three agents (swarm-worker join) ...", flush=True)
+        print(
+            "data plane: plain ws:// on loopback, not encrypted (production: agents join with --tls auto "
+            "and the control plane sets SWARM_REQUIRE_DATA_TLS=1)",
+            flush=True,
+        )
         _join(base_url, accounts["tokens"], agents)
         _wait_servable(agents)
         # Imported after _setup_django(): models need the app registry.

@@ -307,8 +307,18 @@ SWARM_SPEED_FALSE_CLAIM = env_float("SWARM_SPEED_FALSE_CLAIM", 50.0, minimum=2.0
 SWARM_AGENT_URL_HOSTS = env_list("SWARM_AGENT_URL_HOSTS", [])
 # The control plane's ed25519 key that signs job tickets (created on first use if missing).
 SWARM_TICKET_KEY_PATH = Path(env_str("SWARM_TICKET_KEY_PATH", str(DATA_DIR / "ticket.key")))
-# The address agents and providers reach this control plane at (https://swarm.example.com): the
-# dashboard's install command and the install script name it. Empty: the address of each request.
+# The swarm's certificate authority for the data plane's TLS (marketplace/nodes/authority.py): an EC
+# P-256 key and its self-signed certificate, created on first use; agents pin the certificate at join.
+SWARM_CA_KEY_PATH = Path(env_str("SWARM_CA_KEY_PATH", str(DATA_DIR / "swarm-ca.key")))
+SWARM_CA_CERT_PATH = Path(env_str("SWARM_CA_CERT_PATH", str(DATA_DIR / "swarm-ca.pem")))
+# Days a node certificate issued at join stays valid (each join issues a new one).
+SWARM_NODE_CERT_DAYS = env_int("SWARM_NODE_CERT_DAYS", 30, minimum=1)
+# Refuse agents whose data plane is not TLS pinned to that CA: a join without a CSR or a ws:// data
+# URL, and a block reported ready at a ws:// URL (agents join with `swarm-worker join --tls auto`).
+SWARM_REQUIRE_DATA_TLS = env_bool("SWARM_REQUIRE_DATA_TLS", PRODUCTION)
+# The address agents and people reach this control plane at (https://swarm.example.com): the
+# dashboard's install command and the install script name it, and Stripe sends customers back from
+# Checkout and providers back from Connect onboarding to it. Empty: the address of each request.
 SWARM_PUBLIC_URL = env_str("SWARM_PUBLIC_URL", "").rstrip("/")
 if SWARM_PUBLIC_URL and not re.fullmatch(r"https?://[A-Za-z0-9.\-]+(:[0-9]+)?(/[A-Za-z0-9._~\-/]*)?", SWARM_PUBLIC_URL):
     raise ImproperlyConfigured(f"SWARM_PUBLIC_URL must be a plain http(s) URL, got {SWARM_PUBLIC_URL!r}")
@@ -426,11 +436,6 @@ SWARM_CHALLENGE_WINDOW_S = env_float("SWARM_CHALLENGE_WINDOW_S", 24 * 3600.0, mi
 SWARM_PAYOUT_MINIMUM = env_int("SWARM_PAYOUT_MINIMUM", 1_000_000_000, minimum=1)
 SWARM_PAYOUT_BATCH_INTERVAL_S = env_float("SWARM_PAYOUT_BATCH_INTERVAL_S", 24 * 3600.0, minimum=1.0)
 SWARM_PAYOUT_MAX_ATTEMPTS = env_int("SWARM_PAYOUT_MAX_ATTEMPTS", 5, minimum=1)
-# Where Stripe sends a provider back after Connect onboarding (Account Links).
-STRIPE_CONNECT_RETURN_URL = env_str("STRIPE_CONNECT_RETURN_URL", "http://localhost:8000/provider/earnings?connect=done")
-STRIPE_CONNECT_REFRESH_URL = env_str(
-    "STRIPE_CONNECT_REFRESH_URL", "http://localhost:8000/provider/earnings?connect=refresh"
-)
 
 # --- stripe -------------------------------------------------------------------------------------
 # Customers top up credits through Stripe Checkout; credits arrive only with Stripe's signed webhook
@@ -447,11 +452,6 @@ STRIPE_MAX_RETRIES = env_int("STRIPE_MAX_RETRIES", 2, minimum=0)
 STRIPE_RETRY_BACKOFF_S = env_float("STRIPE_RETRY_BACKOFF_S", 0.5, minimum=0.0)
 # A webhook whose signature timestamp is older than this is refused (replay protection).
 STRIPE_WEBHOOK_TOLERANCE_S = env_int("STRIPE_WEBHOOK_TOLERANCE_S", 300, minimum=1)
-# Where Checkout sends the customer back; Stripe fills in {CHECKOUT_SESSION_ID}.
-STRIPE_TOPUP_SUCCESS_URL = env_str(
-    "STRIPE_TOPUP_SUCCESS_URL", "http://localhost:8000/?top_up=success&session={CHECKOUT_SESSION_ID}"
-)
-STRIPE_TOPUP_CANCEL_URL = env_str("STRIPE_TOPUP_CANCEL_URL", "http://localhost:8000/?top_up=cancelled")
 try:
     STRIPE_TOPUP_MIN_DOLLARS = Decimal(env_str("STRIPE_TOPUP_MIN_DOLLARS", "5.00"))
     STRIPE_TOPUP_MAX_DOLLARS = Decimal(env_str("STRIPE_TOPUP_MAX_DOLLARS", "1000.00"))

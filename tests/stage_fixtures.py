@@ -62,7 +62,7 @@ async def stage_servers(
 
 def admit(api_key, route: list[PipelineStage], params: RequestParams, monkeypatch) -> Job:
     """Admit a completion job for ``params`` onto ``route`` (placement's routing is bypassed)."""
-    monkeypatch.setattr(services, "route_request", lambda model, busy=None, placed=False: ("local", route, 1.0))
+    monkeypatch.setattr(services, "route_request", lambda model, busy=None, **_: ("local", route, 1.0))
     return services.admit_job(
         api_key=api_key,
         kind="completion",

@@ -5,6 +5,7 @@ and Connect accounts, so this serves exactly what the marketplace calls, shaped 
 (form-encoded requests, JSON objects with ``id`` and ``object``, errors as ``{"error": {...}}``):
 
     POST /v1/checkout/sessions           GET /v1/checkout/sessions/{id}
+    POST /v1/checkout/sessions/{id}/expire
     POST /v1/accounts                    GET /v1/accounts/{id}
     POST /v1/account_links
     POST /v1/transfers                   GET /v1/transfers/{id}
@@ -252,6 +253,7 @@ class FakeStripe:
         routes = [
             ("POST", r"/v1/checkout/sessions", self._create_session),
             ("GET", r"/v1/checkout/sessions/(?P<id>[^/]+)", self._get("sessions", "checkout.session")),
+            ("POST", r"/v1/checkout/sessions/(?P<id>[^/]+)/expire", self._expire_session),
             ("POST", r"/v1/accounts", self._create_account),
             ("GET", r"/v1/accounts/(?P<id>[^/]+)", self._get("accounts", "account")),
             ("POST", r"/v1/account_links", self._create_account_link),
@@ -333,6 +335,20 @@ class FakeStripe:
         self.sessions[session_id] = session
         return session
 
+    def _expire_session(self, params: dict, id: str) -> dict:
+        """The merchant expires an open session (the customer can no longer pay it); Stripe refuses
+        one that is complete or already expired."""
+        session = self._get("sessions", "checkout.session")(params, id)
+        if session["status"] != "open":
+            raise StripeApiError(
+                400,
+                "invalid_request_error",
+                f'Only Checkout Sessions with a status in ["open"] can be expired. This Checkout Session has a '
+                f'status of "{session["status"]}".',
+            )
+        session["status"] = "expired"
+        return session
+
     # --- Connect (for payouts) ------------------------------------------------------------------
 
     def _create_account(self, params: dict) -> dict:
@@ -360,6 +376,14 @@ class FakeStripe:
             account.update(details_submitted=True, charges_enabled=True, payouts_enabled=True)
             account["capabilities"] = {name: "active" for name in {*account["capabilities"], "transfers"}}
             return copy.deepcopy(account)
+
+    def onboarded_account(self, email: str) -> str:
+        """An account whose owner already finished onboarding, for a test that starts from one;
+        its id."""
+        with self._lock:
+            account = self._create_account({"type": "express", "email": email, "capabilities": {"transfers": {}}})
+        self.complete_onboarding(account["id"])
+        return account["id"]
 
     def _create_account_link(self, params: dict) -> dict:
         account_id = params.get("account")

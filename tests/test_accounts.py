@@ -105,6 +105,43 @@ def test_signup_with_an_email_already_in_use_is_refused(email, customer, browser
     assert db_snapshot() == before
 
 
+def test_signup_refuses_the_password_1234_with_every_reason(browser):
+    before = db_snapshot()
+
+    response = browser.post("/signup/", signup_form(password1="1234", password2="1234"))
+
+    assert response.status_code == 400
+    assert response.context["form"].errors == {
+        "password2": [
+            "This password is too short. It must contain at least 10 characters.",
+            "This password is too common.",
+            "This password is entirely numeric.",
+        ]
+    }
+    assert "This password is too short. It must contain at least 10 characters." in response.content.decode()
+    assert db_snapshot() == before
+    assert signed_in_user_id(browser) is None
+
+
+@pytest.mark.parametrize(
+    ("email", "error"),
+    [
+        ("", "This field is required."),
+        ("frank@", "Enter a valid email address."),
+        ("frank", "Enter a valid email address."),
+    ],
+)
+def test_signup_needs_a_well_formed_email(email, error, browser):
+    before = db_snapshot()
+
+    response = browser.post("/signup/", signup_form(email=email))
+
+    assert response.status_code == 400
+    assert response.context["form"].errors == {"email": [error]}
+    assert error in response.content.decode()
+    assert db_snapshot() == before
+
+
 def test_signup_with_a_username_already_in_use_is_refused(customer, browser):
     before = db_snapshot()
 
@@ -166,11 +203,12 @@ def test_logout_by_get_is_not_allowed(provider, browser):
     assert signed_in_user_id(browser) == provider.pk
 
 
-def test_home_requires_login(browser):
+def test_home_shows_visitors_the_front_door(browser):
     response = browser.get("/")
 
-    assert response.status_code == 302
-    assert response["Location"] == "/login/?next=/"
+    assert response.status_code == 200
+    assert response.templates[0].name == "web/landing.html"
+    assert signed_in_user_id(browser) is None
 
 
 def test_home_shows_a_providers_roles_and_nodes_section(make_user, browser):

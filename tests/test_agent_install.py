@@ -83,7 +83,7 @@ def dashboard_command(url: str, provider) -> str:
         form = {"name": "gpu-1", "region": "local", "csrfmiddlewaretoken": page.cookies["csrftoken"]}
         added = page.post("/provider/nodes/", data=form)
     assert added.status_code == 200, added.text[:2000]
-    (shown,) = re.findall(r'<code id="join-command">(.*?)</code>', added.text, re.S)
+    (shown,) = re.findall(r'<code id="join-command-\d+" class="join-command">(.*?)</code>', added.text, re.S)
     return html.unescape(shown)
 
 

@@ -33,6 +33,7 @@ def listed(api_key: ApiKey) -> dict:
         "prefix": api_key.prefix,
         "requests_per_minute": api_key.requests_per_minute,
         "tokens_per_minute": api_key.tokens_per_minute,
+        "privacy": api_key.privacy,
         "created_at": drf_datetime(api_key.created_at),
         "last_used_at": drf_datetime(api_key.last_used_at),
         "revoked_at": drf_datetime(api_key.revoked_at),

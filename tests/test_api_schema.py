@@ -40,7 +40,7 @@ def test_schema_lists_every_endpoint(schema):
         "/api/v1/catalog/": ["get", "post"],
         "/api/v1/catalog/{name}/": ["get", "patch"],
         "/api/v1/keys/": ["get", "post"],
-        "/api/v1/keys/{id}/": ["delete", "get"],
+        "/api/v1/keys/{id}/": ["delete", "get", "patch"],
         "/api/v1/nodes/": ["get", "post"],
         "/api/v1/nodes/{id}/": ["delete", "get"],
         "/api/v1/nodes/{id}/drain/": ["post"],
@@ -68,7 +68,16 @@ def test_schema_documents_the_join_request_and_its_answer(schema):
         "signature",
         "token",
     ]
+    assert "csr" in components["AgentRegister"]["properties"]  # optional: an agent serving TLS sends one
     assert sorted(components["AgentRegistered"]["properties"]) == [
+        "ca_certificate",  # both only when a CSR was sent
+        "control_url",
+        "heartbeat_interval_s",
+        "node",
+        "node_certificate",
+        "ticket_key",
+    ]
+    assert sorted(components["AgentRegistered"]["required"]) == [
         "control_url",
         "heartbeat_interval_s",
         "node",

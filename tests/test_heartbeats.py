@@ -153,7 +153,7 @@ def test_a_heartbeat_from_an_active_node_does_not_ask_for_a_new_placement(
         services.record_heartbeat(node.pk, {"sessions": 1})
 
     # The only thing sent on commit is the dashboards' notice that the node's load changed.
-    assert [callback.__qualname__ for callback in callbacks] == ["notify_node_changed.<locals>.send"]
+    assert [callback.__qualname__ for callback in callbacks] == ["_send_on_commit.<locals>.send"]
     assert PlacementState.objects.count() == 0
     assert Node.objects.get(pk=node.pk).state == NodeState.ACTIVE
 

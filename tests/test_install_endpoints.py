@@ -27,6 +27,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.test import AsyncClient, Client
 
 from marketplace.install import services
+from marketplace.install.script import install_command
 from marketplace.nodes.models import Node
 
 pytestmark = pytest.mark.control
@@ -211,7 +212,7 @@ def test_the_dashboard_shows_the_one_command_with_the_public_url_and_the_token(s
     page = browser.post("/provider/nodes/", {"name": "gpu-1", "region": "local"})
 
     assert page.status_code == 200
-    (shown,) = re.findall(r'<code id="join-command">(.*?)</code>', page.content.decode(), re.S)
+    (shown,) = re.findall(r'<code id="join-command-\d+" class="join-command">(.*?)</code>', page.content.decode(), re.S)
     token = re.fullmatch(
         rf"curl -fsSL {PUBLIC}/install/agent\.sh \| SWARM_JOIN_TOKEN=(swj_\S+) sh", html.unescape(shown)
     )
@@ -229,3 +230,11 @@ def test_settings_refuse_a_public_url_that_is_not_a_plain_http_url(monkeypatch, 
 
     with pytest.raises(ImproperlyConfigured, match="SWARM_PUBLIC_URL must be a plain http"):
         runpy.run_path(str(SETTINGS_FILE))
+
+
+def test_where_the_swarm_requires_data_plane_tls_the_command_joins_with_a_certificate_request(settings):
+    settings.SWARM_REQUIRE_DATA_TLS = True
+    line = install_command(PUBLIC, "swj_abc")
+    assert line == f"curl -fsSL {PUBLIC}/install/agent.sh | SWARM_JOIN_TOKEN=swj_abc sh -s -- --tls auto"
+    settings.SWARM_REQUIRE_DATA_TLS = False
+    assert install_command(PUBLIC, "swj_abc") == f"curl -fsSL {PUBLIC}/install/agent.sh | SWARM_JOIN_TOKEN=swj_abc sh"

@@ -54,7 +54,7 @@ def test_top_up_jobs_earnings_window_batch_approval_and_transfers(make_swarm, fa
     admin = get_user_model().objects.create_superuser("dave", "dave@example.test", "pw-dave-123")
 
     # 1. Top-up: $10 through Checkout, credited by the signed webhook.
-    top_up, _ = start_top_up(customer, "10.00")
+    top_up, _ = start_top_up(customer, "10.00", origin="https://swarm.example")
     assert deliver(fake_stripe.complete_session(top_up.stripe_session_id)).status_code == 200
     topped = 10 * 10**9
     assert balances() == {
@@ -104,7 +104,7 @@ def test_top_up_jobs_earnings_window_batch_approval_and_transfers(make_swarm, fa
 
     # 4. Providers onboard Connect accounts through Account Links.
     for name, user in swarm.users.items():
-        url = payouts.start_onboarding(user)
+        url = payouts.start_onboarding(user, origin="https://swarm.example")
         connect = ConnectAccount.objects.get(provider=user)
         assert url.startswith(f"https://connect.stripe.com/setup/e/{connect.stripe_account_id}/")
         assert payouts.refresh_connect(user).payouts_enabled is False

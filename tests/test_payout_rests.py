@@ -25,7 +25,7 @@ CENT = 10_000_000  # nano-dollars
 def connected(fake_stripe, provider, settings):
     """Alice, with a payout-ready Stripe Connect account and a $0.01 payout minimum."""
     settings.SWARM_PAYOUT_MINIMUM = CENT
-    services.start_onboarding(provider)
+    services.start_onboarding(provider, origin="https://swarm.example")
     fake_stripe.complete_onboarding(provider.connect.stripe_account_id)
     services.refresh_connect(provider)
     return provider

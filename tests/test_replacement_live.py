@@ -71,7 +71,7 @@ def rotated_plan(before: dict[str, tuple[int, int]]):
     stages = tuple(Stage(node, *spans_in_order[(i + 1) % len(serving)]) for i, node in enumerate(serving))
     stages = tuple(sorted(stages, key=lambda stage: stage.layer_start))
 
-    def place(capacities, n_layers, **_):
+    def place(capacities, trusted, n_layers, **_):
         return Placement(n_layers=n_layers, plan=None, pipelines=(stages,), spares=())
 
     return place
@@ -111,7 +111,7 @@ def test_a_replacement_during_twenty_streams_fails_none(tmp_path, monkeypatch):
         agents.append(join(server, tokens[3], tmp_path, 3))
         wait_for(lambda: Node.objects.filter(state=NodeState.ACTIVE, connected=True).count() == 4, 180, "the 4th")
         before, generation = spans(), PlacementState.objects.get(model=MODEL).generation
-        monkeypatch.setattr(placement_services, "place", rotated_plan(before))
+        monkeypatch.setattr(placement_services, "place_with_trusted", rotated_plan(before))
         monkeypatch.setattr(
             placement_services, "order_pipelines", lambda model, pipelines: (list(pipelines), ["local"])
         )

@@ -49,8 +49,8 @@ def checkout_params(top_up: TopUp, cents: int, user) -> dict:
                 "quantity": "1",
             }
         ],
-        "success_url": "https://swarm.example/billing?top_up=success&session={CHECKOUT_SESSION_ID}",
-        "cancel_url": "https://swarm.example/billing?top_up=cancelled",
+        "success_url": "https://swarm.example/customer/billing/?top_up=success&session={CHECKOUT_SESSION_ID}",
+        "cancel_url": f"https://swarm.example/customer/billing/top-ups/{top_up.pk}/cancelled/",
         "client_reference_id": str(top_up.pk),
         "metadata": {"top_up": str(top_up.pk), "account": str(user.pk)},
     }
@@ -58,8 +58,8 @@ def checkout_params(top_up: TopUp, cents: int, user) -> dict:
 
 @pytest.fixture
 def return_urls(settings):
-    settings.STRIPE_TOPUP_SUCCESS_URL = "https://swarm.example/billing?top_up=success&session={CHECKOUT_SESSION_ID}"
-    settings.STRIPE_TOPUP_CANCEL_URL = "https://swarm.example/billing?top_up=cancelled"
+    """The site's public address is set: Stripe sends the customer back there."""
+    settings.SWARM_PUBLIC_URL = "https://swarm.example"
 
 
 def test_a_top_up_opens_a_checkout_session_and_adds_no_credits(fake_stripe, customer, client_for, bounds, return_urls):
@@ -80,6 +80,22 @@ def test_a_top_up_opens_a_checkout_session_and_adds_no_credits(fake_stripe, cust
     assert (session["amount_total"], session["currency"], session["payment_status"]) == (1000, "usd", "unpaid")
     assert services.credits(customer) == 0
     assert Transfer.objects.count() == 0
+
+
+def test_without_a_public_url_checkout_returns_to_the_host_the_customer_came_from(
+    fake_stripe, customer, client_for, bounds, settings
+):
+    settings.SWARM_PUBLIC_URL = ""
+
+    response = client_for(customer).post(URL, {"amount": "10.00"}, format="json", HTTP_HOST="127.0.0.1:8123")
+
+    assert response.status_code == 201
+    top_up = TopUp.objects.get()
+    [request] = fake_stripe.requests
+    assert (request.params["success_url"], request.params["cancel_url"]) == (
+        "http://127.0.0.1:8123/customer/billing/?top_up=success&session={CHECKOUT_SESSION_ID}",
+        f"http://127.0.0.1:8123/customer/billing/top-ups/{top_up.pk}/cancelled/",
+    )
 
 
 def test_a_json_number_is_taken_as_dollars(fake_stripe, customer, client_for, bounds):
@@ -225,7 +241,7 @@ def test_an_anonymous_request_is_refused(fake_stripe, client_for, bounds):
 
 def test_the_service_refuses_a_non_customer(fake_stripe, provider, bounds):
     with pytest.raises(RoleRequired, match="only customers can top up credits"):
-        start_top_up(provider, "10.00")
+        start_top_up(provider, "10.00", origin="https://swarm.example")
 
     assert TopUp.objects.count() == 0
     assert fake_stripe.requests == []

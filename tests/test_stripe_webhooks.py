@@ -67,7 +67,7 @@ def spend(user, dollars: int) -> None:
 def top_up(fake_stripe, customer, settings) -> TopUp:
     """A $10.00 top-up whose Checkout Session is open on the fake Stripe."""
     settings.STRIPE_TOPUP_MIN_DOLLARS, settings.STRIPE_TOPUP_MAX_DOLLARS = Decimal("5.00"), Decimal("500.00")
-    made, _ = start_top_up(customer, "10.00")
+    made, _ = start_top_up(customer, "10.00", origin="https://swarm.example")
     return made
 
 

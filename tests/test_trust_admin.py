@@ -203,7 +203,7 @@ def test_admin_actions_are_denied_to_non_staff_and_change_nothing(struck, person
 
 
 def test_connect_account_updated_webhook_makes_the_account_payout_ready(provider, fake_stripe):
-    url = payout_services.start_onboarding(provider)
+    url = payout_services.start_onboarding(provider, origin="https://swarm.example")
     connect = ConnectAccount.objects.get(provider=provider)
     assert url.startswith(f"https://connect.stripe.com/setup/e/{connect.stripe_account_id}/")
     assert connect.payouts_enabled is False

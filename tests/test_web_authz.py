@@ -19,7 +19,7 @@ from django.utils import timezone
 from marketplace.billing.models import TopUp, Transfer
 from marketplace.jobs.models import ApiKey, Job
 from marketplace.jobs.services import create_api_key
-from marketplace.nodes.live import notify_node_changed
+from marketplace.nodes.live import notify_admins, notify_node_changed
 from marketplace.payouts.models import ConnectAccount, Earning, EarningState, Payout, PayoutBatch
 from marketplace.placement.services import eject_node
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind
@@ -33,8 +33,10 @@ CUSTOMER_PAGES = [
     "/customer/keys/",
     "/customer/billing/",
     "/customer/billing/balance/",
+    "/customer/billing/ledger/",
     "/customer/usage/",
     "/customer/playground/",
+    "/customer/privacy/",
 ]
 ADMIN_PAGES = [
     "/swarm/",
@@ -42,6 +44,8 @@ ADMIN_PAGES = [
     "/swarm/latency/",
     "/swarm/throughput/",
     "/swarm/strikes/",
+    "/swarm/strikes/lists/",
+    "/swarm/todo/",
     "/swarm/payouts/",
 ]
 
@@ -52,6 +56,19 @@ def node_pages(pk: int) -> list[str]:
         f"/provider/nodes/{pk}/status/",
         f"/provider/nodes/{pk}/row/",
         f"/provider/nodes/{pk}/trust/",
+        f"/provider/nodes/{pk}/earnings/",
+        f"/provider/nodes/{pk}/remove/",
+        f"/provider/nodes/{pk}/join-command/",
+    ]
+
+
+def node_actions(pk: int) -> list[str]:
+    """Every POST a provider makes about one of their nodes."""
+    return [
+        f"/provider/nodes/{pk}/rotate-token/",
+        f"/provider/nodes/{pk}/join-command/dismiss/",
+        f"/provider/nodes/{pk}/drain/",
+        f"/provider/nodes/{pk}/remove/",
     ]
 
 
@@ -141,7 +158,7 @@ def ejected_node(second_provider, make_node, admin):
 
 
 def test_visitors_are_sent_to_sign_in(alices_node):
-    for url in PROVIDER_PAGES + CUSTOMER_PAGES + ADMIN_PAGES + node_pages(alices_node.pk) + ["/"]:
+    for url in PROVIDER_PAGES + CUSTOMER_PAGES + ADMIN_PAGES + node_pages(alices_node.pk):
         response = Client().get(url)
 
         assert response.status_code == 302, url
@@ -174,8 +191,8 @@ def test_a_customer_cannot_reach_provider_pages_or_change_a_node(customer, alice
     for url in PROVIDER_PAGES + node_pages(alices_node.pk):
         assert client.get(url).status_code == 403, url
     assert client.post("/provider/nodes/", {"name": "mine", "region": "local"}).status_code == 403
-    assert client.post(f"/provider/nodes/{alices_node.pk}/rotate-token/").status_code == 403
-    assert client.post(f"/provider/nodes/{alices_node.pk}/drain/").status_code == 403
+    for url in node_actions(alices_node.pk):
+        assert client.post(url).status_code == 403, url
 
     assert everything() == before
 
@@ -227,6 +244,7 @@ def test_a_provider_cannot_reach_customer_pages_or_spend(provider, carols_key, c
         assert client.get(url).status_code == 403, url
     assert client.post("/customer/keys/", {"name": "mine"}).status_code == 403
     assert client.post(f"/customer/keys/{carols_key.pk}/revoke/").status_code == 403
+    assert client.post(f"/customer/keys/{carols_key.pk}/privacy/", {"privacy": "any"}).status_code == 403
     assert client.post("/customer/billing/top-up/", {"amount": "10.00"}).status_code == 403
     chat = client.post(
         "/customer/playground/chat/",
@@ -249,8 +267,8 @@ def test_a_provider_cannot_see_or_change_another_providers_node(second_provider,
 
         assert response.status_code == 404, url
         assert "alice-gpu" not in response.content.decode()
-    assert client.post(f"/provider/nodes/{alices_node.pk}/rotate-token/").status_code == 404
-    assert client.post(f"/provider/nodes/{alices_node.pk}/drain/").status_code == 404
+    for url in node_actions(alices_node.pk):
+        assert client.post(url).status_code == 404, url
     listing = client.get("/provider/nodes/").content.decode()
     assert "bob-gpu" in listing
     assert "alice-gpu" not in listing
@@ -271,7 +289,7 @@ def test_a_provider_sees_neither_another_providers_strikes_nor_earnings(
     assert "424242" not in trust.content.decode()
     for hidden in ("cmpl-alice-paid", "$1.75", "acct_alice", "424242"):
         assert hidden not in earnings
-    assert 'data-field="available">$0.00<' in earnings
+    assert 'data-field="available"><span class="money">$0.00</span><' in earnings
     assert 'data-field="connect-status">no Stripe account connected<' in earnings
     assert everything() == before
 
@@ -306,9 +324,9 @@ def test_a_provider_sees_their_own_node(provider, alices_node):
     client = signed_in(provider)
     pk = alices_node.pk
 
-    detail, status, row, trust = (client.get(url) for url in node_pages(pk))
+    detail, status, row, trust, earnings, remove, join = (client.get(url) for url in node_pages(pk))
 
-    assert (detail.status_code, status.status_code, row.status_code, trust.status_code) == (200, 200, 200, 200)
+    assert [r.status_code for r in (detail, status, row, trust, earnings, remove, join)] == [200] * 7
     assert "<h1>alice-gpu</h1>" in detail.content.decode()
     assert f'<section class="card" id="node-status" data-live-node="{pk}"' in status.content.decode()
     assert 'data-field="state">pending</span>' in status.content.decode()
@@ -316,6 +334,9 @@ def test_a_provider_sees_their_own_node(provider, alices_node):
     assert f'<a href="/provider/nodes/{pk}/">alice-gpu</a>' in row.content.decode()
     assert f'<section class="card" id="node-trust" data-live-node="{pk}"' in trust.content.decode()
     assert "No strikes: no check of this node has failed." in trust.content.decode()
+    assert f'<section class="card" id="node-earnings" data-live-node="{pk}"' in earnings.content.decode()
+    assert '<h1 id="remove-title" class="long-text">Remove “alice-gpu”?</h1>' in remove.content.decode()
+    assert join.content.decode() == f'<div id="join-box-{pk}" hidden></div>'  # its command was never kept
 
 
 def test_a_customer_cannot_touch_another_customers_key_or_request(make_user, carols_key, carols_job):
@@ -324,6 +345,7 @@ def test_a_customer_cannot_touch_another_customers_key_or_request(make_user, car
     before = everything()
 
     assert client.post(f"/customer/keys/{carols_key.pk}/revoke/").status_code == 404
+    assert client.post(f"/customer/keys/{carols_key.pk}/privacy/", {"privacy": "trusted_only"}).status_code == 404
     assert client.get(f"/customer/playground/jobs/{carols_job.public_id}/").status_code == 404
     assert "carol-app" not in client.get("/customer/keys/").content.decode()
 
@@ -396,3 +418,23 @@ def test_a_node_notice_reaches_its_owner_and_the_admins_only(provider, second_pr
         "dave": {"topic": "node", "node": node.pk},
         "bob heard nothing": True,
     }
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_strike_notice_reaches_the_admins_only(provider, admin):
+    sockets = {"alice": dashboard_socket(session_headers(provider)), "dave": dashboard_socket(session_headers(admin))}
+
+    async def scenario() -> dict:
+        for socket in sockets.values():
+            connected, _ = await socket.connect(timeout=5)
+            assert connected
+        await database_sync_to_async(notify_admins)("strike")
+        heard = {
+            "dave": await sockets["dave"].receive_json_from(timeout=5),
+            "alice heard nothing": await sockets["alice"].receive_nothing(timeout=0.5),
+        }
+        for socket in sockets.values():
+            await socket.disconnect()
+        return heard
+
+    assert asyncio.run(scenario()) == {"dave": {"topic": "strike", "node": None}, "alice heard nothing": True}

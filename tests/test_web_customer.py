@@ -14,8 +14,9 @@ import csv
 import hashlib
 import io
 import json
+import re
 import urllib.request
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from playwright.sync_api import expect
 from marketplace.billing.models import ModelPrice, TopUp, TopUpState, Transfer
 from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.web.selectors import PLAYGROUND_KEY_NAME
-from tests.browser import MODEL, floatformat, sign_up
+from tests.browser import MODEL, confirm, floatformat, sign_up
 from tests.stripe_fake import WEBHOOK_SECRET, sign
 
 pytestmark = [pytest.mark.web, pytest.mark.django_db(transaction=True)]
@@ -49,17 +50,23 @@ def priced(db):
 
 
 @pytest.fixture
-def checkout_returns(settings, web_server):
-    """Stripe sends the customer back to this site's home, which forwards to the billing page."""
-    settings.STRIPE_TOPUP_SUCCESS_URL = f"{web_server.url}/?top_up=success&session={{CHECKOUT_SESSION_ID}}"
-    settings.STRIPE_TOPUP_CANCEL_URL = f"{web_server.url}/?top_up=cancelled"
+def checkout_returns(settings):
+    """No public URL is configured: Stripe sends the customer back to the address they came from."""
+    settings.SWARM_PUBLIC_URL = ""
 
 
 def dollars(nano: int) -> str:
-    """Nano-dollars as the pages show them: cents always, further digits when there are any."""
+    """Nano-dollars as the pages show them: to the cent, rounded half up; a non-zero amount under
+    half a cent as "<$0.01"."""
     amount = Decimal(nano) / NANO
-    text = format(amount.quantize(Decimal("0.01")), "f") if amount == amount.quantize(Decimal("0.01")) else None
-    return "$" + (text or format(amount.normalize(), "f"))
+    if 0 < abs(amount) < Decimal("0.005"):
+        return "<$0.01"
+    return f"${amount.quantize(Decimal('0.01'), rounding=ROUND_HALF_UP)}"
+
+
+def exact(nano: int) -> str:
+    """Nano-dollars with every digit: the amount a page shows on hover."""
+    return f"${(Decimal(nano) / NANO).normalize():f}"
 
 
 def stand_in_for_checkout(page, fake_stripe) -> None:
@@ -138,8 +145,8 @@ def test_a_customer_manages_keys_tops_up_chats_and_reads_usage(
     expect(row.locator("code")).to_have_text(f"{api_key.prefix}…")
     expect(row.locator("[data-field=status]")).to_have_text("active")
 
-    page.once("dialog", lambda dialog: dialog.accept())
     row.get_by_role("button", name="Revoke my-app").click()
+    confirm(page, "Confirm")
     expect(page.locator(f"#key-{api_key.pk} [data-field=status]")).to_contain_text("revoked")
     api_key.refresh_from_db()
     assert api_key.revoked_at is not None
@@ -165,7 +172,7 @@ def test_a_customer_manages_keys_tops_up_chats_and_reads_usage(
     expect(page.locator("[data-field=available]")).to_have_text("$10.00")
     expect(page.locator("#top-ups tbody tr").first).to_contain_text("$10.00")
     expect(page.locator("#top-ups tbody tr").first).to_contain_text("paid")
-    expect(page.locator("#transactions tbody tr").first.locator("[data-field=amount]")).to_have_text("$10.00")
+    expect(page.locator("#top-ups tbody tr").first.locator("[data-field=amount]")).to_have_text("$10.00")
     web.shot("billing-after-top-up")
     assert web.phone("billing-phone")
 
@@ -200,6 +207,7 @@ def test_a_customer_manages_keys_tops_up_chats_and_reads_usage(
     charge = Transfer.objects.get(job=job, kind="charge")
     assert charge.amount == job.charged_amount == job.prompt_tokens * 7000 + job.completion_tokens * 13000
     expect(stats.locator("[data-field=cost]")).to_have_text(dollars(charge.amount))
+    expect(stats.locator("[data-field=cost] .money")).to_have_attribute("title", exact(charge.amount))
     expect(stats.locator("[data-field=ttft]")).to_have_text(f"{floatformat(job.ttft_ms, 0)} ms")
     expect(stats.locator("[data-field=tokens-per-s]")).to_have_text(f"{floatformat(job.tokens_per_s, 1)} tokens/s")
     expect(stats.locator("[data-field=tokens]")).to_have_text(
@@ -218,14 +226,19 @@ def test_a_customer_manages_keys_tops_up_chats_and_reads_usage(
     page.get_by_role("link", name="Usage").click()
     page.get_by_role("link", name="By model").click()
     tokens = job.prompt_tokens + job.completion_tokens
-    expect(page.locator("#usage-totals")).to_have_text(f"1 request, {tokens} tokens, {dollars(charge.amount)} charged.")
+    expect(page.locator("#usage-totals")).to_have_text(
+        f"1 request, {tokens:,} tokens, {dollars(charge.amount)} charged."
+    )
     rows = page.locator("#usage-table tbody tr")
     expect(rows).to_have_count(1)
     expect(rows.first.locator("th, td")).to_have_text(
-        [MODEL, "1", str(job.prompt_tokens), str(job.completion_tokens), dollars(charge.amount)]
+        [MODEL, "1", f"{job.prompt_tokens:,}", f"{job.completion_tokens:,}", dollars(charge.amount)]
     )
     expect(page.locator("svg rect.bar")).to_have_count(2)
     expect(page.locator("svg rect.bar title").first).to_have_text(f"{MODEL}: {tokens:,}")
+    cost_axis = page.locator("svg[aria-labelledby='usage-cost-title'] text.tick[text-anchor='end']")
+    ticks = cost_axis.all_text_contents()  # dollars in fixed point, never "3e-05"
+    assert ticks[0] == "$0" and all(re.fullmatch(r"\$\d+\.\d{2,9}", tick) for tick in ticks[1:]), ticks
     web.shot("usage-by-model")
     with page.expect_download() as download:
         page.locator("#usage-csv").click()

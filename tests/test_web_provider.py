@@ -63,9 +63,9 @@ def test_a_provider_adds_a_node_runs_the_agent_and_watches_it_join_live(web, tmp
     page.get_by_label("Node name").fill("gpu-1")
     page.get_by_label("Region").fill("eu-west")
     page.get_by_role("button", name="Add node").click()
-    command_box = page.locator("#join-command")
-    expect(command_box).to_be_visible()
+    expect(page.locator(".join-command")).to_be_visible()
     node = Node.objects.get()
+    command_box = page.locator(f"#join-command-{node.pk}")
     assert (node.owner.username, node.name, node.region, node.state) == ("frank", "gpu-1", "eu-west", "pending")
     command = command_box.inner_text()
     match = re.fullmatch(
@@ -114,7 +114,7 @@ def test_a_provider_adds_a_node_runs_the_agent_and_watches_it_join_live(web, tmp
         )
         expect(status.get_by_text(node.node_id)).to_be_visible()
         expect(status.locator("[data-field=tokens]")).to_have_text(
-            re.compile(r"^\d+ by its current block$"), timeout=LIVE_TIMEOUT_MS
+            re.compile(r"^[\d,]+ by its current block$"), timeout=LIVE_TIMEOUT_MS
         )
         expect(status.locator("[data-field=uptime]")).to_have_text(re.compile(r"since it last connected$"))
         trust = page.locator("#node-trust")
@@ -137,6 +137,7 @@ def test_a_provider_adds_a_node_runs_the_agent_and_watches_it_join_live(web, tmp
         stop_processes([agent])
         expect(status.locator("[data-field=state]")).to_have_text("offline", timeout=LIVE_TIMEOUT_MS)
         expect(status.locator("[data-field=blocks]")).to_have_text("none assigned", timeout=LIVE_TIMEOUT_MS)
+        expect(status.locator("[data-field=agent]")).to_have_text("offline")
         assert same_document(page)
         wait_for(lambda: Node.objects.get(pk=node.pk).state == NodeState.OFFLINE, 10, "the node offline")
         assert not Assignment.objects.filter(node=node, state__in=["assigned", "ready"]).exists()

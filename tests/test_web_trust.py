@@ -22,135 +22,22 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.test import Client
 from django.utils import timezone
 from playwright.sync_api import expect
 
-from marketplace.billing.models import AccountKind, LedgerAccount
-from marketplace.billing.services import account, transfer
-from marketplace.jobs.models import Job, JobState
+from marketplace.billing.models import AccountKind
 from marketplace.nodes.models import Node, NodeState
-from marketplace.nodes.services import create_node
-from marketplace.payouts.models import BatchState, ConnectAccount, Earning, EarningState, Payout, PayoutState
+from marketplace.payouts.models import BatchState, ConnectAccount, EarningState, Payout, PayoutState
 from marketplace.placement.models import Assignment, AssignmentState
-from marketplace.verification import challenges as challenge_checks
-from marketplace.verification.models import Challenge, CheckState, Strike, StrikeState
-from marketplace.verification.verifier import trusted_block
-from tests.browser import MODEL, PASSWORD, floatformat, sign_in
-from worker_agent import challenge as challenges
-from worker_agent import model as models
+from marketplace.verification.models import Challenge, Strike, StrikeState
+from tests.browser import confirm, floatformat, sign_in
+from tests.web_trust_fixtures import PENDING_PAY, TOKENS, balance, earning, serving_node, user
 
 pytestmark = [pytest.mark.web, pytest.mark.django_db(transaction=True)]
-pytest_plugins = ["tests.browser", "tests.stripe_fake"]
+pytest_plugins = ["tests.browser", "tests.stripe_fake", "tests.web_trust_fixtures"]
 
-TOKENS = 4
-PENDING_PAY = 123_456_789  # nano-dollars: $0.123456789
 LIVE_TIMEOUT_MS = 30_000
-
-
-@pytest.fixture
-def quiet_trust(settings):
-    """Set before the server starts (its scheduler reads it once): no trust work of its own."""
-    settings.SWARM_TRUST_INTERVAL_S = 24 * 3600.0
-
-
-@pytest.fixture
-def trust_server(quiet_trust, web_server, settings):
-    settings.SWARM_HEARTBEAT_TIMEOUT_S = 3600.0  # no agent heartbeats: the node stays as the test sets it
-    settings.SWARM_VERIFIER = "inline"
-    settings.SWARM_STRIKES_TO_EJECT = 3
-    return web_server
-
-
-def user(username: str, **roles):
-    return get_user_model().objects.create_user(username, f"{username}@example.test", PASSWORD, **roles)
-
-
-def serving_node(owner, name: str) -> Node:
-    """A node joined two days ago, active and connected, serving all of tiny-llama's layers."""
-    node, _ = create_node(owner=owner, name=name)
-    now = timezone.now()
-    Node.objects.filter(pk=node.pk).update(
-        node_id=f"node-{node.pk:016x}",
-        state=NodeState.ACTIVE,
-        connected=True,
-        connected_since=now,
-        joined_at=now - timedelta(days=2),
-        online_s=2 * 86400 * 0.9,
-        last_heartbeat_at=now,
-        device="cpu",
-        device_name="test CPU",
-    )
-    Assignment.objects.create(
-        node=node, model=MODEL, generation=1, pipeline=0, position=0, layer_start=0,
-        layer_end=models.n_layers(MODEL), state=AssignmentState.READY, ready_at=now,
-    )  # fmt: skip
-    node.refresh_from_db()
-    return node
-
-
-def answer(node: Node, seed: int, *, honest: bool) -> Challenge:
-    """Challenge the node and store what its data plane would return: honestly, or the challenge's own
-    input (the layers skipped). The verifier runs inline when the output is stored."""
-    challenge = challenge_checks.open_challenge(node, tokens=TOKENS, seed=seed)
-    if honest:
-        output = challenges.run_challenge(trusted_block(MODEL, 0, models.n_layers(MODEL)), seed, TOKENS)
-    else:
-        output = challenges.challenge_input(seed, TOKENS, challenge_checks.models_hidden_size(MODEL))
-    challenge_checks.record_challenge_output(challenge.pk, output, elapsed_ms=41.5)
-    return Challenge.objects.get(pk=challenge.pk)
-
-
-def earning(node: Node, public_id: str, amount: int, state: str, *, days_ago: int = 0) -> Earning:
-    """A node's share of a served job, moved through the ledger as the payout services would."""
-    customer = get_user_model().objects.get(username="carol")
-    job = Job.objects.create(
-        public_id=public_id, kind="completion", customer=customer, model=MODEL, state=JobState.SUCCEEDED
-    )
-    created = timezone.now() - timedelta(days=days_ago)
-    pending = EarningState.PENDING
-    row = Earning.objects.create(
-        node=node, provider=node.owner, job=job, amount=amount, layer_tokens=60, state=state,
-        available_at=created + timedelta(days=1) if state == pending else created,
-    )  # fmt: skip
-    Earning.objects.filter(pk=row.pk).update(created_at=created)
-    transfer(
-        account(AccountKind.PLATFORM_REVENUE), account(AccountKind.PROVIDER_PENDING, node.owner), amount, kind="earning"
-    )
-    if state == EarningState.AVAILABLE:
-        transfer(
-            account(AccountKind.PROVIDER_PENDING, node.owner),
-            account(AccountKind.PROVIDER_AVAILABLE, node.owner),
-            amount,
-            kind="earning_release",
-        )
-    row.refresh_from_db()
-    return row
-
-
-def balance(kind: str, owner) -> int:
-    found = LedgerAccount.objects.filter(kind=kind, owner=owner).first()
-    return found.balance if found else 0
-
-
-@pytest.fixture
-def people(trust_server):
-    """pat provides GPUs, dave is an admin, carol is the customer whose requests pat served."""
-    return user("pat", is_provider=True), user("dave", is_staff=True), user("carol", is_customer=True)
-
-
-@pytest.fixture
-def struck(people):
-    """pat's node gpu-7: pending pay, one passed challenge and two failed ones (two open strikes).
-    Built before the browser starts: the services' notices go out from this thread."""
-    pat = people[0]
-    node = serving_node(pat, "gpu-7")
-    earning(node, "cmpl-pending-1", PENDING_PAY, EarningState.PENDING)
-    passed = answer(node, 7, honest=True)
-    first, second = answer(node, 1, honest=False), answer(node, 2, honest=False)
-    assert (passed.state, first.state, second.state) == (CheckState.PASSED, CheckState.FAILED, CheckState.FAILED)
-    return Node.objects.get(pk=node.pk), Strike.objects.get(challenge=first), Strike.objects.get(challenge=second)
 
 
 def mark_page(page) -> None:
@@ -238,6 +125,7 @@ def test_a_provider_sees_strike_evidence_and_an_admin_decides_it_live(struck, we
     mark_page(page)
     card = admin.locator(f"#strike-{first.pk}")
     card.get_by_role("button", name="Overturn").click()
+    confirm(admin, f"Overturn strike {first.pk}")
     expect(card.locator(".field.invalid .errors")).to_have_text("Overturning a strike needs a reason.")
     expect(card.get_by_label("Reason")).to_have_attribute("aria-invalid", "true")
     assert Strike.objects.get(pk=first.pk).state == StrikeState.OPEN
@@ -245,6 +133,7 @@ def test_a_provider_sees_strike_evidence_and_an_admin_decides_it_live(struck, we
 
     card.get_by_label("Reason").fill("verifier bug #12: wrong layer span")
     card.get_by_role("button", name="Overturn").click()
+    confirm(admin, f"Overturn strike {first.pk}")
     expect(admin.get_by_role("status")).to_have_text(f"Strike {first.pk} on gpu-7 overturned.")
     decided = admin.locator(f"#decided-strike-{first.pk}")
     expect(decided.locator("[data-field=state]")).to_have_text("overturned")
@@ -266,11 +155,13 @@ def test_a_provider_sees_strike_evidence_and_an_admin_decides_it_live(struck, we
     card = admin.locator(f"#strike-{second.pk}")
     card.get_by_label("Reason").fill("copied its input")
     card.get_by_role("button", name="Uphold").click()
+    confirm(admin, f"Uphold strike {second.pk}")
     expect(admin.get_by_role("status")).to_have_text(f"Strike {second.pk} on gpu-7 upheld.")
     expect(admin.locator("[data-field=open-count]")).to_have_text("(0)")
     decided = admin.locator(f"#decided-strike-{second.pk}")
     expect(decided.locator("[data-field=state]")).to_have_text("upheld")
-    expect(decided.locator("[data-field=clawed-back]")).to_have_text("$0.123456789")
+    expect(decided.locator("[data-field=clawed-back]")).to_have_text("$0.12")
+    expect(decided.locator("[data-field=clawed-back] .money")).to_have_attribute("title", "$0.123456789")
     second.refresh_from_db()
     assert (second.state, second.clawed_back, second.decision_reason) == (
         StrikeState.UPHELD,
@@ -283,7 +174,7 @@ def test_a_provider_sees_strike_evidence_and_an_admin_decides_it_live(struck, we
     upheld = page.locator(f"#node-strike-{second.pk}")
     expect(upheld.locator("[data-field=strike-state]")).to_have_text("upheld", timeout=LIVE_TIMEOUT_MS)
     expect(upheld.locator("[data-field=decision]")).to_have_text(
-        f"Upheld {second.decided_at:%Y-%m-%d %H:%M} UTC: copied its input. $0.123456789 of pending pay clawed back."
+        f"Upheld {second.decided_at:%Y-%m-%d %H:%M} UTC: copied its input. $0.12 of pending pay clawed back."
     )
     node.refresh_from_db()
     assert node.reputation_detail["components"]["upheld_strikes"] == 1
@@ -294,17 +185,14 @@ def test_a_provider_sees_strike_evidence_and_an_admin_decides_it_live(struck, we
     page.get_by_role("navigation", name="Dashboard").get_by_role("link", name="Earnings").click()
     summary = page.locator("#earnings-summary")
     expect(summary.locator("[data-field=pending]")).to_have_text("$0.00")
-    expect(summary.locator("[data-field=clawed-back]")).to_have_text("$0.123456789")
+    expect(summary.locator("[data-field=clawed-back]")).to_have_text("$0.12")
     expect(page.locator("#earnings-table [data-field=state]")).to_have_text(["clawed back"])
     web.shot("provider-earnings-clawed-back")
 
 
 @pytest.fixture
-def earned(people, settings, web_server):
-    """pat's node served three requests: $0.07 still pending, $0.60 and $0.65 available. Stripe
-    sends pat back from onboarding to the earnings page."""
-    settings.STRIPE_CONNECT_RETURN_URL = f"{web_server.url}/provider/earnings/?connect=done"
-    settings.STRIPE_CONNECT_REFRESH_URL = f"{web_server.url}/provider/earnings/?connect=refresh"
+def earned(people, web_server):
+    """pat's node served three requests: $0.07 still pending, $0.60 and $0.65 available."""
     node = serving_node(people[0], "gpu-7")
     return [
         earning(node, "cmpl-today", 70_000_000, EarningState.PENDING),
@@ -313,13 +201,15 @@ def earned(people, settings, web_server):
     ]
 
 
-def stand_in_for_onboarding(page, fake_stripe, return_url: str) -> None:
+def stand_in_for_onboarding(page, fake_stripe) -> None:
     """Stripe's onboarding pages, which the tests cannot reach: the provider fills them in (the
-    fake's account becomes payout-ready) and follows the link back."""
+    fake's account becomes payout-ready) and follows the Account Link's return URL back."""
 
     def serve(route) -> None:
         account_id = route.request.url.split("/")[-2]  # .../setup/e/<account>/<link>
         fake_stripe.complete_onboarding(account_id)
+        link = next(r for r in reversed(fake_stripe.requests) if r.path == "/v1/account_links")
+        return_url = link.params["return_url"]
         route.fulfill(
             content_type="text/html",
             body=(
@@ -332,7 +222,7 @@ def stand_in_for_onboarding(page, fake_stripe, return_url: str) -> None:
     page.route("https://connect.stripe.com/**", serve)
 
 
-def test_a_provider_connects_stripe_and_an_admin_approves_the_payout(earned, fake_stripe, web, settings):
+def test_a_provider_connects_stripe_and_an_admin_approves_the_payout(earned, fake_stripe, web):
     page = web.page
     sign_in(page, "pat")
     page.get_by_role("navigation", name="Dashboard").get_by_role("link", name="Earnings").click()
@@ -359,11 +249,16 @@ def test_a_provider_connects_stripe_and_an_admin_approves_the_payout(earned, fak
     assert web.phone("earnings-phone")
 
     # Onboarding on Stripe, and back: the page asks Stripe what the account can do now.
-    stand_in_for_onboarding(page, fake_stripe, settings.STRIPE_CONNECT_RETURN_URL)
+    stand_in_for_onboarding(page, fake_stripe)
     page.get_by_role("button", name="Connect Stripe account").click()
     page.wait_for_url("https://connect.stripe.com/**")
     connect = ConnectAccount.objects.get(provider__username="pat")
     assert page.url.startswith(f"https://connect.stripe.com/setup/e/{connect.stripe_account_id}/")
+    link = next(r for r in fake_stripe.requests if r.path == "/v1/account_links")
+    assert (link.params["return_url"], link.params["refresh_url"]) == (
+        f"{web.url}/provider/earnings/?connect=done",
+        f"{web.url}/provider/earnings/?connect=refresh",
+    )
     page.get_by_role("link", name="Return to the marketplace").click()
     expect(page.locator("[data-field=connect-status]")).to_have_text("ready to receive payouts")
     expect(page.get_by_role("button", name="Connect Stripe account")).to_have_count(0)
@@ -393,6 +288,7 @@ def test_a_provider_connects_stripe_and_an_admin_approves_the_payout(earned, fak
     web.shot("admin-payouts-built", admin)
 
     card.get_by_role("button", name=f"Approve batch {batch.pk}").click()
+    confirm(admin, "Approve and pay $1.25")
     expect(admin.get_by_role("status")).to_have_text(f"Batch {batch.pk} approved: 1 sent, 0 failed, 0 still sending.")
     ((transfer_id, sent),) = fake_stripe.transfers.items()
     assert (sent["amount"], sent["currency"], sent["destination"]) == (125, "usd", connect.stripe_account_id)
@@ -442,12 +338,14 @@ def test_an_admin_ejects_a_node_with_a_reason_and_reinstates_it(serving, web):
     row.get_by_role("link", name="Eject gpu-7").click()
     panel = admin.locator("#node-action")
     panel.get_by_role("button", name="Eject gpu-7").click()
+    confirm(admin, "Eject gpu-7")
     expect(panel.locator(".field.invalid .errors")).to_have_text("This field is required.")
     assert Node.objects.get(pk=node.pk).state == NodeState.ACTIVE
     web.shot("admin-eject-needs-reason", admin)
 
     panel.get_by_label("Reason").fill("hardware fraud report")
     panel.get_by_role("button", name="Eject gpu-7").click()
+    confirm(admin, "Eject gpu-7")
     expect(panel.get_by_role("status")).to_have_text("gpu-7 ejected: hardware fraud report")
     expect(row.locator("[data-field=state]")).to_have_text("ejected", timeout=LIVE_TIMEOUT_MS)
     expect(row.locator("[data-field=ejection-reason]")).to_have_text("hardware fraud report")

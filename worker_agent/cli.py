@@ -3,7 +3,7 @@
 swarm-worker keygen --out node.key
 swarm-worker serve --model smollm2-135m --layers 0:10 --port 7001 --key node.key --trust-key issuer.pub
 swarm-worker bench --model smollm2-135m --layers 0:10
-SWARM_JOIN_TOKEN=swj_... swarm-worker join --control-plane https://HOST
+SWARM_JOIN_TOKEN=swj_... swarm-worker join --control-plane https://HOST --tls auto
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def _free_port(host: str) -> int:
 def cmd_join(args: argparse.Namespace) -> int:
     """Register with the control plane (once) and serve what it assigns, until stopped."""
     # Imported per command: `keygen` and `--help` answer without loading torch.
-    from worker_agent import joining
+    from worker_agent import joining, tls
     from worker_agent.control import Agent, JoinState, hardware_report, measure_compute, register
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -241,8 +241,14 @@ def cmd_join(args: argparse.Namespace) -> int:
     signing_key = _load_or_create_key(key_path)
     state_path = key_path.with_name(key_path.name + ".join.json")
     port = args.port or _free_port(args.host)
-    tls = _tls_context(args)
-    advertise = args.advertise_url or f"{'wss' if tls is not None else 'ws'}://{args.host}:{port}"
+    tls_key_path = tls.agent_key_path(key_path, mode=args.tls, own_key=args.tls_key, own_certificate=args.tls_cert)
+    advertise = args.advertise_url or f"{'wss' if tls_key_path else 'ws'}://{args.host}:{port}"
+    if advertise.startswith("wss://") != (tls_key_path is not None):
+        print("error: --advertise-url is wss:// exactly when the data plane serves TLS (--tls auto)", file=sys.stderr)
+        return 2
+    tls_key = None
+    if tls_key_path and token:  # read (or made, with --tls auto) before the benchmark
+        tls_key = tls.load_key(tls_key_path) if args.tls_key else tls.load_or_create_key(tls_key_path)
     saved = JoinState.load(state_path)
     if saved is not None and saved.control_plane != args.control_plane.rstrip("/"):
         saved = None
@@ -261,6 +267,7 @@ def cmd_join(args: argparse.Namespace) -> int:
                     compute=compute,
                     data_url=advertise,
                     hardware=hardware_report(args.device, args.max_layers, args.dtype),
+                    tls_key=tls_key,
                 ),
                 retry,
                 rng=rng,
@@ -282,6 +289,8 @@ def cmd_join(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    pinned = (state.ca_certificate, state.node_certificate)
+    server_tls, peer_tls = tls.agent_contexts(*pinned, tls_key_path, node=state.node)
     print(f"JOINED node={state.node} control={state.control_url} data={advertise} pid={os.getpid()}", flush=True)
     agent = Agent(
         signing_key,
@@ -295,7 +304,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         cheat=cheat,
         max_layers=args.max_layers,
         shutdown_drain_s=args.drain_timeout,
-        tls=tls,
+        tls=server_tls,
+        peer_tls=peer_tls,
         port_chosen=bool(args.port or args.advertise_url),
         status_path=key_path.with_name(key_path.name + ".status.json"),
     )
@@ -439,7 +449,17 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--advertise-url", default=None, help="ws:// or wss:// URL peers use (default ws://HOST:PORT, wss:// with TLS)"
     )
-    _tls_arguments(join)
+    join.add_argument(
+        "--tls",
+        choices=["off", "auto"],
+        default="off",
+        help="auto: serve the data plane over TLS (wss://) with a key made next to --key, certified by the "
+        "control plane at join; peers then trust only the control plane's CA (default off: plain ws://)",
+    )
+    join.add_argument(
+        "--tls-key", default=None, metavar="PEM", help="as --tls auto, with this EC P-256 or Ed25519 key of your own"
+    )
+    join.add_argument("--tls-cert", default=None, help=argparse.SUPPRESS)  # refused: see tls.agent_key_path
     join.add_argument(
         "--max-layers",
         type=int,

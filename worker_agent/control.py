@@ -9,7 +9,11 @@ The join's answer names the control plane's ticket-signing key, which the agent 
 file: a control channel whose Welcome names another key is refused (logged as an error), so
 whoever can reach or impersonate the channel cannot make the agent trust their tickets. In
 production give ``--control-plane https://...``: the join then runs over TLS and the control
-channel is ``wss://``. The control channel (a WebSocket) opens with a
+channel is ``wss://`` (a join answered over HTTPS that names a plain ``ws://`` channel is
+refused), both checked against the system's CA store (``SSL_CERT_FILE`` names another bundle).
+With TLS on the data plane (``--tls auto``) the join also sends a CSR for the agent's TLS key and
+pins the swarm CA the answer names, with the node certificate it issued (``tls.py``). The control
+channel (a WebSocket) opens with a
 signed answer to the server's fresh nonce; over it the agent sends heartbeats with its load and
 receives assignments (model + layer span: it loads that block and serves it on its data-plane
 port, then reports ``ready``; the files of a catalog model's block are fetched from the control
@@ -41,7 +45,7 @@ import random
 import re
 import ssl
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,7 +53,7 @@ import psutil
 import websockets
 from websockets.asyncio.client import connect
 
-from worker_agent import __version__, fetch, probes
+from worker_agent import __version__, fetch, probes, tls
 from worker_agent import control_protocol as protocol
 from worker_agent.cheat import Cheat, warning_banner
 from worker_agent.control_protocol import ProtocolError, control_signature, join_signature
@@ -81,6 +85,11 @@ class JoinState:
     # answer: the control channel's Welcome must name this key. Empty in a state saved before keys
     # were pinned (the agent then trusts the Welcome's key and says so; join again to pin it).
     ticket_key: str = ""
+    # With TLS on the data plane (``tls.py``): the swarm CA's certificate, pinned from the join's
+    # answer (the only anchor the data plane trusts), and the node certificate it issued for the
+    # agent's TLS key (PEM both). Empty: joined without TLS.
+    ca_certificate: str = ""
+    node_certificate: str = ""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -170,27 +179,47 @@ def _post_json(url: str, body: dict) -> dict:
 
 
 def register(
-    control_plane: str, token: str, signing_key, *, hardware: dict, compute: float, data_url: str
+    control_plane: str,
+    token: str,
+    signing_key,
+    *,
+    hardware: dict,
+    compute: float,
+    data_url: str,
+    tls_key: tls.TlsKey | None = None,
 ) -> JoinState:
+    """Join; with ``tls_key`` (a wss:// data plane) ask the swarm's CA to certify that key, and
+    pin the CA the answer names once its node certificate checks out (``tls.check_issued``)."""
     base = control_plane.rstrip("/")
-    reply = _post_json(
-        f"{base}/api/v1/agents/register",
-        {
-            "token": token,
-            "public_key": public_key_bytes(signing_key).hex(),
-            "signature": join_signature(signing_key, token),
-            "hardware": hardware,
-            "benchmark": {"layer_tokens_per_s": compute},
-            "data_url": data_url,
-            "agent_version": __version__,
-        },
-    )
-    if reply.get("node") != node_id(public_key_bytes(signing_key)):
+    node = node_id(public_key_bytes(signing_key))
+    body = {
+        "token": token,
+        "public_key": public_key_bytes(signing_key).hex(),
+        "signature": join_signature(signing_key, token),
+        "hardware": hardware,
+        "benchmark": {"layer_tokens_per_s": compute},
+        "data_url": data_url,
+        "agent_version": __version__,
+    }
+    if tls_key is not None:
+        body["csr"] = tls.make_csr(tls_key, node)
+    reply = _post_json(f"{base}/api/v1/agents/register", body)
+    if reply.get("node") != node:
         raise JoinError(f"the control plane registered node {reply.get('node')!r}, not this key's")
     ticket_key = reply.get("ticket_key")
     if not (isinstance(ticket_key, str) and re.fullmatch(r"[0-9a-f]{64}", ticket_key)):
         raise JoinError(f"the control plane's join answer names no valid ticket key: {ticket_key!r}")
-    return JoinState(base, reply["node"], reply["control_url"], float(reply["heartbeat_interval_s"]), ticket_key)
+    if base.startswith("https://") and not str(reply["control_url"]).startswith("wss://"):
+        raise JoinError(f"the control plane answered over HTTPS with a plain control channel {reply['control_url']!r}")
+    state = JoinState(base, node, reply["control_url"], float(reply["heartbeat_interval_s"]), ticket_key)
+    if tls_key is None:
+        return state
+    ca, certificate = reply.get("ca_certificate"), reply.get("node_certificate")
+    try:
+        tls.check_issued(str(certificate), ca=str(ca), node=node, key=tls_key)
+    except SwarmError as exc:
+        raise JoinError(f"the control plane's join answer carries no usable certificate: {exc}") from None
+    return replace(state, ca_certificate=str(ca), node_certificate=str(certificate))
 
 
 class Agent:
@@ -212,6 +241,7 @@ class Agent:
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         shutdown_drain_s: float = SHUTDOWN_DRAIN_S,
         tls: ssl.SSLContext | None = None,
+        peer_tls: ssl.SSLContext | None = None,
         port_chosen: bool = True,
         rng: random.Random | None = None,
         status_path: Path | None = None,
@@ -232,6 +262,9 @@ class Agent:
         self.drain_timeout_s = drain_timeout_s
         self.shutdown_drain_s = shutdown_drain_s
         self.tls = tls  # the data plane's certificate (wss://); None: plain ws://
+        # The node's certificate as a client (``tls.Identity.client_context``): to its ring
+        # successors and the peers it measures. None: a wss:// peer is checked by the system's store.
+        self.peer_tls = peer_tls
         self.rng = rng or random.Random()  # draws the reconnect waits (jitter: agents do not retry in step)
         self.blocks: dict[int, Serving] = {}  # assignment -> block held, oldest first
         self.server: StageServer | None = None  # the data-plane port, while a block is held
@@ -449,7 +482,7 @@ class Agent:
             )
             if self.server is None:
                 wan = WanProfile.parse(self.wan)
-                error = await self._start_server(lambda: StageServer(stage, wan=wan))
+                error = await self._start_server(lambda: StageServer(stage, wan=wan, peer_tls=self.peer_tls))
                 if error is not None:
                     log.warning("assignment %d failed: %s", assignment, error)
                     await ws.send(protocol.encode(_failed(assignment, error)))
@@ -552,7 +585,7 @@ class Agent:
                 await asyncio.wait_for(task, 10)
 
     async def _probe(self, targets: tuple[protocol.ProbeTarget, ...]) -> tuple[protocol.LinkResult, ...]:
-        return await probes.measure(targets, self.state.control_plane)
+        return await probes.measure(targets, self.state.control_plane, tls=self.peer_tls)
 
 
 def write_status(path: Path, *, node: str, state: str, interval_s: float) -> None:

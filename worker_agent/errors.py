@@ -11,6 +11,7 @@ carries a stable machine-readable ``code`` (sent in ERROR frames) next to its hu
     ├── ReceiptError    a receipt or a job's set of receipts fails verification
     ├── StageError      a stage answered with an ERROR frame, or did not answer in time
     ├── AuditError      live-audit material is malformed, or a stage's traffic fails its audit
+    ├── TlsError        a data-plane certificate or key is missing, unreadable, expired or not the swarm's
     └── ChallengeError  a spot-challenge is invalid, or its answer is malformed
         └── ChallengeFailed  a well-formed answer disagrees with the trusted recompute
 
@@ -75,6 +76,10 @@ class StageError(SwarmError):
 
 class AuditError(SwarmError):
     code = "audit_malformed"
+
+
+class TlsError(SwarmError):
+    code = "tls"
 
 
 class ChallengeError(SwarmError):

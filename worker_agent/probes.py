@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import urllib.parse
 import urllib.request
@@ -17,6 +18,7 @@ from websockets.asyncio.client import connect
 from worker_agent import control_protocol as protocol
 from worker_agent import wire
 from worker_agent.errors import SwarmError
+from worker_agent.tls import connect_options
 
 log = logging.getLogger("swarm.agent")
 
@@ -27,9 +29,13 @@ PROBE_BUDGET_S = 60.0  # all the targets of one probe request
 MAX_PROBE_TARGETS = 64  # targets measured per probe request; the rest are left out
 
 
-async def measure(targets: tuple[protocol.ProbeTarget, ...], control_plane: str) -> tuple[protocol.LinkResult, ...]:
+async def measure(
+    targets: tuple[protocol.ProbeTarget, ...], control_plane: str, *, tls: ssl.SSLContext | None = None
+) -> tuple[protocol.LinkResult, ...]:
     """RTT and uplink to each peer's data plane; RTT to each coordinator region's probe URL (a
-    region without a URL is the control plane's own), within PROBE_BUDGET_S in all."""
+    region without a URL is the control plane's own), within PROBE_BUDGET_S in all. With the
+    swarm's client context ``tls`` a wss:// peer is reached as a ring predecessor reaches it: its
+    certificate must name the node it is probed as."""
     results = []
     deadline = time.monotonic() + PROBE_BUDGET_S
     for target in targets[:MAX_PROBE_TARGETS]:
@@ -44,7 +50,8 @@ async def measure(targets: tuple[protocol.ProbeTarget, ...], control_plane: str)
         timeout = min(PROBE_TIMEOUT_S, left)
         try:
             if url.startswith("ws"):
-                measured = await asyncio.wait_for(probe_link(url, timeout), timeout)
+                options = connect_options(url, target.target, tls)
+                measured = await asyncio.wait_for(probe_link(url, timeout, **options), timeout)
             else:
                 measured = await asyncio.wait_for(asyncio.to_thread(probe_http, url, timeout), timeout)
         except (OSError, websockets.WebSocketException, TimeoutError, SwarmError, ValueError) as exc:
@@ -93,10 +100,10 @@ def probe_http(url: str, timeout: float = 10.0, tries: int = 3) -> dict:
     return {"rtt_ms": round(best * 1000, 3)}
 
 
-async def probe_link(url: str, timeout: float = 10.0) -> dict:
-    """RTT and uplink to a data-plane URL. A reply over PROBE_MAX_REPLY bytes closes the
-    connection (the probe fails) before it is read whole."""
-    async with connect(url, open_timeout=timeout, compression=None, max_size=PROBE_MAX_REPLY) as ws:
+async def probe_link(url: str, timeout: float = 10.0, **tls) -> dict:
+    """RTT and uplink to a data-plane URL (``tls``: ``connect_options``). A reply over
+    PROBE_MAX_REPLY bytes closes the connection (the probe fails) before it is read whole."""
+    async with connect(url, open_timeout=timeout, compression=None, max_size=PROBE_MAX_REPLY, **tls) as ws:
         started = time.perf_counter()
         await ws.send(wire.encode(wire.Ping(nonce=1), seq=1))
         await asyncio.wait_for(ws.recv(), timeout)

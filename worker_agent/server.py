@@ -27,6 +27,11 @@ still taking jobs is the primary: PONG reports it, and without tickets a HELLO b
 Each stage has its own job table, queue and compute loop, so a batch never mixes blocks; the
 loops share one compute thread, because the blocks share one CPU or GPU and running them at
 once would only make each slower.
+
+Over the swarm's TLS (``tls.py``) the port is served with the node's certificate and takes only
+clients with a certificate from the swarm CA (``serve``'s ``tls``), and a ring stage reaches its
+successor with its own certificate, checking the successor's names the node its peer pass names
+(``peer_tls``).
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ from worker_agent.connection import (
 from worker_agent.errors import SwarmError, WireError
 from worker_agent.metrics import AgentMetrics, BlockLoad
 from worker_agent.stage import Output, Prepared, Stage
-from worker_agent.tickets import ProofNonces
+from worker_agent.tickets import ProofNonces, open_peer_pass
+from worker_agent.tls import connect_options
 from worker_agent.wan import WanLink, WanProfile
 
 log = logging.getLogger("swarm.worker")
@@ -172,8 +178,13 @@ class StageServer:
         wan: WanProfile | None = None,
         max_frame: int = wire.DEFAULT_MAX_FRAME,
         max_batch: int = 32,
+        peer_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.wan = wan or WanProfile()
+        # The swarm's client context a ring stage reaches its successor with (its node certificate;
+        # the successor's must name the node its peer pass names). None: a wss:// successor is
+        # checked against the system's store and its URL's host.
+        self.peer_tls = peer_tls
         self.max_frame = max_frame
         self.max_batch = max_batch
         self.slots: dict[StageKey, StageSlot] = {}  # oldest first
@@ -299,7 +310,8 @@ class StageServer:
         tls: ssl.SSLContext | None = None,
     ) -> None:
         """Serve until ``stop`` resolves, or (without ``stop``) until cancelled or SIGTERM/SIGINT;
-        over TLS (``wss://``) with ``tls``, a server context holding the agent's certificate."""
+        over TLS (``wss://``) with ``tls``, a server context holding the agent's certificate (and,
+        from ``tls.Identity.server_context``, requiring a swarm client certificate)."""
         loop = asyncio.get_running_loop()
         hurry: asyncio.Event | None = None
         if stop is None:
@@ -561,8 +573,11 @@ class StageServer:
         assert ready is not None
         next_url, next_ticket = route.next_url, route.next_ticket
         try:
+            tls = connect_options(next_url, _successor(next_ticket) if self.peer_tls else None, self.peer_tls)
             # The successor only ever answers with its HELLO and ERRORs: nothing large.
-            ws = await asyncio.wait_for(connect(next_url, max_size=wire.MAX_HEADER, compression=None), HELLO_TIMEOUT_S)
+            ws = await asyncio.wait_for(
+                connect(next_url, max_size=wire.MAX_HEADER, compression=None, **tls), HELLO_TIMEOUT_S
+            )
             peer = Conn(ws, self.wan, sent=self.metrics.bytes_out)
             await peer.send(wire.Hello(job=job, role="peer", ticket=next_ticket, topology="ring"))
             reply = wire.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S), max_frame=wire.MAX_HELLO_FRAME)
@@ -613,6 +628,12 @@ class StageServer:
             evicted = sum(slot.stage.evict_idle() for slot in list(self.slots.values()))
             if evicted:
                 log.info("evicted %d idle sessions", evicted)
+
+
+def _successor(peer_pass: bytes | None) -> str | None:
+    """The node a ring successor's peer pass is for: the one the job's coordinator, whose HELLO
+    handed it over, signed it for. Raises TicketError for a pass that does not open."""
+    return open_peer_pass(peer_pass).node if peer_pass is not None else None
 
 
 def _cap_messages(ws: ServerConnection, max_size: int) -> None:

@@ -1,20 +1,21 @@
 """The sign-up form: it checks the inputs' shape (UserCreationForm's username rules, and the
 password validators of AUTH_PASSWORD_VALIDATORS); the account rules (at least one role, an email
 not in use, the same password validators) are the ``sign_up`` service's, shown on the form by the
-view. The sign-in form refuses a sign-in after too many failures (``accounts.services``)."""
+view. The sign-in form refuses a sign-in after too many failures (``accounts.services``). The
+Django admin's user forms ask for the email too and refuse one in use, as sign-up does."""
 
 from __future__ import annotations
 
 from django import forms
 from django.contrib.auth import get_user_model
-from django.contrib.auth.forms import AuthenticationForm, UserCreationForm
+from django.contrib.auth.forms import AdminUserCreationForm, AuthenticationForm, UserChangeForm, UserCreationForm
 
 from marketplace.accounts import services
-from marketplace.accounts.errors import TooManyLoginAttempts
+from marketplace.accounts.errors import EmailTaken, TooManyLoginAttempts
 
 
 class SignUpForm(UserCreationForm):
-    email = forms.EmailField(required=True)
+    email = forms.EmailField(required=True, help_text="For notices about your account; one account per address.")
     provider = forms.BooleanField(required=False, label="I provide GPUs (provider)")
     customer = forms.BooleanField(required=False, label="I buy inference (customer)")
 
@@ -49,3 +50,31 @@ class ThrottledAuthenticationForm(AuthenticationForm):
             raise
         services.clear_login_failures(username, address)
         return cleaned
+
+
+class EmailCheckMixin:
+    """An admin user form's email: required, kept in lower case, and refused when another account
+    uses it in any case (the model's own unique check compares exact case, so "Carol@x" would pass
+    it; and Django's add form, which has no email field, saved a second user's blank address into
+    the unique column: a 500)."""
+
+    def clean_email(self) -> str:
+        try:
+            return services.check_email_free(self.cleaned_data["email"], user_pk=self.instance.pk)
+        except EmailTaken as exc:
+            raise forms.ValidationError(str(exc), code=exc.code) from None
+
+
+class AdminAddUserForm(EmailCheckMixin, AdminUserCreationForm):
+    """The admin's "Add user" form: username, email, roles, and a password the validators accept."""
+
+    class Meta(AdminUserCreationForm.Meta):
+        model = get_user_model()
+        fields = ("username", "email", "is_provider", "is_customer")
+
+
+class AdminChangeUserForm(EmailCheckMixin, UserChangeForm):
+    """The admin's user page: an email changed to one in use is refused on the form."""
+
+    class Meta(UserChangeForm.Meta):
+        model = get_user_model()

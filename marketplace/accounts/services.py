@@ -22,9 +22,7 @@ def sign_up(*, username: str, email: str, password: str, provider: bool, custome
     accept (``WeakPassword`` lists what they refused)."""
     if not (provider or customer):
         raise RoleRequired("Choose at least one role: provider or customer.")
-    email = email.lower()
-    if get_user_model().objects.filter(email__iexact=email).exists():
-        raise EmailTaken("An account with this email already exists.", param="email")
+    email = check_email_free(email)
     try:
         validate_password(password, user=get_user_model()(username=username, email=email))
     except ValidationError as exc:
@@ -33,6 +31,16 @@ def sign_up(*, username: str, email: str, password: str, provider: bool, custome
         username=username, email=email, password=password, is_provider=provider, is_customer=customer
     )
     return user
+
+
+def check_email_free(email: str, *, user_pk: int | None = None) -> str:
+    """The address in lower case, as accounts keep it; ``EmailTaken`` when another account (any but
+    ``user_pk``'s) already uses it, compared without case. The sign-up form and the Django admin's
+    user forms both check through here."""
+    email = email.strip().lower()
+    if get_user_model().objects.filter(email__iexact=email).exclude(pk=user_pk).exists():
+        raise EmailTaken("An account with this email already exists.", param="email")
+    return email
 
 
 @transaction.atomic

@@ -34,6 +34,7 @@ from marketplace.db import release_connections
 from marketplace.jobs import services
 from marketplace.jobs.errors import NoCapacity, Overloaded
 from marketplace.jobs.models import Job
+from marketplace.nodes.models import strictest
 from marketplace.placement.selectors import recovering
 
 ADMISSION_POLL_S = 0.25  # how often a request waiting for a recovering model's route asks again
@@ -117,6 +118,7 @@ async def _at_head(gate: _Gate, job: dict, deadline: float, queue_deadline: floa
                 await asyncio.wait_for(ended.wait(), min(poll * random.uniform(0.5, 1.0), left))
             poll = min(2 * poll, QUEUE_POLL_S[1])
         except NoCapacity:
-            if time.monotonic() >= deadline or not await sync_to_async(recovering)(job["model"]):
+            privacy = strictest(job["api_key"].privacy, job["params"].privacy)
+            if time.monotonic() >= deadline or not await sync_to_async(recovering)(job["model"], privacy):
                 raise
             await asyncio.sleep(ADMISSION_POLL_S)

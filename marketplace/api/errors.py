@@ -69,6 +69,7 @@ HTTP_ERRORS: dict[str, HttpError] = {
     "role_required": HttpError(403, INVALID),
     "invalid_join_token": HttpError(403, INVALID),
     "node_not_allowed": HttpError(403, INVALID),
+    "trust_mark_refused": HttpError(400, INVALID),
     "payout_refused": HttpError(403, INVALID),
     "strike_decision_refused": HttpError(403, INVALID),
     # Money and limits.
@@ -79,6 +80,7 @@ HTTP_ERRORS: dict[str, HttpError] = {
     "job_failed": HttpError(500, "server_error"),
     "no_capacity": HttpError(503, "service_unavailable"),
     "overloaded": HttpError(503, "service_unavailable"),
+    "no_trusted_capacity": HttpError(503, "service_unavailable"),
     "payment_provider_unavailable": HttpError(503, "service_unavailable"),
     "webhook_not_configured": HttpError(503, "service_unavailable"),
 }

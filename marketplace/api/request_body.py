@@ -26,6 +26,7 @@ from marketplace.jobs.params import (
     RequestParams,
     check_number,
 )
+from marketplace.nodes.models import Privacy, strictest
 
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 
@@ -37,7 +38,9 @@ _COMMON_KEYS = frozenset(
     | {"presence_penalty", "frequency_penalty", "logit_bias"}
     | {"top_k", "min_p", "repetition_penalty"}  # not OpenAI's: as vLLM and OpenRouter take them
     | {"speculation"}  # this API's own: False turns speculative decoding off (the same tokens)
+    | {"provider"}  # routing, in the spirit of OpenRouter's: {"trusted_only": true} or {"trusted_ends": true}
 )
+PROVIDER_KEYS = {"trusted_only": Privacy.TRUSTED_ONLY, "trusted_ends": Privacy.TRUSTED_ENDS}
 REQUEST_KEYS = {
     "chat": _COMMON_KEYS
     | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
@@ -89,6 +92,26 @@ def _check_keys(body: dict, kind: str) -> None:
                 param=key,
                 code="unsupported_parameter",
             )
+
+
+def _provider(value: object) -> str:
+    """The ``Privacy`` a request's "provider" object asks for: ``trusted_only`` (every stage on a
+    node an admin marked trusted) or ``trusted_ends`` (the first and last stages), or neither."""
+    if value is None:
+        return Privacy.ANY
+    if not isinstance(value, dict):
+        raise InvalidRequest("'provider' must be an object, e.g. {\"trusted_only\": true}.", param="provider")
+    for key, flag in value.items():
+        if key not in PROVIDER_KEYS:
+            raise InvalidRequest(
+                f"Unsupported parameter: provider.{key} is not supported; provider routing here takes "
+                f"{' and '.join(PROVIDER_KEYS)}.",
+                param=f"provider.{key}",
+                code="unsupported_parameter",
+            )
+        if not isinstance(flag, bool):
+            raise InvalidRequest(f"'provider.{key}' must be a boolean.", param=f"provider.{key}")
+    return strictest(*(mode for key, mode in PROVIDER_KEYS.items() if value.get(key)))
 
 
 def _number(body: dict, name: str, default: float, bounds: tuple[float, float], *, low_open: bool = False) -> float:
@@ -262,6 +285,7 @@ def parse(body: dict, kind: str) -> tuple[str, RequestParams]:
         tools=functions,
         tool_choice=tool_choice,
         n=n,
+        privacy=_provider(body.get("provider")),
     )
     return model, params
 

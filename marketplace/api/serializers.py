@@ -4,7 +4,7 @@ from rest_framework import serializers
 
 from marketplace import offerings
 from marketplace.catalog.models import DESCRIBED_BY, CatalogModel, SourceKind
-from marketplace.nodes.models import Node
+from marketplace.nodes.models import Node, Privacy
 
 
 class NodeSerializer(serializers.ModelSerializer):
@@ -77,6 +77,11 @@ class AgentRegisterSerializer(serializers.Serializer):
     benchmark = serializers.DictField()
     data_url = serializers.CharField(max_length=255)
     agent_version = serializers.CharField(max_length=32, required=False, default="")
+    # Its size and contents are checked by the swarm's CA (marketplace/nodes/authority.py), which
+    # says what is wrong more precisely than a field limit would.
+    csr = serializers.CharField(
+        required=False, trim_whitespace=False, help_text="a PEM certificate signing request for its TLS key"
+    )
 
 
 class AgentTokenCheckSerializer(serializers.Serializer):
@@ -94,6 +99,12 @@ class AgentRegisteredSerializer(serializers.Serializer):
     control_url = serializers.CharField()
     heartbeat_interval_s = serializers.FloatField()
     ticket_key = serializers.CharField(help_text="the control plane's ticket-signing ed25519 public key (hex)")
+    ca_certificate = serializers.CharField(
+        required=False, help_text="the swarm CA's certificate (PEM), when a CSR was sent: the agent pins it"
+    )
+    node_certificate = serializers.CharField(
+        required=False, help_text="the node's certificate from that CA (PEM), for the CSR's key"
+    )
 
 
 class ApiKeySerializer(serializers.Serializer):
@@ -102,9 +113,19 @@ class ApiKeySerializer(serializers.Serializer):
     prefix = serializers.CharField(read_only=True)
     requests_per_minute = serializers.IntegerField(read_only=True)
     tokens_per_minute = serializers.IntegerField(read_only=True)
+    privacy = serializers.ChoiceField(
+        choices=Privacy.choices,
+        default=Privacy.ANY,
+        help_text="which nodes every request of the key may pass through: any node, trusted first and last "
+        "stages (trusted_ends), or trusted nodes only (trusted_only); a request's provider object may ask for more",
+    )
     created_at = serializers.DateTimeField(read_only=True)
     last_used_at = serializers.DateTimeField(read_only=True)
     revoked_at = serializers.DateTimeField(read_only=True)
+
+
+class ApiKeyPrivacySerializer(serializers.Serializer):
+    privacy = serializers.ChoiceField(choices=Privacy.choices)
 
 
 class ApiKeyCreatedSerializer(ApiKeySerializer):

@@ -20,6 +20,7 @@ from marketplace.api.views import IsCustomer
 from marketplace.billing import topups
 from marketplace.billing.errors import InvalidWebhookPayload, InvalidWebhookSignature, WebhookNotConfigured
 from marketplace.errors import DomainError
+from marketplace.install.views import public_url
 
 TOP_UP_REQUEST = inline_serializer(
     "TopUpRequest", {"amount": serializers.CharField(help_text='dollars, in whole cents, e.g. "10.00"')}
@@ -42,10 +43,11 @@ TOP_UP_CREATED = inline_serializer(
 @api_view(["POST"])
 @permission_classes([permissions.IsAuthenticated, IsCustomer])
 def top_ups(request: Request) -> Response | JsonResponse:
-    """Start a top-up: answers the Stripe Checkout page to pay on. Credits arrive once Stripe confirms the payment."""
+    """Start a top-up: answers the Stripe Checkout page to pay on. Credits arrive once Stripe confirms the
+    payment; Stripe sends the customer back to the dashboard's billing page on this request's host."""
     amount = request.data.get("amount") if isinstance(request.data, dict) else None
     try:
-        top_up, checkout_url = topups.start_top_up(request.user, amount)
+        top_up, checkout_url = topups.start_top_up(request.user, amount, origin=public_url(request))
     except DomainError as exc:
         return error_response(exc)
     return Response(

@@ -20,6 +20,7 @@ from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken
 from marketplace.jobs.models import ApiKey
 from marketplace.nodes import services
+from marketplace.nodes.authority import ca_certificate
 from marketplace.nodes.errors import InvalidJoinToken, NodeError, NodeNameTaken, TooManyTokenChecks
 from marketplace.nodes.models import Node
 from marketplace.nodes.tickets import issuer_public_key
@@ -100,16 +101,17 @@ def register_agent(request: Request) -> Response | JsonResponse:
     scheme = "wss" if request.is_secure() else "ws"
     control_url = f"{scheme}://{request.get_host()}/ws/agent/"
     # The agent pins the ticket-signing key from this answer (over the join's own HTTPS in
-    # production), and later refuses a control channel that names another.
-    return Response(
-        {
-            "node": node.node_id,
-            "control_url": control_url,
-            "heartbeat_interval_s": settings.SWARM_HEARTBEAT_INTERVAL_S,
-            "ticket_key": issuer_public_key().hex(),
-        },
-        status=status.HTTP_201_CREATED,
-    )
+    # production), and later refuses a control channel that names another; likewise the swarm's
+    # CA, the only anchor its data plane's TLS trusts, when it sent a CSR.
+    answer = {
+        "node": node.node_id,
+        "control_url": control_url,
+        "heartbeat_interval_s": settings.SWARM_HEARTBEAT_INTERVAL_S,
+        "ticket_key": issuer_public_key().hex(),
+    }
+    if node.tls_certificate:
+        answer |= {"ca_certificate": ca_certificate(), "node_certificate": node.tls_certificate}
+    return Response(answer, status=status.HTTP_201_CREATED)
 
 
 class IsCustomer(permissions.BasePermission):
@@ -138,10 +140,20 @@ class ApiKeyViewSet(
         data = s.ApiKeySerializer(data=request.data)
         data.is_valid(raise_exception=True)
         try:
-            api_key, key = jobs_services.create_api_key(request.user, data.validated_data["name"])
+            api_key, key = jobs_services.create_api_key(
+                request.user, data.validated_data["name"], data.validated_data["privacy"]
+            )
         except (ApiKeyNameTaken, ApiKeyLimitReached) as exc:
             return error_response(exc)
         return Response(s.ApiKeySerializer(api_key).data | {"key": key}, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.ApiKeyPrivacySerializer, responses={200: s.ApiKeySerializer})
+    def partial_update(self, request: Request, pk=None) -> Response:
+        """PATCH {"privacy": ...}: which nodes the key's requests may pass through, from the next request on."""
+        data = s.ApiKeyPrivacySerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        api_key = jobs_services.set_key_privacy(self.get_object(), data.validated_data["privacy"])
+        return Response(s.ApiKeySerializer(api_key).data)
 
     def perform_destroy(self, instance: ApiKey) -> None:
         jobs_services.revoke_api_key(instance)

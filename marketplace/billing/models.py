@@ -98,13 +98,15 @@ class ModelPrice(models.Model):
 
 
 class TopUpState(models.TextChoices):
-    PENDING = "pending"  # a Checkout Session is open, or Stripe has not yet confirmed the payment
-    PAID = "paid"  # Stripe confirmed it; the credits are on the customer's account
-    FAILED = "failed"  # Stripe refused to start it, or the (asynchronous) payment failed
-    EXPIRED = "expired"  # the Checkout Session expired unpaid
-    REFUNDED = "refunded"  # some or all of it was refunded
-    DISPUTED = "disputed"  # the payment is disputed: its credit is frozen
-    DISPUTE_LOST = "dispute_lost"  # the dispute was lost: the frozen credit went back to the cardholder
+    PENDING = "pending", "pending"  # a Checkout Session is open, or Stripe has not yet confirmed the payment
+    PAID = "paid", "paid"  # Stripe confirmed it; the credits are on the customer's account
+    FAILED = "failed", "failed"  # Stripe refused to start it, or the (asynchronous) payment failed
+    EXPIRED = "expired", "expired"  # the Checkout Session expired unpaid
+    # The customer left Checkout through its cancel link (should the session be paid all the same, it is credited).
+    CANCELLED = "cancelled", "cancelled"
+    REFUNDED = "refunded", "refunded"  # some or all of it was refunded
+    DISPUTED = "disputed", "disputed"  # the payment is disputed: its credit is frozen
+    DISPUTE_LOST = "dispute_lost", "dispute lost"  # the dispute was lost: the frozen credit went back to the cardholder
 
 
 class TopUp(models.Model):

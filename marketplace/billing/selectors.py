@@ -44,13 +44,13 @@ def totals(user) -> dict:
     return {"total_credits": dollars(credited), "total_usage": dollars(charged)}
 
 
-def transactions(user, limit: int = 100) -> list[dict]:
-    """The customer's ledger movements, newest first, signed from their point of view."""
-    rows = (
-        Transfer.objects.filter(Q(credit__owner=user) | Q(debit__owner=user))
-        .select_related("credit", "debit", "job")
-        .order_by("-id")[:limit]
-    )
+def transactions(user, limit: int = 100, *, job: str = "") -> list[dict]:
+    """The customer's ledger movements, newest first, signed from their point of view; only those
+    of the request whose completion id is ``job`` when it is given."""
+    rows = Transfer.objects.filter(Q(credit__owner=user) | Q(debit__owner=user))
+    if job:
+        rows = rows.filter(job__public_id=job)
+    rows = rows.select_related("credit", "debit", "job").order_by("-id")[:limit]
     result = []
     for t in rows:
         mine_in = t.credit.owner_id == user.pk

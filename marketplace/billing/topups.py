@@ -1,7 +1,10 @@
 """Stripe top-ups: a Checkout Session out, signed webhook events in.
 
-``start_top_up(user, dollars)`` records a pending ``TopUp`` and asks Stripe for a Checkout Session;
-the customer pays on Stripe's page. Credits move only through ``HANDLERS``, one per webhook event
+``start_top_up(user, dollars, origin=...)`` records a pending ``TopUp`` and asks Stripe for a Checkout
+Session; the customer pays on Stripe's page, and Stripe sends them back to the billing page at
+``origin``, the address they reached this site at (or SWARM_PUBLIC_URL): never a fixed host that may
+not be this one. Leaving Checkout through its cancel link lands on ``cancel_top_up``, which marks
+the top-up cancelled at once and expires its session. Credits move only through ``HANDLERS``, one per webhook event
 type, which ``marketplace.stripe_events.handle_event`` runs once per verified event in one
 transaction; a top-up is claimed by a conditional update from pending, so two events about one
 payment credit it once.
@@ -28,6 +31,7 @@ from decimal import Decimal, InvalidOperation
 import stripe
 from django.conf import settings
 from django.db.models import F
+from django.urls import reverse
 from django.utils import timezone
 
 from marketplace.accounts.errors import RoleRequired
@@ -40,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 NANO_PER_CENT = NANO_PER_DOLLAR // 100
 CENT = Decimal("0.01")
+# A payment Stripe reports is credited from these states only: a cancelled top-up's session may
+# still have been paid (in another tab, before it expired), and that money is the customer's.
+CREDITABLE = (TopUpState.PENDING, TopUpState.CANCELLED)
 
 
 # --- top-ups --------------------------------------------------------------------------------------
@@ -64,8 +71,16 @@ def top_up_cents(dollars: object) -> int:
     return int(amount * 100)
 
 
-def start_top_up(user, dollars: object) -> tuple[TopUp, str]:
+def checkout_returns(origin: str, top_up_pk: int) -> tuple[str, str]:
+    """Where Stripe Checkout sends the customer back to, on ``origin`` (e.g. "https://swarm.example"):
+    the billing page after paying (Stripe fills in the session id), the top-up's cancel link otherwise."""
+    success = f"{origin}{reverse('web:billing')}?top_up=success&session={{CHECKOUT_SESSION_ID}}"
+    return success, f"{origin}{reverse('web:top-up-cancelled', args=[top_up_pk])}"
+
+
+def start_top_up(user, dollars: object, *, origin: str) -> tuple[TopUp, str]:
     """Open a Stripe Checkout Session for a customer's top-up; returns the top-up and the page to pay on.
+    Stripe sends the customer back to this site at ``origin``.
 
     No credit moves here: the webhook adds it once Stripe reports the payment.
     """
@@ -75,6 +90,7 @@ def start_top_up(user, dollars: object) -> tuple[TopUp, str]:
     if not settings.STRIPE_SECRET_KEY:
         raise PaymentProviderUnavailable("Top-ups are not available: this server has no payment provider configured.")
     top_up = TopUp.objects.create(customer=user, amount_cents=cents, currency="usd")
+    success_url, cancel_url = checkout_returns(origin, top_up.pk)
 
     def create_session() -> stripe.StripeObject:
         return stripe.checkout.Session.create(
@@ -89,8 +105,8 @@ def start_top_up(user, dollars: object) -> tuple[TopUp, str]:
                     "quantity": 1,
                 }
             ],
-            success_url=settings.STRIPE_TOPUP_SUCCESS_URL,
-            cancel_url=settings.STRIPE_TOPUP_CANCEL_URL,
+            success_url=success_url,
+            cancel_url=cancel_url,
             client_reference_id=str(top_up.pk),
             metadata={"top_up": str(top_up.pk), "account": str(user.pk)},
             idempotency_key=f"topup-{top_up.pk}",
@@ -109,6 +125,28 @@ def start_top_up(user, dollars: object) -> tuple[TopUp, str]:
     TopUp.objects.filter(pk=top_up.pk).update(stripe_session_id=session.id)
     top_up.refresh_from_db()
     return top_up, session.url
+
+
+def cancel_top_up(top_up: TopUp) -> bool:
+    """The customer left Checkout through its cancel link: a pending top-up is cancelled at once
+    (True), and its session expired at Stripe so that it can no longer be paid. Should Stripe still
+    report a payment (paid in another tab before the expiry), the webhook credits it all the same.
+    A top-up no longer pending is left as it is (False)."""
+    if TopUp.objects.filter(pk=top_up.pk, state=TopUpState.PENDING).update(state=TopUpState.CANCELLED) != 1:
+        return False
+    top_up.state = TopUpState.CANCELLED
+    if top_up.stripe_session_id and settings.STRIPE_SECRET_KEY:
+        session_id = top_up.stripe_session_id
+        try:
+            call_stripe(
+                lambda: stripe.checkout.Session.expire(session_id, idempotency_key=f"topup-expire-{top_up.pk}"),
+                what=f"expiring the checkout session of top-up {top_up.pk}",
+            )
+        except (stripe.StripeError, PaymentProviderUnavailable) as exc:
+            # Already completed or expired, or Stripe is away: the session's own expiry and the
+            # webhook settle it; the customer's cancel stands either way.
+            logger.warning("Could not expire the checkout session of top-up %s: %r", top_up.pk, exc)
+    return True
 
 
 # --- webhook events -------------------------------------------------------------------------------
@@ -133,7 +171,8 @@ def _top_up_for_charge(charge_or_dispute: Mapping) -> TopUp | None:
 
 
 def _credit(top_up: TopUp, session: Mapping, event_id: str) -> str:
-    """Credit a paid session's amount once: only the event that moves the top-up out of pending credits.
+    """Credit a paid session's amount once: only the event that moves the top-up out of pending (or
+    cancelled) credits.
 
     The session must have been paid in the top-up's currency and for exactly its amount; anything
     else is credited to nobody and flagged for review (the top-up stays pending)."""
@@ -146,7 +185,7 @@ def _credit(top_up: TopUp, session: Mapping, event_id: str) -> str:
         TopUp.objects.filter(pk=top_up.pk).update(needs_review=True, failure=mismatch[:255])
         logger.error("Top-up %s: %s", top_up.pk, mismatch)
         return "needs_review"
-    claimed = TopUp.objects.filter(pk=top_up.pk, state=TopUpState.PENDING).update(
+    claimed = TopUp.objects.filter(pk=top_up.pk, state__in=CREDITABLE).update(
         state=TopUpState.PAID,
         paid_at=timezone.now(),
         stripe_session_id=session["id"],

@@ -4,12 +4,11 @@ tokens. An entry is never deleted here: jobs, receipts and prices name it (disab
 
 from __future__ import annotations
 
-from decimal import Decimal
-
 from django import forms
 from django.contrib import admin
 
 from marketplace import offerings
+from marketplace.billing.admin import price_field
 from marketplace.catalog.errors import CatalogError
 from marketplace.catalog.models import DESCRIBED_BY, CatalogModel
 
@@ -19,12 +18,8 @@ PRICES = ("prompt_price", "completion_price")
 
 
 def _price_field(tokens: str) -> forms.DecimalField:
-    return forms.DecimalField(
-        min_value=Decimal(0),
-        max_digits=16,
-        decimal_places=9,
-        required=False,
-        help_text=f"dollars per million {tokens} tokens (empty: as it is, or the default price)",
+    return price_field(
+        tokens, required=False, help_text=f"dollars per million {tokens} tokens (empty: as it is, or the default price)"
     )
 
 

@@ -19,8 +19,11 @@ DEFAULT_MODEL = "smollm2-135m"  # what an agent benchmarks when the control plan
 
 def install_command(base_url: str, token: str) -> str:
     """The line a provider pastes on the machine: fetch the script, run it with the token in its
-    environment (never as a process's argument, which ``ps`` shows to every user of the machine)."""
-    return f"curl -fsSL {base_url}{SCRIPT_PATH} | SWARM_JOIN_TOKEN={shlex.quote(token)} sh"
+    environment (never as a process's argument, which ``ps`` shows to every user of the machine).
+    Where the swarm requires TLS on the data plane (SWARM_REQUIRE_DATA_TLS), the agent joins with
+    ``--tls auto``: it sends a certificate request and serves ``wss://`` with what the swarm issues."""
+    line = f"curl -fsSL {base_url}{SCRIPT_PATH} | SWARM_JOIN_TOKEN={shlex.quote(token)} sh"
+    return f"{line} -s -- --tls auto" if settings.SWARM_REQUIRE_DATA_TLS else line
 
 
 def agent_model() -> str:

@@ -25,7 +25,8 @@ from marketplace.install.script import render_script
 
 
 def public_url(request: HttpRequest) -> str:
-    """The control plane's address for agents: SWARM_PUBLIC_URL, else this request's own."""
+    """The control plane's public address, for agents and for Stripe's redirects back to the
+    dashboard: SWARM_PUBLIC_URL, else this request's own scheme and host."""
     return settings.SWARM_PUBLIC_URL or f"{request.scheme}://{request.get_host()}"
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 
+from marketplace.billing.admin import money_column
 from marketplace.jobs.models import Job
+
+CHARGED = money_column("charged_amount", "charged")
 
 
 @admin.register(Job)
@@ -18,7 +21,7 @@ class JobAdmin(admin.ModelAdmin):
         "model",
         "state",
         "completion_tokens",
-        "charged_amount",
+        CHARGED,
         "verified",
         "settled_at",
         "settle_flagged",

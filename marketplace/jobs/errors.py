@@ -46,6 +46,13 @@ class NoCapacity(ApiError):
     code = "no_capacity"
 
 
+class NoTrustedCapacity(NoCapacity):
+    """The request asked for trusted nodes (``Privacy``) and no route of such nodes is ready, while
+    others are: it is refused, never sent to them."""
+
+    code = "no_trusted_capacity"
+
+
 class Overloaded(NoCapacity):
     """Every route of the model carries as many jobs as its stages hold, and none freed up while
     the request waited (SWARM_QUEUE_WAIT_S)."""

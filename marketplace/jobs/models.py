@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
+from marketplace.nodes.models import Privacy
+
 
 class ApiKey(models.Model):
     """A customer's API key: the full key is shown once; only its sha256 is stored."""
@@ -15,6 +17,7 @@ class ApiKey(models.Model):
     key_hash = models.CharField(max_length=64, unique=True)
     requests_per_minute = models.PositiveIntegerField(default=60)
     tokens_per_minute = models.PositiveIntegerField(default=100_000)
+    privacy = models.CharField(max_length=16, choices=Privacy.choices, default=Privacy.ANY)  # every request's floor
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
@@ -59,6 +62,7 @@ class Job(models.Model):
     error_code = models.CharField(max_length=64, blank=True)
     error_message = models.TextField(blank=True)
 
+    privacy = models.CharField(max_length=16, choices=Privacy.choices, default=Privacy.ANY)  # its key's or its own
     route = models.JSONField(default=list)  # [{node, node_key, url, layer_start, layer_end}] in order
     # Each heal of the route mid-request, oldest first: {at (ISO 8601), failed_node, reason,
     # route_before}; ``route`` is the route after the last one.

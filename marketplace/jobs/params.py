@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from marketplace.jobs.errors import InvalidRequest
 from marketplace.jobs.tools import Tool
+from marketplace.nodes.models import Privacy
 
 # The coordinator's own bounds: a request the API admits is one the coordinator takes.
 from worker_agent.coordinator.sampling import BIAS_RANGE, PENALTY_RANGE, REPETITION_RANGE
@@ -61,6 +62,9 @@ class RequestParams:
     tool_choice: str = "none"  # "none", "required" or a function's name: the output is then one call
     # Choices the request asked for (>= 1): each runs as a job of its own, and this is stored on each.
     n: int = 1
+    # Which nodes may see it (a ``Privacy`` value, from the request's "provider" object); its API
+    # key's setting applies too, the stricter of the two.
+    privacy: str = Privacy.ANY
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -101,6 +105,8 @@ class RequestParams:
             )
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequest(f"'n' must be an integer >= 1, got {self.n!r}.", param="n")
+        if self.privacy not in Privacy.values:
+            raise InvalidRequest(f"'privacy' must be one of {Privacy.values}, got {self.privacy!r}.", param="provider")
         ids = [token for token, _ in self.logit_bias]
         if len(ids) > MAX_LOGIT_BIAS or len(set(ids)) != len(ids):
             raise InvalidRequest(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} distinct tokens.", param="logit_bias")
@@ -160,6 +166,8 @@ class RequestParams:
         data |= {key: value for key, (value, default) in adjustments.items() if value != default}
         if self.n != 1:
             data["n"] = self.n
+        if self.privacy != Privacy.ANY:
+            data["privacy"] = self.privacy
         if self.logit_bias:
             data["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}
         if self.logprobs is not None:
@@ -192,6 +200,7 @@ class RequestParams:
             messages=None if messages is None else tuple(ChatMessage(m["role"], m["content"]) for m in messages),
             prompt=data.get("prompt"),
             speculation=data.get("speculation", True),
+            privacy=data.get("privacy", Privacy.ANY),
             top_k=data.get("top_k", 0),
             min_p=data.get("min_p", 0.0),
             presence_penalty=data.get("presence_penalty", 0.0),

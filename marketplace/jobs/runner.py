@@ -35,6 +35,7 @@ from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_assignments
 from marketplace.jobs.settlement import settle
+from marketplace.nodes.authority import coordinator_tls
 from marketplace.nodes.tickets import TICKET_MARGIN_S, ticket_for
 from marketplace.verification.audits import record_audits
 from marketplace.verification.strikes import strike_unverifiable_receipts
@@ -245,7 +246,11 @@ async def _specs(job: Job, route: list[dict], grant: JobGrant) -> list[StageSpec
             for stage in route
         ]
 
-    return [StageSpec(stage["url"], ticket) for stage, ticket in zip(route, await in_thread(tickets), strict=True)]
+    # Each stage's node too: over TLS the stage's certificate must name the node placed there.
+    return [
+        StageSpec(stage["url"], ticket, node=stage["node"])
+        for stage, ticket in zip(route, await in_thread(tickets), strict=True)
+    ]
 
 
 class JobHealer:
@@ -302,6 +307,7 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
         stall_timeout_s=settings.SWARM_STALL_TIMEOUT_S,
         coordinator_key=grant.coordinator_key,
         speculation=speculation_settings(),
+        tls=await in_thread(coordinator_tls),
     ) as coord:
         request = coord.request_ids(
             job.prompt_ids,

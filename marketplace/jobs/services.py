@@ -31,13 +31,14 @@ from marketplace.jobs.errors import (
     AuthenticationFailed,
     InvalidRequest,
     NoCapacity,
+    NoTrustedCapacity,
     Overloaded,
 )
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.jobs.settlement import hold_terms, place_hold, settle
-from marketplace.nodes.models import Node, NodeState
+from marketplace.nodes.models import Node, NodeState, Privacy, strictest
 from marketplace.placement.models import PlacementState
 from marketplace.placement.selectors import context_length, recovering, route_around, route_request
 from marketplace.placement.services import report_node_failure
@@ -60,8 +61,9 @@ def _hash(key: str) -> str:
 
 
 @transaction.atomic
-def create_api_key(user, name: str) -> tuple[ApiKey, str]:
-    """A new key for a customer; the plaintext is returned once and never stored.
+def create_api_key(user, name: str, privacy: str = Privacy.ANY) -> tuple[ApiKey, str]:
+    """A new key for a customer; the plaintext is returned once and never stored. ``privacy``:
+    which nodes every request of the key may be routed through (``set_key_privacy``).
 
     Refused (``ApiKeyNameTaken``) when the customer has an active key of that name, or the name
     is the playground's; a revoked key's name may be used again. Refused (``ApiKeyLimitReached``)
@@ -70,7 +72,20 @@ def create_api_key(user, name: str) -> tuple[ApiKey, str]:
     """
     if name == PLAYGROUND_KEY_NAME:
         raise ApiKeyNameTaken("This name is kept for the playground's own key.", param="name")
-    return _create_key(user, name, limited=True)
+    api_key, key = _create_key(user, name, limited=True)
+    if privacy != Privacy.ANY:
+        set_key_privacy(api_key, privacy)
+    return api_key, key
+
+
+def set_key_privacy(api_key: ApiKey, privacy: str) -> ApiKey:
+    """Route every later request of ``api_key`` only through nodes ``privacy`` allows (a request
+    may ask for more, never for less: the stricter applies). Jobs in flight keep their routes."""
+    if privacy not in Privacy.values:
+        raise InvalidRequest(f"'privacy' must be one of {Privacy.values}, got {privacy!r}.", param="privacy")
+    ApiKey.objects.filter(pk=api_key.pk).update(privacy=privacy)
+    api_key.refresh_from_db()
+    return api_key
 
 
 @transaction.atomic
@@ -216,6 +231,16 @@ def admit_jobs(
 
 
 OVERLOADED_RETRY_AFTER_S = 2  # Retry-After of a 503 overloaded
+NO_TRUSTED = {
+    Privacy.TRUSTED_ONLY: (
+        "No route of trusted nodes is ready for model {model!r}; the request asked for trusted nodes only "
+        "(trusted_only) and was not sent to any other. Retry later, or drop the requirement."
+    ),
+    Privacy.TRUSTED_ENDS: (
+        "No route with trusted first and last stages is ready for model {model!r}; the request asked for "
+        "trusted ends (trusted_ends) and was not sent to any other. Retry later, or drop the requirement."
+    ),
+}
 
 
 def jobs_in_flight() -> Counter[str]:
@@ -245,14 +270,17 @@ def admit_job(
     request's ``x-request-id``), so that an operator finds the job a customer quotes it for."""
     # One admission at a time per model from here to the commit: each counts the jobs in flight
     # that those before it admitted, so no stage is sent more sessions than it holds.
+    privacy = strictest(api_key.privacy, params.privacy)
     placed = PlacementState.objects.select_for_update().filter(model=model).first() is not None
-    chosen = route_request(model, jobs_in_flight(), placed=placed)
+    chosen = route_request(model, jobs_in_flight(), placed=placed, privacy=privacy)
     if chosen is None:
-        if route_request(model, placed=placed) is not None:
+        if route_request(model, placed=placed, privacy=privacy) is not None:
             raise Overloaded(
                 f"Model {model!r} is serving as many requests as its nodes hold; retry shortly.",
                 retry_after=OVERLOADED_RETRY_AFTER_S,
             )
+        if privacy != Privacy.ANY and route_request(model, placed=placed) is not None:
+            raise NoTrustedCapacity(NO_TRUSTED[privacy].format(model=model))
         raise NoCapacity(f"No capacity for model {model!r} right now: no complete pipeline is ready.")
     region, stages, _ = chosen
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -271,6 +299,7 @@ def admit_job(
         prompt_ids=list(prompt_ids),
         prompt_tokens=len(prompt_ids),
         coordinator_region=region,
+        privacy=privacy,
         route=route,
         audit_stages=choose_audit_stages(route, fractions={stage.node: stage.audit_fraction for stage in stages}),
         **hold_terms(model, len(prompt_ids), params.max_tokens),
@@ -311,7 +340,7 @@ def heal_job(
         return None
     avoid = {heal["failed_node"] for heal in job.heals} | {failed_node}
     current = [(s["node"], s["layer_start"], s["layer_end"]) for s in job.route]
-    stages = route_around(job.model, current, avoid, job.coordinator_region)
+    stages = route_around(job.model, current, avoid, job.coordinator_region, job.privacy)
     if stages is None:
         # No route without every node this job saw fail: one that has since proved alive (it
         # heartbeats after the report: it was slow or briefly frozen, not dead) may serve it again.
@@ -321,7 +350,7 @@ def heal_job(
             .values_list("node_id", flat=True)
         )
         if still_failed != avoid:
-            stages = route_around(job.model, current, still_failed, job.coordinator_region)
+            stages = route_around(job.model, current, still_failed, job.coordinator_region, job.privacy)
     if stages is None:
         log.warning("job %s: %s failed and no route avoids %s", job.public_id, failed_node, ", ".join(sorted(avoid)))
         return None

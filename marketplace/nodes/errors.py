@@ -49,3 +49,15 @@ class NodeNameTaken(NodeError):
 
 class NodeNotAllowed(NodeError):
     code = "node_not_allowed"
+
+
+class TrustMarkRefused(NodeError):
+    """A trust mark that cannot be set or cleared as asked (no reason, an ejected node)."""
+
+    code = "trust_mark_refused"
+
+
+class InvalidCsr(InvalidReport):
+    """A join's certificate signing request the swarm's CA does not sign (answered as any bad report)."""
+
+    code = "invalid_csr"

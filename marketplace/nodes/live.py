@@ -5,7 +5,8 @@ A producer (a service that changed a node's state, load, assignments or reputati
 goes out on the channel layer once the transaction commits, so a page never fetches a state that
 the database does not hold yet, and a rolled-back change notifies nobody. It reaches the node's
 owner and the admins (``DashboardConsumer``); their pages fetch the fragments that show the node,
-through the same views (and permission checks) as a page load.
+through the same views (and permission checks) as a page load. ``notify_admins(topic)`` does the
+same for what only admins see (``strike``: the strike queue).
 """
 
 from __future__ import annotations
@@ -36,8 +37,16 @@ def notify_node_changed(node_pk: int) -> None:
     """
     owner_pk = Node.objects.filter(pk=node_pk).values_list("owner_id", flat=True).first()
     groups = [ADMIN_GROUP] if owner_pk is None else [user_group(owner_pk), ADMIN_GROUP]
-    event = {"type": "dashboard.event", "topic": "node", "node": node_pk}
+    _send_on_commit(groups, {"type": "dashboard.event", "topic": "node", "node": node_pk})
 
+
+def notify_admins(topic: str) -> None:
+    """Tell the admins' pages that something under ``topic`` changed (``strike``: one opened or was
+    decided), once the transaction commits; their pages refetch what they show of it."""
+    _send_on_commit([ADMIN_GROUP], {"type": "dashboard.event", "topic": topic, "node": None})
+
+
+def _send_on_commit(groups: list[str], event: dict) -> None:
     def send() -> None:
         layer = get_channel_layer()
         if layer is None:

@@ -15,6 +15,23 @@ class NodeState(models.TextChoices):
     DELETED = "deleted", "deleted"  # deleted by its owner; the row stays so its jobs settle and pay it
 
 
+class Privacy(models.TextChoices):
+    """Which nodes may see a request (README, "Who sees what"). Stage 0 sees the prompt's embeddings
+    and the last stage the states the output's logits come from; every stage sees activations."""
+
+    ANY = "any", "Any node"
+    TRUSTED_ENDS = "trusted_ends", "Trusted first and last stages"
+    TRUSTED_ONLY = "trusted_only", "Trusted nodes only"
+
+
+PRIVACY_ORDER = (Privacy.ANY, Privacy.TRUSTED_ENDS, Privacy.TRUSTED_ONLY)  # weakest first
+
+
+def strictest(*modes: str) -> str:
+    """The strictest of ``modes`` (``Privacy`` values): a key's floor and a request's ask combine so."""
+    return max(modes, key=PRIVACY_ORDER.index, default=Privacy.ANY)
+
+
 class Node(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="nodes")
     name = models.CharField(max_length=100)
@@ -46,6 +63,9 @@ class Node(models.Model):
     verified_layer_tokens_per_s = models.FloatField(null=True, blank=True)
     uplink_mbps = models.FloatField(null=True, blank=True)
     data_url = models.CharField(max_length=255, blank=True)  # ws://host:port of its data plane
+    # The certificate the swarm's CA issued its agent at its last join (PEM, marketplace/nodes/authority.py):
+    # it serves wss:// with it. Empty: the node joined without TLS (a plain ws:// data plane).
+    tls_certificate = models.TextField(blank=True)
     agent_version = models.CharField(max_length=32, blank=True)
 
     reputation = models.FloatField(default=1.0)  # 0..1, see marketplace.verification.reputation
@@ -70,6 +90,14 @@ class Node(models.Model):
     suspicion = models.CharField(max_length=255, blank=True)  # the reported failure
     joined_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # Marked trusted by an admin (vetted hardware and operator): a customer may require that only
+    # such nodes see its requests (Privacy). Set and cleared only through
+    # marketplace.nodes.trust_marks, which records who, when and why.
+    trusted_at = models.DateTimeField(null=True, blank=True)
+    trusted_reason = models.TextField(blank=True)
+    trusted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
 
     class Meta:
         ordering = ["id"]
@@ -82,6 +110,10 @@ class Node(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.node_id or 'not joined'}, {self.state})"
+
+    @property
+    def trusted(self) -> bool:
+        return self.trusted_at is not None
 
 
 class LinkMeasurement(models.Model):

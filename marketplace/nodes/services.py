@@ -24,7 +24,9 @@ from django.utils import timezone
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
+from marketplace.nodes.authority import issue_node_certificate
 from marketplace.nodes.errors import (
+    InvalidCsr,
     InvalidHandshake,
     InvalidJoinToken,
     InvalidReport,
@@ -139,8 +141,10 @@ def register_agent(
     benchmark: dict,
     data_url: str,
     agent_version: str = "",
+    csr: str | None = None,
 ) -> Node:
-    """An agent joins with a one-time token and proof that it holds the key it registers."""
+    """An agent joins with a one-time token and proof that it holds the key it registers; one that
+    serves TLS sends a CSR for its TLS key, and the swarm's CA certifies it (``tls_certificate``)."""
     raw_key = _check_public_key(public_key)
     if not isinstance(token, str) or not token.startswith(TOKEN_PREFIX):
         raise InvalidJoinToken("the join token is not valid")
@@ -157,6 +161,7 @@ def register_agent(
         raise NodeNotAllowed("this node was ejected")
     if not (isinstance(data_url, str) and data_url.startswith(("ws://", "wss://")) and len(data_url) <= 255):
         raise InvalidReport("data_url must be a ws:// or wss:// URL")
+    tls_certificate = _tls_certificate(csr, node=node_id_of(raw_key), data_url=data_url)
     memory = _number(hardware, "memory_bytes", minimum=1, maximum=2**62)  # fits a bigint
     max_layers = _number(hardware, "max_layers", minimum=1, maximum=100_000, required=False)
     max_positions = _number(hardware, "max_positions", minimum=1, maximum=MAX_POSITIONS, required=False)
@@ -183,6 +188,7 @@ def register_agent(
     node.max_sessions = int(max_sessions) if max_sessions else None
     node.compute_layer_tokens_per_s = compute
     node.data_url = data_url
+    node.tls_certificate = tls_certificate
     node.agent_version = str(agent_version)[:32]
     node.joined_at = timezone.now()
     node.connected = False  # until this agent opens its control channel
@@ -194,6 +200,27 @@ def register_agent(
         raise KeyAlreadyRegistered("this key is already registered to another node") from exc
     notify_node_changed(node.pk)
     return node
+
+
+def _tls_certificate(csr: str | None, *, node: str, data_url: str) -> str:
+    """The certificate for a join's CSR; "" for a plain ws:// data plane where the settings allow one."""
+    secure = data_url.startswith("wss://")
+    if csr is None:
+        if secure:
+            raise InvalidCsr(
+                "a wss:// data plane needs a certificate from this control plane: send a CSR "
+                "(swarm-worker join --tls auto)",
+                param="csr",
+            )
+        if settings.SWARM_REQUIRE_DATA_TLS:
+            raise InvalidCsr(
+                "this control plane requires TLS on the data plane: send a CSR (swarm-worker join --tls auto)",
+                param="csr",
+            )
+        return ""
+    if not secure:
+        raise InvalidReport("data_url must be a wss:// URL when a CSR is sent: the certificate serves TLS")
+    return issue_node_certificate(csr, node=node, data_url=data_url)
 
 
 def _retried_join(token_hash: str, public_key: str) -> Node | None:

@@ -5,14 +5,19 @@ from __future__ import annotations
 from django.contrib import admin, messages
 
 from marketplace.admin_actions import ReadOnlyAdmin
+from marketplace.billing.admin import money_column
 from marketplace.payouts import services
 from marketplace.payouts.errors import PayoutError
 from marketplace.payouts.models import ConnectAccount, Earning, Payout, PayoutBatch
 
+AMOUNT = money_column("amount", "amount")
+SENT = money_column("cents", "transfer (whole cents)", scale="cents")
+TOTAL = money_column("total", "total")
+
 
 class PayoutInline(admin.TabularInline):
     model = Payout
-    fields = ("provider", "amount", "cents", "state", "stripe_transfer_id", "attempts", "last_error", "flagged")
+    fields = ("provider", AMOUNT, SENT, "state", "stripe_transfer_id", "attempts", "last_error", "flagged")
     readonly_fields = fields
     extra = 0
     can_delete = False
@@ -23,9 +28,10 @@ class PayoutInline(admin.TabularInline):
 
 @admin.register(PayoutBatch)
 class PayoutBatchAdmin(admin.ModelAdmin):
-    list_display = ("id", "state", "total", "created_at", "approved_by", "approved_at")
+    list_display = ("id", "state", TOTAL, "created_at", "approved_by", "approved_at")
     list_filter = ("state",)
-    readonly_fields = ("state", "total", "created_at", "approved_by", "approved_at")
+    fields = ("state", TOTAL, "created_at", "approved_by", "approved_at")
+    readonly_fields = fields
     inlines = [PayoutInline]
     actions = ["approve"]
 
@@ -49,14 +55,18 @@ class PayoutBatchAdmin(admin.ModelAdmin):
 
 @admin.register(Payout)
 class PayoutAdmin(ReadOnlyAdmin):
-    list_display = ("id", "batch", "provider", "amount", "state", "attempts", "flagged", "stripe_transfer_id")
+    list_display = ("id", "batch", "provider", AMOUNT, SENT, "state", "attempts", "flagged", "stripe_transfer_id")
     list_filter = ("state", "flagged")
+    exclude = ("amount", "cents", "carried_in")
+    readonly_fields = (AMOUNT, SENT, money_column("carried_in", "carried in (earlier sub-cent rests)"))
 
 
 @admin.register(Earning)
 class EarningAdmin(ReadOnlyAdmin):
-    list_display = ("id", "provider", "node", "job", "amount", "layer_tokens", "state", "available_at")
+    list_display = ("id", "provider", "node", "job", AMOUNT, "layer_tokens", "state", "available_at")
     list_filter = ("state",)
+    exclude = ("amount",)
+    readonly_fields = (AMOUNT,)
 
 
 @admin.register(ConnectAccount)

@@ -24,6 +24,7 @@ import stripe
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Sum
+from django.urls import reverse
 from django.utils import timezone
 
 from marketplace.billing.models import AccountKind, LedgerAccount
@@ -151,8 +152,10 @@ def claw_back(node: Node, strike) -> int:
 # --- Stripe Connect onboarding --------------------------------------------------------------------
 
 
-def start_onboarding(provider) -> str:
-    """The provider's Stripe Connect account (created once) and a fresh Account Link to onboard it."""
+def start_onboarding(provider, *, origin: str) -> str:
+    """The provider's Stripe Connect account (created once) and a fresh Account Link to onboard it;
+    Stripe sends the provider back to their earnings page at ``origin`` (this site's address as they
+    reached it, or SWARM_PUBLIC_URL): ``?connect=done``, or ``?connect=refresh`` when the link expired."""
     if not provider.is_provider:
         raise PayoutRefused("only providers connect a payout account")
     if not settings.STRIPE_SECRET_KEY:
@@ -170,11 +173,12 @@ def start_onboarding(provider) -> str:
             what="account creation",
         )
         connect, _ = ConnectAccount.objects.get_or_create(provider=provider, defaults={"stripe_account_id": created.id})
+    earnings = f"{origin}{reverse('web:earnings')}"
     link = call_stripe(
         lambda: stripe.AccountLink.create(
             account=connect.stripe_account_id,
-            refresh_url=settings.STRIPE_CONNECT_REFRESH_URL,
-            return_url=settings.STRIPE_CONNECT_RETURN_URL,
+            refresh_url=f"{earnings}?connect=refresh",
+            return_url=f"{earnings}?connect=done",
             type="account_onboarding",
         ),
         what="account link",

@@ -290,22 +290,31 @@ def place(
         ((p, stage) for p, pipeline in enumerate(pipelines) for stage in pipeline),
         key=lambda ps: (-ps[1].layers / by_id[ps[1].node].compute, ps[0], ps[1].layer_start),
     )
+    spares = warm_spares(idle, [stage for _, stage in loaded])  # spans in the order of their most loaded holder
+    return Placement(n_layers=n_layers, plan=plan, pipelines=tuple(pipelines), spares=spares)
+
+
+def warm_spares(nodes: Sequence[NodeCapacity], stages: Sequence[Stage]) -> tuple[Stage, ...]:
+    """Warm blocks for ``nodes``, in their order: each copies the span of ``stages`` it can hold
+    (``layers <= max_layers``) with the fewest replicas so far (the stages and spares holding
+    exactly it), the earliest in ``stages``' order on a tie; a node too small for any holds the
+    first ``max_layers`` layers of the first stage, a partial block that still shortens a heal."""
     replicas: dict[tuple[int, int], int] = {}  # span -> stages and spares holding exactly it
-    for _, stage in loaded:
+    for stage in stages:
         span = (stage.layer_start, stage.layer_end)
         replicas[span] = replicas.get(span, 0) + 1
-    spans = list(replicas)  # each span once, in the order of its most loaded holder
+    spans = list(replicas)
     spares = []
-    for node in idle:
+    for node in nodes:
         fits = [i for i, (start, end) in enumerate(spans) if end - start <= node.max_layers]
         if fits:
             i = min(fits, key=lambda i: (replicas[spans[i]], i))
             replicas[spans[i]] += 1
             spares.append(Stage(node.node, *spans[i]))
         else:
-            start = loaded[0][1].layer_start
+            start = stages[0].layer_start
             spares.append(Stage(node.node, start, start + node.max_layers))
-    return Placement(n_layers=n_layers, plan=plan, pipelines=tuple(pipelines), spares=tuple(spares))
+    return tuple(spares)
 
 
 def carry_spares(

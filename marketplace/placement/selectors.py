@@ -9,7 +9,7 @@ from django.conf import settings
 from django.db.models import Max
 
 from marketplace.nodes.capacity import credible_speeds
-from marketplace.nodes.models import LinkMeasurement, Node, NodeState
+from marketplace.nodes.models import LinkMeasurement, Node, NodeState, Privacy
 from marketplace.placement.allocation import Stage
 from marketplace.placement.errors import PlacementError
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
@@ -59,6 +59,18 @@ def _routable(assignment: Assignment) -> bool:
     coordinator has reported failed since its last sign of life."""
     node = assignment.node
     return assignment.state == AssignmentState.READY and node.state == NodeState.ACTIVE and node.suspected_at is None
+
+
+def allowed_for(assignment: Assignment, privacy: str, n_layers: int) -> bool:
+    """Whether a request of ``privacy`` may pass through ``assignment``'s stage: any stage for
+    ``any``; only a trusted node's for ``trusted_only``; for ``trusted_ends``, an untrusted node's
+    only when its block holds neither the first layer (it would see the prompt's embeddings) nor
+    the last (the states the output comes from)."""
+    if privacy == Privacy.ANY or assignment.node.trusted:
+        return True
+    if privacy == Privacy.TRUSTED_ENDS:
+        return assignment.layer_start > 0 and assignment.layer_end < n_layers
+    return False
 
 
 def _pipeline_stage(a: Assignment) -> PipelineStage:
@@ -115,13 +127,17 @@ def is_servable(model: str) -> bool:
     return bool(servable_pipelines(model))
 
 
-def recovering(model: str) -> bool:
+def recovering(model: str, privacy: str = Privacy.ANY) -> bool:
     """Whether capacity for ``model`` may come back soon: it is placed and some node online holds
-    or is loading a block of it. A request that finds no route may then wait a little for one
-    (admission, a heal) instead of failing at once; a model no node serves fails at once."""
+    or is loading a block of it (a trusted node's, for a request that asks for trusted nodes). A
+    request that finds no route may then wait a little for one (admission, a heal) instead of
+    failing at once; a model no such node serves fails at once."""
     if not PlacementState.objects.filter(model=model).exists():
         return False
-    return live_assignments(model).filter(node__state=NodeState.ACTIVE).exists()
+    live = live_assignments(model).filter(node__state=NodeState.ACTIVE)
+    if privacy != Privacy.ANY:
+        live = live.filter(node__trusted_at__isnull=False)
+    return live.exists()
 
 
 def region_target(region: str) -> str:
@@ -172,18 +188,26 @@ def _costs(nodes: list[str], rows: list[Node] | None = None) -> tuple[dict[tuple
     return rtt, {node: 1000.0 / value for node, value in speed.items() if value}
 
 
-def route_request(model: str, busy: Mapping[str, int] | None = None, *, placed: bool = False):
+def route_request(
+    model: str, busy: Mapping[str, int] | None = None, *, placed: bool = False, privacy: str = Privacy.ANY
+):
     """The lowest-latency chain of routable stages for one request, and the coordinator region it
     starts from; None when no chain covers the model. Stages are every routable block of the
     model, on pipelines and warm spares alike: while a pipeline has a member reported failed (or
     being replaced), a spare holding its span keeps the model servable, as it does for a request
     healing around it (``route_around``). With ``busy`` (jobs in flight by node id), a node
     carrying its ``session_room`` already is left out. ``placed``: the caller knows the model has
-    a placement (admission locked its row), so it is not looked up again."""
+    a placement (admission locked its row), so it is not looked up again. ``privacy``: only stages
+    that ``allowed_for`` lets such a request through."""
     if not placed and not PlacementState.objects.filter(model=model).exists():
         return None
     busy = busy or {}
-    usable = [a for a in live_assignments(model) if _routable(a) and busy.get(a.node.node_id, 0) < session_room(a.node)]
+    n_layers = models.n_layers(model)
+    usable = [
+        a
+        for a in live_assignments(model)
+        if _routable(a) and busy.get(a.node.node_id, 0) < session_room(a.node) and allowed_for(a, privacy, n_layers)
+    ]
     if not usable:
         return None
     stages = [_pipeline_stage(a) for a in usable]
@@ -195,7 +219,7 @@ def route_request(model: str, busy: Mapping[str, int] | None = None, *, placed: 
         try:
             candidate = route(
                 [Stage(s.node, s.layer_start, s.layer_end) for s in stages],
-                models.n_layers(model),
+                n_layers,
                 rtt,
                 layer_ms,
                 source=source,
@@ -212,11 +236,16 @@ def route_request(model: str, busy: Mapping[str, int] | None = None, *, placed: 
 
 
 def route_around(
-    model: str, current: list[tuple[str, int, int]], avoid: Collection[str], region: str
+    model: str,
+    current: list[tuple[str, int, int]],
+    avoid: Collection[str],
+    region: str,
+    privacy: str = Privacy.ANY,
 ) -> list[PipelineStage] | None:
     """A replacement route for a request in flight on ``current`` (its stages as (node, layer_start,
     layer_end) in order) that passes through none of the ``avoid`` nodes, from the coordinator
-    ``region`` where it runs; None when no such route exists.
+    ``region`` where it runs, and only through stages its ``privacy`` allows (``allowed_for``); None
+    when no such route exists.
 
     Stages are every routable block of the model, on pipelines and warm spares alike (a stage's
     pipeline need not be whole: the request only needs a chain). The route keeps the request's
@@ -225,14 +254,14 @@ def route_around(
     span fills it in one), so that only the dead spans change; failing that, the fastest full chain.
     """
     avoid = set(avoid)
+    n_layers = models.n_layers(model)
     stages = {
         (a.node.node_id, a.layer_start, a.layer_end): _pipeline_stage(a)
         for a in live_assignments(model)
-        if _routable(a) and a.node.node_id not in avoid
+        if _routable(a) and a.node.node_id not in avoid and allowed_for(a, privacy, n_layers)
     }
     if not stages:
         return None
-    n_layers = models.n_layers(model)
     rtt, layer_ms = _costs(sorted({node for node, _, _ in stages}))
     survivors = [stage for stage in current if stage in stages]
     taken = [(start, end) for _, start, end in survivors]

@@ -48,6 +48,7 @@ from django.utils import timezone
 
 from marketplace.catalog.selectors import min_reputation, served_models
 from marketplace.nodes import services as nodes
+from marketplace.nodes import trust_marks
 from marketplace.nodes.capacity import credible_speeds
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
@@ -60,7 +61,6 @@ from marketplace.placement.allocation import (
     needs_rebalance,
     pays_to_replace,
     per_layer_load,
-    place,
     repair,
     spans_for,
     throughput,
@@ -70,6 +70,7 @@ from marketplace.placement.errors import InvalidDataUrl, PlacementError
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import link_maps, region_target, servable_pipelines
 from marketplace.placement.tour import hop_cost, place_coordinator
+from marketplace.placement.trusted import covers, has_trusted_pipeline, place_with_trusted
 from worker_agent import control_protocol as protocol
 from worker_agent import model as models
 
@@ -213,6 +214,21 @@ def eject_node(node: Node, *, reason: str, by=None) -> Node:
 
 
 @transaction.atomic
+def set_trusted(node: Node, trusted: bool, *, by, reason: str) -> Node:
+    """Mark ``node`` trusted, or take the mark away (an admin, with a reason). A new mark redoes
+    placement, so that trusted nodes able to hold a model together form a pipeline of their own; a
+    mark taken away moves no block (routing stops counting the node as trusted at once). Jobs in
+    flight keep their routes."""
+    if trusted:
+        if trust_marks.mark_trusted(node, by=by, reason=reason):
+            _placement_changed()
+    else:
+        trust_marks.clear_trusted(node, by=by, reason=reason)
+    node.refresh_from_db()
+    return node
+
+
+@transaction.atomic
 def delete_node(node: Node) -> None:
     """The owner deletes a node: its agent is told to stop and its blocks are released.
 
@@ -335,8 +351,16 @@ def place_model(model: str) -> list[Assignment]:
     state.generation += 1
     state.dirty = False
     state.placed_at = now
+    trusted_ids = {n.node_id for n in nodes if n.trusted}
     repaired = _repair(live, capacities, n_layers, state.coordinator_regions)
     joined = None if repaired is not None else _join_as_spares(model, live, capacities, n_layers)
+    kept = repaired[0] if repaired is not None else joined
+    if (
+        kept is not None
+        and covers([c for c in capacities if c.node in trusted_ids], n_layers)
+        and not has_trusted_pipeline(kept, trusted_ids)
+    ):
+        repaired = joined = None  # trusted nodes that can form a pipeline of their own get one: plan afresh
     if repaired is not None:
         wanted, state.coordinator_regions = repaired
         how = "repaired"
@@ -345,7 +369,9 @@ def place_model(model: str) -> list[Assignment]:
     else:
         try:
             plan = (
-                place(capacities, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE)
+                place_with_trusted(
+                    capacities, trusted_ids, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE
+                )
                 if capacities
                 else None
             )
@@ -632,7 +658,7 @@ def _join_as_spares(
 def _replacement_pays(model: str, live: list[Assignment]) -> bool:
     """Whether a fresh plan over the nodes available now beats the current pipelines by the margin."""
     n_layers = models.n_layers(model)
-    _, capacities = _candidates(model, lock=False)
+    nodes, capacities = _candidates(model, lock=False)
     compute = {c.node: c.compute for c in capacities}
     serving = credible_speeds(a.node for a in live)
     for a in live:  # a serving node busy elsewhere is not a candidate, but its stage still counts
@@ -644,7 +670,12 @@ def _replacement_pays(model: str, live: list[Assignment]) -> bool:
         if sum(s.layers for s in stages) == n_layers:
             current.append(stages)
     try:
-        proposed = place(capacities, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE)
+        proposed = place_with_trusted(  # the plan place_model would make, trusted pipelines apart
+            capacities,
+            {n.node_id for n in nodes if n.trusted},
+            n_layers,
+            spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE,
+        )
     except PlacementError:
         return False
     now_tps, new_tps = throughput(current, compute), throughput(proposed.pipelines, compute)
@@ -719,10 +750,26 @@ def report_ready(node_pk: int, assignment_pk: int, data_url: str, *, seen_from: 
     ``InvalidDataUrl``; otherwise as ``assignment_ready``."""
     try:
         url = check_data_url(data_url, seen_from=seen_from, allowed_hosts=settings.SWARM_AGENT_URL_HOSTS)
+        _check_tls(node_pk, url)
     except InvalidDataUrl as exc:
         assignment_failed(node_pk, assignment_pk, f"{exc.code}: {exc}")
         raise
     return assignment_ready(node_pk, assignment_pk, url)
+
+
+def _check_tls(node_pk: int, url: str) -> None:
+    """A node certified for TLS at join, or any node where the settings require TLS, serves wss://:
+    no agent takes its jobs' traffic back to plain text."""
+    if url.startswith("wss://"):
+        return
+    if Node.objects.filter(pk=node_pk).exclude(tls_certificate="").exists():
+        raise InvalidDataUrl(f"data URL {url!r} must use wss://: this node joined with a TLS certificate", param="url")
+    if settings.SWARM_REQUIRE_DATA_TLS:
+        raise InvalidDataUrl(
+            f"data URL {url!r} must use wss://: this control plane requires TLS on the data plane "
+            "(join again with swarm-worker join --tls auto)",
+            param="url",
+        )
 
 
 @transaction.atomic

@@ -5,13 +5,16 @@ from __future__ import annotations
 from django.contrib import admin
 
 from marketplace.admin_actions import ReadOnlyAdmin, with_reason
+from marketplace.billing.admin import money_column
 from marketplace.verification import strikes
 from marketplace.verification.models import Audit, Challenge, Strike, StrikeState
+
+CLAWED_BACK = money_column("clawed_back", "clawed back")
 
 
 @admin.register(Strike)
 class StrikeAdmin(admin.ModelAdmin):
-    list_display = ("id", "node", "kind", "state", "created_at", "decided_by", "clawed_back")
+    list_display = ("id", "node", "kind", "state", "created_at", "decided_by", CLAWED_BACK)
     list_filter = ("state", "kind")
     readonly_fields = [f.name for f in Strike._meta.fields]
     actions = ["uphold", "overturn"]

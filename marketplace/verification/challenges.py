@@ -28,6 +28,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 from nacl.signing import SigningKey
 
+from marketplace.nodes.authority import coordinator_tls
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import record_verified_speed
@@ -173,6 +174,7 @@ def run_challenge(challenge_pk: int) -> Challenge:
                 seed=challenge.seed,
                 tokens=challenge.tokens,
                 timeout_s=max(left, 0.1),
+                tls=coordinator_tls(),
             )
         )
     except SwarmError as exc:

@@ -12,8 +12,9 @@ explanation a provider sees. Pure functions, no ORM.
 - age: days since joining over 30, capped at 1;
 - every upheld strike halves the score.
 
-A new node starts around 0.75 (no age), above placement's trust threshold (0.5); a node that fails
-a third of its checks falls under it and is kept off load-bearing pipeline positions.
+A new node starts at 0.85 (no age yet: it rises to 1.00 over 30 days, ``rising_track``), above
+placement's trust threshold (0.5); a node that fails a third of its checks falls under it and is
+kept off load-bearing pipeline positions.
 """
 
 from __future__ import annotations
@@ -74,3 +75,26 @@ def reputation(obs: Observations) -> Reputation:
     if obs.upheld_strikes:
         explanation.append(f"{obs.upheld_strikes} upheld strike(s): each halves the score")
     return Reputation(min(max(score, 0.0), 1.0), components, explanation)
+
+
+@dataclass(frozen=True)
+class Track:
+    """Where a node's score is heading as it ages, everything else staying as it is now."""
+
+    full: float  # the score once age counts fully
+    days_left: float  # until age counts fully
+    per_day: float  # what each further day of age adds to the score
+
+
+def rising_track(components: dict) -> Track:
+    """From a computed reputation's components (``Reputation.components``): age is the one part
+    every node lacks at first and gains by the day alone, 0.15 / 30 a day times the pass factor,
+    which is why a healthy new node starts at 0.85 and reaches 1.00 after 30 days."""
+    pass_factor = components["check_pass_rate"] ** 2 * 0.5 ** components["upheld_strikes"]
+    rest = 0.35 * components["uptime"] + 0.25 * components["reliability"] + 0.25
+    age = min(max(components["age"], 0.0), 1.0)
+    return Track(
+        full=min(pass_factor * (rest + 0.15), 1.0),
+        days_left=(1.0 - age) * AGE_FULL_DAYS,
+        per_day=pass_factor * 0.15 / AGE_FULL_DAYS,
+    )

@@ -12,6 +12,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
+from marketplace.nodes.live import notify_admins
 from marketplace.nodes.models import Node
 from marketplace.payouts.services import claw_back, release_earnings
 from marketplace.placement.services import eject_node
@@ -26,6 +27,7 @@ def open_strike(node: Node, kind: str, *, challenge=None, audit=None, job=None, 
     strike = Strike.objects.create(node=node, kind=kind, challenge=challenge, audit=audit, job=job, evidence=evidence)
     log.warning("strike %s on node %s: %s", strike.pk, node.node_id, evidence.get("reason"))
     transaction.on_commit(lambda: refresh_reputation(node.pk))
+    notify_admins("strike")
     return strike
 
 
@@ -48,6 +50,7 @@ def uphold_strike(strike: Strike, *, by=None, reason: str = "") -> Strike:
     if upheld >= settings.SWARM_STRIKES_TO_EJECT:
         eject_node(strike.node, reason=f"{upheld} upheld strikes within {settings.SWARM_STRIKE_PERIOD_DAYS:g} days")
     transaction.on_commit(lambda: refresh_reputation(strike.node_id))
+    notify_admins("strike")
     return strike
 
 
@@ -67,6 +70,7 @@ def overturn_strike(strike: Strike, *, by, reason: str) -> Strike:
     strike.decision_reason = reason.strip()
     strike.save()
     transaction.on_commit(lambda: refresh_reputation(strike.node_id))
+    notify_admins("strike")
     return strike
 
 

@@ -14,6 +14,7 @@ from marketplace.accounts.errors import AccountError
 from marketplace.accounts.forms import SignUpForm, ThrottledAuthenticationForm
 
 FIELD_OF_PARAM = {"password": "password1"}  # the service's input names, as this form calls them
+ROLES = ("provider", "customer")  # the front door's buttons sign up with ``?as=<role>``: that box comes ticked
 
 
 class LoginView(auth_views.LoginView):
@@ -32,7 +33,8 @@ class LoginView(auth_views.LoginView):
 
 @require_http_methods(["GET", "POST"])
 def sign_up(request: HttpRequest) -> HttpResponse:
-    form = SignUpForm(request.POST or None)
+    wanted = request.GET.get("as", "")
+    form = SignUpForm(request.POST or None, initial={wanted: True} if wanted in ROLES else None)
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
         try:

@@ -57,22 +57,41 @@ def throughput_fragment(request: HttpRequest) -> HttpResponse:
     return render(request, "web/partials/throughput.html", {"throughput": selectors.throughput()})
 
 
-def _strike_page(request: HttpRequest, *, form: StrikeDecisionForm | None = None, status: int = 200) -> HttpResponse:
-    """The strike queue; ``form`` is a refused decision, shown with its errors on its strike."""
-    open_strikes, decided = trust_selectors.strike_queue()
+def _strike_lists(form: StrikeDecisionForm | None = None) -> dict:
+    """The open strikes by node, each with its decision form (``form``: a refused decision, shown
+    with its errors on its strike), and the decided ones."""
+    groups, decided = trust_selectors.strike_queue()
     refused = {form.prefix: form} if form is not None else {}
-    rows = [
-        (v, refused.get(f"strike-{v.strike.pk}") or StrikeDecisionForm(strike_pk=v.strike.pk)) for v in open_strikes
-    ]
-    context = {"open_strikes": rows, "decided": decided}
+
+    def form_of(pk: int) -> StrikeDecisionForm:
+        return refused.get(f"strike-{pk}") or StrikeDecisionForm(strike_pk=pk)
+
+    rows = [(group.node, [(v, form_of(v.strike.pk)) for v in group.strikes]) for group in groups]
+    return {"groups": rows, "open_count": sum(len(group.strikes) for group in groups), "decided": decided}
+
+
+def _strike_page(request: HttpRequest, *, form: StrikeDecisionForm | None = None, status: int = 200) -> HttpResponse:
     page = "web/partials/strike_queue.html" if request.htmx else "web/admin_strikes.html"
-    return render(request, page, context, status=status)
+    return render(request, page, _strike_lists(form), status=status)
 
 
 @staff_required
 @require_GET
 def strikes(request: HttpRequest) -> HttpResponse:
     return _strike_page(request)
+
+
+@staff_required
+@require_GET
+def strike_lists_fragment(request: HttpRequest) -> HttpResponse:
+    """The queue's lists alone, which an open queue fetches when a strike opens or is decided."""
+    return render(request, "web/partials/strike_lists.html", _strike_lists())
+
+
+@staff_required
+@require_GET
+def todo_fragment(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/partials/admin_todo.html", {"todo": trust_selectors.admin_todo()})
 
 
 def _decide_strike(request: HttpRequest, pk: int, *, overturn: bool) -> HttpResponse:

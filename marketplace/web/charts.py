@@ -2,13 +2,16 @@
 
 The templates (``web/partials/bar_chart.html``, ``web/partials/coverage_map.html``) draw what
 these return; every chart also comes with a table of its numbers, for screen readers and for
-anyone who wants the exact values. Coordinates are in the SVG's viewBox units.
+anyone who wants the exact values. Coordinates are in the SVG's viewBox units: a chart is drawn
+at its width where there is room and scales down to a narrower box (a phone), whole. Widths are
+kept modest (640 for the wide charts) so that its text stays legible when scaled down.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Room around a bar chart's plot: value labels on the left, category labels below.
@@ -70,8 +73,35 @@ def _tick_text(value: float) -> str:
     return f"{value:g}"
 
 
-def bar_chart(title: str, items: list[tuple[str, float, str]], *, width: int = 480, height: int = 240) -> BarChart:
-    """Vertical bars, one per ``(label, value, text)``, on an axis from zero."""
+def number_tick(value: float, step: float) -> str:
+    """A count on a value axis: 2500 -> "2,500", 0.25 -> "0.25"."""
+    return _tick_text(value)
+
+
+def dollar_tick(value: float, step: float) -> str:
+    """Dollars on a value axis, in fixed point with as many decimals as the step needs (at least
+    cents, none for whole-dollar steps): 0.00003 with a step of 0.00001 -> "$0.00003", never
+    "3e-05"; 1000 with a step of 500 -> "$1,000"; zero is "$0"."""
+    if value == 0:
+        return "$0"
+    if step >= 1 and step == int(step):
+        return f"${value:,.0f}"
+    places = 2
+    while places < 9 and abs(step * 10**places - round(step * 10**places)) > 1e-6 * step * 10**places:
+        places += 1
+    return f"${value:,.{places}f}"
+
+
+def bar_chart(
+    title: str,
+    items: list[tuple[str, float, str]],
+    *,
+    width: int = 480,
+    height: int = 240,
+    tick: Callable[[float, float], str] = number_tick,
+) -> BarChart:
+    """Vertical bars, one per ``(label, value, text)``, on an axis from zero; ``tick(value, step)``
+    labels the value axis (``dollar_tick`` for money)."""
     plot_left, plot_right = LEFT, width - RIGHT
     plot_top, plot_bottom = TOP, height - BOTTOM
     top, step = nice_ceiling(max((value for _, value, _ in items), default=0.0))
@@ -98,7 +128,7 @@ def bar_chart(title: str, items: list[tuple[str, float, str]], *, width: int = 4
     ticks = []
     value = 0.0
     while value <= top + step / 2:
-        ticks.append(Tick(round(plot_bottom - value * scale, 2), _tick_text(value)))
+        ticks.append(Tick(round(plot_bottom - value * scale, 2), tick(value, step)))
         value += step
     return BarChart(
         title=title,
@@ -155,7 +185,7 @@ COVERAGE_LABELS = 150  # room for node names on the left
 ROW_HEIGHT, ROW_GAP, STRIP = 18, 8, 14
 
 
-def coverage_map(n_layers: int, spans: list[dict], covered: list[bool], *, width: int = 900) -> CoverageMap:
+def coverage_map(n_layers: int, spans: list[dict], covered: list[bool], *, width: int = 640) -> CoverageMap:
     """Layers on the x axis, one bar per node over the layers it holds.
 
     ``spans``: dicts with label, detail, state, spare, node_state, layer_start, layer_end (in the

@@ -10,6 +10,9 @@ from django import forms
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 
+from marketplace.billing.display import usd_text
+from marketplace.nodes.models import Privacy
+
 NAME = RegexValidator(
     r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$",
     "Use letters, digits, spaces, dots, dashes or underscores, starting with a letter or digit.",
@@ -24,8 +27,21 @@ class NodeForm(forms.Form):
     )
 
 
+PRIVACY_HELP = "which nodes every request of the key may pass through (see Privacy)"
+
+
 class ApiKeyForm(forms.Form):
     name = forms.CharField(label="Key name", max_length=100, validators=[NAME], help_text="e.g. my-app")
+    privacy = forms.ChoiceField(
+        label="Nodes", choices=Privacy.choices, initial=Privacy.ANY, required=False, help_text=PRIVACY_HELP
+    )
+
+    def clean_privacy(self) -> str:
+        return self.cleaned_data["privacy"] or Privacy.ANY  # not sent: any node, as a key made by the API
+
+
+class KeyPrivacyForm(forms.Form):
+    privacy = forms.ChoiceField(label="Nodes", choices=Privacy.choices)
 
 
 class TopUpForm(forms.Form):
@@ -37,7 +53,7 @@ class TopUpForm(forms.Form):
         field = self.fields["amount"]
         field.validators += [MinValueValidator(low), MaxValueValidator(high)]
         field.widget.attrs.update(min=str(low), max=str(high), step="0.01")
-        field.help_text = f"between ${low} and ${high}"
+        field.help_text = f"between {usd_text(low)} and {usd_text(high)}"
 
 
 class StrikeDecisionForm(forms.Form):

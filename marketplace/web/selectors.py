@@ -9,6 +9,7 @@ from django.db.models import Avg, Count, Sum
 from django.utils import timezone
 
 from marketplace.billing import selectors as billing
+from marketplace.billing.display import count_text, usd_detail
 from marketplace.billing.models import TopUp
 from marketplace.billing.services import prices_for
 from marketplace.catalog.selectors import served_models
@@ -19,6 +20,8 @@ from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import servable_pipelines
 from marketplace.web import charts
+from marketplace.web.node_selectors import AgentStatus, ReputationTrack, agent_status, reputation_track
+from marketplace.web.trust_selectors import admin_todo
 from worker_agent import model as models
 from worker_agent.checkpoints import ref_name
 
@@ -46,7 +49,8 @@ class NodeStatus:
     blocks: tuple[Block, ...]
     tokens_served: int | None  # by the block it serves now, as its agent last reported
     sessions: int | None
-    agent_state: str  # what the agent says it does: serving, idle, draining ("" before a heartbeat)
+    agent: AgentStatus  # what its agent does now, as the control plane knows it
+    track: ReputationTrack | None  # its reputation as a rising track; None until first computed
     connected_for_s: float | None  # how long its current control channel has been up
     heartbeat_age_s: float | None
 
@@ -69,7 +73,8 @@ def node_status(node: Node, now: datetime | None = None) -> NodeStatus:
         blocks=blocks,
         tokens_served=int(tokens) if tokens is not None else None,
         sessions=int(sessions) if sessions is not None else None,
-        agent_state=str(load.get("state", "")),
+        agent=agent_status(node, blocks, str(load.get("state", ""))),
+        track=reputation_track(node),
         connected_for_s=max(0.0, connected_for) if connected_for is not None else None,
         heartbeat_age_s=max(0.0, heartbeat_age) if heartbeat_age is not None else None,
     )
@@ -109,6 +114,11 @@ def top_ups(user, limit: int = 10) -> list[TopUp]:
     return list(TopUp.objects.filter(customer=user).order_by("-id")[:limit])
 
 
+def top_up_of(user, pk: int) -> TopUp | None:
+    """The customer's own top-up; None for another's (which must look absent)."""
+    return TopUp.objects.filter(customer=user, pk=pk).first()
+
+
 def job_of(user, public_id: str) -> Job | None:
     return Job.objects.filter(customer=user, public_id=public_id).first()
 
@@ -116,8 +126,8 @@ def job_of(user, public_id: str) -> Job | None:
 @dataclass(frozen=True)
 class ServableModel:
     id: str
-    prompt_per_token: str  # dollars
-    completion_per_token: str
+    prompt_per_million: int  # nano-dollars per million prompt tokens
+    completion_per_million: int  # nano-dollars per million completion tokens
 
 
 def servable_models() -> list[ServableModel]:
@@ -125,7 +135,7 @@ def servable_models() -> list[ServableModel]:
     for model in served_models():
         if servable_pipelines(model):
             prompt, completion = prices_for(model)
-            found.append(ServableModel(ref_name(model), billing.per_token(prompt), billing.per_token(completion)))
+            found.append(ServableModel(ref_name(model), prompt, completion))
     return found
 
 
@@ -149,10 +159,12 @@ def usage_view(user, group: str) -> UsageView:
         row["label"] = row[group] if row[group] is not None else "(deleted key)"
         row["tokens"] = row["prompt_tokens"] + row["completion_tokens"]
     tokens_chart = charts.bar_chart(
-        f"Tokens by {GROUP_TITLES[group]}", [(r["label"], r["tokens"], f"{r['tokens']:,}") for r in rows]
+        f"Tokens by {GROUP_TITLES[group]}", [(r["label"], r["tokens"], count_text(r["tokens"])) for r in rows]
     )
     cost_chart = charts.bar_chart(
-        f"Cost by {GROUP_TITLES[group]} (USD)", [(r["label"], float(r["cost"]), f"${r['cost']}") for r in rows]
+        f"Cost by {GROUP_TITLES[group]} (USD)",
+        [(r["label"], float(r["cost"]), usd_detail(r["cost"])) for r in rows],
+        tick=charts.dollar_tick,
     )
     total_nano = Job.objects.filter(customer=user).aggregate(s=Sum("charged_amount"))["s"]
     return UsageView(
@@ -176,12 +188,18 @@ class Stage:
     layer_start: int
     layer_end: int
     region: str
+    trusted: bool = False  # an admin marked its node trusted
 
 
 @dataclass(frozen=True)
 class Pipeline:
     region: str  # where its coordinator runs
     stages: list[Stage]
+
+    @property
+    def trusted(self) -> bool:
+        """Every stage on a trusted node: a ``trusted_only`` request may take it."""
+        return all(stage.trusted for stage in self.stages)
 
 
 @dataclass
@@ -228,7 +246,13 @@ def model_health(model: str) -> ModelHealth:
         }
         for a in live
     ]
-    names = dict(Node.objects.filter(node_id__isnull=False).values_list("node_id", "name"))
+    names, trusted = {}, set()
+    for node_id, name, trusted_at in Node.objects.filter(node_id__isnull=False).values_list(
+        "node_id", "name", "trusted_at"
+    ):
+        names[node_id] = name
+        if trusted_at is not None:
+            trusted.add(node_id)
     regions = list(state.coordinator_regions) if state else []
     pipeline_of = {a.node.node_id: a.pipeline for a in live if not a.is_spare}
     pipelines = []
@@ -238,7 +262,8 @@ def model_health(model: str) -> ModelHealth:
             Pipeline(
                 region=regions[index] if 0 <= index < len(regions) else "",
                 stages=[
-                    Stage(names.get(s.node, s.node), s.node, s.layer_start, s.layer_end, s.region) for s in servable
+                    Stage(names.get(s.node, s.node), s.node, s.layer_start, s.layer_end, s.region, s.node in trusted)
+                    for s in servable
                 ],
             )
         )
@@ -362,7 +387,7 @@ def throughput(now: datetime | None = None) -> Throughput:
     chart = charts.bar_chart(
         "Tokens per second, per minute (UTC)",
         [(label, tokens / 60, f"{tokens / 60:.2f} tokens/s") for label, tokens in minutes],
-        width=900,
+        width=640,
         height=240,
     )
     tokens = recent["tokens"] or 0
@@ -392,4 +417,5 @@ def home_overview(user) -> dict:
     if user.is_staff:
         overview["servable_models"] = [m.id for m in servable_models()]
         overview["active_nodes"] = Node.objects.filter(state=NodeState.ACTIVE).count()
+        overview["todo"] = admin_todo()
     return overview

@@ -7,6 +7,10 @@ from django.db import transaction
 
 from marketplace.jobs.models import ApiKey
 from marketplace.jobs.services import create_playground_key
+from marketplace.nodes import services as node_services
+from marketplace.nodes import shown_tokens
+from marketplace.nodes.models import Node
+from marketplace.placement import services as placement_services
 from marketplace.web.selectors import playground_key
 
 
@@ -24,3 +28,29 @@ def ensure_playground_key(user) -> ApiKey:
         return found
     api_key, _ = create_playground_key(user)
     return api_key
+
+
+def add_node(*, owner, name: str, region: str) -> Node:
+    """Add a node; its join command stays on its owner's pages until they dismiss it."""
+    node, token = node_services.create_node(owner=owner, name=name, region=region)
+    shown_tokens.keep(node, token)
+    return node
+
+
+def new_join_token(node: Node) -> None:
+    """Replace the node's join token (the old one stops working); the new command is shown until dismissed."""
+    token = node_services.rotate_join_token(node)
+    node.refresh_from_db(fields=["join_token_hash", "join_token_expires_at"])
+    shown_tokens.keep(node, token)
+
+
+def dismiss_join_command(node: Node) -> None:
+    shown_tokens.forget(node)
+
+
+def remove_node(node: Node) -> None:
+    """The owner removes a node: its agent is told to stop, its blocks are released and the swarm
+    re-placed without it; a node that served keeps its row, so its jobs settle and its earnings,
+    payouts and strikes stay on record (``placement.services.delete_node``)."""
+    placement_services.delete_node(node)
+    shown_tokens.forget(node)

@@ -10,8 +10,9 @@ from django.conf import settings
 from django.db.models import Count, Sum
 from django.utils import timezone
 
+from marketplace.billing.display import nano_detail
 from marketplace.billing.selectors import dollars
-from marketplace.nodes.models import Node
+from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts import selectors as payouts
 from marketplace.payouts.models import (
     BatchState,
@@ -24,7 +25,6 @@ from marketplace.payouts.models import (
 )
 from marketplace.verification.models import Audit, Challenge, CheckState, Strike, StrikeState
 from marketplace.web import charts
-from marketplace.web.templatetags.web_extras import nano_usd
 
 RECENT_CHECKS = 10  # challenges and audits listed on a node's page
 RECENT_ROWS = 50  # earnings, payouts and decided strikes listed
@@ -245,9 +245,10 @@ def earnings_view(provider, now: datetime | None = None) -> EarningsView:
         days.append({"day": day, "amount": row.get("amount") or 0, "jobs": row.get("jobs") or 0})
     chart = charts.bar_chart(
         f"Earnings per day, last {EARNINGS_DAYS} days (USD)",
-        [(d["day"].strftime("%m-%d"), float(dollars(d["amount"])), nano_usd(d["amount"])) for d in days],
-        width=900,
+        [(d["day"].strftime("%m-%d"), float(dollars(d["amount"])), nano_detail(d["amount"])) for d in days],
+        width=640,
         height=240,
+        tick=charts.dollar_tick,
     )
     connect = ConnectAccount.objects.filter(provider=provider).first()
     return EarningsView(
@@ -268,6 +269,39 @@ def earnings_view(provider, now: datetime | None = None) -> EarningsView:
 # --- admins ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class AdminTodo:
+    """What awaits an admin: the admin home's to-do list."""
+
+    open_strikes: int
+    struck_nodes: int  # nodes with an open strike
+    batches_awaiting: int  # payout batches built, awaiting approval
+    awaiting_total: int  # nano-dollars in those batches
+    flagged_payouts: int  # transfers that failed for good
+    offline_nodes: int
+    ejected_nodes: int
+
+    @property
+    def decisions_due(self) -> bool:
+        """Strikes or batches wait for an admin's decision (flags and node states are for reading)."""
+        return bool(self.open_strikes or self.batches_awaiting)
+
+
+def admin_todo() -> AdminTodo:
+    strikes = Strike.objects.filter(state=StrikeState.OPEN).aggregate(n=Count("id"), nodes=Count("node", distinct=True))
+    batches = PayoutBatch.objects.filter(state=BatchState.BUILT).aggregate(n=Count("id"), total=Sum("total"))
+    states = dict(Node.objects.filter(deleted_at__isnull=True).values_list("state").annotate(n=Count("id")))
+    return AdminTodo(
+        open_strikes=strikes["n"],
+        struck_nodes=strikes["nodes"],
+        batches_awaiting=batches["n"],
+        awaiting_total=batches["total"] or 0,
+        flagged_payouts=Payout.objects.filter(flagged=True).count(),
+        offline_nodes=states.get(NodeState.OFFLINE, 0),
+        ejected_nodes=states.get(NodeState.EJECTED, 0),
+    )
+
+
 def strike_by_pk(pk: int) -> Strike | None:
     return Strike.objects.select_related("node").filter(pk=pk).first()
 
@@ -276,12 +310,21 @@ def batch_by_pk(pk: int) -> PayoutBatch | None:
     return PayoutBatch.objects.filter(pk=pk).first()
 
 
-def strike_queue() -> tuple[list[StrikeView], list[StrikeView]]:
-    """Open strikes, oldest first (the first to be upheld automatically), and the latest decided."""
+@dataclass(frozen=True)
+class NodeStrikes:
+    node: Node
+    strikes: list[StrikeView]  # its open strikes, oldest first
+
+
+def strike_queue() -> tuple[list[NodeStrikes], list[StrikeView]]:
+    """Open strikes grouped by node, the node whose oldest strike is upheld automatically first
+    coming first; and the latest decided strikes."""
     base = Strike.objects.select_related("node", "node__owner", "decided_by")
-    pending = base.filter(state=StrikeState.OPEN).order_by("created_at", "pk")
+    groups: dict[int, NodeStrikes] = {}
+    for strike in base.filter(state=StrikeState.OPEN).order_by("created_at", "pk"):
+        groups.setdefault(strike.node_id, NodeStrikes(strike.node, [])).strikes.append(strike_view(strike))
     decided = base.exclude(state=StrikeState.OPEN).order_by("-decided_at", "-pk")[:RECENT_ROWS]
-    return [strike_view(s) for s in pending], [strike_view(s) for s in decided]
+    return list(groups.values()), [strike_view(s) for s in decided]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Each view checks who may see it, validates its form and calls one service of the
 the data (nodes, jobs, billing, verification, payouts); reads go through selectors. A user without
 the page's role gets 403; another provider's node or another customer's key or job answers 404, as
 if it did not exist. The admins' pages and actions (deciding strikes, approving payouts, ejecting
-nodes) live in admin_views.py: POST forms with CSRF, for staff only.
+nodes) live in admin_views.py: POST forms with CSRF, for staff only; the customers' billing and
+playground, in customer_views.py; a provider's node pages and actions, in node_views.py.
 """
 
 from __future__ import annotations
@@ -13,37 +14,22 @@ import functools
 from collections.abc import Callable
 
 import stripe
-from asgiref.sync import sync_to_async
-from django.conf import settings
-from django.contrib.auth.decorators import login_required
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
-from django_htmx.http import HttpResponseClientRedirect
 
-from marketplace.api.errors import allow_method, error_response
-from marketplace.api.openai import complete_for_key, releases_db
-from marketplace.api.parsers import loads_bounded
-from marketplace.billing import selectors as billing
 from marketplace.billing.errors import PaymentProviderUnavailable
-from marketplace.billing.models import TopUpState
-from marketplace.billing.topups import start_top_up
-from marketplace.errors import DomainError
-from marketplace.install.script import install_command
 from marketplace.install.views import public_url
 from marketplace.jobs import services as jobs_services
-from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken, AuthenticationFailed, InvalidRequest
-from marketplace.nodes import services as node_services
-from marketplace.nodes.errors import NodeError, NodeNameTaken
+from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken
+from marketplace.nodes.models import Privacy
 from marketplace.payouts import services as payout_services
 from marketplace.payouts.errors import PayoutRefused
-from marketplace.placement import services as placement_services
-from marketplace.web import selectors, trust_selectors
-from marketplace.web.forms import ApiKeyForm, NodeForm, TopUpForm
-from marketplace.web.services import ensure_playground_key
+from marketplace.web import landing_selectors, selectors, trust_selectors
+from marketplace.web.forms import ApiKeyForm, KeyPrivacyForm
 
 USAGE_GROUPS = ("day", "model", "key")
 
@@ -73,16 +59,31 @@ staff_required = role_required(lambda user: user.is_staff)
 # --- home -----------------------------------------------------------------------------------------
 
 
-@login_required
+def _landing_context(request: HttpRequest) -> dict:
+    figures = landing_selectors.swarm_figures()
+    example = next((m.name for m in figures.models if m.available), figures.models[0].name if figures.models else "")
+    return {"figures": figures, "api_base": f"{public_url(request)}/v1", "example_model": example}
+
+
+@require_GET
+def landing_figures(request: HttpRequest) -> HttpResponse:
+    return render(request, "web/partials/landing_figures.html", {"figures": landing_selectors.swarm_figures()})
+
+
 @require_GET
 def home(request: HttpRequest) -> HttpResponse:
+    """The front door for visitors; a signed-in person's own overview."""
     user = request.user
+    if not user.is_authenticated:
+        if request.GET.get("top_up"):  # back from Stripe Checkout, signed out meanwhile
+            return redirect_to_login(request.get_full_path())
+        return render(request, "web/landing.html", _landing_context(request))
     if user.is_customer and request.GET.get("top_up"):  # back from Stripe Checkout
         return redirect(f"{reverse('web:billing')}?{request.GET.urlencode()}")
     return render(request, "web/home.html", {"overview": selectors.home_overview(user)})
 
 
-# --- providers ------------------------------------------------------------------------------------
+# --- providers (their nodes' pages are node_views.py) ----------------------------------------------
 
 
 def _form_panel(request: HttpRequest, partial: str, page: str, form, context: dict) -> HttpResponse:
@@ -90,96 +91,6 @@ def _form_panel(request: HttpRequest, partial: str, page: str, form, context: di
     a refused form answers 400 on a full page load."""
     status = 400 if form.errors and not request.htmx else 200
     return render(request, partial if request.htmx else page, context, status=status)
-
-
-def _install_command(request: HttpRequest, token: str) -> str:
-    """The one line a provider pastes on the machine: the control plane's install script, which
-    installs the agent and joins with the token."""
-    return install_command(public_url(request), token)
-
-
-def _nodes_panel(request: HttpRequest, form: NodeForm, *, added=None, token: str = "") -> HttpResponse:
-    context = {
-        "form": form,
-        "nodes": selectors.provider_nodes(request.user),
-        "added": added,
-        "command": _install_command(request, token) if token else "",
-    }
-    return _form_panel(request, "web/partials/nodes_panel.html", "web/provider_nodes.html", form, context)
-
-
-@provider_required
-@require_http_methods(["GET", "POST"])
-def nodes(request: HttpRequest) -> HttpResponse:
-    if request.method == "GET":
-        return _nodes_panel(request, NodeForm())
-    form = NodeForm(request.POST)
-    if not form.is_valid():
-        return _nodes_panel(request, form)
-    try:
-        node, token = node_services.create_node(owner=request.user, **form.cleaned_data)
-    except NodeNameTaken as exc:
-        form.add_error(exc.param, str(exc))
-        return _nodes_panel(request, form)
-    except NodeError as exc:
-        raise PermissionDenied(str(exc)) from exc
-    return _nodes_panel(request, NodeForm(), added=node, token=token)
-
-
-def _own_node(request: HttpRequest, pk: int):
-    node = selectors.node_of(request.user, pk)
-    if node is None:
-        raise Http404("no such node")
-    return node
-
-
-def _node_page(node) -> dict:
-    return {"status": selectors.node_status(node), "node": node, "trust": trust_selectors.node_trust(node)}
-
-
-@provider_required
-@require_GET
-def node_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    return render(request, "web/provider_node.html", _node_page(_own_node(request, pk)))
-
-
-@provider_required
-@require_GET
-def node_trust_fragment(request: HttpRequest, pk: int) -> HttpResponse:
-    trust = trust_selectors.node_trust(_own_node(request, pk))
-    return render(request, "web/partials/node_trust.html", {"trust": trust})
-
-
-@provider_required
-@require_GET
-def node_status_fragment(request: HttpRequest, pk: int) -> HttpResponse:
-    return render(request, "web/partials/node_status.html", {"status": selectors.node_status(_own_node(request, pk))})
-
-
-@provider_required
-@require_GET
-def node_row_fragment(request: HttpRequest, pk: int) -> HttpResponse:
-    return render(request, "web/partials/node_row.html", {"status": selectors.node_status(_own_node(request, pk))})
-
-
-@provider_required
-@require_POST
-def node_rotate_token(request: HttpRequest, pk: int) -> HttpResponse:
-    node = _own_node(request, pk)
-    token = node_services.rotate_join_token(node)
-    context = {"node": node, "command": _install_command(request, token)}
-    if request.htmx:
-        return render(request, "web/partials/join_command.html", context)
-    return render(request, "web/provider_node.html", _node_page(node) | context)
-
-
-@provider_required
-@require_POST
-def node_drain(request: HttpRequest, pk: int) -> HttpResponse:
-    node = placement_services.drain_node(_own_node(request, pk))
-    if request.htmx:
-        return render(request, "web/partials/node_status.html", {"status": selectors.node_status(node)})
-    return redirect("web:node", pk=node.pk)
 
 
 def _earnings_page(request: HttpRequest, *, connect_error: str = "", status: int = 200) -> HttpResponse:
@@ -210,7 +121,7 @@ def connect_stripe(request: HttpRequest) -> HttpResponse:
     """Off to Stripe's onboarding for the provider's Connect account; Stripe sends them back to
     the earnings page with ``?connect=done`` (or ``?connect=refresh`` when the link expired)."""
     try:
-        url = payout_services.start_onboarding(request.user)
+        url = payout_services.start_onboarding(request.user, origin=public_url(request))
     except PayoutRefused as exc:
         raise PermissionDenied(str(exc)) from exc
     except PaymentProviderUnavailable as exc:
@@ -224,7 +135,13 @@ def connect_stripe(request: HttpRequest) -> HttpResponse:
 
 
 def _keys_panel(request: HttpRequest, form: ApiKeyForm, *, created=None, key: str = "") -> HttpResponse:
-    context = {"form": form, "keys": selectors.api_keys(request.user), "created": created, "full_key": key}
+    context = {
+        "form": form,
+        "keys": selectors.api_keys(request.user),
+        "created": created,
+        "full_key": key,
+        "privacy_choices": Privacy.choices,
+    }
     return _form_panel(request, "web/partials/keys_panel.html", "web/customer_keys.html", form, context)
 
 
@@ -237,7 +154,9 @@ def keys(request: HttpRequest) -> HttpResponse:
     if not form.is_valid():
         return _keys_panel(request, form)
     try:
-        api_key, key = jobs_services.create_api_key(request.user, form.cleaned_data["name"])
+        api_key, key = jobs_services.create_api_key(
+            request.user, form.cleaned_data["name"], form.cleaned_data["privacy"]
+        )
     except (ApiKeyNameTaken, ApiKeyLimitReached) as exc:
         form.add_error(exc.param, str(exc))
         return _keys_panel(request, form)
@@ -256,48 +175,26 @@ def key_revoke(request: HttpRequest, pk: int) -> HttpResponse:
     return redirect("web:keys")
 
 
-def _billing_context(request: HttpRequest) -> dict:
-    user = request.user
-    top_ups = selectors.top_ups(user)
-    return {
-        "balance": billing.balance(user),
-        "totals": billing.totals(user),
-        "transactions": billing.transactions(user, limit=50),
-        "top_ups": top_ups,
-        "pending": any(t.state == TopUpState.PENDING for t in top_ups),
-        "returned": request.GET.get("top_up", ""),
-    }
-
-
-@customer_required
-@require_GET
-def billing_page(request: HttpRequest) -> HttpResponse:
-    return render(request, "web/customer_billing.html", _billing_context(request) | {"form": TopUpForm()})
-
-
-@customer_required
-@require_GET
-def balance_fragment(request: HttpRequest) -> HttpResponse:
-    return render(request, "web/partials/balance.html", _billing_context(request))
-
-
 @customer_required
 @require_POST
-def top_up(request: HttpRequest) -> HttpResponse:
-    form = TopUpForm(request.POST)
+def key_privacy(request: HttpRequest, pk: int) -> HttpResponse:
+    """Which nodes the key's requests may pass through, from its next request on."""
+    api_key = selectors.key_of(request.user, pk)
+    if api_key is None or api_key.revoked_at is not None:
+        raise Http404("no such key")
+    form = KeyPrivacyForm(request.POST)
     if form.is_valid():
-        try:
-            _, checkout_url = start_top_up(request.user, str(form.cleaned_data["amount"]))
-        except DomainError as exc:
-            form.add_error("amount" if exc.param == "amount" else None, str(exc))
-        else:
-            # Off to Stripe's page; the credits arrive with Stripe's signed webhook, not with the return.
-            if request.htmx:
-                return HttpResponseClientRedirect(checkout_url)
-            return redirect(checkout_url)
+        jobs_services.set_key_privacy(api_key, form.cleaned_data["privacy"])
     if request.htmx:
-        return render(request, "web/partials/top_up_form.html", {"form": form})
-    return render(request, "web/customer_billing.html", _billing_context(request) | {"form": form}, status=400)
+        return _keys_panel(request, ApiKeyForm())
+    return redirect("web:keys")
+
+
+@customer_required
+@require_GET
+def privacy(request: HttpRequest) -> HttpResponse:
+    """Who sees what of a request, in each privacy mode."""
+    return render(request, "web/customer_privacy.html")
 
 
 @customer_required
@@ -310,59 +207,4 @@ def usage(request: HttpRequest) -> HttpResponse:
         request,
         "web/customer_usage.html",
         {"usage": selectors.usage_view(request.user, group), "groups": USAGE_GROUPS},
-    )
-
-
-@customer_required
-@require_GET
-def playground(request: HttpRequest) -> HttpResponse:
-    return render(
-        request,
-        "web/customer_playground.html",
-        {
-            "models": selectors.servable_models(),
-            "balance": billing.balance(request.user),
-            "max_tokens_limit": settings.SWARM_MAX_TOKENS_LIMIT,
-        },
-    )
-
-
-@releases_db
-@allow_method("POST")
-async def playground_chat(request: HttpRequest) -> HttpResponse:
-    """A chat completion for the signed-in customer, streamed, admitted exactly as the public API
-    admits one (validation, rate limits, credits, capacity) on their playground key."""
-    user = await request.auser()
-    if not user.is_authenticated:
-        return error_response(AuthenticationFailed("Sign in to use the playground.", code="not_signed_in"))
-    if not user.is_customer:
-        return error_response(InvalidRequest("The playground is for customers.", code="not_a_customer"))
-    try:
-        data = loads_bounded(request.body or b"")
-    except InvalidRequest:
-        data = None
-    if not isinstance(data, dict):
-        return error_response(InvalidRequest("The request body must be a JSON object.", code="invalid_json"))
-    body = {
-        "model": data.get("model"),
-        "messages": data.get("messages"),
-        "max_tokens": data.get("max_tokens"),
-        "temperature": data.get("temperature"),
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    api_key = await sync_to_async(ensure_playground_key)(user)
-    return await complete_for_key(api_key, body, "chat", request.request_id)
-
-
-@customer_required
-@require_GET
-def playground_job(request: HttpRequest, public_id: str) -> HttpResponse:
-    job = selectors.job_of(request.user, public_id)
-    if job is None:
-        raise Http404("no such job")
-    return render(
-        request,
-        "web/partials/playground_stats.html",
-        {"job": job, "cost": billing.money(job.charged_amount), "settled": job.settled_at is not None},
     )

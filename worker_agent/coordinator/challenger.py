@@ -20,6 +20,7 @@ code ``DEADLINE``.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -56,20 +57,23 @@ async def run_challenge_session(
     seed: int,
     tokens: int,
     timeout_s: float,
+    tls: ssl.SSLContext | None = None,
 ) -> ChallengeRun:
     """Run challenge (seed, tokens) through the stage at ``url`` as one session of ``job``, as the
     coordinator holding ``coordinator_key`` (the key ``ticket`` names); the whole exchange, from
-    connecting to the receipt, must end within ``timeout_s``."""
+    connecting to the receipt, must end within ``timeout_s``. With the swarm's client context
+    ``tls`` a wss:// stage must show the certificate of the assigned node (``Pipeline``)."""
     inputs = challenge_input(seed, tokens, hidden_size)  # (tokens, hidden) float32
     pipeline = Pipeline(
         job,
-        [StageSpec(url, ticket)],
+        [StageSpec(url, ticket, node=assignment.node)],
         topology="star",
         dtype=WIRE_DTYPE,
         stall_timeout_s=timeout_s,
         model=model,
         hidden_size=hidden_size,
         coordinator_key=coordinator_key,
+        tls=tls,
     )
     try:
         return await asyncio.wait_for(_exchange(pipeline, job, model, assignment, inputs), timeout_s)

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 import time
 import uuid
 from collections import deque
@@ -102,8 +103,10 @@ class Coordinator:
         stall_timeout_s: float = STALL_TIMEOUT_S,
         coordinator_key: SigningKey | None = None,
         speculation: SpeculationSettings | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.model = model
+        self.tls = tls  # the swarm's client context for every route of the job (``Pipeline``'s ``tls``)
         self.speculation = speculation or SpeculationSettings()
         self._streams = 0  # sessions streaming now
         self._timing: RouteTiming | None = None  # the route's round trip and compute, shared by its sessions
@@ -151,6 +154,7 @@ class Coordinator:
             model=self.model_id,
             hidden_size=self.hidden_size,
             coordinator_key=self.coordinator_key,
+            tls=self.tls,
         )
 
     async def __aenter__(self) -> Coordinator:

@@ -15,6 +15,8 @@ coalesced into one FORWARD frame, so stages see them together and batch them.
 
 Each HELLO as coordinator carries the stage's ticket and a fresh proof, signed by the job's
 coordinator key (``coordinator_key``, the key the tickets name), that this is the job's coordinator.
+With the swarm's TLS (``tls``, ``worker_agent/tls.py``) a ``wss://`` stage is reached only once its
+certificate, from the swarm CA, names the node its spec names: nothing is sent to anyone else.
 
 Hashes of exactly the bytes sent to the first stage and received from the last are kept per
 session: they are the transcript that the stages' receipts must match.
@@ -32,6 +34,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
@@ -44,6 +47,7 @@ from worker_agent.audit import AuditMaterial
 from worker_agent.errors import AuditError, StageError, WireError
 from worker_agent.receipts import StageAssignment, digest
 from worker_agent.tickets import issue_peer_pass, prove_coordinator
+from worker_agent.tls import connect_options
 from worker_agent.wan import WanLink, WanProfile
 
 CONNECT_TIMEOUT_S = 10.0
@@ -64,6 +68,9 @@ log = logging.getLogger("swarm.coordinator")
 class StageSpec:
     url: str
     ticket: bytes | None = None  # signed by the control plane (or a local issuer)
+    # The node the control plane routed this stage to: over a pipeline's swarm TLS, its certificate
+    # must name it (``tls.connect_options``). None: not checked (ws://, or no swarm TLS).
+    node: str | None = None
 
 
 @dataclass
@@ -124,10 +131,11 @@ class StageLink:
         """HELLO the stage; ``next_ticket`` is the peer pass for its ring successor, if any."""
         key = self.pipeline.coordinator_key
         proof = prove_coordinator(key, self.spec.ticket) if key is not None and self.spec.ticket is not None else None
+        tls = connect_options(self.spec.url, self.spec.node, self.pipeline.tls)
         try:
             self.ws = await asyncio.wait_for(
                 # Until the stage's HELLO is in, nothing larger than a HELLO is read from it.
-                connect(self.spec.url, max_size=wire.MAX_HELLO_FRAME, compression=None, open_timeout=None),
+                connect(self.spec.url, max_size=wire.MAX_HELLO_FRAME, compression=None, open_timeout=None, **tls),
                 CONNECT_TIMEOUT_S,
             )
             self.link = WanLink(self.ws.send, self.pipeline.wan)
@@ -288,11 +296,14 @@ class Pipeline:
         model: str | None = None,
         hidden_size: int | None = None,
         coordinator_key: SigningKey | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if topology not in ("ring", "star"):
             raise ValueError(f"topology must be 'ring' or 'star', got {topology!r}")
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
+        for spec in stages:
+            connect_options(spec.url, spec.node, tls)  # a wss:// stage of unknown node fails here, not later
         for index in audit_stages:
             if isinstance(index, bool) or not (isinstance(index, int) and 0 <= index < len(stages)):
                 raise ValueError(f"audit stage {index!r} is not a stage index in 0..{len(stages) - 1}")
@@ -323,6 +334,10 @@ class Pipeline:
         # The job's coordinator key, which the tickets name: it proves this is their coordinator and
         # signs the ring peers' passes. None only for agents without tickets (--insecure-open).
         self.coordinator_key = coordinator_key
+        # The swarm's client context (``tls.Identity.client_context``): a wss:// stage must show a
+        # certificate from the swarm CA naming its spec's node, and is shown this coordinator's.
+        # None: a wss:// stage is checked against the system's store and its URL's host.
+        self.tls = tls
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -2,6 +2,9 @@
 // cookie) that carries notices such as {"topic": "node", "node": 12}. On a notice, every element
 // marked data-live-node="12" (or data-live-topic="node") is fetched again from its data-live-url
 // and replaced in place: the server renders it, with the same permission checks as a page load.
+// data-live-topic may name several topics ("node strike"). What a person is doing is kept: an element
+// holding the focused field waits until the focus leaves it, nothing is replaced while a dialog asks
+// to confirm an action, and typed values carry over to the new element.
 (function () {
   "use strict";
   const path = document.body.dataset.liveSocket;
@@ -10,6 +13,8 @@
   const TOPIC_DELAY_MS = 500; // a burst of notices about many nodes refreshes a shared view once
   const inFlight = new Map(); // element id -> {again: bool}
   const topicTimers = new Map(); // element id -> timer
+  const BUSY_RETRY_MS = 1000; // how soon to try again an element left alone while the person used it
+  const deferred = new Set(); // element ids waiting for that
 
   async function refresh(id) {
     const state = inFlight.get(id);
@@ -19,6 +24,16 @@
     }
     const element = document.getElementById(id);
     if (!element || !element.dataset.liveUrl) return;
+    if (busy(element)) {
+      if (!deferred.has(id)) {
+        deferred.add(id);
+        window.setTimeout(function () {
+          deferred.delete(id);
+          refresh(id);
+        }, BUSY_RETRY_MS);
+      }
+      return;
+    }
     inFlight.set(id, { again: false });
     try {
       const response = await fetch(element.dataset.liveUrl, {
@@ -36,6 +51,7 @@
         template.innerHTML = (await response.text()).trim();
         const fresh = template.content.firstElementChild;
         if (fresh && fresh.id === id) {
+          keepTyped(current, fresh);
           current.replaceWith(fresh);
           if (window.htmx) window.htmx.process(fresh);
           fresh.dispatchEvent(new CustomEvent("live:updated", { bubbles: true }));
@@ -50,6 +66,20 @@
       inFlight.delete(id);
       if (done && done.again) refresh(id);
     }
+  }
+
+  function busy(element) {
+    const active = document.activeElement;
+    const typing = active !== null && element.contains(active) && active.matches("input, textarea, select");
+    return typing || document.querySelector("dialog[open]") !== null;
+  }
+
+  function keepTyped(current, fresh) {
+    current.querySelectorAll("textarea[name], input[name]:not([type=hidden])").forEach(function (field) {
+      if (field.value === field.defaultValue) return;
+      const twin = fresh.querySelector('[name="' + CSS.escape(field.name) + '"]');
+      if (twin) twin.value = field.value;
+    });
   }
 
   function refreshLater(id) {
@@ -69,7 +99,7 @@
         refresh(element.id);
       });
     }
-    document.querySelectorAll('[data-live-topic="' + CSS.escape(String(notice.topic)) + '"]').forEach(function (element) {
+    document.querySelectorAll('[data-live-topic~="' + CSS.escape(String(notice.topic)) + '"]').forEach(function (element) {
       refreshLater(element.id);
     });
   }

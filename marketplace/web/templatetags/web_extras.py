@@ -1,4 +1,11 @@
-"""Template filters of the dashboards: money, durations, states."""
+"""Template filters of the dashboards: money, counts, durations, states.
+
+Money shows as people read it (``billing.display``): ``usd`` (dollars) and ``nano_usd`` (the
+ledger's nano-dollars) render ``<span class="money" title="$19.9999758">$20.00</span>``, the exact
+amount on hover when rounding hid digits; use them in element content only. ``usd_text`` and
+``nano_usd_text`` are the same amounts as plain text, for an attribute, an ``<option>`` or an SVG
+``<title>``. ``price`` is a price per million tokens, ``count`` a number with thousands separators.
+"""
 
 from __future__ import annotations
 
@@ -6,33 +13,71 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from django import template
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
 
+from marketplace.billing import display
 from marketplace.billing.selectors import dollars
 
 register = template.Library()
 
-CENT = Decimal("0.01")
+
+def _money(shown: str, exact: str) -> SafeString:
+    if shown == display.MISSING:
+        return format_html("{}", shown)
+    if exact == shown:
+        return format_html('<span class="money">{}</span>', shown)
+    return format_html('<span class="money" title="{}">{}</span>', exact, shown)
 
 
 @register.filter
-def usd(value) -> str:
-    """Dollars with cents, and every further digit the amount has (token prices are fractions of a
-    cent): 10 -> "$10.00", 9.9999938 -> "$9.9999938", -1.5 -> "-$1.50"."""
-    if value is None or value == "":
-        return "—"
-    amount = Decimal(str(value))
-    sign = "-" if amount < 0 else ""
-    amount = abs(amount)
-    text = format(amount.quantize(CENT), "f") if amount == amount.quantize(CENT) else format(amount.normalize(), "f")
-    return f"{sign}${text}"
+def usd(value) -> SafeString:
+    """Dollars to the cent, the exact amount on hover: 19.9999758 -> "$20.00" (title "$19.9999758")."""
+    return _money(display.usd_text(value), display.usd_exact(value))
 
 
 @register.filter
-def nano_usd(value) -> str:
-    """Nano-dollars (the ledger's integer unit) shown as ``usd`` shows dollars: 1_250_000_000 -> "$1.25"."""
+def nano_usd(value) -> SafeString:
+    """Nano-dollars (the ledger's integer unit) as ``usd`` shows dollars: 1_250_000_000 -> "$1.25"."""
     if value is None or value == "":
-        return "—"
+        return _money(display.MISSING, display.MISSING)
     return usd(dollars(int(value)))
+
+
+@register.filter
+def usd_text(value) -> str:
+    """``usd`` as plain text, without the exact amount."""
+    return display.usd_text(value)
+
+
+@register.filter
+def nano_usd_text(value) -> str:
+    """``nano_usd`` as plain text, without the exact amount."""
+    return display.nano_text(value)
+
+
+@register.filter
+def price(nano_per_million) -> str:
+    """A price in nano-dollars per million tokens: 200_000_000 -> "$0.20 / 1M tokens"."""
+    return display.price_text(int(nano_per_million))
+
+
+@register.filter
+def count(value) -> str:
+    """A count with thousands separators: 12345 -> "12,345"."""
+    return display.count_text(value)
+
+
+@register.filter
+def ledger_entry(kind: str) -> str:
+    """A ledger entry's kind in the customer's words: "charge" -> "charged for a request"."""
+    return display.entry_text(kind)
+
+
+@register.filter
+def ledger_account(kind: str) -> str:
+    """One of the customer's ledger accounts in their words: "customer_hold" -> "on hold"."""
+    return display.account_text(kind)
 
 
 @register.filter
@@ -68,7 +113,7 @@ def layers(block) -> str:
 
 
 @register.filter
-def cents(value) -> str:
+def cents(value) -> SafeString:
     """A whole number of cents as dollars: 1000 -> "$10.00"."""
     return usd(Decimal(int(value)) / 100)
 
