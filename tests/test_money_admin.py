@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from marketplace.billing.models import AccountKind, ModelPrice
 from marketplace.billing.services import account, transfer
+from marketplace.jobs.models import Job
 from marketplace.payouts.models import Payout, PayoutBatch
 
 pytestmark = [pytest.mark.billing, pytest.mark.django_db]
@@ -112,3 +113,23 @@ def test_payouts_read_as_dollars_and_the_whole_cents_sent(browser, provider):
     assert cells(payouts, "amount_usd") == ['<span title="$1.10401344">$1.10</span>']
     assert cells(payouts, "cents_usd") == ["$1.10"]
     assert '<span title="$1.10401344">$1.10</span>' in batch_page
+
+
+@pytest.mark.django_db
+def test_a_job_s_page_in_the_admin_shows_its_prices_hold_and_charge_in_dollars(browser, django_user_model):
+    customer = django_user_model.objects.create_user("carol", "carol@example.test", None, is_customer=True)
+    job = Job.objects.create(
+        public_id="chatcmpl-priced",
+        kind="chat",
+        customer=customer,
+        model="tiny-llama",
+        price_prompt_per_million=150_000_000,
+        price_completion_per_million=600_000_000,
+        hold_amount=1_234_567,
+        charged_amount=1_104_013_440,
+    )
+    page = browser.get(f"/admin/jobs/job/{job.pk}/change/").content.decode()
+    assert "$0.15" in page and "$0.60" in page
+    assert '<span title="$0.001234567">&lt;$0.01</span>' in page
+    assert '<span title="$1.10401344">$1.10</span>' in page
+    assert not re.search(r"(?<![$.\d])(1104013440|1234567|150000000|600000000)(?!\d)", page)  # no raw nano-dollars

@@ -10,6 +10,13 @@ from marketplace.billing.admin import money_column
 from marketplace.jobs.models import Job
 
 CHARGED = money_column("charged_amount", "charged")
+# The money fields, shown in dollars (the exact amount on hover) rather than as raw nano-dollars.
+MONEY = {
+    "price_prompt_per_million": money_column("price_prompt_per_million", "prompt price ($ / 1M tokens)"),
+    "price_completion_per_million": money_column("price_completion_per_million", "completion price ($ / 1M tokens)"),
+    "hold_amount": money_column("hold_amount", "hold"),
+    "charged_amount": CHARGED,
+}
 
 
 @admin.register(Job)
@@ -29,11 +36,11 @@ class JobAdmin(admin.ModelAdmin):
     )
     list_filter = ("settle_flagged", "verified", "state", "model")
     search_fields = ("public_id", "request_id")  # the response's id, or the x-request-id a customer quotes
-    exclude = ("transcripts",)
+    exclude = ("transcripts", *MONEY)
     actions = ["retry_settlement"]
 
     def get_readonly_fields(self, request, obj=None):
-        return [f.name for f in Job._meta.fields if f.name != "transcripts"]
+        return [MONEY.get(f.name, f.name) for f in Job._meta.fields if f.name != "transcripts"]
 
     def has_add_permission(self, request):
         return False
