@@ -90,7 +90,7 @@ def test_a_visitor_sees_what_the_swarm_is_and_does_today(trust_server, swarm_tod
     expect(code).to_contain_text(f'client = OpenAI(base_url="{web.url}/v1", api_key="YOUR_API_KEY")')
     expect(code).to_contain_text(f'model="{MODEL}"')
     page.get_by_role("button", name="Copy code").click()
-    expect(page.get_by_role("button", name="Copied")).to_be_visible()
+    expect(page.get_by_role("button", name="Copied", exact=True)).to_be_visible()
     assert page.evaluate("navigator.clipboard.readText()") == code.inner_text().strip()
     web.shot("landing")
     assert web.phone("landing-phone")

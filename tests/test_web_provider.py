@@ -76,7 +76,7 @@ def test_a_provider_adds_a_node_runs_the_agent_and_watches_it_join_live(web, tmp
     assert hashlib.sha256(token.encode()).hexdigest() == node.join_token_hash
 
     page.get_by_role("button", name="Copy command").click()
-    expect(page.get_by_role("button", name="Copied")).to_be_visible()
+    expect(page.get_by_role("button", name="Copied", exact=True)).to_be_visible()
     assert page.evaluate("navigator.clipboard.readText()") == command
 
     row = page.locator(f"#node-row-{node.pk}")
