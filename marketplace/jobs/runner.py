@@ -35,7 +35,7 @@ from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_assignments
 from marketplace.jobs.settlement import settle
-from marketplace.nodes.authority import coordinator_tls
+from marketplace.nodes.authority import coordinator_tls, held_coordinator_tls
 from marketplace.nodes.tickets import TICKET_MARGIN_S, ticket_for
 from marketplace.verification.audits import record_audits
 from marketplace.verification.strikes import strike_unverifiable_receipts
@@ -307,7 +307,7 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
         stall_timeout_s=settings.SWARM_STALL_TIMEOUT_S,
         coordinator_key=grant.coordinator_key,
         speculation=speculation_settings(),
-        tls=await in_thread(coordinator_tls),
+        tls=held_coordinator_tls() or await in_thread(coordinator_tls),  # a thread only to make or renew it
     ) as coord:
         request = coord.request_ids(
             job.prompt_ids,

@@ -223,6 +223,14 @@ _coordinator_lock = threading.Lock()  # a coordinator worker's threads share one
 _coordinator_contexts: dict[tuple[Path, Path], tuple[datetime, ssl.SSLContext]] = {}  # CA -> (renew at, context)
 
 
+def held_coordinator_tls() -> ssl.SSLContext | None:
+    """``coordinator_tls``'s context while it holds one that is still good, without making one (no
+    file or key work): an event loop asks this first and goes to a thread only when it is None."""
+    with _coordinator_lock:
+        held = _coordinator_contexts.get((settings.SWARM_CA_KEY_PATH, settings.SWARM_CA_CERT_PATH))
+    return held[1] if held is not None and datetime.now(UTC) < held[0] else None
+
+
 def coordinator_tls() -> ssl.SSLContext:
     """The client context this process's coordinators (jobs' and challenges') connect to stages
     with: its coordinator certificate, and the swarm CA as the only anchor; renewed before it expires."""
