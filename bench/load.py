@@ -422,6 +422,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--singles-only", action="store_true", help="only part 1 (TTFT overhead at one request); prints, writes nothing"
     )
+    parser.add_argument(
+        "--burst-only",
+        action="store_true",
+        help="only part 2 (the burst through the API, then direct); prints, writes nothing",
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--redis-db", type=int, default=14)
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -448,6 +453,12 @@ def main() -> int:
 
             granted = credits(customer)
             stages = topology.join(tokens)
+            if args.burst_only:
+                api = summarize(*asyncio.run(burst(topology.url, key, args, 2000)))
+                direct = asyncio.run(direct_burst(stages, args))
+                ratio = round(api["tokens_per_s"] / direct["tokens_per_s"], 3) if direct["tokens_per_s"] else None
+                print(json.dumps({"burst": api, "direct_burst": direct, "api_vs_direct_tokens_per_s": ratio}))
+                return 0
             result = {"single": asyncio.run(singles(topology.url, key, stages, args))}
             if args.singles_only:
                 print(json.dumps(result["single"]))

@@ -51,6 +51,7 @@ def warm_models() -> None:
     loader's own message."""
     from worker_agent import model as models  # torch and transformers: loaded when the app starts, not on import
 
+    models.set_threads(settings.SWARM_TORCH_THREADS)
     try:
         for ref in register_settings_checkpoints():
             mark_dirty(ref)

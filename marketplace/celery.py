@@ -49,6 +49,7 @@ def warm_models(sender: Any = None, **_: Any) -> None:
     from marketplace.db import release_connections
     from worker_agent import model as models
 
+    models.set_threads(settings.SWARM_TORCH_THREADS)
     queues = [queue.name for queue in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     coordinator = any(name.startswith("coord.") for name in queues)
     try:

@@ -330,6 +330,11 @@ SWARM_WHEELS_DIR = Path(env_str("SWARM_WHEELS_DIR", str(DATA_DIR / "wheels")))
 SWARM_COORDINATOR_LAUNCH = env_str("SWARM_COORDINATOR_LAUNCH", "celery" if REDIS_URL else "inprocess")
 # A coordinator worker's threads for its jobs' database and cache calls (marketplace.jobs.tasks).
 SWARM_COORDINATOR_DB_THREADS = env_int("SWARM_COORDINATOR_DB_THREADS", 16, minimum=1)
+# torch's CPU threads in each control-plane process (web, coordinator and verify workers), set as
+# it loads the models. Their torch work is a few rows at a time (the coordinators' embeddings and
+# heads, batched across jobs; the verifiers' replays), and a team of threads per process only
+# spins against the others' on a shared machine: one each by default. 0: torch's own choice.
+SWARM_TORCH_THREADS = env_int("SWARM_TORCH_THREADS", 1, minimum=0)
 if SWARM_COORDINATOR_LAUNCH not in ("inprocess", "celery"):
     raise ImproperlyConfigured("SWARM_COORDINATOR_LAUNCH must be 'inprocess' or 'celery'")
 SWARM_JOB_TIMEOUT_S = env_float("SWARM_JOB_TIMEOUT_S", 300.0, minimum=1.0)

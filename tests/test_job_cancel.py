@@ -20,6 +20,7 @@ from marketplace.jobs.params import RequestParams
 from marketplace.nodes.tickets import issuer_key
 from tests import stage_fixtures
 from tests.stage_fixtures import MODEL, stage_servers
+from worker_agent.stage import Stage
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]
 pytest_plugins = ["tests.factories"]
@@ -191,3 +192,64 @@ def test_a_cancel_listener_stuck_in_the_channel_layer_does_not_hold_the_job_end(
     assert events[-1]["completion_tokens"] == job.completion_tokens == len(events) - 1
     assert len(stray) == 1 and layer.ignored >= 1  # it sat through the cancel: the job did not wait
     assert all(listener.done() for listener in stray) and not runner._stray_listeners
+
+
+class CountingStage(Stage):
+    """A stage that counts the steps it was asked to compute."""
+
+    prepared = 0
+
+    def prepare(self, forward):
+        CountingStage.prepared += 1
+        return super().prepare(forward)
+
+
+def test_a_job_cancelled_before_its_coordinator_marks_it_running_sends_its_stages_nothing(
+    in_memory_layer, api_key, monkeypatch
+):
+    """The launch sends the job's brief: its coordinator opens the stages while it marks the job
+    running, and sends them the prompt only once that mark is made. A job already cancelled (the
+    client left while it was queued) is left as it is: no step computed, no token, nothing charged."""
+    CountingStage.prepared = 0
+
+    async def scenario():
+        async with stage_servers(SPANS, stage_class=CountingStage) as route:
+            job = await sync_to_async(admit)(api_key, route, monkeypatch)
+            brief = services.job_brief(job)
+            await sync_to_async(Job.objects.filter(pk=job.pk).update)(state=JobState.CANCELLED)
+            channel = await in_memory_layer.new_channel()
+            await in_memory_layer.group_add(runner.group_name(job.pk), channel)
+            state = await asyncio.wait_for(runner.run_job(job.pk, brief), 60)
+            with pytest.raises(TimeoutError):  # nothing was sent to the job's group
+                await asyncio.wait_for(in_memory_layer.receive(channel), 0.5)
+            return state, job.pk
+
+    state, job_pk = asyncio.run(scenario())
+
+    job = Job.objects.get(pk=job_pk)
+    assert state == JobState.CANCELLED
+    assert (job.state, job.started_at, job.completion_tokens, job.receipts) == (JobState.CANCELLED, None, 0, [])
+    assert CountingStage.prepared == 0
+
+
+def test_a_job_run_from_its_brief_gives_the_tokens_of_one_run_from_its_row(in_memory_layer, api_key, monkeypatch):
+    """The brief holds what the coordinator reads of the job's row: both ways run the same job."""
+
+    async def run(brief: bool):
+        async with stage_servers(SPANS) as route:
+            params = RequestParams(max_tokens=8, temperature=0.0, prompt="Once upon a time")
+            job = await sync_to_async(stage_fixtures.admit)(api_key, route, params, monkeypatch)
+            channel = await in_memory_layer.new_channel()
+            await in_memory_layer.group_add(runner.group_name(job.pk), channel)
+            state = await asyncio.wait_for(runner.run_job(job.pk, services.job_brief(job) if brief else None), 60)
+            tokens = []
+            while (event := await asyncio.wait_for(in_memory_layer.receive(channel), 10))["type"] == "job.token":
+                tokens.append(event["token_id"])
+            return state, tokens, job.pk
+
+    from_brief, from_row = asyncio.run(run(True)), asyncio.run(run(False))
+
+    assert from_brief[0] == from_row[0] == JobState.SUCCEEDED
+    assert len(from_brief[1]) == len(from_row[1]) == 8
+    job = Job.objects.get(pk=from_brief[2])
+    assert job.started_at is not None and job.completion_tokens == 8 and job.verified

@@ -42,10 +42,9 @@ def positive_int(text: str) -> int:
 
 
 def _set_threads(threads: int | None) -> None:
-    import torch
+    from worker_agent import model as models
 
-    if threads:
-        torch.set_num_threads(threads)
+    models.set_threads(threads)
 
 
 def _load_or_create_key(path: Path):

@@ -57,6 +57,12 @@ class RegistryEntry:
     wheels: tuple[str, ...] = ()
 
 
+def set_threads(threads: int | None) -> None:
+    """torch's CPU threads for this process's matrix work; None or 0 leaves torch's own choice."""
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def _log(message: str) -> None:
     print(f"[model] {message}", file=sys.stderr, flush=True)
 

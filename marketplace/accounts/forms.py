@@ -6,6 +6,8 @@ Django admin's user forms ask for the email too and refuse one in use, as sign-u
 
 from __future__ import annotations
 
+from typing import Any
+
 from django import forms
 from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import AdminUserCreationForm, AuthenticationForm, UserChangeForm, UserCreationForm
@@ -57,6 +59,9 @@ class EmailCheckMixin:
     uses it in any case (the model's own unique check compares exact case, so "Carol@x" would pass
     it; and Django's add form, which has no email field, saved a second user's blank address into
     the unique column: a 500)."""
+
+    cleaned_data: dict[str, Any]  # the form's, which this is mixed into
+    instance: Any
 
     def clean_email(self) -> str:
         try:

@@ -40,7 +40,7 @@ _COMMON_KEYS = frozenset(
     | {"speculation"}  # this API's own: False turns speculative decoding off (the same tokens)
     | {"provider"}  # routing, in the spirit of OpenRouter's: {"trusted_only": true} or {"trusted_ends": true}
 )
-PROVIDER_KEYS = {"trusted_only": Privacy.TRUSTED_ONLY, "trusted_ends": Privacy.TRUSTED_ENDS}
+PROVIDER_KEYS = {"trusted_only": str(Privacy.TRUSTED_ONLY), "trusted_ends": str(Privacy.TRUSTED_ENDS)}
 REQUEST_KEYS = {
     "chat": _COMMON_KEYS
     | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format"}
@@ -98,7 +98,7 @@ def _provider(value: object) -> str:
     """The ``Privacy`` a request's "provider" object asks for: ``trusted_only`` (every stage on a
     node an admin marked trusted) or ``trusted_ends`` (the first and last stages), or neither."""
     if value is None:
-        return Privacy.ANY
+        return str(Privacy.ANY)
     if not isinstance(value, dict):
         raise InvalidRequest("'provider' must be an object, e.g. {\"trusted_only\": true}.", param="provider")
     for key, flag in value.items():

@@ -14,7 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import BigIntegerField, Case, F, Value, When
 from django.utils import timezone
 
 from marketplace.billing.errors import InsufficientCredits
@@ -96,13 +96,21 @@ def accounts(wanted: Iterable[tuple[str, Any]]) -> dict[tuple[str, int | None], 
     return found
 
 
-@transaction.atomic
-def transfer_many(moves: Sequence[Move]) -> list[Transfer]:
-    """Make each of ``moves`` as ``transfer`` would, in one transaction and a few statements: the
-    accounts locked once (in primary-key order, as ``transfer`` locks them), each balance changed
-    once by its net amount, the transfers written in one insert. The moves are checked in order
-    against the locked balances first, so nothing is written when one fails: a customer's credit
-    may not go below zero (InsufficientCredits) nor a hold (ValueError, a bug)."""
+def transfer_many(moves: Sequence[Move], *, savepoint: bool = True) -> list[Transfer]:
+    """Make each of ``moves`` as ``transfer`` would, in one transaction and three statements: the
+    accounts locked once (in primary-key order, as ``transfer`` locks them), every balance changed
+    by its net amount in one update, the transfers written in one insert. The moves are checked in
+    order against the locked balances first, so nothing is written when one fails: a customer's
+    credit may not go below zero (InsufficientCredits) nor a hold (ValueError, a bug).
+
+    Inside a caller's transaction, the moves take a savepoint of their own, so that the caller
+    may go on after a failure; ``savepoint=False`` spares its two statements when a failure fails
+    the caller's whole transaction anyway (admission's hold)."""
+    with transaction.atomic(savepoint=savepoint):
+        return _transfer_many(moves)
+
+
+def _transfer_many(moves: Sequence[Move]) -> list[Transfer]:
     for move in moves:
         if not isinstance(move.amount, int) or isinstance(move.amount, bool) or move.amount <= 0:
             raise ValueError(f"a transfer moves a positive whole number of nano-dollars, got {move.amount!r}")
@@ -124,9 +132,12 @@ def transfer_many(moves: Sequence[Move]) -> list[Transfer]:
         balance[move.credit.pk] += move.amount
         net[move.debit.pk] -= move.amount
         net[move.credit.pk] += move.amount
-    for pk, change in net.items():
-        if change:
-            LedgerAccount.objects.filter(pk=pk).update(balance=F("balance") + change)
+    changes = {pk: change for pk, change in net.items() if change}
+    if changes:
+        by_account = Case(
+            *(When(pk=pk, then=Value(change)) for pk, change in changes.items()), output_field=BigIntegerField()
+        )
+        LedgerAccount.objects.filter(pk__in=changes).update(balance=F("balance") + by_account)
     return Transfer.objects.bulk_create(
         Transfer(
             debit=move.debit,

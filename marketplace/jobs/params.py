@@ -64,7 +64,7 @@ class RequestParams:
     n: int = 1
     # Which nodes may see it (a ``Privacy`` value, from the request's "provider" object); its API
     # key's setting applies too, the stricter of the two.
-    privacy: str = Privacy.ANY
+    privacy: str = str(Privacy.ANY)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -128,32 +128,54 @@ def sampling_params(params: RequestParams) -> SamplingParams:
     )
 
 
-async def run_job(job_pk: int) -> str:
+async def run_job(job_pk: int, brief: dict | None = None) -> str:
     """Run the job to its end and settle its hold; returns its final state. Every line logged
-    meanwhile, here and in the coordinator, names the job and the request that admitted it."""
-    job, started = await in_thread(services.start_job, job_pk)
+    meanwhile, here and in the coordinator, names the job and the request that admitted it.
+
+    With the job's ``brief`` (``services.job_brief``, sent along by its launch) the coordinator
+    opens its stages while the job is marked running, and sends them nothing before that mark is
+    made; without one it reads the job's row first."""
+    started: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    if brief is None:
+        job, marked = await in_thread(services.start_job, job_pk)
+        started.set_result(marked)
+    else:
+        job = services.job_from_brief(job_pk, brief)
+        started = asyncio.ensure_future(in_thread(services.mark_running, job_pk))
     public_id, request_id = (job.public_id, job.request_id) if job is not None else (None, None)
     with logs.bound(job_id=public_id, request_id=request_id):
         try:
             state = await _run(job_pk, job, started)
         finally:
+            await asyncio.gather(started, return_exceptions=True)  # never settled before it is marked
             await in_thread(settle, job_pk)
         log.info("job ended: %s", state)
         return state
 
 
-async def _run(job_pk: int, job: Job | None, started: bool) -> str:
+class _NotStarted(Exception):
+    """The job was not queued when its coordinator came to mark it running: it ended before it
+    started (cancelled, timed out), or another coordinator runs it."""
+
+
+async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> str:
     layer = get_channel_layer()
     if job is None:
         job = await in_thread(Job.objects.get, pk=job_pk)  # raises DoesNotExist, as it always did
-    if not started:  # ended before it started (cancelled, timed out), or another coordinator runs it
+    if started.done() and not started.result():
         return job.state
-    log.info("job running: %s, %d prompt tokens, on %d stages", job.model, job.prompt_tokens, len(job.route))
     group = group_name(job_pk)
     delivered = Delivered()
     try:
-        async with asyncio.timeout(settings.SWARM_JOB_TIMEOUT_S):
-            result, cancelled, transcripts = await _generate(job, layer, group, delivered)
+        try:
+            async with asyncio.timeout(settings.SWARM_JOB_TIMEOUT_S):
+                result, cancelled, transcripts = await _generate(job, layer, group, delivered, started)
+        except _NotStarted:
+            return await in_thread(_state, job_pk)
+        except Exception:
+            if not await started:  # it failed before it was found not to be this coordinator's: not its to end
+                return await in_thread(_state, job_pk)
+            raise
     except TimeoutError:
         message = f"the job ran past {settings.SWARM_JOB_TIMEOUT_S:g}s"
         await _fail(job_pk, layer, group, "timeout", message, delivered.tokens)
@@ -288,9 +310,12 @@ class JobHealer:
         )
 
 
-async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[GenerationResult | None, bool, dict]:
+async def _generate(
+    job: Job, layer, group: str, delivered: Delivered, started: asyncio.Future[bool]
+) -> tuple[GenerationResult | None, bool, dict]:
     """Stream the job's tokens to its group, counting them in ``delivered``; returns (result,
-    cancelled, the coordinator's transcripts by session)."""
+    cancelled, the coordinator's transcripts by session). Its stages are opened while the job is
+    marked running (``started``), and sent its prompt only once it is (else ``_NotStarted``)."""
     grant = JobGrant.new()
     specs = await _specs(job, job.route, grant)
     params = RequestParams.from_json(job.params)
@@ -309,6 +334,9 @@ async def _generate(job: Job, layer, group: str, delivered: Delivered) -> tuple[
         speculation=speculation_settings(),
         tls=held_coordinator_tls() or await in_thread(coordinator_tls),  # a thread only to make or renew it
     ) as coord:
+        if not await started:
+            raise _NotStarted
+        log.info("job running: %s, %d prompt tokens, on %d stages", job.model, job.prompt_tokens, len(job.route))
         request = coord.request_ids(
             job.prompt_ids,
             max_tokens=params.max_tokens,
@@ -397,6 +425,10 @@ async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_to
         error_message=message,
     )
     await layer.group_send(group, {"type": "job.error", "code": code, "message": public_failure(code, message)})
+
+
+def _state(job_pk: int) -> str:
+    return Job.objects.only("state").get(pk=job_pk).state
 
 
 def _record_audits(job_pk: int, materials: list, gaps: list) -> list[int]:

@@ -389,6 +389,24 @@ def mark_running(job_pk: int) -> bool:
     )
 
 
+# What a job's coordinator reads of its row: sent along with its launch (``job_brief``), so that it
+# opens its stages while the job is marked running rather than after reading the row back.
+BRIEF_FIELDS = ("public_id", "request_id", "model", "prompt_tokens", "route", "params", "prompt_ids", "audit_stages")
+
+
+def job_brief(job: Job) -> dict:
+    """The fields of an admitted job that its coordinator needs, as JSON (a Celery argument)."""
+    return {name: getattr(job, name) for name in BRIEF_FIELDS}
+
+
+def job_from_brief(job_pk: int, brief: dict) -> Job:
+    """The job a brief describes, as an unsaved, read-only instance: only its brief's fields are set."""
+    missing = set(BRIEF_FIELDS) - brief.keys()
+    if missing:
+        raise ValueError(f"a job brief lacks {sorted(missing)}")
+    return Job(pk=job_pk, **{name: brief[name] for name in BRIEF_FIELDS})
+
+
 def start_job(job_pk: int) -> tuple[Job | None, bool]:
     """A coordinator's first step, in one worker thread: mark the job running (True when this call
     did: it was queued, and no other coordinator took it) and read its row."""

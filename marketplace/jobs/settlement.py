@@ -42,9 +42,10 @@ def hold_terms(model: str, prompt_tokens: int, max_tokens: int) -> dict:
     }
 
 
-@transaction.atomic
+@transaction.atomic(savepoint=False)  # admission's transaction is all or none already
 def place_hold(job: Job, *, priced: bool = False) -> None:
-    """Reserve the job's worst-case price; InsufficientCredits when the credits do not cover it.
+    """Reserve the job's worst-case price; InsufficientCredits when the credits do not cover it,
+    which fails the caller's transaction whole (no savepoint: admission rolls back all of it).
     ``priced``: the job was created with its ``hold_terms`` already (admission does so, saving a
     write); otherwise they are set and saved here."""
     if not priced:
@@ -56,7 +57,7 @@ def place_hold(job: Job, *, priced: bool = False) -> None:
         owner = job.customer_id
         found = accounts([(AccountKind.CUSTOMER_CREDIT, owner), (AccountKind.CUSTOMER_HOLD, owner)])
         credit, hold = found[(AccountKind.CUSTOMER_CREDIT, owner)], found[(AccountKind.CUSTOMER_HOLD, owner)]
-        transfer_many([Move(credit, hold, job.hold_amount, kind="hold", job=job)])
+        transfer_many([Move(credit, hold, job.hold_amount, kind="hold", job=job)], savepoint=False)
 
 
 @transaction.atomic

@@ -18,6 +18,7 @@ from celery import shared_task
 from django.conf import settings
 
 from marketplace import logs
+from marketplace.jobs import services
 from marketplace.jobs.models import Job
 from marketplace.jobs.runner import run_job
 
@@ -46,19 +47,20 @@ def job_loop() -> asyncio.AbstractEventLoop:
 
 
 @shared_task(name="marketplace.jobs.tasks.run_job", acks_late=False)
-def run_job_task(job_pk: int) -> str:
+def run_job_task(job_pk: int, brief: dict | None = None) -> str:
     # acks_late off: a coordinator that died mid-stream must not be replayed onto a new stream.
-    return asyncio.run_coroutine_threadsafe(run_job(job_pk), job_loop()).result()
+    return asyncio.run_coroutine_threadsafe(run_job(job_pk, brief), job_loop()).result()
 
 
 def launch(job: Job) -> None:
     """Start the job's coordinator: a Celery task on ``coord.<region>``, or in this process."""
+    brief = services.job_brief(job)  # a keyword argument: the task's logged arguments leave it out
     if settings.SWARM_COORDINATOR_LAUNCH == "celery":
         with logs.bound(job_id=job.public_id):  # its message carries the job's id to the worker's lines
-            run_job_task.apply_async(args=[job.pk], queue=f"coord.{job.coordinator_region}")
+            run_job_task.apply_async(args=[job.pk], kwargs={"brief": brief}, queue=f"coord.{job.coordinator_region}")
         return
     # A fresh context: the job must not inherit the request's (and so its per-request database
     # thread and connection), since it outlives the request.
-    task = asyncio.get_running_loop().create_task(run_job(job.pk), context=contextvars.Context())
+    task = asyncio.get_running_loop().create_task(run_job(job.pk, brief), context=contextvars.Context())
     _embedded_jobs.add(task)
     task.add_done_callback(_embedded_jobs.discard)

@@ -51,7 +51,11 @@ def _send_on_commit(groups: list[str], event: dict) -> None:
         layer = get_channel_layer()
         if layer is None:
             return
-        for group in groups:
-            async_to_sync(layer.group_send)(group, event)
+
+        async def to_all() -> None:  # one event loop, and one connection to the layer, for all of them
+            for group in groups:
+                await layer.group_send(group, event)
+
+        async_to_sync(to_all)()
 
     transaction.on_commit(send, robust=True)

@@ -29,7 +29,7 @@ PRIVACY_ORDER = (Privacy.ANY, Privacy.TRUSTED_ENDS, Privacy.TRUSTED_ONLY)  # wea
 
 def strictest(*modes: str) -> str:
     """The strictest of ``modes`` (``Privacy`` values): a key's floor and a request's ask combine so."""
-    return max(modes, key=PRIVACY_ORDER.index, default=Privacy.ANY)
+    return str(max(modes, key=PRIVACY_ORDER.index, default=Privacy.ANY))  # str(): the value, "any"
 
 
 class Node(models.Model):

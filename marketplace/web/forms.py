@@ -37,7 +37,7 @@ class ApiKeyForm(forms.Form):
     )
 
     def clean_privacy(self) -> str:
-        return self.cleaned_data["privacy"] or Privacy.ANY  # not sent: any node, as a key made by the API
+        return self.cleaned_data["privacy"] or str(Privacy.ANY)  # not sent: any node, as a key made by the API
 
 
 class KeyPrivacyForm(forms.Form):
