@@ -479,6 +479,39 @@ def honest_material(span=(0, 2), steps=((0, 3), (3, 1), (4, 1))) -> AuditMateria
     )
 
 
+class CountingBlock(Block):
+    """A trusted block that counts its passes."""
+
+    def __init__(self, span: tuple[int, int]) -> None:
+        super().__init__(models.load_block(MODEL, *span))
+        self.passes = 0
+
+    def forward(self, items):
+        self.passes += 1
+        return super().forward(items)
+
+
+def test_a_session_replays_in_one_pass_unless_a_step_computed_positions_again():
+    """Steps that follow one another replay as one causal pass (each position sees the same inputs
+    as in the stage's steps); a step that computed a position again (a rejected draft's) makes the
+    replay go step by step, on the cache as the stage held it, and both pass for an honest stage."""
+    contiguous = honest_material(steps=((0, 3), (3, 1), (4, 1), (5, 1)))
+    block = CountingBlock((0, 2))
+    report = replay(contiguous, block)
+    assert (report.passed, block.passes, report.tokens) == (True, 1, 6)
+    assert min(report.cosine) > 1 - 1e-5 and max(report.rel_norm) < 1e-4
+
+    rolled_back = honest_material(steps=((0, 3), (3, 2), (4, 1), (5, 1)))  # position 4 computed twice
+    block = CountingBlock((0, 2))
+    report = replay(rolled_back, block)
+    assert (report.passed, block.passes, report.tokens) == (True, 4, 7)
+    assert min(report.cosine) > 1 - 1e-5
+
+    # The same rows as one pass would not stand for the stage's: the second input at 4 replaced the first.
+    merged = dataclasses.replace(rolled_back, steps=((0, 3), (3, 2), (5, 1), (6, 1)))
+    assert not replay(merged, CountingBlock((0, 2))).passed
+
+
 def test_material_round_trips_through_bytes(audited):
     for material in audited.audits:
         data = material.to_bytes()
