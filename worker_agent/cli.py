@@ -42,7 +42,7 @@ def positive_int(text: str) -> int:
 
 
 def _set_threads(threads: int | None) -> None:
-    from worker_agent import model as models
+    from worker_agent import model as models  # torch: loaded by the commands that compute, not by --help
 
     models.set_threads(threads)
 
