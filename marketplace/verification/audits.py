@@ -177,11 +177,13 @@ def _audit_metrics(report) -> dict:
 
 def _finish_audit(audit_pk: int, state: str, reason: str, metrics: dict) -> Audit:
     with transaction.atomic():
-        audit = Audit.objects.select_for_update().select_related("node", "job").get(pk=audit_pk)
+        # The audit's row alone, without its material: the job (its receipts and transcripts) and
+        # the node are read only for a failure's strike, and the material is neither read nor rewritten.
+        audit = Audit.objects.select_for_update().defer("material").get(pk=audit_pk)
         if audit.state != CheckState.PENDING:
             return audit
         audit.state, audit.reason, audit.metrics, audit.checked_at = state, reason, metrics, timezone.now()
-        audit.save()
+        audit.save(update_fields=["state", "reason", "metrics", "checked_at"])
         notify_node_changed(audit.node_id)
         if state == CheckState.FAILED:
             open_strike(
