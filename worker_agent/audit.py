@@ -356,16 +356,12 @@ def replay(
     _check_thresholds(min_cosine, max_rel_norm)
     _check_block(material, block)
     kv = KVSession(material.job, material.session)  # throwaway: dropped when this returns
+    passes = [
+        (start, count, material.tensor(sent, count))
+        for (start, count), sent in zip(material.steps, material.inputs, strict=True)
+    ]
     if _contiguous(material.steps):
-        inputs = torch.cat(
-            [material.tensor(sent, count) for (_, count), sent in zip(material.steps, material.inputs, strict=True)]
-        )
-        passes = [(0, material.tokens, inputs)]
-    else:
-        passes = [
-            (start, count, material.tensor(sent, count))
-            for (start, count), sent in zip(material.steps, material.inputs, strict=True)
-        ]
+        passes = [(0, material.tokens, torch.cat([rows for _, _, rows in passes]))]
     replayed = []
     for index, (start, count, rows) in enumerate(passes):
         if start > kv.length:
