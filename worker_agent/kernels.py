@@ -62,7 +62,7 @@ class Int8Weight(torch.Tensor):
 
     scales: torch.Tensor  # (out,), in the activations' dtype
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def quantize(weight: torch.Tensor, scale_dtype: torch.dtype) -> Int8Weight:
@@ -212,7 +212,11 @@ class KernelTable:
         with torch.inference_mode():
             for rows in grid:
                 x = make(rows)
-                verdict = choose(family, lambda kernel, x=x: kernel.product(x, weight, None), clock=self._clock)
+
+                def call(kernel: Kernel, x: torch.Tensor = x) -> torch.Tensor:
+                    return kernel.product(x, weight, None)
+
+                verdict = choose(family, call, clock=self._clock)
                 self._verdicts[_key(family, weight, rows)] = verdict
         for rows in range(1, (grid[-1] if grid else 0) + 1):
             below = max(r for r in grid if r <= rows)
@@ -272,6 +276,6 @@ def tune_module(module: torch.nn.Module, *, max_rows: int = ROW_GRID[-1]) -> Non
     """Tune every projection of a module (a layer block, the LM head) in ``TABLE``."""
     for child in module.modules():
         weight = getattr(child, "weight", None)
-        if isinstance(child, torch.nn.Linear) or isinstance(weight, Int8Weight):
+        if isinstance(weight, torch.Tensor) and (isinstance(child, torch.nn.Linear) or isinstance(weight, Int8Weight)):
             family = INT8 if isinstance(weight, Int8Weight) else FLOAT
             TABLE.tune(family, weight, max_rows=max_rows)
