@@ -34,12 +34,13 @@ production: $(STAMP)
 	SWARM_REQUIRE_DATA_TLS="$(SWARM_REQUIRE_DATA_TLS)" PROMETHEUS_MULTIPROC_DIR="$(PROMETHEUS_MULTIPROC_DIR)" \
 		PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start -f Procfile
 
-# What the tests drive besides Python: Debian's Chromium (the dashboards) and docker-compose
-# (the deployment file is rendered and checked).
-SYSTEM_TOOLS := chromium docker-compose
+# What the tests drive besides Python: Debian's Chromium (the dashboards), docker-compose (the
+# deployment file is rendered and checked) and iptables (the NAT routers of tests/netlab). Debian
+# keeps iptables in /usr/sbin, which not every PATH holds: without it, it would be installed every run.
+SYSTEM_TOOLS := chromium docker-compose iptables
 
 test: $(STAMP)
-	@for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null 2>&1 || \
+	@PATH="$$PATH:/usr/sbin:/sbin"; for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null 2>&1 || \
 		apt-get install -y --no-install-recommends $$tool >/dev/null || exit 1; done
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
