@@ -12,6 +12,8 @@ carries a stable machine-readable ``code`` (sent in ERROR frames) next to its hu
     ├── StageError      a stage answered with an ERROR frame, or did not answer in time
     ├── AuditError      live-audit material is malformed, or a stage's traffic fails its audit
     ├── TlsError        a data-plane certificate or key is missing, unreadable, expired or not the swarm's
+    ├── RelayError      a relay refused an agent or a connection, or a relay link broke the relay's wire rules
+    │   └── RelayLost   an agent's link to its relay ended, or was refused or never came up: pick another relay
     └── ChallengeError  a spot-challenge is invalid, or its answer is malformed
         └── ChallengeFailed  a well-formed answer disagrees with the trusted recompute
 
@@ -80,6 +82,20 @@ class AuditError(SwarmError):
 
 class TlsError(SwarmError):
     code = "tls"
+
+
+class RelayError(SwarmError):
+    """The codes are listed in ``relay_protocol.py``; an agent refused by a relay gets the relay's code."""
+
+    code = "relay"
+
+
+class RelayLost(RelayError):
+    """How ``RelayClient.run`` ends; ``code`` says why: ``relay_unreachable``, ``relay_lost`` (the link
+    closed or broke), ``ping_timeout``, or the code of the relay's ERROR: a refusal (``pass_expired``,
+    ``bad_signature``, ...) or the end of a registered link (``replaced``, ``shutdown``, ``pass_expired``)."""
+
+    code = "relay_lost"
 
 
 class ChallengeError(SwarmError):
