@@ -3,14 +3,20 @@ public OpenAI-compatible API, on the embedded defaults (SQLite, in-process chann
 coordinator). It keeps serving until interrupted.
 
 It creates demo accounts (a provider owning the three agents, a customer with an API key, an
-admin), starts the web app on ``DEMO_PORT`` (default 8000) and three ``swarm-worker join``
-processes, waits until the model is servable, streams one chat completion with the official
-``openai`` client, and writes ``.demo/demo.env`` for other clients.
+admin), starts the web app on ``DEMO_HOST``:``DEMO_PORT`` (default 127.0.0.1:8000) and three
+``swarm-worker join`` processes, waits until the model is servable, streams one chat completion with
+the official ``openai`` client, and writes ``.demo/demo.env`` for other clients.
+
+``DEMO_HOST`` is also the control plane's public address (SWARM_PUBLIC_URL unless set): the URL the
+agents join, the dashboard's join commands and every printed URL name it. An address of this machine
+on a network (``DEMO_HOST=10.0.0.5 make demo``) lets a host there join with the command the dashboard
+shows; 0.0.0.0 is refused, since no one can connect to it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -20,7 +26,12 @@ import time
 from pathlib import Path
 
 DEMO_DIR = Path(os.environ.get("DEMO_DIR", ".demo")).resolve()
+HOST = os.environ.get("DEMO_HOST", "127.0.0.1")
 PORT = int(os.environ.get("DEMO_PORT", "8000"))
+# An address others connect to and a URL's host as it is (SWARM_PUBLIC_URL's rule): a wildcard
+# listens everywhere but names nowhere, and an IPv6 literal would need brackets in every URL.
+if not re.fullmatch(r"[A-Za-z0-9.\-]+", HOST) or HOST == "0.0.0.0":
+    raise SystemExit(f"DEMO_HOST must be an IPv4 address or a host name of this machine, not {HOST!r}")
 MODEL = "smollm2-135m"
 AGENT_DRAIN_S = 10.0  # on Ctrl-C, how long the agents let the requests in flight finish first
 NANO_PER_DOLLAR = 1_000_000_000
@@ -29,6 +40,10 @@ os.environ.setdefault("SWARM_DATA_DIR", str(DEMO_DIR / "data"))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
 os.environ.setdefault("SWARM_HEARTBEAT_INTERVAL_S", "2")
 os.environ.setdefault("SWARM_HEARTBEAT_TIMEOUT_S", "10")
+# The join commands the dashboard shows name the address the other hosts were given, however this
+# machine reached the dashboard; requests that name it (Host: DEMO_HOST) are let in.
+os.environ.setdefault("SWARM_PUBLIC_URL", f"http://{HOST}:{PORT}")
+os.environ.setdefault("DJANGO_ALLOWED_HOSTS", ",".join(dict.fromkeys([HOST, "127.0.0.1", "localhost", "[::1]"])))
 # The demo prints its own account of the job; the control plane's INFO lines (this same process)
 # would interleave with the streamed answer. SWARM_LOG_LEVEL=INFO shows them.
 os.environ.setdefault("SWARM_LOG_LEVEL", "WARNING")
@@ -236,17 +251,19 @@ def main() -> int:
     _retire_earlier_agents()
     accounts = _accounts()
     try:
-        server = EmbeddedServer(PORT).start()
+        server = EmbeddedServer(PORT, HOST).start()
     except RuntimeError:
-        raise SystemExit(f"the web app could not start on port {PORT} (set DEMO_PORT to move it)") from None
-    base_url = f"http://127.0.0.1:{PORT}"
+        raise SystemExit(
+            f"the web app could not start on {HOST}:{PORT} (set DEMO_PORT to move it, DEMO_HOST to listen elsewhere)"
+        ) from None
+    base_url = server.url
     agents: list[subprocess.Popen] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         print(f"control plane at {base_url}; starting three agents (swarm-worker join) ...", flush=True)
         print(
-            "data plane: plain ws:// on loopback, not encrypted (production: agents join with --tls auto "
+            "data plane: plain ws://, not encrypted (production: agents join with --tls auto "
             "and the control plane sets SWARM_REQUIRE_DATA_TLS=1)",
             flush=True,
         )

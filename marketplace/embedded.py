@@ -8,21 +8,23 @@ import threading
 import time
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
 class EmbeddedServer:
-    def __init__(self, port: int = 0) -> None:
+    """Listens on ``host`` (an IPv4 address or a host name of this machine), which its ``url`` names."""
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
         import uvicorn
 
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
         config = uvicorn.Config(
             "marketplace.asgi:application",
-            host="127.0.0.1",
+            host=host,
             port=self.port,
             lifespan="on",
             log_level="warning",

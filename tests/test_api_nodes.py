@@ -55,6 +55,8 @@ def pending_body(node: Node) -> dict:
 
 
 def test_provider_creates_a_node_and_sees_its_join_token_once(provider, client_for, swarm_settings):
+    swarm_settings.SWARM_PUBLIC_URL = ""
+    swarm_settings.SWARM_REQUIRE_DATA_TLS = False
     client = client_for(provider)
     before = timezone.now()
 
@@ -69,13 +71,29 @@ def test_provider_creates_a_node_and_sees_its_join_token_once(provider, client_f
     assert len(token) == 47
     assert body == pending_body(node) | {
         "join_token": token,
-        "join_command": f"SWARM_JOIN_TOKEN={token} swarm-worker join --control-plane http://testserver",
+        "join_command": f"curl -fsSL http://testserver/install/agent.sh | SWARM_JOIN_TOKEN={token} sh",
     }
     assert (node.owner, node.name, node.region) == (provider, "gpu-1", "eu-west")
     assert node.join_token_hash == hashlib.sha256(token.encode()).hexdigest()
     assert before + timedelta(seconds=3600) <= node.join_token_expires_at <= after + timedelta(seconds=3600)
     detail = client.get(node_url(node)).json()
     assert detail == pending_body(node)
+
+
+def test_the_join_command_is_the_dashboards_install_command_at_the_public_url(provider, client_for, swarm_settings):
+    swarm_settings.SWARM_PUBLIC_URL = "https://swarm.example.test"
+    swarm_settings.SWARM_REQUIRE_DATA_TLS = True
+    client = client_for(provider)
+
+    created = client.post(NODES, {"name": "gpu-1"}, format="json").json()
+    rotated = client.post(node_url(Node.objects.get(), "rotate-token")).json()
+
+    # Verbatim on a machine with nothing but Python: the script installs the agent, then joins.
+    script = "curl -fsSL https://swarm.example.test/install/agent.sh"
+    assert [created["join_command"], rotated["join_command"]] == [
+        f"{script} | SWARM_JOIN_TOKEN={created['join_token']} sh -s -- --tls auto",
+        f"{script} | SWARM_JOIN_TOKEN={rotated['join_token']} sh -s -- --tls auto",
+    ]
 
 
 def test_region_defaults_to_local(provider, client_for):
@@ -345,7 +363,9 @@ def test_delete_hides_the_node_and_releases_its_assignments(
     assert list(PlacementState.objects.values_list("model", "dirty")) == [(MODEL, True)]
 
 
-def test_rotate_token_invalidates_the_old_token_and_the_new_one_joins(provider, make_node, client_for):
+def test_rotate_token_invalidates_the_old_token_and_the_new_one_joins(provider, make_node, client_for, settings):
+    settings.SWARM_PUBLIC_URL = ""
+    settings.SWARM_REQUIRE_DATA_TLS = False
     node, old_token = make_node(provider)
     key = generate_signing_key()
     client = client_for(provider)
@@ -359,7 +379,7 @@ def test_rotate_token_invalidates_the_old_token_and_the_new_one_joins(provider, 
     new_token = rotated.json()["join_token"]
     assert rotated.json() == {
         "join_token": new_token,
-        "join_command": f"SWARM_JOIN_TOKEN={new_token} swarm-worker join --control-plane http://testserver",
+        "join_command": f"curl -fsSL http://testserver/install/agent.sh | SWARM_JOIN_TOKEN={new_token} sh",
     }
     assert new_token.startswith("swj_")
     assert new_token != old_token

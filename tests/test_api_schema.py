@@ -95,6 +95,23 @@ def test_schema_shows_the_join_token_only_in_the_create_answer(schema):
     assert not {"join_token", "join_command"} & set(components["Node"]["properties"])
 
 
+def test_schema_says_the_join_command_installs_the_agent(schema):
+    components = schema["components"]["schemas"]
+    rotate = schema["paths"]["/api/v1/nodes/{id}/rotate-token/"]["post"]
+    assert rotate["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/JoinToken"
+    }
+    described = {
+        "type": "string",
+        "readOnly": True,
+        "description": "the one line to run on the machine, as the dashboard shows it: fetches the control "
+        "plane's install script, which installs the agent and joins with the token (given in its environment, "
+        "never as an argument)",
+    }
+    assert components["NodeCreated"]["properties"]["join_command"] == described
+    assert components["JoinToken"]["properties"]["join_command"] == described
+
+
 def test_schema_declares_session_and_basic_authentication_for_the_node_api(schema):
     assert schema["components"]["securitySchemes"] == {
         "basicAuth": {"type": "http", "scheme": "basic"},

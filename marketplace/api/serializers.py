@@ -55,9 +55,15 @@ class NodeCreateSerializer(serializers.Serializer):
     region = serializers.RegexField(r"^[a-z0-9-]{1,64}$", required=False, default="local")
 
 
+JOIN_COMMAND_HELP = (
+    "the one line to run on the machine, as the dashboard shows it: fetches the control plane's install "
+    "script, which installs the agent and joins with the token (given in its environment, never as an argument)"
+)
+
+
 class NodeCreatedSerializer(NodeSerializer):
     join_token = serializers.CharField(read_only=True)
-    join_command = serializers.CharField(read_only=True)
+    join_command = serializers.CharField(read_only=True, help_text=JOIN_COMMAND_HELP)
 
     class Meta(NodeSerializer.Meta):
         fields = [*NodeSerializer.Meta.fields, "join_token", "join_command"]
@@ -66,7 +72,7 @@ class NodeCreatedSerializer(NodeSerializer):
 
 class JoinTokenSerializer(serializers.Serializer):
     join_token = serializers.CharField(read_only=True)
-    join_command = serializers.CharField(read_only=True)
+    join_command = serializers.CharField(read_only=True, help_text=JOIN_COMMAND_HELP)
 
 
 class AgentRegisterSerializer(serializers.Serializer):

@@ -20,7 +20,7 @@ from marketplace.api.views import IsCustomer
 from marketplace.billing import topups
 from marketplace.billing.errors import InvalidWebhookPayload, InvalidWebhookSignature, WebhookNotConfigured
 from marketplace.errors import DomainError
-from marketplace.install.views import public_url
+from marketplace.install.script import public_url
 
 TOP_UP_REQUEST = inline_serializer(
     "TopUpRequest", {"amount": serializers.CharField(help_text='dollars, in whole cents, e.g. "10.00"')}

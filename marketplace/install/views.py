@@ -21,13 +21,7 @@ from django.views.decorators.http import require_GET
 from marketplace.catalog.views import file_chunks
 from marketplace.install import services
 from marketplace.install.errors import WheelsUnavailable
-from marketplace.install.script import render_script
-
-
-def public_url(request: HttpRequest) -> str:
-    """The control plane's public address, for agents and for Stripe's redirects back to the
-    dashboard: SWARM_PUBLIC_URL, else this request's own scheme and host."""
-    return settings.SWARM_PUBLIC_URL or f"{request.scheme}://{request.get_host()}"
+from marketplace.install.script import public_url, render_script
 
 
 async def _manifest() -> dict[str, Any]:

@@ -24,7 +24,7 @@ from marketplace.billing import selectors as billing
 from marketplace.billing.models import TopUpState
 from marketplace.billing.topups import cancel_top_up, start_top_up
 from marketplace.errors import DomainError
-from marketplace.install.views import public_url
+from marketplace.install.script import public_url
 from marketplace.jobs import selectors as job_selectors
 from marketplace.jobs.errors import AuthenticationFailed, InvalidRequest
 from marketplace.web import selectors

@@ -17,8 +17,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from marketplace.install.script import install_command
-from marketplace.install.views import public_url
+from marketplace.install.script import join_command
 from marketplace.nodes import shown_tokens
 from marketplace.nodes.errors import NodeError, NodeNameTaken
 from marketplace.nodes.models import Node
@@ -41,7 +40,7 @@ def _join_command(request: HttpRequest, node: Node) -> JoinCommand | None:
     shown = shown_tokens.shown(node)
     if shown is None:
         return None
-    return JoinCommand(node, install_command(public_url(request), shown.token), shown.used)
+    return JoinCommand(node, join_command(request, shown.token), shown.used)
 
 
 def _own_node(request: HttpRequest, pk: int) -> Node:

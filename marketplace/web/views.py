@@ -22,7 +22,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from marketplace.billing.errors import PaymentProviderUnavailable
-from marketplace.install.views import public_url
+from marketplace.install.script import public_url
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken
 from marketplace.nodes.models import Privacy

