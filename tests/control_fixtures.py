@@ -50,6 +50,10 @@ def swarm_settings(settings):
     settings.SWARM_SPARES_PER_PIPELINE = 0
     settings.SWARM_COORDINATOR_REGIONS = ["local"]
     settings.SWARM_REGION_PROBE_URLS = {}
+    # These agents are the test itself, with no data plane to open: the reports are taken as they come
+    # (tests/test_reachability.py opens real ones).
+    settings.SWARM_REACHABILITY_CHECK = False
+    settings.SWARM_RELAYS = []
     return settings
 
 

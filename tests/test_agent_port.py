@@ -34,9 +34,9 @@ def taken_port() -> socket.socket:
 def agent_on(port: int, *, port_chosen: bool) -> Agent:
     key = generate_signing_key()
     state = JoinState("http://control.test", node_id(public_key_bytes(key)), "ws://control.test/ws/agent/", 5.0)
-    return Agent(
-        key, state, host="127.0.0.1", port=port, advertise_url=f"ws://127.0.0.1:{port}", port_chosen=port_chosen
-    )
+    # A port picked at start comes with no --advertise-url: the agent advertises where it serves.
+    advertise_url = f"ws://127.0.0.1:{port}" if port_chosen else None
+    return Agent(key, state, host="127.0.0.1", port=port, advertise_url=advertise_url, port_chosen=port_chosen)
 
 
 async def assign(agent: Agent, channel: RecordingChannel) -> dict:
@@ -54,7 +54,7 @@ def test_a_port_picked_at_start_and_taken_since_is_replaced_and_the_new_url_repo
                 answer = await assign(agent, channel)
                 assert answer["type"] == "ready", answer
                 assert answer["url"] != f"ws://127.0.0.1:{taken}"
-                assert answer["url"] == agent.advertise_url == f"ws://127.0.0.1:{agent.port}"
+                assert answer["url"] == agent.data_url == f"ws://127.0.0.1:{agent.port}"
                 async with raw_client(answer["url"]) as client:  # served there, for real
                     pong = await client.ping(3)
                 assert (pong.info["layer_start"], pong.info["layer_end"]) == (0, 3)

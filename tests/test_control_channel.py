@@ -122,6 +122,7 @@ def test_a_valid_handshake_is_welcomed_and_the_node_becomes_active(pending_agent
         "heartbeat_interval_s": 5.0,
         "ticket_key": issuer_public_key().hex(),
         "assignments": [],
+        "seen_address": AGENT_ADDRESS,  # what the agent advertises when it was given no address
     }
     assert re.fullmatch(r"[0-9a-f]{64}", welcome["ticket_key"])
     assert (seen.state, seen.connected) == (NodeState.ACTIVE, True)

@@ -43,6 +43,20 @@ MESSAGES = [
         },
     ),
     (
+        protocol.Welcome(
+            node="node-00ff", state="active", heartbeat_interval_s=5.0, ticket_key=KEY_HEX, seen_address="10.201.0.101"
+        ),
+        {
+            "type": "welcome",
+            "node": "node-00ff",
+            "state": "active",
+            "heartbeat_interval_s": 5.0,
+            "ticket_key": KEY_HEX,
+            "assignments": [],
+            "seen_address": "10.201.0.101",
+        },
+    ),
+    (
         protocol.Error(code="unknown_type", message="unknown type 'sync'"),
         {
             "type": "error",
@@ -104,6 +118,19 @@ MESSAGES = [
     (
         protocol.Failed(assignment=7, error="out of memory"),
         {"type": "failed", "assignment": 7, "error": "out of memory"},
+    ),
+    (
+        protocol.UseRelay(
+            reason="ws://10.0.0.7:9100 refused the connection",
+            relay_pass="ab" * 100,
+            relays=(protocol.RelayOffer(id="r1", address="relay.example:7700"),),
+        ),
+        {
+            "type": "use_relay",
+            "reason": "ws://10.0.0.7:9100 refused the connection",
+            "relay_pass": "ab" * 100,
+            "relays": [{"id": "r1", "address": "relay.example:7700"}],
+        },
     ),
 ]
 
@@ -262,6 +289,18 @@ def test_a_missing_field_is_refused(fields, message):
                 "assignments": [{"type": "drain"}],
             },
             "assignments must hold Assign entries, got (Drain(),)",
+        ),
+        (
+            {"type": "use_relay", "reason": "", "relay_pass": "ab", "relays": []},
+            "relays must be a list of 1 to 16 relays",
+        ),
+        (
+            {"type": "use_relay", "reason": "", "relay_pass": "zz", "relays": [{"id": "r", "address": "h:1"}]},
+            "relay_pass must be hex",
+        ),
+        (
+            {"type": "use_relay", "reason": "", "relay_pass": "ab", "relays": [{"id": "r", "address": "h:99999"}]},
+            "address must be host:port, got 'h:99999'",
         ),
     ],
 )

@@ -241,6 +241,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     state_path = key_path.with_name(key_path.name + ".join.json")
     port = args.port or _free_port(args.host)
     tls_key_path = tls.agent_key_path(key_path, mode=args.tls, own_key=args.tls_key, own_certificate=args.tls_cert)
+    # Without --advertise-url the agent advertises the address the control plane sees it at (its
+    # Welcome says which); the join itself names this host's own bind address until then.
     advertise = args.advertise_url or f"{'wss' if tls_key_path else 'ws'}://{args.host}:{port}"
     if advertise.startswith("wss://") != (tls_key_path is not None):
         print("error: --advertise-url is wss:// exactly when the data plane serves TLS (--tls auto)", file=sys.stderr)
@@ -290,13 +292,14 @@ def cmd_join(args: argparse.Namespace) -> int:
         return 2
     pinned = (state.ca_certificate, state.node_certificate)
     server_tls, peer_tls = tls.agent_contexts(*pinned, tls_key_path, node=state.node)
-    print(f"JOINED node={state.node} control={state.control_url} data={advertise} pid={os.getpid()}", flush=True)
+    shown = args.advertise_url or f"{'wss' if tls_key_path else 'ws'}://(the address the control plane sees):{port}"
+    print(f"JOINED node={state.node} control={state.control_url} data={shown} pid={os.getpid()}", flush=True)
     agent = Agent(
         signing_key,
         state,
         host=args.host,
         port=port,
-        advertise_url=advertise,
+        advertise_url=args.advertise_url,
         dtype=args.dtype,
         device=args.device,
         wan=args.wan,
@@ -443,10 +446,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     join.add_argument("--key", default="node.key", help="node key file (created if missing)")
     join.add_argument("--model", default="smollm2-135m", help="model to benchmark this machine on")
-    join.add_argument("--host", default="127.0.0.1", help="data-plane bind address")
+    join.add_argument("--host", default="0.0.0.0", help="data-plane bind address (default every interface: 0.0.0.0)")
     join.add_argument("--port", type=int, default=0, help="data-plane port (0 picks a free one)")
     join.add_argument(
-        "--advertise-url", default=None, help="ws:// or wss:// URL peers use (default ws://HOST:PORT, wss:// with TLS)"
+        "--advertise-url",
+        default=None,
+        help="ws:// or wss:// URL peers use (default: the address the control plane sees this machine at, "
+        "and the data port; a relay's URL when the control plane cannot reach that)",
     )
     join.add_argument(
         "--tls",

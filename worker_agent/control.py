@@ -60,6 +60,7 @@ from worker_agent.control_protocol import ProtocolError, control_signature, join
 from worker_agent.errors import SwarmError
 from worker_agent.joining import JoinError, backoff_delay, request_json
 from worker_agent.keys import node_id, public_key_bytes
+from worker_agent.relayed import RelayKeeper
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -232,7 +233,7 @@ class Agent:
         *,
         host: str,
         port: int,
-        advertise_url: str,
+        advertise_url: str | None,
         dtype: str = "float32",
         device: str = "cpu",
         wan: str = "",
@@ -248,7 +249,15 @@ class Agent:
     ) -> None:
         self.signing_key = signing_key
         self.state = state
-        self.host, self.port, self.advertise_url = host, port, advertise_url
+        self.host, self.port = host, port
+        # The URL its owner gave (--advertise-url), else None: the agent then advertises the address
+        # the control plane sees it connect from (Welcome.seen_address), at its data port.
+        self.advertise_url = advertise_url
+        self.seen_address: str | None = None
+        self.relay_url: str | None = None  # while the agent is served through a relay (``relayed``)
+        self._relay: RelayKeeper | None = None
+        self._relay_task: asyncio.Task | None = None
+        self._ws = None  # the control channel while it is up: where a relay's new URL is reported
         # False when the port was picked free at start (no --port, no --advertise-url): if another
         # process takes it before the first block is served, the agent serves on a new free port and
         # reports that URL in Ready instead of failing every assignment.
@@ -278,6 +287,18 @@ class Agent:
         self._tasks: set[asyncio.Task] = set()
         if cheat is not None:
             log.warning("\n%s", warning_banner(cheat))
+
+    @property
+    def data_url(self) -> str:
+        """Where peers reach this agent's data plane: through its relay, else the URL its owner
+        gave, else the address the control plane sees it at (all interfaces are bound)."""
+        if self.relay_url is not None:
+            return self.relay_url
+        if self.advertise_url is not None:
+            return self.advertise_url
+        scheme = "wss" if self.tls is not None else "ws"
+        host = self.seen_address or self.host
+        return f"{scheme}://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     def _ticket_key(self, offered: str) -> bytes:
         """The ticket-signing key to trust: the Welcome's, which must be the one pinned at join."""
@@ -336,6 +357,10 @@ class Agent:
         it after closing the control channel, so the control plane routes nothing new here."""
         if self.server is not None and self.shutdown_drain_s > 0 and not self.hurry.is_set():
             await self.server.drain(timeout=self.shutdown_drain_s, hurry=self.hurry)
+        if self._relay_task is not None:
+            self._relay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._relay_task
         await self._stop_serving()
 
     def stop(self) -> None:
@@ -362,7 +387,15 @@ class Agent:
             reason = welcome.message if isinstance(welcome, protocol.Error) else f"a {welcome.TYPE} message"
             raise SwarmError(f"control plane refused the handshake: {reason}", code="handshake")
         self.trusted_key = self._ticket_key(welcome.ticket_key)
-        log.info("control channel up as %s (state %s)", welcome.node, welcome.state)
+        if welcome.seen_address:
+            self.seen_address = welcome.seen_address
+        log.info(
+            "control channel up as %s (state %s); the control plane sees this agent at %s",
+            welcome.node,
+            welcome.state,
+            welcome.seen_address or "an address it did not say",
+        )
+        self._ws = ws
         heartbeat = asyncio.create_task(self._heartbeats(ws, welcome.heartbeat_interval_s))
         try:
             for assignment in welcome.assignments:
@@ -384,6 +417,7 @@ class Agent:
                 if self.stopped.is_set():
                     return
         finally:
+            self._ws = None
             heartbeat.cancel()
 
     async def _heartbeats(self, ws, interval: float) -> None:
@@ -425,6 +459,8 @@ class Agent:
             case protocol.Probe(targets=targets):
                 results = await self._probe(targets)
                 await ws.send(protocol.encode(protocol.ProbeResult(results=results)))
+            case protocol.UseRelay():
+                self._use_relay(message)
             case protocol.Error(code=code, message=text):
                 log.warning("control plane says: %s (%s)", text, code)
             case _:
@@ -441,7 +477,7 @@ class Agent:
         async with self._lock:
             assignment = message.assignment
             model, start, end = message.model, message.layer_start, message.layer_end
-            ready = protocol.encode(protocol.Ready(assignment=assignment, url=self.advertise_url))
+            ready = protocol.encode(protocol.Ready(assignment=assignment, url=self.data_url))
             if assignment in self.blocks:  # the channel reconnected and the assignment came again
                 await ws.send(ready)
                 return
@@ -490,9 +526,50 @@ class Agent:
             else:
                 self.server.add_stage(stage)
             self.blocks[assignment] = Serving(assignment=assignment, stage=stage)
-            await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.advertise_url)))
+            await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.data_url)))
             held = ", ".join(f"{b.stage.layer_start}:{b.stage.layer_end}" for b in self.blocks.values())
-            log.info("serving %s layers %d:%d at %s (holding %s)", model, start, end, self.advertise_url, held)
+            log.info("serving %s layers %d:%d at %s (holding %s)", model, start, end, self.data_url, held)
+
+    def _use_relay(self, offer: protocol.UseRelay) -> None:
+        """The control plane could not reach this agent's data URL: serve through a relay."""
+        log.warning(
+            "the control plane cannot reach this agent at %s: %s; serving through a relay (%s)",
+            self.data_url,
+            offer.reason,
+            ", ".join(f"{relay.id} at {relay.address}" for relay in offer.relays),
+        )
+        if self._relay is not None:
+            self._relay.renew(offer)
+            if self.relay_url is not None:
+                self._report_url()  # already relayed: report the relay's URL again
+            return
+        loopback = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        self._relay = RelayKeeper(
+            offer,
+            signing_key=self.signing_key,
+            local_address=(loopback, self.port),
+            tls=self.tls is not None,
+            on_url=self._relay_moved,
+            rng=self.rng,
+        )
+        self._relay_task = asyncio.create_task(self._relay.run())
+
+    def _relay_moved(self, url: str | None) -> None:
+        self.relay_url = url
+        if url is not None:
+            self._report_url()
+
+    def _report_url(self) -> None:
+        """Report every block held at the current data URL (a relay's, or again after one left)."""
+        if self._ws is None:
+            return  # the channel is down: the Welcome's assignments are reported at the new URL
+        ws = self._ws
+        for block in list(self.blocks.values()):
+            if block.unloading is None:
+                ready = protocol.encode(protocol.Ready(assignment=block.assignment, url=self.data_url))
+                task = asyncio.create_task(ws.send(ready))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     def _fetch(self, message: protocol.Assign) -> None:
         """The files a catalog model's block needs, fetched from the control plane or found in the
@@ -513,8 +590,6 @@ class Agent:
                 if port != self.port:
                     log.warning("port %d was taken since start: serving on port %d", self.port, bound.result())
                     self.port = bound.result()
-                    scheme = "wss" if self.tls is not None else "ws"
-                    self.advertise_url = f"{scheme}://{self.host}:{self.port}"
                 self.server, self._server_stop, self._server_task = server, stop, task
                 return None
             error = f"cannot serve on port {self.port}: {task.exception()}"

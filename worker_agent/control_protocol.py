@@ -17,9 +17,11 @@ wrong raises ``ProtocolError`` with a stable ``code``::
 
 The handshake: the control plane sends ``Nonce`` (wire type ``challenge`` with a ``nonce``),
 the agent answers ``Auth`` (its node id and ``control_signature`` over the nonce), the control
-plane answers ``Welcome`` or ``Error`` and closes. Then, agent -> control plane: ``Heartbeat``,
-``Ready``, ``Failed``, ``ProbeResult``; control plane -> agent: ``Assign``, ``Release``, ``Drain``,
-``Stop``, ``Probe`` and ``Error``. Seeded spot-checks travel the data plane as ordinary sessions.
+plane answers ``Welcome`` (which tells the agent the address its channel came from) or ``Error``
+and closes. Then, agent -> control plane: ``Heartbeat``, ``Ready``, ``Failed``, ``ProbeResult``;
+control plane -> agent: ``Assign``, ``Release``, ``Drain``, ``Stop``, ``Probe``, ``UseRelay`` (the
+data URL it reported could not be reached from the control plane: serve through one of these
+relays) and ``Error``. Seeded spot-checks travel the data plane as ordinary sessions.
 
 Version 1 is the wire as it was before a version existed: frames carry no ``v`` and a frame
 without one is version 1, so older and newer peers interoperate. The join signature (HTTP
@@ -48,6 +50,9 @@ MAX_TEXT_CHARS = 64 * 1024  # characters of free text (an error message, a stop 
 MAX_NAME_CHARS = 256  # characters of a name: node id, model, probe target
 MAX_URL_CHARS = 2048  # characters of a URL
 MAX_CODE_CHARS = 64  # characters of an error code
+MAX_ADDRESS_CHARS = 64  # characters of an IP address, or of a relay's host:port
+MAX_PASS_CHARS = 2048  # hex characters of a relay pass (a pass is about 200 bytes)
+MAX_RELAYS = 16  # relays offered at once
 MAX_ITEMS = 1024  # entries in a list: assignments, probe targets, probe results
 MAX_ID = 2**63 - 1  # database ids are positive 64-bit integers
 MAX_LAYER = 100_000  # layer indexes a span may name
@@ -87,6 +92,7 @@ class MessageType(StrEnum):
     HEARTBEAT = "heartbeat"
     ASSIGN = "assign"
     RELEASE = "release"
+    USE_RELAY = "use_relay"
     DRAIN = "drain"
     STOP = "stop"
     PROBE = "probe"
@@ -277,9 +283,14 @@ class Welcome(Message):
     heartbeat_interval_s: float  # seconds between the agent's heartbeats
     ticket_key: str  # the control plane's ed25519 public key that signs job tickets, 64 hex characters
     assignments: tuple[Assign, ...] = ()  # the node's live assignments, to resume after a reconnect
+    # The IP address the control plane sees this channel come from (the agent's, or its NAT
+    # router's): the host of the data URL an agent advertises when it was given none.
+    seen_address: str | None = None
 
     def __post_init__(self) -> None:
         _text("node", self.node, MAX_NAME_CHARS)
+        if self.seen_address is not None:
+            _text("seen_address", self.seen_address, MAX_ADDRESS_CHARS)
         _text("state", self.state, MAX_CODE_CHARS)
         _number("heartbeat_interval_s", self.heartbeat_interval_s, low=0.001, high=86400.0)
         try:
@@ -507,6 +518,57 @@ class Failed(Message):
         _text("error", self.error, MAX_TEXT_CHARS, empty=True)
 
 
+@dataclass(frozen=True)
+class RelayOffer(_Part):
+    """A relay an unreachable agent may serve through."""
+
+    id: str  # the relay's id, as its passes name it
+    address: str  # host:port the agent connects out to (the one port the relay serves everything on)
+
+    def __post_init__(self) -> None:
+        _text("id", self.id, MAX_NAME_CHARS)
+        _text("address", self.address, MAX_ADDRESS_CHARS)
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ProtocolError(f"address must be host:port, got {_show(self.address)}", code=BAD_FIELD)
+
+    @classmethod
+    def _from_wire(cls, obj: object) -> RelayOffer:
+        if not isinstance(obj, Mapping):
+            raise ProtocolError(f"a relay offer must be an object, got {_show(obj)}", code=BAD_FIELD)
+        return super()._from_wire(obj)
+
+
+@dataclass(frozen=True)
+class UseRelay(Message):
+    """Control plane -> agent: the data URL it reported could not be reached from the control
+    plane; serve through the nearest of these relays and report Ready again at the relay's URL."""
+
+    TYPE: ClassVar = MessageType.USE_RELAY
+    reason: str  # why the data URL could not be reached, for the provider's log
+    relay_pass: str  # hex of the relay pass the control plane signed for this node (relay_protocol)
+    relays: tuple[RelayOffer, ...] = ()  # nearest first is the agent's to measure
+
+    def __post_init__(self) -> None:
+        _text("reason", self.reason, MAX_TEXT_CHARS, empty=True)
+        _text("relay_pass", self.relay_pass, MAX_PASS_CHARS)
+        try:
+            bytes.fromhex(self.relay_pass)
+        except ValueError:
+            raise ProtocolError("relay_pass must be hex", code=BAD_FIELD) from None
+        _items(self, "relays", RelayOffer)
+        if not 1 <= len(self.relays) <= MAX_RELAYS:
+            raise ProtocolError(f"relays must list 1 to {MAX_RELAYS} relays", code=BAD_FIELD)
+
+    @classmethod
+    def _from_wire(cls, obj: Mapping[str, Any]) -> UseRelay:
+        relays = obj.get("relays", [])
+        if not isinstance(relays, list) or not 1 <= len(relays) <= MAX_RELAYS:
+            raise ProtocolError(f"relays must be a list of 1 to {MAX_RELAYS} relays", code=BAD_FIELD)
+        offers = tuple(RelayOffer._from_wire(relay) for relay in relays)
+        return replace(super()._from_wire({**obj, "relays": [offers[0]]}), relays=offers)
+
+
 # --- the codec ------------------------------------------------------------------------------------
 
 _CLASSES: dict[str, type[Message]] = {
@@ -518,6 +580,7 @@ _CLASSES: dict[str, type[Message]] = {
         Heartbeat,
         Assign,
         Release,
+        UseRelay,
         Drain,
         Stop,
         Probe,

@@ -3,9 +3,12 @@
 Handshake: the server sends a fresh random nonce; the agent answers with its node id and an
 ed25519 signature over ``swarm-control-v1\\0 || nonce || node id``. A forged signature, an unknown
 node or a replayed answer (signed over another connection's nonce) closes the channel with code
-4401. Then: heartbeats (with load) from the agent; assignments, drain, stop and probe
-requests from the control plane; ready / failed / probe results from the agent. Seeded challenges
-travel the data plane (``marketplace.verification.challenges``).
+4401. The welcome tells the agent the address its channel came from (what it advertises when it
+was given none). Then: heartbeats (with load) from the agent; assignments, drain, stop and probe
+requests from the control plane; ready / failed / probe results from the agent. A block reported
+ready enters placement only once the control plane has opened its data URL itself
+(``nodes.reachability``); an agent nobody can reach is offered the relays (``use_relay``). Seeded
+challenges travel the data plane (``marketplace.verification.challenges``).
 Every frame is decoded by the protocol: a frame that is not a message at all closes the channel
 (4400); a malformed message is answered with an error and the channel stays open.
 
@@ -24,7 +27,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from marketplace.nodes import services
+from marketplace.nodes import reachability, services
 from marketplace.nodes.errors import InvalidHandshake, NodeError
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement
@@ -124,6 +127,7 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
             heartbeat_interval_s=settings.SWARM_HEARTBEAT_INTERVAL_S,
             ticket_key=await database_sync_to_async(ticket_public_key)(),
             assignments=assignments,
+            seen_address=self._seen_from(),
         )
         await self._send(welcome)
         log.info("node %s connected", node.node_id)
@@ -135,13 +139,7 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
                     self.node_pk, protocol.to_wire(message)["load"]
                 )
             case protocol.Ready(assignment=assignment, url=url):
-                try:
-                    await database_sync_to_async(placement.report_ready)(
-                        self.node_pk, assignment, url, seen_from=self._seen_from()
-                    )
-                except InvalidDataUrl as exc:  # the assignment was failed with the reason
-                    log.warning("node %s reported a data URL refused: %s", self.node_id, exc)
-                    await self._send(protocol.error(exc.code, str(exc)))
+                await self._ready(assignment, url)
             case protocol.Failed(assignment=assignment, error=error):
                 await database_sync_to_async(placement.assignment_failed)(self.node_pk, assignment, error)
             case protocol.ProbeResult():
@@ -150,6 +148,31 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
             case _:
                 # A message of this protocol that only the control plane sends.
                 await self._send(protocol.error(protocol.UNKNOWN_TYPE, f"unknown type {str(message.TYPE)!r}"))
+
+    async def _ready(self, assignment: int, url: str) -> None:
+        """A block reported served at ``url``: checked as a URL the control plane may route to, then
+        opened from here (``reachability.reach``) before it enters placement. An unreachable one
+        waits for the agent to report it again through a relay, or fails when there is none."""
+        try:
+            url = await database_sync_to_async(placement.checked_data_url)(
+                self.node_pk, assignment, url, seen_from=self._seen_from()
+            )
+        except InvalidDataUrl as exc:  # the assignment was failed with the reason
+            log.warning("node %s reported a data URL refused: %s", self.node_id, exc)
+            await self._send(protocol.error(exc.code, str(exc)))
+            return
+        problem = await reachability.reach(url, self.node_id or "") if settings.SWARM_REACHABILITY_CHECK else None
+        offer = await database_sync_to_async(services.record_reachability)(self.node_pk, url, problem)
+        if problem is None:
+            await database_sync_to_async(placement.assignment_ready)(self.node_pk, assignment, url)
+        elif offer is not None:
+            await self._send(offer)
+        else:
+            reason = f"{problem}; no relay is configured (SWARM_RELAYS) to serve it through"
+            await database_sync_to_async(placement.assignment_failed)(
+                self.node_pk, assignment, f"unreachable: {reason}"
+            )
+            await self._send(protocol.error("unreachable", reason))
 
     def _seen_from(self) -> str | None:
         """The address this channel came from (ASGI ``client``), which an agent's data URL must name."""

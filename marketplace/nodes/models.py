@@ -15,6 +15,15 @@ class NodeState(models.TextChoices):
     DELETED = "deleted", "deleted"  # deleted by its owner; the row stays so its jobs settle and pay it
 
 
+class Reachability(models.TextChoices):
+    """How the control plane last reached a node's data plane (marketplace/nodes/reachability.py)."""
+
+    UNCHECKED = "unchecked", "not checked yet"
+    DIRECT = "direct", "reached directly"
+    RELAYED = "relayed", "reached through a relay"
+    UNREACHABLE = "unreachable", "unreachable"
+
+
 class Privacy(models.TextChoices):
     """Which nodes may see a request (README, "Who sees what"). Stage 0 sees the prompt's embeddings
     and the last stage the states the output's logits come from; every stage sees activations."""
@@ -63,6 +72,12 @@ class Node(models.Model):
     verified_layer_tokens_per_s = models.FloatField(null=True, blank=True)
     uplink_mbps = models.FloatField(null=True, blank=True)
     data_url = models.CharField(max_length=255, blank=True)  # ws://host:port of its data plane
+    # What the control plane found when it opened the data URL the agent reported, and why: the
+    # node page says it, so an owner behind a NAT router learns why its node serves through a relay.
+    reachability = models.CharField(max_length=16, choices=Reachability.choices, default=Reachability.UNCHECKED)
+    reachability_detail = models.TextField(blank=True)
+    relay = models.CharField(max_length=64, blank=True)  # the relay it serves through (SWARM_RELAYS id)
+    reachability_checked_at = models.DateTimeField(null=True, blank=True)
     # The certificate the swarm's CA issued its agent at its last join (PEM, marketplace/nodes/authority.py):
     # it serves wss:// with it. Empty: the node joined without TLS (a plain ws:// data plane).
     tls_certificate = models.TextField(blank=True)

@@ -36,7 +36,8 @@ from marketplace.nodes.errors import (
     TooManyTokenChecks,
 )
 from marketplace.nodes.live import notify_node_changed
-from marketplace.nodes.models import LinkMeasurement, Node, NodeState
+from marketplace.nodes.models import LinkMeasurement, Node, NodeState, Reachability
+from marketplace.nodes.reachability import relay_of, relay_offer
 from worker_agent import control_protocol as protocol
 from worker_agent.control_protocol import CONTROL_CONTEXT, JOIN_CONTEXT
 from worker_agent.keys import node_id as node_id_of
@@ -330,6 +331,34 @@ def node_disconnected(node_pk: int, connected_at) -> None:
             pk=node_pk, state__in=[NodeState.ACTIVE, NodeState.DRAINING], suspected_at__isnull=True
         ).update(suspected_at=now, suspicion="its control channel closed")
         notify_node_changed(node_pk)
+
+
+def record_reachability(node_pk: int, data_url: str, problem: str | None) -> protocol.UseRelay | None:
+    """What the control plane found when it opened the data URL the node's agent reported
+    (``reachability.reach``: ``problem`` None when it answered). An unreachable node's owner reads
+    why on its page and in its agent's log; the agent gets the relays it may serve through
+    (``reachability.relay_offer``), None when there are none."""
+    node = Node.objects.only("node_id", "public_key").get(pk=node_pk)
+    relay = relay_of(data_url, node.node_id or "")
+    if problem is None:
+        state = Reachability.RELAYED if relay is not None else Reachability.DIRECT
+        detail = f"reached through relay {relay.id} at {data_url}" if relay is not None else f"reached at {data_url}"
+    else:
+        state, detail = Reachability.UNREACHABLE, problem
+    Node.objects.filter(pk=node_pk).update(
+        reachability=state,
+        reachability_detail=detail[:2000],
+        relay=relay.id if relay is not None and problem is None else "",
+        reachability_checked_at=timezone.now(),
+        # Where its links are measured from now on (probes name the node's URL).
+        **({"data_url": data_url[:255]} if problem is None else {}),
+    )
+    notify_node_changed(node_pk)
+    if problem is None:
+        log.info("node %s %s", node.node_id, detail)
+        return None
+    log.warning("node %s is unreachable: %s", node.node_id, problem)
+    return relay_offer(node.node_id or "", node.public_key or "", problem)
 
 
 def mark_suspected(node_id: str, reason: str, now: datetime | None = None) -> bool:

@@ -52,6 +52,7 @@ from marketplace.nodes import trust_marks
 from marketplace.nodes.capacity import credible_speeds
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
+from marketplace.nodes.reachability import relay_at, relay_of
 from marketplace.nodes.services import push
 from marketplace.placement import shares
 from marketplace.placement.allocation import (
@@ -729,6 +730,18 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
     # A block confirmed again after its node reconnected (``node_connected``) was ready before:
     # the links around it were measured then, and are not probed again for it.
     confirmed_again = Assignment.objects.filter(pk=assignment_pk, ready_at__isnull=False).exists()
+    moved = (
+        Assignment.objects.filter(pk=assignment_pk, node_id=node_pk, state=AssignmentState.READY)
+        .exclude(data_url=data_url[:255])
+        .update(data_url=data_url[:255])
+    )
+    if moved:
+        # Served from another address now (through another relay, say): the links are measured again.
+        notify_node_changed(node_pk)
+        model = Assignment.objects.get(pk=assignment_pk).model
+        live = Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
+        request_probes(model, [a.node for a in live])
+        return True
     updated = Assignment.objects.filter(pk=assignment_pk, node_id=node_pk, state=AssignmentState.ASSIGNED).update(
         state=AssignmentState.READY, ready_at=timezone.now(), data_url=data_url[:255]
     )
@@ -745,16 +758,34 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
 
 def report_ready(node_pk: int, assignment_pk: int, data_url: str, *, seen_from: str | None) -> bool:
     """The agent's own report that its block is served at ``data_url``, from a control channel
-    that came from ``seen_from`` (an IP address; None when unknown). A URL the control plane will
-    not route to (``data_urls.check_data_url``) fails the assignment with the reason and raises
-    ``InvalidDataUrl``; otherwise as ``assignment_ready``."""
+    that came from ``seen_from`` (an IP address; None when unknown), taken as it comes: as
+    ``checked_data_url``, then ``assignment_ready``. The control channel checks that the URL can be
+    reached in between (``nodes.reachability``)."""
+    return assignment_ready(
+        node_pk, assignment_pk, checked_data_url(node_pk, assignment_pk, data_url, seen_from=seen_from)
+    )
+
+
+def checked_data_url(node_pk: int, assignment_pk: int, data_url: str, *, seen_from: str | None) -> str:
+    """``data_url`` if the control plane may route to it for this node: its own address
+    (``data_urls.check_data_url``) or its URL at a configured relay. Otherwise the assignment fails
+    with the reason and ``InvalidDataUrl`` is raised: no connection is ever opened to an address an
+    agent merely names."""
     try:
-        url = check_data_url(data_url, seen_from=seen_from, allowed_hosts=settings.SWARM_AGENT_URL_HOSTS)
-        _check_tls(node_pk, url)
+        node_id = Node.objects.values_list("node_id", flat=True).get(pk=node_pk) or ""
+        if relay_of(data_url, node_id) is None:
+            if (relay := relay_at(data_url)) is not None:  # another node's URL there, or no node's
+                raise InvalidDataUrl(
+                    f"data URL {data_url!r} is at relay {relay.id} but is not this node's URL there "
+                    f"({relay.url(node_id, tls=True)} or {relay.url(node_id, tls=False)})",
+                    param="url",
+                )
+            check_data_url(data_url, seen_from=seen_from, allowed_hosts=settings.SWARM_AGENT_URL_HOSTS)
+        _check_tls(node_pk, data_url)
     except InvalidDataUrl as exc:
         assignment_failed(node_pk, assignment_pk, f"{exc.code}: {exc}")
         raise
-    return assignment_ready(node_pk, assignment_pk, url)
+    return data_url
 
 
 def _check_tls(node_pk: int, url: str) -> None:
