@@ -10,6 +10,7 @@ import pytest
 from django.utils import timezone
 
 from marketplace.nodes.models import Node, NodeState
+from marketplace.nodes.services import create_node
 from marketplace.nodes.tickets import issuer_public_key
 from tests.factories import GIB, db_snapshot, join_payload, public_hex
 from worker_agent.control_protocol import join_signature
@@ -75,6 +76,25 @@ def test_agent_joins_with_its_token_and_key(pending, agent, swarm_settings):
     assert node.state == NodeState.PENDING
     assert node.connected is False
     assert (node.join_token_hash, node.join_token_expires_at) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("owner_cap", "agent_cap", "held"),
+    [(10, None, 10), (10, 15, 10), (20, 15, 15), (None, None, None)],
+    ids=["owner_only", "owner_lower", "agent_lower", "neither"],
+)
+def test_the_owners_layer_cap_holds_whatever_the_agent_reports(provider, agent, owner_cap, agent_cap, held):
+    node, token = create_node(owner=provider, name="capped", max_layers=owner_cap)
+    key = generate_signing_key()
+    hardware = {"device": "cpu", "memory_bytes": 8 * GIB, "dtypes": ["float32"]}
+    if agent_cap is not None:
+        hardware["max_layers"] = agent_cap
+
+    response = agent.post(REGISTER, join_payload(token, key, hardware=hardware), format="json")
+
+    assert response.status_code == 201
+    node.refresh_from_db()
+    assert (node.layer_cap, node.max_layers) == (owner_cap, held)
 
 
 def test_a_secure_request_gets_a_wss_control_url(pending, agent):

@@ -53,6 +53,15 @@ class NodeSerializer(serializers.ModelSerializer):
 class NodeCreateSerializer(serializers.Serializer):
     name = serializers.RegexField(r"^[A-Za-z0-9][A-Za-z0-9 ._-]{0,99}$", max_length=100)
     region = serializers.RegexField(r"^[a-z0-9-]{1,64}$", required=False, default="local")
+    max_layers = serializers.IntegerField(
+        min_value=1,
+        max_value=100_000,
+        required=False,
+        default=None,
+        allow_null=True,
+        help_text="the most layers the node may hold at once (default: as many as its memory allows); its "
+        "agent's --max-layers can only lower it",
+    )
 
 
 JOIN_COMMAND_HELP = (

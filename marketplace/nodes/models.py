@@ -64,6 +64,9 @@ class Node(models.Model):
     memory_bytes = models.BigIntegerField(default=0)  # memory available for weights
     dtypes = models.JSONField(default=list)
     max_layers = models.PositiveIntegerField(null=True, blank=True)  # a cap the owner set; else from memory
+    # The cap its owner gave when adding it (dashboard or API): the agent's own --max-layers can only
+    # lower it, so the one-line command needs no option for it.
+    layer_cap = models.PositiveIntegerField(null=True, blank=True)
     # Positions one session may hold on it (prompt + completion tokens); None: the agent did not say.
     max_positions = models.PositiveIntegerField(null=True, blank=True)
     max_sessions = models.PositiveIntegerField(null=True, blank=True)  # sessions at once per stage, as reported

@@ -78,8 +78,9 @@ def _new_token() -> tuple[str, str]:
 
 
 @transaction.atomic
-def create_node(*, owner, name: str, region: str = "local") -> tuple[Node, str]:
-    """Add a node for a provider; returns it with its one-time join token (shown once)."""
+def create_node(*, owner, name: str, region: str = "local", max_layers: int | None = None) -> tuple[Node, str]:
+    """Add a node for a provider; returns it with its one-time join token (shown once). ``max_layers``:
+    the most layers it may hold at once, whatever its agent reports (None: as its memory allows)."""
     if not owner.is_provider:
         raise NodeNotAllowed("only providers can add nodes")
     if Node.objects.filter(owner=owner, name=name, deleted_at__isnull=True).exists():
@@ -87,7 +88,13 @@ def create_node(*, owner, name: str, region: str = "local") -> tuple[Node, str]:
     token, token_hash = _new_token()
     expires = timezone.now() + timedelta(seconds=settings.SWARM_JOIN_TOKEN_TTL_S)
     node = Node.objects.create(
-        owner=owner, name=name, region=region, join_token_hash=token_hash, join_token_expires_at=expires
+        owner=owner,
+        name=name,
+        region=region,
+        join_token_hash=token_hash,
+        join_token_expires_at=expires,
+        layer_cap=max_layers,
+        max_layers=max_layers,
     )
     return node, token
 
@@ -184,7 +191,7 @@ def register_agent(
     node.device_name = str(hardware.get("device_name", ""))[:128]
     node.memory_bytes = int(memory)
     node.dtypes = dtypes[:8]
-    node.max_layers = int(max_layers) if max_layers else None
+    node.max_layers = min((int(cap) for cap in (max_layers, node.layer_cap) if cap), default=None)
     node.max_positions = int(max_positions) if max_positions else None
     node.max_sessions = int(max_sessions) if max_sessions else None
     node.compute_layer_tokens_per_s = compute

@@ -25,6 +25,13 @@ class NodeForm(forms.Form):
     region = forms.CharField(
         label="Region", max_length=64, initial="local", validators=[REGION], help_text="where the machine is"
     )
+    max_layers = forms.IntegerField(
+        label="At most layers",
+        min_value=1,
+        max_value=100_000,
+        required=False,
+        help_text="optional: the most model layers it may hold at once (default: as many as its memory allows)",
+    )
 
 
 PRIVACY_HELP = "which nodes every request of the key may pass through (see Privacy)"

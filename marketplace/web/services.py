@@ -30,9 +30,9 @@ def ensure_playground_key(user) -> ApiKey:
     return api_key
 
 
-def add_node(*, owner, name: str, region: str) -> Node:
+def add_node(*, owner, name: str, region: str, max_layers: int | None = None) -> Node:
     """Add a node; its join command stays on its owner's pages until they dismiss it."""
-    node, token = node_services.create_node(owner=owner, name=name, region=region)
+    node, token = node_services.create_node(owner=owner, name=name, region=region, max_layers=max_layers)
     shown_tokens.keep(node, token)
     return node
 
