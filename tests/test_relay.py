@@ -149,7 +149,7 @@ class RecordingRelay(Relay):
         super().__init__(**options)
         self.seen = {Direction.TO_AGENT: bytearray(), Direction.TO_PEER: bytearray()}
 
-    def forward(self, direction: Direction, data: bytes) -> bytes:
+    def forward(self, connection: str, direction: Direction, data: bytes) -> bytes:
         self.seen[direction] += data
         return data
 
@@ -159,7 +159,7 @@ class FlippingRelay(Relay):
 
     armed: Direction | None = None
 
-    def forward(self, direction: Direction, data: bytes) -> bytes:
+    def forward(self, connection: str, direction: Direction, data: bytes) -> bytes:
         if direction == self.armed:
             self.armed = None
             return data[:-1] + bytes([data[-1] ^ 0x01])

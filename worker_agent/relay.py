@@ -215,8 +215,9 @@ class Relay:
         self._writers: set[asyncio.StreamWriter] = set()  # every open connection, to close at shutdown
         self._handlers: set[asyncio.Task] = set()
 
-    def forward(self, direction: Direction, data: bytes) -> bytes:
-        """The bytes to send on for ``data`` read from one side: the same bytes. Tests override it."""
+    def forward(self, connection: str, direction: Direction, data: bytes) -> bytes:
+        """The bytes to send on for ``data`` read from one side of ``connection`` (a CONNECT's id):
+        the same bytes. Tests override it to record or alter a stream."""
         return data
 
     async def serve(self, host: str, port: int, *, ready: Callable[[int], None] | None = None) -> None:
@@ -312,14 +313,14 @@ class Relay:
         agent_reader, agent_writer, leftover = agent
         log.debug("splicing %s to node %s (%s)", address, route.node, connection_id)
         try:
-            agent_writer.write(self.forward(Direction.TO_AGENT, prefix))
+            agent_writer.write(self.forward(connection_id, Direction.TO_AGENT, prefix))
             if leftover:
-                peer[1].write(self.forward(Direction.TO_PEER, leftover))
+                peer[1].write(self.forward(connection_id, Direction.TO_PEER, leftover))
             await splice(
                 peer,
                 (agent_reader, agent_writer),
-                to_right=partial(self.forward, Direction.TO_AGENT),
-                to_left=partial(self.forward, Direction.TO_PEER),
+                to_right=partial(self.forward, connection_id, Direction.TO_AGENT),
+                to_left=partial(self.forward, connection_id, Direction.TO_PEER),
             )
         finally:
             agent_writer.close()
@@ -460,7 +461,8 @@ async def _run(relay: Relay, host: str, port: int) -> None:
         await serving  # re-raises an OSError from listening
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, relay_class: Callable[..., Relay] | None = None) -> int:
+    """The ``swarm-relay`` command; ``relay_class`` (tests) makes the relay instead of ``Relay``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -469,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyFileError as exc:
         parser.error(str(exc))
     public_port = args.public_port or args.port
-    relay = Relay(
+    relay = (relay_class or Relay)(
         relay_id=args.id or f"{args.public_host}:{public_port}",
         public_host=args.public_host,
         public_port=public_port or None,
