@@ -432,3 +432,39 @@ def test_the_join_box_follows_the_node_live(provider):
     assert "“gpu-1” joined with this command" in text_of(joined)
     assert join_commands(joined) == join_commands(waiting)
     assert text_of(dismissed) == f'<div id="join-box-{node.pk}" hidden></div>'
+
+
+@pytest.mark.parametrize(
+    ("reachability", "detail", "relay", "shown"),
+    [
+        (
+            "unreachable",
+            "wss://203.0.113.7:40513 refused the connection (nothing listens there, or a NAT router answers for it)",
+            "",
+            "The control plane could not open its data plane: wss://203.0.113.7:40513 refused the connection "
+            "(nothing listens there, or a NAT router answers for it). Where this control plane has relays the "
+            "agent moves to one by itself; otherwise make its port reachable from the internet, or give the "
+            "agent --advertise-url with an address others can reach.",
+        ),
+        (
+            "relayed",
+            "reached through relay r1 at wss://198.51.100.4:7700",
+            "r1",
+            "reached through relay r1 at wss://198.51.100.4:7700",
+        ),
+    ],
+    ids=["unreachable", "relayed"],
+)
+def test_a_nodes_page_says_how_the_control_plane_reached_it_and_why_not(
+    provider, make_joined_node, reachability, detail, relay, shown
+):
+    node = make_joined_node(provider).node
+    Node.objects.filter(pk=node.pk).update(reachability=reachability, reachability_detail=detail, relay=relay)
+
+    page = signed_in(provider).get(f"/provider/nodes/{node.pk}/")
+
+    text = page.content.decode()
+    badge = re.search(r'data-field="reachability">([^<]*)<', text).group(1)
+    said = re.search(r'data-field="reachability-detail">(.*?)</span>', text, re.S).group(1)
+    assert badge == dict(Node._meta.get_field("reachability").choices)[reachability]
+    assert html.unescape(said) == shown
