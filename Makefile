@@ -23,7 +23,8 @@ demo: $(STAMP)
 	$(BIN)/python -m marketplace.demo
 
 # The production topology on this machine (Procfile): PostgreSQL and Redis from DATABASE_URL and
-# REDIS_URL, two web processes, two coordinator workers, a verify worker, a periodic-work worker, beat.
+# REDIS_URL, two web processes, two coordinator workers, a verify worker, a periodic-work worker, beat,
+# a relay (offered to unreachable agents only where SWARM_RELAYS names it: see the Procfile).
 # Its processes' counters are added up in /metrics through PROMETHEUS_MULTIPROC_DIR, emptied at start.
 # Agents must serve their data plane over TLS (SWARM_REQUIRE_DATA_TLS=1 unless set: swarm-worker join --tls auto).
 PROMETHEUS_MULTIPROC_DIR ?= $(CURDIR)/.data/prometheus

@@ -41,7 +41,7 @@ from websockets.asyncio.server import ServerConnection, serve  # noqa: E402
 from tests.test_relay import identity  # noqa: E402 - the tests' throwaway swarm CA
 from worker_agent.keys import node_id, public_key_bytes  # noqa: E402
 from worker_agent.relay_client import RelayClient  # noqa: E402
-from worker_agent.relay_protocol import sign_relay_pass  # noqa: E402
+from worker_agent.relay_pass import sign_relay_pass  # noqa: E402
 from worker_agent.tls import Identity, connect_options, node_hostname  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "relay_hop.json"

@@ -303,7 +303,7 @@ SWARM_SPEED_CLAIM_OUTLIER = env_float("SWARM_SPEED_CLAIM_OUTLIER", 4.0, minimum=
 # (the proof is a lower bound, round trips and queueing included: honest nodes stay far below).
 SWARM_SPEED_FALSE_CLAIM = env_float("SWARM_SPEED_FALSE_CLAIM", 50.0, minimum=2.0)
 # Host names an agent may advertise as its data-plane URL whatever address its control channel
-# comes from (agents behind a reverse proxy or NAT); otherwise the URL's host must be that address.
+# comes from (agents behind a reverse proxy or a port forward); otherwise the URL's host must be that address.
 SWARM_AGENT_URL_HOSTS = env_list("SWARM_AGENT_URL_HOSTS", [])
 # Reachability (marketplace/nodes/reachability.py): before a block enters placement the control
 # plane opens its reported data URL itself, within SWARM_REACHABILITY_TIMEOUT_S. Off only where the

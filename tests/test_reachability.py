@@ -20,7 +20,7 @@ from marketplace.placement.services import place_model
 from tests.factories import MODEL
 from tests.test_control_channel import TIMEOUT_S, authenticated
 from worker_agent.keys import public_key_bytes
-from worker_agent.relay_protocol import verify_relay_pass
+from worker_agent.relay_pass import verify_relay_pass
 
 pytestmark = [
     pytest.mark.control,

@@ -47,6 +47,7 @@ from worker_agent.errors import RelayError, RelayLost
 from worker_agent.keys import node_id, public_key_bytes
 from worker_agent.relay import Direction, MessageReader, Relay
 from worker_agent.relay_client import RelayClient
+from worker_agent.relay_pass import register_signature, sign_relay_pass, verify_relay_pass
 from worker_agent.relay_protocol import (
     AGENT_LINE,
     MAX_FRAME_BYTES,
@@ -67,9 +68,6 @@ from worker_agent.relay_protocol import (
     decode_message,
     encode_frame,
     public_urls,
-    register_signature,
-    sign_relay_pass,
-    verify_relay_pass,
 )
 from worker_agent.tickets import issue_ticket
 from worker_agent.tls import PEM, Identity, connect_options, key_pem, node_hostname

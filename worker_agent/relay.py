@@ -40,6 +40,7 @@ from functools import partial
 
 from worker_agent.errors import RelayError
 from worker_agent.keys import KeyFileError, load_verify_key
+from worker_agent.relay_pass import RelayPass, check_register_signature, verify_relay_pass
 from worker_agent.relay_protocol import (
     CONNECTION_ID_CHARS,
     IDLE_TIMEOUT_S,
@@ -61,13 +62,10 @@ from worker_agent.relay_protocol import (
     Pong,
     Register,
     Registered,
-    RelayPass,
     Route,
-    check_register_signature,
     classify,
     encode_frame,
     public_urls,
-    verify_relay_pass,
 )
 
 log = logging.getLogger("swarm.relay")

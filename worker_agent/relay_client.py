@@ -30,6 +30,7 @@ from nacl.signing import SigningKey
 
 from worker_agent.errors import RelayError, RelayLost
 from worker_agent.relay import STREAM_LIMIT, MessageReader, splice, tune
+from worker_agent.relay_pass import register_signature
 from worker_agent.relay_protocol import (
     AGENT_LINE,
     IDLE_TIMEOUT_S,
@@ -45,7 +46,6 @@ from worker_agent.relay_protocol import (
     Registered,
     accept_line,
     encode_frame,
-    register_signature,
 )
 
 log = logging.getLogger("swarm.relay_client")

@@ -33,7 +33,7 @@ from websockets.asyncio.client import connect
 from marketplace.nodes.authority import coordinator_tls, held_coordinator_tls
 from marketplace.nodes.tickets import issuer_key
 from worker_agent import control_protocol as protocol
-from worker_agent.relay_protocol import sign_relay_pass
+from worker_agent.relay_pass import sign_relay_pass
 from worker_agent.tls import connect_options
 
 
