@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/fuzz.py
 	$(BIN)/python bench/churn.py
 	$(BIN)/python bench/speculative.py
+	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python bench/netlab.py; else echo "bench/netlab.py needs root: it builds network namespaces and NAT routers (tests/netlab)"; fi
 	@if [ -n "$$DATABASE_URL" ] && [ -n "$$REDIS_URL" ]; then $(BIN)/python bench/load.py; \
 	else echo "bench/load.py needs DATABASE_URL (PostgreSQL) and REDIS_URL (Redis): the production topology"; fi
 

@@ -56,6 +56,8 @@ import threading
 import time
 from pathlib import Path
 
+from hostinfo import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
 # The web app is imported from the checkout, whatever the script's directory or the venv's install.
 sys.path.insert(0, str(ROOT))
@@ -931,15 +933,6 @@ def targets(a: dict, b: dict) -> list[dict]:
             "met": b["correct_usage"] == b["concurrency"],
         },
     ]
-
-
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def machine(threads: int) -> dict:

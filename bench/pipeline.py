@@ -59,6 +59,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from hostinfo import cpu_model
 from safetensors import safe_open
 
 from worker_agent import kernels, wire
@@ -505,15 +506,6 @@ def print_summary(rows: list[dict], ref: dict, swarms: list[dict], weights: dict
         print(f"target {check['target']}: {check['value']} (goal {check['relation']} {check['goal']}) {verdict}")
     equal = sum(r["tokens_equal_reference"] for r in rows)
     print(f"greedy tokens equal to the reference's in {equal} of {sum(r['streams'] for r in rows)} streams")
-
-
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def machine(threads: int) -> dict:

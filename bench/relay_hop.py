@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's packages, whatever the venv's editable install points at
 
+from hostinfo import cpu_model  # noqa: E402 - after the path is set
 from nacl.signing import SigningKey  # noqa: E402 - after the path is set
 from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 from websockets.asyncio.server import ServerConnection, serve  # noqa: E402
@@ -50,15 +51,6 @@ RELAY_ID = "relay-bench"
 START_TIMEOUT_S = 15.0
 BLOCK_TIMEOUT_S = 60.0
 WARMUP = 200  # round trips on each connection before any is timed
-
-
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def agent_process(relay_port: int, relay_pass: bytes, seed: bytes, server: Identity, report: Connection) -> None:
