@@ -3,8 +3,9 @@
 // marked data-live-node="12" (or data-live-topic="node") is fetched again from its data-live-url
 // and replaced in place: the server renders it, with the same permission checks as a page load.
 // data-live-topic may name several topics ("node strike"). What a person is doing is kept: an element
-// holding the focused field waits until the focus leaves it, nothing is replaced while a dialog asks
-// to confirm an action, and typed values carry over to the new element.
+// holding the focused field waits until the focus leaves it, or until its own htmx request is answered
+// (a refresh fetched meanwhile would undo what that answer did), nothing is replaced while a dialog
+// asks to confirm an action, and typed values carry over to the new element.
 (function () {
   "use strict";
   const path = document.body.dataset.liveSocket;
@@ -25,13 +26,7 @@
     const element = document.getElementById(id);
     if (!element || !element.dataset.liveUrl) return;
     if (busy(element)) {
-      if (!deferred.has(id)) {
-        deferred.add(id);
-        window.setTimeout(function () {
-          deferred.delete(id);
-          refresh(id);
-        }, BUSY_RETRY_MS);
-      }
+      later(id);
       return;
     }
     inFlight.set(id, { again: false });
@@ -46,7 +41,11 @@
         return;
       }
       const current = document.getElementById(id);
-      if (response.ok && current) {
+      if (response.ok && current && busy(current)) {
+        // The person acted on it while this was fetched (a form of its own on its way): that
+        // answer replaces it; this one, rendered before, would bring back what it removes.
+        later(id);
+      } else if (response.ok && current) {
         const template = document.createElement("template");
         template.innerHTML = (await response.text()).trim();
         const fresh = template.content.firstElementChild;
@@ -68,10 +67,21 @@
     }
   }
 
+  function later(id) {
+    if (deferred.has(id)) return;
+    deferred.add(id);
+    window.setTimeout(function () {
+      deferred.delete(id);
+      refresh(id);
+    }, BUSY_RETRY_MS);
+  }
+
   function busy(element) {
     const active = document.activeElement;
     const typing = active !== null && element.contains(active) && active.matches("input, textarea, select");
-    return typing || document.querySelector("dialog[open]") !== null;
+    // htmx marks an element whose request is on its way with .htmx-request.
+    const sending = element.matches(".htmx-request") || element.querySelector(".htmx-request") !== null;
+    return typing || sending || document.querySelector("dialog[open]") !== null;
   }
 
   function keepTyped(current, fresh) {
