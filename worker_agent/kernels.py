@@ -10,8 +10,8 @@ no figure measured on another machine, holds on the next one. So:
   narrow form; ``INT8``: ``F.linear`` by the dequantized weight, or PyTorch's int8 weight-only
   kernel, which reads a quarter of the bytes but costs more with every row);
 - ``KernelTable.tune`` times every candidate once, at load, for a weight's shape and each row
-  count of ``ROW_GRID`` up to a limit, in interleaved rounds (a burst of load elsewhere hits every
-  candidate alike), and logs what it chose;
+  count of ``ROW_GRID`` up to a limit (``SLOW_ROW_GRID`` for a weight as slow as an LM head), in
+  interleaved rounds (a burst of load elsewhere hits every candidate alike), and logs what it chose;
 - an alternative is kept for a shape only when it is conclusively faster: its median time at
   least ``MARGIN`` under the standard's and faster in at least ``WINS`` of the rounds; anything
   else, including a tie within noise, keeps the standard product;
@@ -37,8 +37,9 @@ import torch
 
 QUANTIZE_ROWS = 64  # rows of a weight quantized at a time (float32 temporaries of 64 x in)
 ROW_GRID = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts timed; past 16 rows the standard products win
+SLOW_ROW_GRID = (1, 2, 4, 8, 16)  # those of a weight whose one-row product takes over SLOW_CALL_S (an LM head)
 ROUNDS = 7  # interleaved rounds per shape; 5 where one call takes over SLOW_CALL_S
-SLOW_CALL_S = 0.005
+SLOW_CALL_S = 0.002  # a layer's one-row products take well under this on a CPU, an LM head's well over
 SAMPLE_S = 0.0005  # a round's sample repeats a fast call until it lasts about this long
 MARGIN = 0.10  # an alternative's median must be this fraction under the standard's
 WINS = 2 / 3  # ... and it must be the faster one in this share of the rounds
@@ -146,11 +147,12 @@ def choose(
     """Time every kernel of ``family`` through ``call(kernel)`` (one product on the shape's inputs)
     and keep the standard one unless an alternative is conclusively faster (module docstring)."""
     kernels = family.kernels
-    for kernel in kernels:  # warm-up: first-call allocations, the weight into cache
-        call(kernel)
+    # Warm-up (first-call allocations, the weight into cache); the standard's call, timed, sizes the rounds.
     started = clock()
     call(family.standard)
     one_call = max(clock() - started, 1e-9)
+    for kernel in kernels[1:]:
+        call(kernel)
     repeats = max(1, min(50, int(SAMPLE_S / one_call)))
     rounds = ROUNDS if one_call < SLOW_CALL_S else 5
     samples: dict[str, list[float]] = {kernel.name: [] for kernel in kernels}
@@ -208,9 +210,11 @@ class KernelTable:
         self._tuned.add(done)
         dtype = weight.scales.dtype if isinstance(weight, Int8Weight) else weight.dtype
         make = inputs or (lambda rows: torch.randn(rows, in_features).to(dtype))
-        grid = [rows for rows in ROW_GRID if rows <= max_rows]
+        grid: list[int] = []
         with torch.inference_mode():
-            for rows in grid:
+            for rows in (r for r in ROW_GRID if r <= max_rows):
+                if grid and rows not in self._grid_of(family, weight):
+                    continue
                 x = make(rows)
 
                 def call(kernel: Kernel, x: torch.Tensor = x) -> torch.Tensor:
@@ -218,6 +222,7 @@ class KernelTable:
 
                 verdict = choose(family, call, clock=self._clock)
                 self._verdicts[_key(family, weight, rows)] = verdict
+                grid.append(rows)
         for rows in range(1, (grid[-1] if grid else 0) + 1):
             below = max(r for r in grid if r <= rows)
             above = min(r for r in grid if r >= rows)
@@ -229,6 +234,12 @@ class KernelTable:
             else:
                 self._chosen[key] = chosen
         self._log(self._describe(family, weight, grid))
+
+    def _grid_of(self, family: Family, weight: torch.Tensor) -> tuple[int, ...]:
+        """The row counts to time for ``weight``: fewer where one row's product is slow (an LM head),
+        so a coordinator starts in under a second more, not several."""
+        first = self._verdicts[_key(family, weight, ROW_GRID[0])]
+        return SLOW_ROW_GRID if first.medians_s[family.standard.name] >= SLOW_CALL_S else ROW_GRID
 
     def _describe(self, family: Family, weight: torch.Tensor, grid: list[int]) -> str:
         out_features, in_features = weight.shape
