@@ -5,7 +5,7 @@ The wheels are built once for the module (the agent's from this source, the mode
 configured indexes), as the first request to /install/ or ``build_agent_wheel`` builds them. The
 script's torch choice runs for real under ``sh -s -- --dry-run``, fed on standard input as
 ``curl ... | sh`` feeds it, with stand-in ``nvidia-smi`` programs on PATH. The whole install on a
-bare Python is tests/test_agent_install.py.
+bare Python, on hosts of a namespace network, is tests/test_netlab_swarm.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The marketplace across hosts: the control plane on ``cloud`` (PostgreSQL and Redis over the
-namespace network), agents that join from ``dc1``, ``dc2`` and two homes behind NAT routers with the
-one-line command the node API gives (the dashboard's), run verbatim in a fresh shell, installing
+namespace network), agents that join from ``dc1`` and two homes behind NAT routers with the one-line
+command the dashboard shows, and from ``dc2`` with the node API's, each run verbatim in a fresh shell
+(a HOME of its own, system paths only, no pip configuration: nothing but Python 3.11), installing
 from a package index inside the network; a customer on ``client`` streams through the OpenAI API.
 
 The homes cannot be reached: the control plane finds that out itself and they serve through relays,
@@ -59,7 +60,10 @@ def swarm(netlab, tmp_path_factory) -> Iterator[CloudSwarm]:
     workdir = tmp_path_factory.mktemp("netlab-swarm")
     swarm = CloudSwarm.start(netlab, workdir, recording_relay=True)
     try:
-        nodes = [swarm.add_node(name, max_layers=LAYER_CAP) for name in ("dc1", "home1", "home2", "dc2")]
+        # dc1 and the homes take the dashboard's command; dc2 the node API's: the same line.
+        nodes = swarm.add_on_dashboard(["dc1", "home1", "home2"], max_layers=LAYER_CAP)
+        nodes.append(swarm.add_node("dc2", max_layers=LAYER_CAP))
+        assert len({node.command.split("SWARM_JOIN_TOKEN=")[0] for node in nodes}) == 1
         for node in nodes:
             swarm.join(netlab.hosts[node.name], node)
         swarm.joined = {node.name: node for node in nodes}

@@ -2,9 +2,10 @@
 ``dc2``, a package index on ``cloud``, and agents that join from other hosts with the one-line
 command the control plane gives, run verbatim in a fresh shell.
 
-    swarm = CloudSwarm.start(lab, workdir)       # control plane, index, relays
-    node = swarm.add_node("dc1", max_layers=10)  # as its owner does, through the node API
-    swarm.join(lab.hosts["dc1"], node)           # the command, as the owner pastes it
+    swarm = CloudSwarm.start(lab, workdir)                 # control plane, index, relays
+    (node,) = swarm.add_on_dashboard(["dc1"], max_layers=10)  # as its owner does, in the dashboard
+    other = swarm.add_node("dc2", max_layers=10)           # or through the node API
+    swarm.join(lab.hosts["dc1"], node)                     # the command, as the owner pastes it
     swarm.nodes()                                # the control plane's rows, read from its database
 
 Everything the hosts run is started through ``Host.popen``, so the lab stops it at the end; the
@@ -48,6 +49,25 @@ auth = base64.b64encode(f"{user}:{password}".encode()).decode()
 headers = {"Content-Type": "application/json", "Authorization": "Basic " + auth}
 request = urllib.request.Request(url, data=body.encode(), method="POST", headers=headers)
 print(urllib.request.urlopen(request, timeout=30).read().decode())
+"""
+# A provider's browser: sign in, add each node with the dashboard's form, read the command it shows.
+ADD_ON_DASHBOARD = """
+import html, json, re, sys
+import httpx
+url, user, password, max_layers, *names = sys.argv[1:]
+shown = []
+with httpx.Client(base_url=url, timeout=60, follow_redirects=True) as web:
+    web.get("/login/")
+    web.post("/login/", data={"username": user, "password": password, "csrfmiddlewaretoken": web.cookies["csrftoken"]})
+    assert web.get("/provider/nodes/").status_code == 200
+    for name in names:
+        form = {"name": name, "region": "local", "max_layers": max_layers}
+        form["csrfmiddlewaretoken"] = web.cookies["csrftoken"]
+        page = web.post("/provider/nodes/", data=form).text
+        commands = dict(re.findall(r'<code id="join-command-(\\d+)" class="join-command">(.*?)</code>', page, re.S))
+        node = max(commands, key=int)  # the newest: each earlier one stays shown until dismissed
+        shown.append({"id": int(node), "join_command": html.unescape(commands[node])})
+print(json.dumps(shown))
 """
 
 
@@ -159,6 +179,14 @@ class CloudSwarm:
         answer = self.client_python(ADD_NODE, self.url + "/api/v1/nodes/", login["username"], login["password"], body)
         created = json.loads(answer)
         return Joined(name, created["id"], created["join_command"])
+
+    def add_on_dashboard(self, names: list[str], *, max_layers: int) -> list[Joined]:
+        """Add nodes on the provider's dashboard from the client host, as its browser would: the
+        commands the page shows."""
+        login = self.accounts["provider"]
+        argv = [self.url, login["username"], login["password"], str(max_layers), *names]
+        shown = json.loads(self.client_python(ADD_ON_DASHBOARD, *argv))
+        return [Joined(name, node["id"], node["join_command"]) for name, node in zip(names, shown, strict=True)]
 
     def join(self, host: Host, node: Joined) -> Joined:
         """Run the node's join command verbatim on ``host``, in a fresh shell: a HOME of its own, system
