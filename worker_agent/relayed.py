@@ -98,12 +98,10 @@ class RelayKeeper:
         """The offered relays that answer, nearest first; those that failed lately go last."""
         offers = self.offer.relays
         times = await asyncio.gather(*(connect_time(relay.address) for relay in offers))
-        now = time.monotonic()
         ranked = sorted(
-            (failed, took, index)
-            for index, took in enumerate(times)
+            (self._failed_lately(offer.id), took, index)
+            for index, (offer, took) in enumerate(zip(offers, times, strict=True))
             if took != float("inf")
-            for failed in [now - self._failed_at.get(offers[index].id, -BAD_RELAY_S) < BAD_RELAY_S]
         )
         for failed, took, index in ranked:
             log.info(
@@ -114,6 +112,10 @@ class RelayKeeper:
                 " (failed lately)" if failed else "",
             )
         return [offers[index] for _, _, index in ranked]
+
+    def _failed_lately(self, relay_id: str) -> bool:
+        failed_at = self._failed_at.get(relay_id)
+        return failed_at is not None and time.monotonic() - failed_at < BAD_RELAY_S
 
     async def _serve(self, relay: protocol.RelayOffer) -> bool:
         """Serve through ``relay`` until it goes away; whether it ever served this agent."""
