@@ -36,7 +36,10 @@ before its stall timeout, so every row also checks the heal's own time, with no 
 coordinator seeing the failure (for a kill, mostly the OS closing the dead process's sockets).
 
 Soak: requests completed / failed (each failure's error text kept), heals (sum of
-``len(Job.heals)``), re-placements (``PlacementState.generation`` delta) and the ledger to the
+``len(Job.heals)``), heals caused by routing to a stage being released (the stage refused the job
+because its block is being let go: its agent is stopping, or the control plane released the block;
+the heal's reason starts with one of ``LEAVING_CODES``; routing must never pick such a stage, so
+this is 0), re-placements (``PlacementState.generation`` delta) and the ledger to the
 nano-dollar: every job's charge = ``cost(prompt_tokens, completion_tokens, prices)``, its
 completion_tokens = the usage its stream reported (and content chunks <= it), hold = charge +
 release, verified jobs' earnings + platform fee = charge, and every ledger account's balance =
@@ -102,6 +105,9 @@ PRICE_PROMPT_PER_MILLION = 123_456_789
 PRICE_COMPLETION_PER_MILLION = 987_654_321
 QUICK = {"kill_tiny": 6, "kill_smollm2": 2, "freeze_tiny": 3, "freeze_smollm2": 1, "soak_s": 30.0, "soak_streams": 10}
 FAILURE_BACKOFF_S = 1.0  # a soak client waits this long after a failed request before its next one
+# A stage's refusal codes that say its block is being let go (``worker_agent.connection``): a heal
+# with one of them was caused by routing a job to a leaving stage.
+LEAVING_CODES = ("stage_draining", "not_serving")
 
 
 def summary(values: list[float]) -> dict:
@@ -667,7 +673,7 @@ def ledger_check(records: list[dict]) -> dict:
 
     from marketplace.billing.models import LedgerAccount, Transfer
     from marketplace.billing.services import cost
-    from marketplace.jobs.models import Job
+    from marketplace.jobs.models import Job, JobState
     from marketplace.payouts.models import Earning
 
     by_job = {r["job"]: r for r in records if r["job"]}
@@ -677,7 +683,9 @@ def ledger_check(records: list[dict]) -> dict:
         prices = (job.price_prompt_per_million, job.price_completion_per_million)
         if prices != (PRICE_PROMPT_PER_MILLION, PRICE_COMPLETION_PER_MILLION):
             problems.append(f"{job.public_id}: prices {prices}")
-        want = cost(job.prompt_tokens, job.completion_tokens, prices) if job.completion_tokens else 0
+        # Only verified work is charged (a job its client cancelled pays for what it was sent).
+        billable = job.verified is True or job.state == JobState.CANCELLED
+        want = cost(job.prompt_tokens, job.completion_tokens, prices) if job.completion_tokens and billable else 0
         if job.settled_at is None:
             problems.append(f"{job.public_id}: not settled ({job.state})")
         if job.charged_amount != want:
@@ -758,7 +766,9 @@ def soak_child(args) -> int:
     workdir = Path(os.environ["SWARM_DATA_DIR"]).parent
     setup_django()
     from marketplace.jobs.models import Job, JobState
+    from marketplace.nodes.models import Node
     from marketplace.placement.models import PlacementState
+    from marketplace.verification.models import Audit, Challenge, Strike
     from worker_agent import model as models
 
     models.load_head(SOAK_MODEL)  # cached for every coordinator of this process, as in the web app
@@ -808,6 +818,14 @@ def soak_child(args) -> int:
             "heals": sum(len(j.heals) for j in jobs),
             "healed_jobs": sum(bool(j.heals) for j in jobs),
             "heal_reasons": count_by([h["reason"][:100] for j in jobs for h in j.heals]),
+            "heals_to_leaving_stages": sum(h["reason"].startswith(LEAVING_CODES) for j in jobs for h in j.heals),
+            # Every agent of the soak is honest: each strike, failure count or refund is a false one.
+            "strikes_on_honest_nodes": Strike.objects.count(),
+            "strikes_by_kind": count_by(list(Strike.objects.values_list("kind", flat=True))),
+            "failures_counted_on_honest_nodes": sum(Node.objects.values_list("failures_total", flat=True)),
+            "audits": count_by(list(Audit.objects.values_list("state", flat=True))),
+            "challenges": count_by(list(Challenge.objects.values_list("state", flat=True))),
+            "unverified_jobs": sum(j.state == JobState.SUCCEEDED and not j.verified for j in jobs),
             "placement_at_start": placement,
             "placement_at_end": placement_now(),
             "re_placements": PlacementState.objects.get(model=SOAK_MODEL).generation - generation,
@@ -940,12 +958,13 @@ def print_table(info: dict, args, parts: dict, soak: dict) -> None:
         f"stall timeout {args.soak_stall_s} s, heartbeat timeout {args.soak_heartbeat_timeout_s} s"
     )
     print(
-        f"{'requests':>8} {'completed':>9} {'failed':>6} {'heals':>5} {'healed jobs':>11} {'re-placements':>13} "
-        f"{'churn events':>12} {'ledger ok':>9} {'balanced':>8}"
+        f"{'requests':>8} {'completed':>9} {'failed':>6} {'heals':>5} {'to leaving':>10} {'healed jobs':>11} "
+        f"{'re-placements':>13} {'churn events':>12} {'ledger ok':>9} {'balanced':>8}"
     )
     print(
         f"{soak['requests']:>8} {soak['completed']:>9} {soak['failed']:>6} {soak['heals']:>5} "
-        f"{soak['healed_jobs']:>11} {soak['re_placements']:>13} {len(soak['churn_events']):>12} "
+        f"{soak['heals_to_leaving_stages']:>10} {soak['healed_jobs']:>11} {soak['re_placements']:>13} "
+        f"{len(soak['churn_events']):>12} "
         f"{ledger['jobs_ok']}/{ledger['jobs']:>4} {'yes' if ledger['accounts_balanced'] else 'NO':>8}"
     )
     print(
@@ -954,6 +973,11 @@ def print_table(info: dict, args, parts: dict, soak: dict) -> None:
         f"{ledger['transfers']} transfers, balances sum {ledger['balances_sum']}, open holds {ledger['open_holds']}, "
         f"charged {ledger['charged_nano_usd']} nano-USD; usage = content chunks in "
         f"{ledger['usage_equals_content_chunks']}/{soak['requests']} streams"
+    )
+    print(
+        f"honest nodes: {soak['strikes_on_honest_nodes']} strikes {soak['strikes_by_kind']}, "
+        f"{soak['failures_counted_on_honest_nodes']} failures counted; audits {soak['audits']}; "
+        f"challenges {soak['challenges']}; {soak['unverified_jobs']} succeeded jobs unverified"
     )
     for failure in soak["failures"][:20]:
         print(f"  failed: {failure}")

@@ -44,6 +44,9 @@ os.environ.setdefault("SWARM_HEARTBEAT_TIMEOUT_S", "10")
 # machine reached the dashboard; requests that name it (Host: DEMO_HOST) are let in.
 os.environ.setdefault("SWARM_PUBLIC_URL", f"http://{HOST}:{PORT}")
 os.environ.setdefault("DJANGO_ALLOWED_HOSTS", ",".join(dict.fromkeys([HOST, "127.0.0.1", "localhost", "[::1]"])))
+# Challenges run here as anywhere (the embedded scheduler sends them), but at the production floor of
+# 24 a day a node would see about one in an hour of the demo: one in four minutes shows them.
+os.environ.setdefault("SWARM_CHALLENGES_MIN_PER_DAY", "360")
 # The demo prints its own account of the job; the control plane's INFO lines (this same process)
 # would interleave with the streamed answer. SWARM_LOG_LEVEL=INFO shows them.
 os.environ.setdefault("SWARM_LOG_LEVEL", "WARNING")

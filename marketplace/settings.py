@@ -11,6 +11,7 @@ import os
 import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -296,12 +297,23 @@ SWARM_DEMAND_SHIFT = env_float("SWARM_DEMAND_SHIFT", 0.25, minimum=0.0)
 # failed to load or serve is left out of that model's placements until it reconnects.
 SWARM_BLOCK_FAILURES_BEFORE_BACKOFF = env_int("SWARM_BLOCK_FAILURES_BEFORE_BACKOFF", 3, minimum=1)
 # Speed is measured, not claimed (marketplace/nodes/capacity.py): a node's claim counts up to this
-# many times the speed a passed challenge proved, or, unproven, this many times the median claim.
+# many times the speed a passed challenge proved. Unproven, a claim past this many times the median
+# of the other nodes' claims is in doubt: it counts for nothing, and the node serves only where no
+# other can, until a challenge measures it.
 SWARM_SPEED_VERIFIED_SLACK = env_float("SWARM_SPEED_VERIFIED_SLACK", 4.0, minimum=1.0)
 SWARM_SPEED_CLAIM_OUTLIER = env_float("SWARM_SPEED_CLAIM_OUTLIER", 4.0, minimum=1.0)
 # A node claiming more than this many times the best speed it proved in a challenge gets a strike
 # (the proof is a lower bound, round trips and queueing included: honest nodes stay far below).
 SWARM_SPEED_FALSE_CLAIM = env_float("SWARM_SPEED_FALSE_CLAIM", 50.0, minimum=2.0)
+# Round trips are measured from both ends (marketplace/placement/round_trips.py): a node's report of
+# a link that the other end measured more than this many times as long, and by more than the
+# margin (answering delays and jitter make honest ends disagree by some milliseconds), is clamped
+# to the other end's measurement / the tolerance and struck.
+SWARM_RTT_CLAIM_TOLERANCE = env_float("SWARM_RTT_CLAIM_TOLERANCE", 2.0, minimum=1.0)
+SWARM_RTT_CLAIM_MARGIN_MS = env_float("SWARM_RTT_CLAIM_MARGIN_MS", 50.0, minimum=0.0)
+# A node whose stage refuses a session for its length within the positions it reported holding is
+# clamped to less than that length; one that reported more than this many times it is struck.
+SWARM_MEMORY_CLAIM_TOLERANCE = env_float("SWARM_MEMORY_CLAIM_TOLERANCE", 2.0, minimum=1.0)
 # Host names an agent may advertise as its data-plane URL whatever address its control channel
 # comes from (agents behind a reverse proxy or a port forward); otherwise the URL's host must be that address.
 SWARM_AGENT_URL_HOSTS = env_list("SWARM_AGENT_URL_HOSTS", [])
@@ -367,6 +379,17 @@ SWARM_MAX_HEALS = env_int("SWARM_MAX_HEALS", 2, minimum=0)
 # A step that makes no progress past a stage this long (plus a little per prefilled token) has
 # stalled: the coordinator heals around that stage.
 SWARM_STALL_TIMEOUT_S = env_float("SWARM_STALL_TIMEOUT_S", 10.0, minimum=0.5)
+# A failure a job's coordinator attributes to a node (it stalled, dropped, or owed a receipt it never
+# sent) keeps requests off it for SWARM_FAILURE_BACKOFF_S * 2^(n-1) seconds, n its failures in the
+# current window of SWARM_FAILURE_WINDOW_S (counted from the window's first), at most
+# SWARM_FAILURE_BACKOFF_MAX_S; more than SWARM_FAILURES_BEFORE_STRIKE in one window is a strike.
+SWARM_FAILURE_BACKOFF_S = env_float("SWARM_FAILURE_BACKOFF_S", 30.0, minimum=0.0)
+SWARM_FAILURE_BACKOFF_MAX_S = env_float("SWARM_FAILURE_BACKOFF_MAX_S", 3600.0, minimum=0.0)
+SWARM_FAILURE_WINDOW_S = env_float("SWARM_FAILURE_WINDOW_S", 24 * 3600.0, minimum=1.0)
+SWARM_FAILURES_BEFORE_STRIKE = env_int("SWARM_FAILURES_BEFORE_STRIKE", 3, minimum=1)
+# One event (a crash, a freeze) fails every job on the node at once: the failures it attributes within
+# SWARM_FAILURE_INCIDENT_S of the last counted one are one incident, counted once.
+SWARM_FAILURE_INCIDENT_S = env_float("SWARM_FAILURE_INCIDENT_S", 15.0, minimum=0.0)
 # Speculative decoding in the coordinators: "auto" (each request's router speculates where it pays;
 # a request may send "speculation": false) or "off"; an optional draft model run by the
 # coordinator (a registry id or checkpoint folder sharing the served model's tokenizer).
@@ -423,8 +446,18 @@ if SWARM_VERIFIER not in ("inline", "celery"):
 # difference of their norms is below SWARM_CHECK_MAX_REL_NORM.
 SWARM_CHECK_MIN_COSINE = env_float("SWARM_CHECK_MIN_COSINE", 0.99, minimum=0.0)
 SWARM_CHECK_MAX_REL_NORM = env_float("SWARM_CHECK_MAX_REL_NORM", 0.05, minimum=0.0)
-SWARM_CHALLENGE_TOKENS = env_int("SWARM_CHALLENGE_TOKENS", 8, minimum=1)
-SWARM_CHALLENGE_DEADLINE_S = env_float("SWARM_CHALLENGE_DEADLINE_S", 30.0, minimum=0.1)
+# A challenge is a job the verifier runs (README "Trust"): it has a job's time to end.
+SWARM_CHALLENGE_DEADLINE_S = env_float("SWARM_CHALLENGE_DEADLINE_S", SWARM_JOB_TIMEOUT_S, minimum=0.1)
+# The address the verifier's stand-in stages listen on, which a challenged node reaches its successor
+# at: an address of the verifying process's host that the nodes can reach (default: SWARM_PUBLIC_URL's host).
+SWARM_CHALLENGE_HOST = env_str("SWARM_CHALLENGE_HOST", urlsplit(SWARM_PUBLIC_URL).hostname or "127.0.0.1")
+if not re.fullmatch(r"[A-Za-z0-9.\-]+", SWARM_CHALLENGE_HOST):
+    raise ImproperlyConfigured(f"SWARM_CHALLENGE_HOST must be an IPv4 address or host name: {SWARM_CHALLENGE_HOST!r}")
+# A file of the texts challenges' prompts are made of, one per line, kept private ("": a public default pool).
+SWARM_CHALLENGE_PROMPTS = env_str("SWARM_CHALLENGE_PROMPTS", "")
+# Node ids the verifier trusts to serve the other spans of a challenge's route (nodes the operator runs,
+# which serve customers' jobs too); a span no trusted node serves gets a stand-in of the verifier's.
+SWARM_CHALLENGE_TRUSTED_NODES = env_list("SWARM_CHALLENGE_TRUSTED_NODES", [])
 # The check-rate formula (README "Trust"): a node is checked often enough that cheating loses it more
 # than it gains. SAFETY is the factor k by which the expected loss must exceed the gain; HORIZON is the
 # days of future income an ejected node forfeits (scaled by its age and reputation).

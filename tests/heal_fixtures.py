@@ -53,7 +53,7 @@ def swarm(provider, make_joined_node, measure_ring, swarm_settings) -> Swarm:
     [0:16), as the warm spare of [16:30); every block ready, every link near in the order a..e."""
     swarm_settings.SWARM_SPARES_PER_PIPELINE = 1
     swarm_settings.SWARM_MAX_HEALS = 2
-    specs = (("a", 300.0, 16), ("b", 200.0, 16), ("c", 150.0, 16), ("d", 100.0, 16), ("e", 1000.0, 15))
+    specs = (("a", 300.0, 16), ("b", 200.0, 16), ("c", 150.0, 16), ("d", 100.0, 16), ("e", 600.0, 15))
     nodes = [
         make_joined_node(provider, name, compute=compute, max_layers=cap, last_heartbeat_at=NOW).node
         for name, compute, cap in specs

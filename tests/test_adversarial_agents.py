@@ -29,6 +29,8 @@ from tests.trust_fixtures import PROVIDERS, STRIKES_TO_EJECT, Swarm
 pytest_plugins = ["tests.trust_fixtures"]
 pytestmark = [pytest.mark.trust, pytest.mark.django_db(transaction=True)]
 
+CHALLENGES = 30  # of the honest bfloat16 agents, 10 each
+
 
 def uphold_all_open(swarm: Swarm, admin) -> list[Strike]:
     upheld = []
@@ -132,14 +134,16 @@ def test_node_cheating_only_on_live_sessions_is_caught_by_a_challenge(make_swarm
     assert Strike.objects.exclude(node=swarm.cheater).count() == 0
 
 
-def test_honest_bfloat16_agents_get_no_strike_over_200_challenges_or_their_audits(make_swarm):
+def test_honest_bfloat16_agents_get_no_strike_over_30_challenges_or_their_audits(make_swarm):
+    # Each challenge is a job of a real prompt: some 30 to 170 rows of each node's span graded, where
+    # the one-stage challenges of 8 rows this once ran 200 of took 1,600 in all.
     swarm = make_swarm(cheat=None, dtype="bfloat16", model="smollm2-135m", max_layers=10)
     nodes = list(Node.objects.filter(pk__in=[n.pk for n in swarm.nodes.values()]))
 
     started = time.monotonic()
-    decided = [swarm.challenge(nodes[i % 3], seed=i) for i in range(201)]
+    decided = [swarm.challenge(nodes[i % 3], seed=i) for i in range(CHALLENGES)]
 
-    assert [c.state for c in decided] == [CheckState.PASSED] * 201
+    assert [c.state for c in decided] == [CheckState.PASSED] * CHALLENGES
     # Against the float32 reference itself, not the bfloat16 fallback.
     assert {c.metrics["reference"] for c in decided} == {"float32"}
     assert Strike.objects.count() == 0
@@ -153,6 +157,6 @@ def test_honest_bfloat16_agents_get_no_strike_over_200_challenges_or_their_audit
     worst = min(c.metrics["min_cosine"] for c in decided)
     worst_norm = max(c.metrics["max_rel_norm"] for c in decided)
     print(
-        f"201 bf16 challenges in {time.monotonic() - started:.1f}s; worst token cosine {worst:.6f}, "
+        f"{CHALLENGES} bf16 challenges in {time.monotonic() - started:.1f}s; worst token cosine {worst:.6f}, "
         f"worst relative norm difference {worst_norm:.6f}"
     )

@@ -1,7 +1,8 @@
-"""Challenges on the control plane: opening one for a serving node, checking the output its data
-plane returned against the trusted float32 recompute, failing late, wrong or malformed answers with a
-strike and its evidence, and failing a node whose data plane is unreachable, refuses or stays silent.
-Honest and cheating agents answering over a real data plane: ``test_adversarial_agents.py``."""
+"""Challenges on the control plane: opening one for a serving node, checking what the node's part of
+the challenge's job was (its inputs and outputs, kept by the coordinator) against the trusted float32
+recompute, failing late, wrong or malformed answers with a strike and its evidence, and failing a node
+whose data plane is unreachable, refuses or stays silent. Honest and cheating agents answering over a
+real data plane: ``test_adversarial_agents.py`` and ``test_challenge_jobs.py``."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ import torch
 from django.utils import timezone
 from websockets.asyncio.server import serve
 
-from marketplace.nodes.tickets import issuer_key, issuer_public_key
+from marketplace.nodes.tickets import TICKET_MARGIN_S, issuer_key, issuer_public_key
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.errors import NotChallengeable
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind, StrikeState
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
-from worker_agent import challenge as challenges
-from worker_agent import model as models
+from tests.challenge_fixtures import block_outputs, material
 from worker_agent import wire
-from worker_agent.block import Block
-from worker_agent.tickets import verify_ticket
+from worker_agent.block import WorkItem
+from worker_agent.kvcache import KVSession
+from worker_agent.tickets import open_peer_pass, verify_ticket
 
 pytest_plugins = ["tests.factories"]
 pytestmark = [pytest.mark.trust, pytest.mark.django_db]
@@ -53,9 +54,10 @@ def serving(settings, provider, make_joined_node):
     return joined.node
 
 
-def honest_output(challenge: Challenge, dtype: str = "float32") -> torch.Tensor:
-    block = Block(models.load_block(MODEL, challenge.layer_start, challenge.layer_end, dtype=dtype))
-    return challenges.run_challenge(block, challenge.seed, challenge.tokens)
+def answer(challenge: Challenge, outputs=None, **span):
+    """The challenged node's material: honest float32 outputs unless ``outputs`` makes them."""
+    where = {"layer_start": challenge.layer_start, "layer_end": challenge.layer_end, **span}
+    return material(node=challenge.node.node_id, model=challenge.model, outputs=outputs, **where)
 
 
 def test_challenge_is_sent_for_the_ready_span(serving, django_capture_on_commit_callbacks):
@@ -72,23 +74,25 @@ def test_challenge_is_sent_for_the_ready_span(serving, django_capture_on_commit_
 def test_honest_answer_passes_with_per_token_metrics(serving, django_capture_on_commit_callbacks):
     challenge = challenge_checks.open_challenge(serving, tokens=4, seed=7)
     with django_capture_on_commit_callbacks(execute=True):
-        challenge_checks.record_challenge_output(challenge.pk, honest_output(challenge), elapsed_ms=3.5)
+        challenge_checks.record_challenge_output(challenge.pk, honest := answer(challenge), elapsed_ms=3.5)
 
     challenge.refresh_from_db()
     assert challenge.state == CheckState.PASSED
-    assert len(challenge.metrics["cosine"]) == 4
+    assert len(challenge.metrics["cosine"]) == honest.tokens
     assert challenge.metrics["min_cosine"] >= 0.9999
     assert challenge.elapsed_ms == 3.5
     assert Strike.objects.count() == 0
-    # Timed by the control plane over the session's steps: a speed the node proved.
+    # Timed by the verifier over the node's share of the job's steps: a speed the node proved.
     serving.refresh_from_db()
-    assert serving.verified_layer_tokens_per_s == pytest.approx(2 * 4 / 0.0035)
+    assert serving.verified_layer_tokens_per_s == pytest.approx(2 * honest.tokens / 0.0035)
 
 
 def test_bfloat16_answer_passes_against_the_float32_verifier(serving, django_capture_on_commit_callbacks):
     challenge = challenge_checks.open_challenge(serving, tokens=8, seed=99)
     with django_capture_on_commit_callbacks(execute=True):
-        challenge_checks.record_challenge_output(challenge.pk, honest_output(challenge, "bfloat16"), elapsed_ms=3.5)
+        challenge_checks.record_challenge_output(
+            challenge.pk, answer(challenge, block_outputs(MODEL, 2, 4, "bfloat16")), elapsed_ms=3.5
+        )
 
     challenge.refresh_from_db()
     assert challenge.state == CheckState.PASSED
@@ -97,9 +101,9 @@ def test_bfloat16_answer_passes_against_the_float32_verifier(serving, django_cap
 
 def test_wrong_answer_fails_and_opens_a_strike_with_evidence(serving, django_capture_on_commit_callbacks):
     challenge = challenge_checks.open_challenge(serving, tokens=4, seed=5)
-    inputs = challenges.challenge_input(challenge.seed, challenge.tokens, 64)
+    skipped = answer(challenge, lambda inputs, steps: inputs)  # identity: skipped its layers
     with django_capture_on_commit_callbacks(execute=True):
-        challenge_checks.record_challenge_output(challenge.pk, inputs, elapsed_ms=3.5)  # identity: skipped its layers
+        challenge_checks.record_challenge_output(challenge.pk, skipped, elapsed_ms=3.5)
 
     challenge.refresh_from_db()
     assert challenge.state == CheckState.FAILED
@@ -116,13 +120,18 @@ def test_wrong_answer_fails_and_opens_a_strike_with_evidence(serving, django_cap
     assert strike.evidence["min_cosine"] < 0.99
 
 
-def test_malformed_output_fails(serving):
+def test_material_of_another_span_fails(serving):
     challenge = challenge_checks.open_challenge(serving, tokens=4, seed=5)
-    challenge_checks.record_challenge_output(challenge.pk, torch.zeros(3, 64), elapsed_ms=3.5)
+    challenge_checks.record_challenge_output(
+        challenge.pk, answer(challenge, layer_start=0, layer_end=2), elapsed_ms=3.5
+    )
 
     challenge.refresh_from_db()
     assert challenge.state == CheckState.FAILED
-    assert challenge.reason == "malformed answer: shape (3, 64), not (4, 64)"
+    node = serving.node_id
+    assert challenge.reason == (
+        f"malformed answer: the material is of ('{node}', '{MODEL}', 0, 2), not ('{node}', '{MODEL}', 2, 4)"
+    )
     assert Strike.objects.filter(challenge=challenge).count() == 1
 
 
@@ -141,7 +150,7 @@ def test_no_answer_by_the_deadline_expires_and_strikes(serving):
 def test_late_answer_counts_as_expired(serving, django_capture_on_commit_callbacks):
     challenge = challenge_checks.open_challenge(serving, tokens=4, seed=5)
     Challenge.objects.filter(pk=challenge.pk).update(deadline_at=timezone.now() - timedelta(seconds=1))
-    challenge_checks.record_challenge_output(challenge.pk, honest_output(challenge), elapsed_ms=3.5)
+    challenge_checks.record_challenge_output(challenge.pk, answer(challenge), elapsed_ms=3.5)
 
     challenge.refresh_from_db()
     assert (challenge.state, challenge.reason) == (CheckState.EXPIRED, "answered after the deadline")
@@ -151,10 +160,11 @@ def test_late_answer_counts_as_expired(serving, django_capture_on_commit_callbac
 def test_a_decided_challenge_takes_no_second_outcome(serving, django_capture_on_commit_callbacks):
     challenge = challenge_checks.open_challenge(serving, tokens=4, seed=5)
     with django_capture_on_commit_callbacks(execute=True):
-        challenge_checks.record_challenge_output(challenge.pk, honest_output(challenge), elapsed_ms=3.5)
+        challenge_checks.record_challenge_output(challenge.pk, answer(challenge), elapsed_ms=3.5)
     before = list(Challenge.objects.values())
 
-    challenge_checks.record_challenge_output(challenge.pk, torch.zeros(4, 64), elapsed_ms=1.0)
+    zeros = answer(challenge, lambda inputs, steps: torch.zeros_like(inputs))
+    challenge_checks.record_challenge_output(challenge.pk, zeros, elapsed_ms=1.0)
     challenge_checks.fail_challenge(challenge.pk, "too late to matter")
 
     assert list(Challenge.objects.values()) == before
@@ -182,15 +192,14 @@ def serving_smollm2(settings, provider, make_joined_node):
     return node
 
 
-def rounded_past_the_threshold(challenge: Challenge) -> torch.Tensor:
+def rounded_past_the_threshold(inputs: torch.Tensor, steps) -> torch.Tensor:
     """An answer as an honest bfloat16 node gives it when rounding pushes one token's norm just past
     the float32 threshold: the verifier's own bfloat16 rows, with the token where bfloat16 and float32
     disagree most in norm rescaled to sit just beyond 0.05 from float32, on bfloat16's side of it.
 
     Built from both references in this process, so it holds on any machine and thread count."""
-    span = ("smollm2-135m", challenge.layer_start, challenge.layer_end)
-    reference = challenges.run_challenge(trusted_block(*span), challenge.seed, challenge.tokens).double()
-    bf16 = challenges.run_challenge(trusted_block(*span, FALLBACK_DTYPE), challenge.seed, challenge.tokens).double()
+    reference = verifier_rows(inputs, steps, "float32").double()
+    bf16 = verifier_rows(inputs, steps, FALLBACK_DTYPE).double()
     ratio = bf16.norm(dim=1) / reference.norm(dim=1)  # (tokens,)
     token = int((ratio - 1).abs().argmax())
     q = float(ratio[token])
@@ -202,12 +211,21 @@ def rounded_past_the_threshold(challenge: Challenge) -> torch.Tensor:
     return rows.float()
 
 
+def verifier_rows(inputs: torch.Tensor, steps, dtype: str) -> torch.Tensor:
+    """The verifier's own block of layers 20:30 in ``dtype`` on the inputs, in one pass as it
+    recomputes contiguous steps: (tokens, hidden) float32."""
+    (rows,) = trusted_block("smollm2-135m", 20, 30, dtype).forward([WorkItem(KVSession("verifier", "s0"), 0, inputs)])
+    return rows.to(torch.float32)
+
+
 def test_honest_bfloat16_rounding_past_a_threshold_passes_against_the_bfloat16_reference(
     serving_smollm2, django_capture_on_commit_callbacks
 ):
     challenge = challenge_checks.open_challenge(serving_smollm2, tokens=8, seed=1589)
     with django_capture_on_commit_callbacks(execute=True):
-        challenge_checks.record_challenge_output(challenge.pk, rounded_past_the_threshold(challenge), elapsed_ms=3.5)
+        challenge_checks.record_challenge_output(
+            challenge.pk, answer(challenge, rounded_past_the_threshold), elapsed_ms=3.5
+        )
 
     challenge.refresh_from_db()
     assert (challenge.state, challenge.metrics["reference"]) == (CheckState.PASSED, "bfloat16")
@@ -217,7 +235,7 @@ def test_honest_bfloat16_rounding_past_a_threshold_passes_against_the_bfloat16_r
 
 def test_a_wrong_answer_fails_against_both_references(serving_smollm2, django_capture_on_commit_callbacks):
     challenge = challenge_checks.open_challenge(serving_smollm2, tokens=8, seed=1589)
-    skipped = challenges.challenge_input(challenge.seed, challenge.tokens, 576)
+    skipped = answer(challenge, lambda inputs, steps: inputs)
     with django_capture_on_commit_callbacks(execute=True):
         challenge_checks.record_challenge_output(challenge.pk, skipped, elapsed_ms=3.5)
 
@@ -290,14 +308,15 @@ def test_unreachable_data_plane_fails_the_challenge(serving, settings, tmp_path)
     challenge = challenge_checks.run_challenge(challenge.pk)
 
     assert challenge.state == CheckState.FAILED
-    assert challenge.reason.startswith("stage 0 (ws://127.0.0.1:9) cannot be reached")
+    # Stage 1 of the challenge's job: the verifier's stand-in serves layers 0:2 before it.
+    assert challenge.reason.startswith("the challenged stage failed: stage 1 (ws://127.0.0.1:9) cannot be reached")
     assert challenge.reason.endswith("(stage_unreachable)")
     strike = Strike.objects.get()
     assert (strike.node_id, strike.kind, strike.challenge_id) == (serving.pk, StrikeKind.CHALLENGE, challenge.pk)
     issuer_key.cache_clear()
 
 
-def test_refused_hello_fails_the_challenge_and_the_hello_looks_like_a_job(serving, data_plane):
+def test_refused_hello_fails_the_challenge_and_the_hello_looks_like_a_job(serving, data_plane, settings):
     fake = data_plane(wire.Error(code="ticket_invalid", message="no such job", fatal=True))
     challenge = challenge_checks.open_challenge(serving, tokens=4, seed=5)
 
@@ -306,14 +325,22 @@ def test_refused_hello_fails_the_challenge_and_the_hello_looks_like_a_job(servin
     assert challenge.state == CheckState.FAILED
     assert challenge.reason.endswith("refused HELLO: no such job (ticket_invalid)")
     assert Strike.objects.filter(node=serving, challenge=challenge).count() == 1
-    # What the node saw: a coordinator's HELLO for a chat completion's job id, with a signed ticket.
+    # What the node saw: a job's coordinator HELLO, in ring topology with a successor to forward to
+    # (the verifier's stand-in for layers 4:6) and its peer pass, for a chat completion's job id, with
+    # a signed ticket that expires with a job's deadline.
     (hello,) = fake.hellos
-    assert (hello.role, hello.topology, hello.next_url) == ("coordinator", "star", None)
+    assert (hello.role, hello.topology) == ("coordinator", "ring")
+    assert re.fullmatch(r"ws://127\.0\.0\.1:[0-9]+", hello.next_url)
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", hello.job)
     ticket = verify_ticket(
         hello.ticket, [issuer_public_key()], node=serving.node_id, model=MODEL, layer_start=2, layer_end=4
     )
     assert (ticket.job, ticket.issuer_key) == (hello.job, issuer_public_key())
+    lifetime = ticket.expires_at - challenge.sent_at.timestamp()
+    assert settings.SWARM_JOB_TIMEOUT_S < lifetime < settings.SWARM_JOB_TIMEOUT_S + TICKET_MARGIN_S + 60
+    successor = open_peer_pass(hello.next_ticket)
+    assert (successor.job, successor.layer_start, successor.layer_end) == (hello.job, 4, 6)
+    assert successor.node == challenge_checks.stand_in_node(MODEL, 4, 6)
 
 
 def test_silent_data_plane_fails_the_challenge_at_its_deadline(serving, data_plane, settings):
@@ -325,7 +352,6 @@ def test_silent_data_plane_fails_the_challenge_at_its_deadline(serving, data_pla
 
     assert (challenge.state, challenge.reason) == (
         CheckState.EXPIRED,
-        "no answer within the deadline: the stage did not finish the session by the challenge's deadline "
-        "(challenge_deadline)",
+        "no answer within the deadline: the job did not end by the challenge's deadline (challenge_deadline)",
     )
     assert Strike.objects.filter(node=serving, challenge=challenge).count() == 1

@@ -10,7 +10,6 @@ import torch
 from worker_agent import model as models
 from worker_agent import wire
 from worker_agent.block import Block, WorkItem
-from worker_agent.challenge import challenge_input, run_challenge
 from worker_agent.cheat import Cheat, cheat_from_option, impostor_weights
 from worker_agent.cli import build_parser, main
 from worker_agent.errors import SwarmError
@@ -74,6 +73,8 @@ def _honest(block: Block, steps: list[tuple[int, torch.Tensor]]) -> list[torch.T
         ("other-weights", "other-weights", 1.0),
         ("selective:0.25", "selective", 0.25),
         ("selective:1", "selective", 1.0),
+        ("ring-only", "ring-only", 1.0),
+        ("with-successor", "with-successor", 1.0),
     ],
 )
 def test_parses_every_mode_and_prints_it_back(text, mode, fraction):
@@ -86,7 +87,11 @@ def test_parses_every_mode_and_prints_it_back(text, mode, fraction):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("honest", "unknown cheat mode 'honest': use one of garbage, identity, other-weights, selective"),
+        (
+            "honest",
+            "unknown cheat mode 'honest': use one of "
+            "garbage, identity, other-weights, selective, ring-only, with-successor",
+        ),
         ("selective", "selective needs a fraction in (0, 1], e.g. selective:0.5, got 'selective'"),
         ("selective:half", "selective needs a fraction in (0, 1], e.g. selective:0.5, got 'selective:half'"),
         ("selective:0", "a cheat's fraction must be in (0, 1], got 0.0"),
@@ -132,7 +137,7 @@ def test_serve_with_a_cheat_exits_with_a_clear_error_when_not_allowed(monkeypatc
     assert not key.exists()  # refused before anything was created
 
 
-def test_identity_returns_the_input_on_live_traffic_and_challenges(block):
+def test_identity_returns_the_input(block):
     stage = _stage(block, "identity")
     stage.open("job", ("s",))
     rows = _hidden(1, 5)
@@ -140,7 +145,6 @@ def test_identity_returns_the_input_on_live_traffic_and_challenges(block):
     out = _step(stage, "job", {"s": rows}, step=0, start=0)["s"]
 
     assert torch.equal(out, rows)
-    assert torch.equal(run_challenge(block, 7, 4, cheat=stage.cheat), challenge_input(7, 4, HIDDEN))
 
 
 def test_garbage_is_seeded_finite_noise_of_the_blocks_shape_and_dtype(block):
@@ -157,9 +161,6 @@ def test_garbage_is_seeded_finite_noise_of_the_blocks_shape_and_dtype(block):
     assert torch.isfinite(outputs[0]).all()
     assert torch.equal(outputs[0], outputs[1])
     assert not _close(outputs[0], honest)
-    challenged = run_challenge(block, 7, 4, cheat=Cheat("garbage"))
-    assert torch.equal(challenged, run_challenge(block, 7, 4, cheat=Cheat("garbage")))
-    assert not torch.allclose(challenged, run_challenge(block, 7, 4))
 
 
 def test_other_weights_runs_the_same_span_with_seeded_random_weights(block):
@@ -178,13 +179,12 @@ def test_other_weights_runs_the_same_span_with_seeded_random_weights(block):
     for out, want, real in zip(live, expected, honest, strict=True):
         assert torch.equal(out, want)
         assert not _close(out, real)
-    assert torch.equal(run_challenge(block, 7, 4, cheat=stage.cheat), run_challenge(impostor, 7, 4))
     impostor_layer = dict(impostor.weights.layers[0].named_parameters())
     for name, parameter in block.weights.layers[0].named_parameters():
         assert impostor_layer[name].shape == parameter.shape
 
 
-def test_selective_cheats_whole_sessions_for_its_fraction_and_never_on_challenges(block):
+def test_selective_cheats_whole_sessions_for_its_fraction(block):
     cheat = Cheat.parse("selective:0.5")
     stage = _stage(block, "selective:0.5")
     sessions = [f"s{i}" for i in range(32)]
@@ -195,15 +195,43 @@ def test_selective_cheats_whole_sessions_for_its_fraction_and_never_on_challenge
     first = _step(stage, "job", prompts, step=0, start=0)
     second = _step(stage, "job", steps, step=1, start=3)
 
-    cheated = {session for session in sessions if cheat.cheats_on("job", session, live=True)}
+    cheated = {session for session in sessions if cheat.cheats_on("job", session)}
     assert 0 < len(cheated) < len(sessions)
     for session in sessions:
         honest = _honest(block, [(0, prompts[session]), (3, steps[session])])
         same = [_close(first[session], honest[0]), _close(second[session], honest[1])]
         assert same == ([False, False] if session in cheated else [True, True]), session
     everyone = Cheat.parse("selective:1")
-    assert all(everyone.cheats_on("job", session, live=True) for session in sessions)
-    assert torch.equal(run_challenge(block, 7, 4, cheat=everyone), run_challenge(block, 7, 4))
+    assert all(everyone.cheats_on("job", session) for session in sessions)
+
+
+@pytest.mark.parametrize(
+    ("mode", "cheated"),
+    [
+        # job: (topology, next_url) its coordinator's HELLO gave; unseen: no HELLO came for it
+        ("ring-only", {"ring-middle", "ring-last"}),
+        ("with-successor", {"ring-middle"}),
+    ],
+)
+def test_a_route_cheat_chooses_its_jobs_by_what_their_hello_said(block, mode, cheated):
+    stage = _stage(block, mode)
+    jobs = {
+        "ring-middle": ("ring", "ws://next:1"),
+        "ring-last": ("ring", None),
+        "star": ("star", None),
+        "unseen": None,
+    }
+    rows = _hidden(1, 4)
+    (honest,) = _honest(block, [(0, rows)])
+    faked = set()
+    for job, route in jobs.items():
+        if route is not None:
+            stage.cheat.saw_hello(job, *route)
+        stage.open(job, ("s",))
+        if not _close(_step(stage, job, {"s": rows}, step=0, start=0)["s"], honest):
+            faked.add(job)
+
+    assert faked == cheated
 
 
 def test_a_cheated_session_keeps_its_positions_through_a_rollback(block):

@@ -6,6 +6,8 @@ exact action it returns: the refusal's code, message, ref, job, session and whet
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from nacl.signing import SigningKey
@@ -269,6 +271,34 @@ def test_a_peer_hello_for_a_coordinated_job_binds_the_peer_role():
     assert connection.binding == Binding(
         JOB, Role.PEER, NODE, MODEL, 2, 4, expires_at=NOW + 600, coordinator_key=COORDINATOR_PUB
     )
+
+
+def test_a_second_ring_peer_of_the_same_sender_is_refused_and_another_or_an_unnamed_one_is_admitted():
+    sender, other_sender = bytes(SigningKey(b"\x05" * 32).verify_key), bytes(SigningKey(b"\x06" * 32).verify_key)
+    successor_ticket = _ticket(coordinator_key=COORDINATOR_PUB)
+    admission = Admission(
+        node=NODE,
+        model=MODEL,
+        layer_start=SPAN[0],
+        layer_end=SPAN[1],
+        trusted_keys=ADMISSION.trusted_keys,
+        jobs={JOB: COORDINATOR_PUB},
+        peers={JOB: sender},  # the job's predecessor is connected already
+    )
+
+    def peer_hello(sender_key: bytes) -> wire.Hello:
+        return _hello(role="peer", ticket=issue_peer_pass(COORDINATOR, successor_ticket, sender_key))
+
+    same = _feed(_connection(admission=admission), peer_hello(sender), 1)
+    healed = _feed(_connection(admission=admission), peer_hello(other_sender), 1)
+    unnamed = _feed(_connection(admission=dataclasses.replace(admission, peers={JOB: b""})), peer_hello(b""), 1)
+
+    assert same == Refuse(
+        "peer_taken", f"job {JOB!r} has its ring peer connected here already", ref=1, job=JOB, close=True
+    )
+    assert isinstance(healed, AcceptHello)  # a heal's new predecessor: the server drops the old one
+    assert healed.binding.sender_key == other_sender
+    assert isinstance(unnamed, AcceptHello)  # no sender to tell apart: the newest connection serves
 
 
 def test_a_coordinator_may_open_forward_and_close_its_jobs_sessions():

@@ -19,7 +19,7 @@ from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.errors import StageError
 from worker_agent.keys import generate_signing_key, public_key_bytes
-from worker_agent.receipts import BrokenLink, EndpointMismatch
+from worker_agent.receipts import BrokenLink
 from worker_agent.server import StageServer
 from worker_agent.stage import Output, Stage
 
@@ -96,11 +96,13 @@ def test_a_middle_stage_sending_other_bytes_than_it_signed_fails_verification(to
     assert caught.value.code == "receipt_broken_link"
 
 
-def test_a_last_stage_returning_other_bytes_than_it_signed_fails_verification():
-    with pytest.raises(EndpointMismatch) as caught:
+def test_a_last_stage_returning_other_bytes_than_it_signed_is_refused_at_once():
+    # Its answer carries its signature over other bytes than it holds: the coordinator sees it.
+    with pytest.raises(StageError) as caught:
         asyncio.run(generate([(0, 2), (2, 4), (4, 6)], rogue=2))
 
-    assert caught.value.code == "receipt_endpoint_mismatch"
+    assert (caught.value.code, caught.value.stage) == ("stage_bad_output", 2)
+    assert str(caught.value) == "stage 2 answered with bytes its own signature does not cover"
 
 
 def test_a_route_with_a_gap_is_refused_before_any_work():

@@ -21,6 +21,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
+from marketplace.billing.models import Transfer
 from marketplace.billing.services import grant
 from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
@@ -44,7 +45,7 @@ pytest_plugins = ["tests.factories"]
 SPANS = [(0, 2), (2, 4), (4, 6)]
 HOSTILE = 1
 MAX_JOBS = 5
-PRICES = (5_000, 9_000)
+PRICES = (5_000_000_000, 9_000_000_000)  # nano-dollars per million tokens: $5 and $9
 
 
 class SilentTaps(StageServer):
@@ -134,6 +135,7 @@ def test_a_hostile_stage_is_struck_never_paid_and_its_neighbours_are_not_blamed(
 
     assert all(state == JobState.SUCCEEDED for _, state in jobs)  # the customer got the stream
     assert Strike.objects.filter(node=hostile).exists(), f"{attack}: not struck within {MAX_JOBS} jobs"
+    assert Node.objects.get(pk=hostile.pk).under_review is True  # off routing while its strike is open
     honest = [node for node in nodes if node != hostile]
     assert not Strike.objects.filter(node__in=honest).exists()
     assert not Audit.objects.filter(node__in=honest, state=CheckState.FAILED).exists()
@@ -150,6 +152,11 @@ def test_a_hostile_stage_is_struck_never_paid_and_its_neighbours_are_not_blamed(
         assert earned.count() == len(jobs)
         assert set(earned.values_list("state", flat=True)) == {EarningState.AVAILABLE}
     assert Job.objects.filter(pk__in=job_pks, verified=True).count() == len(jobs)
+    # The customer gets back the whole charge of every job a failed audit found bad, and only those.
+    for job in Job.objects.filter(pk__in=job_pks):
+        refunds = list(Transfer.objects.filter(job=job, kind="refund").values_list("amount", flat=True))
+        bad = Audit.objects.filter(job=job, state=CheckState.FAILED).exists()
+        assert refunds == ([job.charged_amount] if bad else []) and job.charged_amount > 0
     # The adversarial table's row (pytest -rP shows it).
     paid = Earning.objects.filter(node=hostile).exclude(state=EarningState.CLAWED_BACK).count()
     print(f"{attack}: struck after {len(jobs)} job(s), earnings kept {paid}, strikes on honest nodes 0")

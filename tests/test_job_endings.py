@@ -1,8 +1,9 @@
 """How a job ends, whatever way it ends: a stage lost after tokens streamed is healed onto a warm
 spare and the job goes on as if unbroken, paid to the nodes that served its verified part; without
-a spare the job fails with a clear error, charged exactly the tokens its client received; the
+a spare the job fails with a clear error and is charged nothing (its tokens were never verified); the
 final event goes out before audits are recorded or replayed; a stage lost after the last token
-leaves the client its whole answer (the job unverified, unpaid, nobody struck); a response gives up
+leaves the client its whole answer (the job unverified and free; the stages that sent their receipts
+are paid for what those prove, the one that owed its receipt is struck); a response gives up
 on a job only when the job stops making progress.
 
 Jobs are admitted onto in-process StageServers (tiny-llama) and run by ``runner.run_job`` in the
@@ -110,7 +111,7 @@ def run_with_rogue(api_key, monkeypatch, **rogue) -> tuple[str, int, list[dict]]
     return asyncio.run(scenario())
 
 
-def test_a_stage_lost_with_no_spare_fails_charged_exactly_the_delivered_tokens(control_plane, api_key, monkeypatch):
+def test_a_stage_lost_with_no_spare_fails_and_is_charged_nothing(control_plane, api_key, monkeypatch):
     state, job_pk, events = run_with_rogue(api_key, monkeypatch, rogue_class=DyingStage)
 
     job = Job.objects.get(pk=job_pk)
@@ -122,14 +123,13 @@ def test_a_stage_lost_with_no_spare_fails_charged_exactly_the_delivered_tokens(c
     assert "no replacement for stage 1 is available" in job.error_message
     # The customer is told what happened, not which node at which address: that is the record's.
     assert events[-1]["message"] == (
-        "a provider stage failed (stage_lost) and no route around it was available; "
-        "only the tokens delivered before it are charged"
+        "a provider stage failed (stage_lost) and no route around it was available; nothing is charged for this request"
     )
     assert "ws://" in job.error_message
     assert delivered == LOST_AFTER  # each step it served (the prefill, then one per token) gave a token
     assert (job.state, job.completion_tokens) == (JobState.FAILED, delivered)
     assert job.settled_at is not None
-    assert job.charged_amount == cost(job.prompt_tokens, delivered, PRICES)
+    assert job.charged_amount == 0
 
 
 def _register(provider, make_joined_node, keys, route, spare: int) -> None:
@@ -282,6 +282,9 @@ def test_a_stage_lost_after_the_last_token_leaves_the_client_its_answer_unverifi
     assert tokens_of(events) == job.completion_tokens == MAX_TOKENS
     assert job.verified is False
     assert "lost before it sent its receipt" in job.verification_error
-    assert job.charged_amount == cost(job.prompt_tokens, MAX_TOKENS, PRICES)
-    assert Earning.objects.count() == 0  # unverified: nobody is paid
-    assert Strike.objects.count() == 0  # a lost connection proves nothing against the node
+    assert job.charged_amount == 0  # unverified: the customer pays nothing
+    assert job.receipts and job.route[1]["node"] not in {r["node"] for r in job.receipts}  # the others' are kept
+    # These stages' nodes are in no registry: nobody to pay or strike here (tests/test_hostile_failures.py
+    # has a registered dropper: struck and unpaid, its neighbours paid for what their receipts prove).
+    assert Earning.objects.count() == 0
+    assert Strike.objects.count() == 0

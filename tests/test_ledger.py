@@ -74,7 +74,8 @@ def test_a_hold_reserves_the_worst_case_and_settles_to_the_delivered_tokens(cust
     assert services.credits(customer) == NANO_PER_DOLLAR - 340_000
     assert services.account(AccountKind.CUSTOMER_HOLD, customer).balance == 340_000
 
-    finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=7)
+    # Cancelled by its customer after 7 tokens: what was delivered is theirs to pay, receipts or not.
+    finish_job(job.pk, state=JobState.CANCELLED, completion_tokens=7)
     charge = settlement.settle(job.pk)
 
     assert charge == 40_000 + 21_000
@@ -92,7 +93,7 @@ def test_settling_twice_charges_once(customer, price):
     services.grant(customer, 1)
     job = make_job(customer)
     settlement.place_hold(job)
-    finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=3)
+    finish_job(job.pk, state=JobState.CANCELLED, completion_tokens=3)
 
     first = settlement.settle(job.pk)
     second = settlement.settle(job.pk)
@@ -110,6 +111,52 @@ def test_a_job_that_delivered_nothing_is_not_charged(customer, price):
     assert settlement.settle(job.pk) == 0
     assert services.credits(customer) == NANO_PER_DOLLAR
     assert not Transfer.objects.filter(job=job, kind="charge").exists()
+
+
+@pytest.mark.parametrize(
+    ("state", "verified", "error_code", "why"),
+    [
+        (JobState.FAILED, None, "stage_lost", "the job failed (stage_lost)"),
+        (JobState.SUCCEEDED, False, "", "the job's work is unverified: receipt_missing"),
+        # The coordinator's word is not enough: the control plane finds no receipts to verify.
+        (JobState.SUCCEEDED, True, "", "the job's work is unverified: control plane re-verification: no stage"),
+    ],
+)
+def test_a_failed_or_unverified_job_is_charged_nothing_and_says_why(customer, price, state, verified, error_code, why):
+    services.grant(customer, 1)
+    job = make_job(customer)
+    settlement.place_hold(job)
+    finish_job(
+        job.pk, state=state, completion_tokens=5, verified=verified, verification_error="receipt_missing",
+        error_code=error_code, error_message="lost",
+    )  # fmt: skip
+
+    assert settlement.settle(job.pk) == 0
+
+    assert services.credits(customer) == NANO_PER_DOLLAR
+    assert services.account(AccountKind.PLATFORM_REVENUE).balance == 0
+    release = Transfer.objects.get(job=job, kind="release")
+    assert release.amount == 340_000
+    assert release.memo.startswith(f"not charged: {why}")
+    assert not Transfer.objects.filter(job=job, kind="charge").exists()
+
+
+def test_a_refund_returns_the_whole_charge_once_with_its_reason(customer, price):
+    services.grant(customer, 1)
+    job = make_job(customer)
+    settlement.place_hold(job)
+    finish_job(job.pk, state=JobState.CANCELLED, completion_tokens=7)
+    settlement.settle(job.pk)
+    job.refresh_from_db()
+
+    first = services.refund_charge(job, "refund: audit 7 of stage 1 failed")
+    second = services.refund_charge(job, "refund: audit 8 of stage 2 failed")
+
+    assert (first, second) == (61_000, 0)
+    assert services.credits(customer) == NANO_PER_DOLLAR
+    assert services.account(AccountKind.PLATFORM_REVENUE).balance == 0
+    refund = Transfer.objects.get(job=job, kind="refund")
+    assert (refund.amount, refund.memo) == (61_000, "refund: audit 7 of stage 1 failed")
 
 
 def test_a_running_job_is_not_settled(customer, price):

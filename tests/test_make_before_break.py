@@ -1,8 +1,9 @@
 """Make before break at the agent: re-placed onto another span, an agent keeps serving its old block
 for the jobs in flight while it loads the new one, both on one data-plane port; a release stops new
-jobs on the old block and unloads it once its jobs end. With a layer cap too small for both, it
-drains the old block first. Told to stop (SIGTERM), an agent takes no new job and closes once its
-jobs in flight end; told twice, at once.
+jobs on the old block (after taking, for ``late_jobs_s``, the jobs routed to it just before the
+release) and unloads it once its jobs end. With a layer cap too small for both, it drains the old
+block first. Told to stop (SIGTERM), an agent first tells the control plane and takes jobs until it
+answers, then takes no new job and closes once its jobs in flight end; told twice, at once.
 
 The agent runs in the test's event loop with its control channel stood in for (the control plane's
 messages are fed to it, its answers recorded); the data plane is real: stage servers and coordinators
@@ -75,14 +76,22 @@ def free_port() -> int:
 class Swarm:
     """An agent under test, plain stage servers for the rest of the route, and the ticket issuer."""
 
-    def __init__(self, max_layers: int | None) -> None:
+    def __init__(self, max_layers: int | None, late_jobs_s: float) -> None:
         self.issuer = generate_signing_key()
         key = generate_signing_key()
         self.node = node_id(public_key_bytes(key))
         self.port = free_port()
         self.url = f"ws://127.0.0.1:{self.port}"
         state = JoinState("http://control.test", self.node, "ws://control.test/ws/agent/", 5.0)
-        self.agent = Agent(key, state, host="127.0.0.1", port=self.port, advertise_url=self.url, max_layers=max_layers)
+        self.agent = Agent(
+            key,
+            state,
+            host="127.0.0.1",
+            port=self.port,
+            advertise_url=self.url,
+            max_layers=max_layers,
+            late_jobs_s=late_jobs_s,
+        )
         self.agent.trusted_key = public_key_bytes(self.issuer)
         self.channel = RecordingChannel()
         self.plain: dict[tuple[int, int], tuple[str, Stage]] = {}
@@ -125,9 +134,10 @@ class Swarm:
 
 
 @contextlib.asynccontextmanager
-async def swarm(max_layers: int | None = None) -> AsyncIterator[Swarm]:
-    """The agent holding 0:3 as assignment 1 (ready), and plain stages for 0:3 and 3:6."""
-    s = Swarm(max_layers)
+async def swarm(max_layers: int | None = None, late_jobs_s: float = 0.0) -> AsyncIterator[Swarm]:
+    """The agent holding 0:3 as assignment 1 (ready), and plain stages for 0:3 and 3:6. A block it
+    lets go takes late jobs for ``late_jobs_s`` (none by default: each test says what it needs)."""
+    s = Swarm(max_layers, late_jobs_s)
     tasks = []
     for span in ((0, 3), (3, 6)):
         stage = Stage(
@@ -148,6 +158,7 @@ async def swarm(max_layers: int | None = None) -> AsyncIterator[Swarm]:
     try:
         yield s
     finally:
+        s.agent.hurry.set()  # a block still taking late jobs lets them go
         await s.agent._stop_serving()
         for task in tasks:
             task.cancel()
@@ -311,5 +322,55 @@ def test_a_second_stop_closes_the_agent_at_once_with_jobs_in_flight():
             assert s.agent.server is None
             with pytest.raises(StageError):  # the cut stage fails the request (no healer here)
                 await finish(stream)
+
+    asyncio.run(scenario())
+
+
+def test_a_released_block_still_takes_a_job_routed_to_it_just_before_the_release():
+    async def scenario() -> None:
+        async with swarm(late_jobs_s=DEADLINE_S) as s:
+            # The control plane released the block (routing stopped) a moment before this job's
+            # coordinator, routed there just before, says HELLO.
+            await s.agent._on_message(s.channel, protocol.Release(assignment=1, model=MODEL))
+            hello = await s.hello("job-routed-before-the-release", (0, 3))
+
+            assert isinstance(hello, wire.Hello)
+            assert (hello.info["layer_start"], hello.info["layer_end"]) == (0, 3)
+            assert s.agent.blocks[1].unloading is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_stopping_agent_tells_the_control_plane_first_and_takes_jobs_until_it_answers():
+    async def scenario() -> None:
+        async with swarm() as s:
+            reference = await unbroken_run(s)
+            s.agent.stop()  # SIGTERM
+            beating = asyncio.create_task(s.agent._heartbeats(s.channel, DEADLINE_S))
+            await until(lambda: any(m["type"] == "heartbeat" for m in s.channel.sent), "a heartbeat")
+            beating.cancel()
+            assert [m["load"]["state"] for m in s.channel.sent if m["type"] == "heartbeat"] == [protocol.LEAVING]
+
+            leaving = asyncio.create_task(s.agent._announce_leaving(s.channel))
+            leave = protocol.to_wire(protocol.Heartbeat(load=protocol.Load(state=protocol.LEAVING)))
+            await until(lambda: s.channel.sent[-1] == leave, "the stop to be announced")
+            # Until the control plane answers it may still route a job here: it is taken and served.
+            async with s.coordinator("job-routed-before-the-answer", agent_spans={(0, 3)}) as late:
+                stream = late.stream(late.request(PROMPT, max_tokens=MAX_TOKENS))
+                await anext(stream)
+                assert not leaving.done()
+
+                await s.agent._on_message(s.channel, protocol.Drain())  # nothing new is routed here now
+                await asyncio.wait_for(leaving, DEADLINE_S)
+                stopping = asyncio.create_task(s.agent.shut_down())
+                await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the block to retire")
+                refused = await s.hello("job-after-the-answer", (0, 3))
+                assert isinstance(refused, wire.Error)
+                assert refused.code == "stage_draining"
+
+                result = await finish(stream)
+                assert result.token_ids == reference
+            await asyncio.wait_for(stopping, DEADLINE_S)
+            assert s.agent.server is None
 
     asyncio.run(scenario())

@@ -68,6 +68,7 @@ def test_the_json_form_is_the_wire_form_with_hex_bytes():
         **receipt.to_dict(),
         "node_key": bytes(KEY.verify_key).hex(),
         "hashes": [[digest(b"in0").hex(), digest(b"out0").hex()]],
+        "links": [""],
         "chain_head": receipt.chain_head.hex(),
         "sig": receipt.signature.hex(),
     }
@@ -81,7 +82,7 @@ HEX32 = "ab" * 32
     [
         (lambda d: d.pop("sig"), "receipt_malformed", "a receipt must be a map with exactly the keys"),
         (lambda d: d.update(extra=1), "receipt_malformed", "a receipt must be a map with exactly the keys"),
-        (lambda d: d.update(v=2), "receipt_malformed", "receipt version 2 is not supported (expected 1)"),
+        (lambda d: d.update(v=1), "receipt_malformed", "receipt version 1 is not supported (expected 2)"),
         (lambda d: d.update(job=7), "receipt_malformed", "receipt job must be a string"),
         (lambda d: d.update(session=None), "receipt_malformed", "receipt session must be a string"),
         (lambda d: d.update(node=["n"]), "receipt_malformed", "receipt node must be a string"),
@@ -135,6 +136,14 @@ HEX32 = "ab" * 32
             "receipt hashes[2][1] must be 64 hex digits (32 bytes)",
         ),
         (lambda d: d.update(steps=2), "receipt_malformed", "receipt claims 2 steps but lists 3 hash pairs"),
+        (lambda d: d.update(links="ab"), "receipt_malformed", "receipt links must be a list of signatures"),
+        (lambda d: d["links"].__setitem__(0, 7), "receipt_malformed", "receipt links[0] must be hex digits"),
+        (
+            lambda d: d["links"].__setitem__(1, "ab" * 63),
+            "receipt_malformed",
+            "receipt links[1] must be 128 hex digits (64 bytes)",
+        ),
+        (lambda d: d["links"].pop(), "receipt_malformed", "receipt links must list one entry per step"),
         (
             lambda d: d.update(node="n" * (MAX_ID_CHARS + 1)),
             "receipt_too_large",
@@ -144,7 +153,7 @@ HEX32 = "ab" * 32
     ids=[
         "missing-sig",
         "extra-key",
-        "version-2",
+        "version-1",
         "job-int",
         "session-none",
         "node-list",
@@ -162,6 +171,10 @@ HEX32 = "ab" * 32
         "hash-unpaired",
         "hash-short",
         "steps-mismatch",
+        "links-str",
+        "link-int",
+        "link-short",
+        "links-one-short",
         "node-too-long",
     ],
 )

@@ -10,6 +10,7 @@ from nacl.signing import SigningKey
 from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError
 from worker_agent.keys import node_id
+from worker_agent.links import sign_link
 from worker_agent.receipts import (
     CHAIN_SEED,
     SIGNING_CONTEXT,
@@ -68,6 +69,7 @@ def sign_stage(
     span: tuple[int, int] | None = None,
     job: str = JOB,
     model: str = MODEL,
+    links: list[bytes] | None = None,
 ) -> Receipt:
     key = key or KEYS[stage]
     start, end = span or SPANS[stage]
@@ -80,8 +82,8 @@ def sign_stage(
         layer_start=start,
         layer_end=end,
     )
-    for input_hash, output_hash, tokens in steps:
-        builder.add_step(input_hash, output_hash, tokens)
+    for index, (input_hash, output_hash, tokens) in enumerate(steps):
+        builder.add_step(input_hash, output_hash, tokens, links[index] if links else b"")
     return builder.sign(key)
 
 
@@ -317,10 +319,8 @@ def test_rejects_unequal_step_counts():
     err = refused(job, StepMismatch, receipts=job.swap(victim, forged))
 
     assert err.code == "receipt_step_mismatch"
-    assert str(err) == (
-        f"session 'sess-a': stage 2 (node {NODES[2]}) reports 2 steps, 6 tokens; "
-        f"stage 0 (node {NODES[0]}) 3 steps, 7 tokens"
-    )
+    assert str(err) == f"session 'sess-a': stage 2 (node {NODES[2]}) reports 2 steps, the coordinator sent 3"
+    assert err.node == NODES[2]
 
 
 def test_rejects_unequal_token_counts():
@@ -349,8 +349,46 @@ def test_rejects_a_broken_link_between_stage_0_and_stage_1():
     sent = job.boundaries["sess-a"][1][1]
     assert str(err) == (
         f"session 'sess-a' step 1: stage 0 (node {NODES[0]}) output {sent.hex()[:16]} "
-        f"!= stage 1 (node {NODES[1]}) input {wrong_input.hex()[:16]}"
+        f"!= stage 1 (node {NODES[1]}) input {wrong_input.hex()[:16]}: "
+        f"node {NODES[1]} holds no signature of stage 0 over its input"
     )
+    # Stage 1 claims an input stage 0 never signed: the lie is its own.
+    assert err.node == NODES[1]
+
+
+def test_a_broken_link_is_the_upstream_stages_lie_when_the_downstream_holds_its_signature():
+    # Stage 0 forwarded (and signed) the true bytes, but its receipt claims it sent other ones.
+    job = make_job()
+    session = "sess-a"
+    truth = stage_steps(job, session, 1)
+    links = [sign_link(KEYS[0], JOB, session, step, inp) for step, (inp, _, _) in enumerate(truth)]
+    honest_successor = sign_stage(1, session, truth, links=links)
+    lying = stage_steps(job, session, 0)
+    claimed = digest(b"a copy with one float changed")
+    lying[1] = (lying[1][0], claimed, lying[1][2])
+    liar = sign_stage(0, session, lying)
+    receipts = job.swap(job.receipt(session, 0), liar)
+    receipts = [honest_successor if r is job.receipt(session, 1) else r for r in receipts]
+
+    err = refused(job, BrokenLink, receipts=receipts)
+
+    assert err.node == NODES[0]
+    assert str(err).endswith(f"node {NODES[0]} signed that it sent what stage 1 received")
+
+
+def test_a_link_signed_by_another_key_is_no_evidence():
+    # The successor shows a signature, but by a key other than its predecessor's: its claim is its own.
+    job = make_job()
+    session = "sess-b"
+    steps = stage_steps(job, session, 2)
+    forged_input = digest(b"bytes stage 1 never sent")
+    steps[0] = (forged_input, steps[0][1], steps[0][2])
+    links = [sign_link(FOREIGN, JOB, session, step, inp) for step, (inp, _, _) in enumerate(steps)]
+    framer = sign_stage(2, session, steps, links=links)
+
+    err = refused(job, BrokenLink, receipts=job.swap(job.receipt(session, 2), framer))
+
+    assert err.node == NODES[2]
 
 
 def test_rejects_a_first_input_differing_from_what_the_coordinator_sent():
@@ -652,6 +690,7 @@ def test_to_dict_holds_the_body_and_the_signature():
         "job",
         "layer_end",
         "layer_start",
+        "links",
         "model",
         "node",
         "node_key",
@@ -661,7 +700,8 @@ def test_to_dict_holds_the_body_and_the_signature():
         "tokens",
         "v",
     ]
-    assert d["v"] == 1
+    assert d["v"] == 2
+    assert d["links"] == [b""] * receipt.steps
     assert d["sig"] == receipt.signature
     assert d["hashes"] == [list(pair) for pair in receipt.hashes]
     assert msgpack.unpackb(receipt.body_bytes()) == {k: v for k, v in d.items() if k != "sig"}
@@ -689,7 +729,7 @@ def _valid_dict() -> dict:
     [
         lambda d: d.pop("sig"),
         lambda d: d.update(extra=1),
-        lambda d: d.update(v=2),
+        lambda d: d.update(v=1),
         lambda d: d.update(v=True),
         lambda d: d.update(job=b"job-42"),
         lambda d: d.update(session=None),
@@ -710,7 +750,7 @@ def _valid_dict() -> dict:
     ids=[
         "missing-sig",
         "extra-key",
-        "version-2",
+        "version-1",
         "version-bool",
         "job-bytes",
         "session-none",

@@ -102,11 +102,21 @@ def test_only_the_audited_stages_receipt_is_decoded():
     assert (receipt.session, receipt.node) == ("s2", NODES[1])
 
 
-def test_an_unverified_job_holds_no_receipt_to_audit():
+def test_a_job_without_the_stages_receipt_holds_none_to_audit():
     with pytest.raises(MissingReceipt) as refused:
         session_receipt(stored_job(receipts=[]), "s1", 1, NODES[1])
 
-    assert str(refused.value) == "job 'job-1' stores no receipt for stage 1 of session 's1'"
+    assert str(refused.value) == f"job 'job-1': node {NODES[1]}'s receipt for stage 1 of session 's1' is not stored"
+
+
+def test_an_unverified_job_missing_one_stages_receipt_still_finds_the_others():
+    # A stage that sent no receipt leaves a gap: the others' receipts are found where they are.
+    job = stored_job()
+    job.receipts = [r for r in job.receipts if not (r["session"] == "s1" and r["node"] == NODES[0])]
+
+    receipt = session_receipt(job, "s1", 2, NODES[2])
+
+    assert (receipt.session, receipt.node) == ("s1", NODES[2])
 
 
 @pytest.mark.parametrize(("session", "stage"), [("s3", 0), ("s1", 3), ("s1", -1)])
@@ -118,14 +128,15 @@ def test_a_session_or_stage_the_job_does_not_have_holds_no_receipt(session, stag
 
 
 def test_a_receipt_of_another_node_at_the_stages_place_is_not_taken():
+    # Node 2 did sign a receipt for session s1, but for its own span, not stage 1's.
     job = stored_job()
 
     with pytest.raises(MissingReceipt) as refused:
         session_receipt(job, "s1", 1, NODES[2])
 
     assert str(refused.value) == (
-        f"job 'job-1': the receipt stored for stage 1 of session 's1' is node {NODES[1]}'s for session 's1', "
-        f"not node {NODES[2]}'s"
+        f"job 'job-1': node {NODES[2]}'s receipt for stage 1 of session 's1' is for layers "
+        f"[{SPANS[2][0]}, {SPANS[2][1]}), not ({SPANS[1][0]}, {SPANS[1][1]})"
     )
 
 

@@ -21,8 +21,8 @@ from marketplace.verification import challenges as challenge_checks
 from marketplace.verification import strikes
 from marketplace.verification.errors import StrikeDecisionRefused
 from marketplace.verification.models import Strike, StrikeState
+from tests.challenge_fixtures import material
 from tests.stripe_fake import deliver
-from worker_agent import challenge as challenges
 
 pytest_plugins = ["tests.factories", "tests.stripe_fake"]
 pytestmark = [pytest.mark.trust, pytest.mark.django_db]
@@ -57,9 +57,11 @@ def struck(settings, provider, customer, make_joined_node, django_capture_on_com
 
     def strike() -> Strike:
         challenge = challenge_checks.open_challenge(node, tokens=2, seed=3)
-        wrong = challenges.challenge_input(3, 2, 64)  # its input: skipped its layers
+        skipped = material(  # its inputs: skipped its layers
+            node=node.node_id, model="tiny-llama", layer_start=0, layer_end=2, outputs=lambda inputs, steps: inputs
+        )
         with django_capture_on_commit_callbacks(execute=True):
-            challenge_checks.record_challenge_output(challenge.pk, wrong, elapsed_ms=3.5)
+            challenge_checks.record_challenge_output(challenge.pk, skipped, elapsed_ms=3.5)
         return Strike.objects.get(challenge=challenge)
 
     return node, strike

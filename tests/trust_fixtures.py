@@ -88,20 +88,22 @@ def make_swarm(transactional_db, tmp_path, settings):
         *, cheat: str | None, dtype: str = "float32", model: str = MODEL, max_layers: int = 2, **settings_overrides
     ) -> Swarm:
         overrides = override_settings(
-            SWARM_COORDINATOR_LAUNCH="inprocess",
-            SWARM_VERIFIER="inline",
-            SWARM_EMBEDDED_SCHEDULER=True,
-            SWARM_HEARTBEAT_INTERVAL_S=1.0,
-            SWARM_HEARTBEAT_TIMEOUT_S=30.0,
-            SWARM_SWEEP_INTERVAL_S=0.5,
-            SWARM_MODELS=[model],
-            SWARM_SPARES_PER_PIPELINE=0,
-            SWARM_AUDIT_NEW_NODE_FRACTION=1.0,  # every stage of every job is audited
-            SWARM_CHALLENGES_MIN_PER_DAY=0.0,  # the tests send the challenges themselves
-            SWARM_STRIKE_REVIEW_S=3600.0,  # strikes stay open until the test decides them
-            SWARM_STRIKES_TO_EJECT=STRIKES_TO_EJECT,
-            SWARM_TICKET_KEY_PATH=tmp_path / "ticket.key",
-            **settings_overrides,
+            **{
+                "SWARM_COORDINATOR_LAUNCH": "inprocess",
+                "SWARM_VERIFIER": "inline",
+                "SWARM_EMBEDDED_SCHEDULER": True,
+                "SWARM_HEARTBEAT_INTERVAL_S": 1.0,
+                "SWARM_HEARTBEAT_TIMEOUT_S": 30.0,
+                "SWARM_SWEEP_INTERVAL_S": 0.5,
+                "SWARM_MODELS": [model],
+                "SWARM_SPARES_PER_PIPELINE": 0,
+                "SWARM_AUDIT_NEW_NODE_FRACTION": 1.0,  # every stage of every job is audited
+                "SWARM_CHALLENGES_MIN_PER_DAY": 0.0,  # the tests send the challenges themselves (unless overridden)
+                "SWARM_STRIKE_REVIEW_S": 3600.0,  # strikes stay open until the test decides them
+                "SWARM_STRIKES_TO_EJECT": STRIKES_TO_EJECT,
+                "SWARM_TICKET_KEY_PATH": tmp_path / "ticket.key",
+                **settings_overrides,  # a test's own values win
+            }
         )
         overrides.enable()
         issuer_key.cache_clear()

@@ -26,9 +26,8 @@ from marketplace.payouts.models import Earning, EarningState
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.models import Challenge, CheckState, Strike
-from marketplace.verification.verifier import trusted_block
 from tests.browser import MODEL, PASSWORD
-from worker_agent import challenge as challenges
+from tests.challenge_fixtures import material
 from worker_agent import model as models
 
 TOKENS = 4  # per challenge
@@ -77,13 +76,13 @@ def serving_node(owner, name: str) -> Node:
 
 
 def answer(node: Node, seed: int, *, honest: bool) -> Challenge:
-    """Challenge the node and store what its data plane would return: honestly, or the challenge's own
-    input (the layers skipped). The verifier runs inline when the output is stored."""
+    """Challenge the node and store what the challenge's job kept of its part: honest outputs, or its
+    inputs (the layers skipped). The verifier runs inline when the output is stored."""
     challenge = challenge_checks.open_challenge(node, tokens=TOKENS, seed=seed)
-    if honest:
-        output = challenges.run_challenge(trusted_block(MODEL, 0, models.n_layers(MODEL)), seed, TOKENS)
-    else:
-        output = challenges.challenge_input(seed, TOKENS, challenge_checks.models_hidden_size(MODEL))
+    skipped = None if honest else (lambda inputs, steps: inputs)
+    output = material(
+        node=node.node_id, model=MODEL, layer_start=0, layer_end=models.n_layers(MODEL), outputs=skipped, stage=0
+    )
     challenge_checks.record_challenge_output(challenge.pk, output, elapsed_ms=41.5)
     return Challenge.objects.get(pk=challenge.pk)
 

@@ -31,7 +31,8 @@ Errors (trust code fails closed: it raises, it never returns False)::
                              which sent the recorded inputs; otherwise the audited node): code
                              audit_hash_mismatch, the material is not what the receipts signed;
                              audit_forged_tap, the predecessor's copy of its output (its tap)
-                             is not what it signed it sent; audit_mismatch, the replay's outputs
+                             is not what its receipt, or its signature on the audited stage's
+                             input (links.py), says it sent; audit_mismatch, the replay's outputs
                              differ from the recorded ones (``.report`` says where)
 
 Who owes which bytes: in ring topology an audited stage's inputs are its predecessor's tap and its
@@ -56,6 +57,7 @@ from worker_agent import wire
 from worker_agent.block import Block, WorkItem
 from worker_agent.errors import AuditError
 from worker_agent.kvcache import KVSession
+from worker_agent.links import signed_by
 from worker_agent.receipts import Receipt, digest
 
 AUDIT_VERSION = 1
@@ -291,6 +293,17 @@ def check_hashes(material: AuditMaterial, receipt: Receipt, upstream: Receipt | 
     pairs = zip(receipt.hashes, material.inputs, material.outputs, strict=True)
     for step, ((signed_in, signed_out), sent_in, sent_out) in enumerate(pairs):
         if digest(sent_in) != signed_in:
+            link = receipt.links[step]
+            if upstream is not None and signed_by(
+                upstream.node_key, link, receipt.job, receipt.session, step, signed_in
+            ):
+                # The predecessor tapped one output and signed another to the audited stage: its doing.
+                raise AuditFailed(
+                    f"stage {material.stage - 1} (node {upstream.node}) of session {material.session!r} step {step}: "
+                    "its tap is not what it signed it sent the audited stage",
+                    code="audit_forged_tap",
+                    upstream=True,
+                )
             raise AuditFailed(f"{where} step {step}: the recorded input is not what the node signed")
         if digest(sent_out) != signed_out:
             raise AuditFailed(f"{where} step {step}: the recorded output is not what the node signed")
@@ -337,23 +350,17 @@ def _check_block(material: AuditMaterial, block: Block) -> None:
         )
 
 
-def replay(
-    material: AuditMaterial,
-    block: Block,
-    *,
-    min_cosine: float = DEFAULT_MIN_COSINE,
-    max_rel_norm: float = DEFAULT_MAX_REL_NORM,
-) -> AuditReport:
-    """Run the material's inputs through ``block`` (trusted, same span) on a fresh KV cache and
-    compare every recorded output row with the replay's. Raises ``AuditError`` when the block
-    cannot stand for the stage or a step starts past what the cache holds.
+def recompute(material: AuditMaterial, block: Block) -> torch.Tensor:
+    """What ``block`` (trusted, same span) computes on the material's inputs, step by step on a fresh
+    KV cache, as the stage's rows came out of the wire dtype: (tokens, hidden), one row per recorded
+    output row. Raises ``AuditError`` when the block cannot stand for the stage or a step starts past
+    what the cache holds.
 
     When each step starts where the one before it ended (no step computed a position again, as a
     rolled-back draft does), every input row goes through the block in one causal pass: each
     position's output depends on the same inputs as in the stage's step by step, and one pass of
     n rows costs far less than n passes of one (the verifier's work, per audited stage). Otherwise
     the steps are replayed one by one, on the cache as the stage held it."""
-    _check_thresholds(min_cosine, max_rel_norm)
     _check_block(material, block)
     kv = KVSession(material.job, material.session)  # throwaway: dropped when this returns
     passes = [
@@ -369,10 +376,29 @@ def replay(
         (computed,) = block.forward([WorkItem(kv, start, rows)])  # (count, hidden)
         # Through the wire dtype, as the stage serializes it, so that honest bytes compare equal.
         replayed.append(material.tensor(wire.tensor_payload(computed, material.dtype), count))
-    sent_out = torch.cat(
+    return torch.cat(replayed)  # (tokens, hidden)
+
+
+def recorded_outputs(material: AuditMaterial) -> torch.Tensor:
+    """The stage's output rows as recorded, all steps in order: (tokens, hidden)."""
+    return torch.cat(
         [material.tensor(sent, count) for (_, count), sent in zip(material.steps, material.outputs, strict=True)]
     )
-    cosines, rel_norms = per_token_metrics(sent_out, torch.cat(replayed))
+
+
+def replay(
+    material: AuditMaterial,
+    block: Block,
+    *,
+    min_cosine: float = DEFAULT_MIN_COSINE,
+    max_rel_norm: float = DEFAULT_MAX_REL_NORM,
+) -> AuditReport:
+    """``recompute`` the material on ``block`` and compare every recorded output row with the
+    replay's; raises ``AuditError`` as ``recompute`` does."""
+    _check_thresholds(min_cosine, max_rel_norm)
+    reference = recompute(material, block)
+    sent_out = recorded_outputs(material)
+    cosines, rel_norms = per_token_metrics(sent_out, reference)
     first_failure = None
     rows = [(step, row) for step, (_, count) in enumerate(material.steps) for row in range(count)]
     for (step, row), cosine, rel_norm in zip(rows, cosines, rel_norms, strict=True):

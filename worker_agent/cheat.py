@@ -1,14 +1,20 @@
 """Cheat modes, for tests only: an agent that misbehaves on purpose, so tests can prove it is caught.
 
-A cheat replaces what the layer block computes, on data-plane sessions (``Stage.compute``, which
-is where seeded challenges run too) and in ``challenge.run_challenge``::
+A cheat replaces what the layer block computes on data-plane sessions (``Stage.compute``, which is
+where challenges run too: a challenge is a job)::
 
     garbage             seeded random noise of the right shape and dtype (finite)
     identity            the input hidden states, unchanged: the layers never run
     other-weights       the same architecture and span, but seeded random weights
-    selective:FRACTION  honest outside a session (``run_challenge``); on data-plane sessions,
-                        challenges included, garbage for that fraction of
-                        sessions (0 < FRACTION <= 1), a whole session cheated or none of it
+    selective:FRACTION  garbage for that fraction of sessions (0 < FRACTION <= 1), a whole session
+                        cheated or none of it
+    ring-only           garbage in the sessions of ring jobs, honest in star ones (which is what
+                        challenges were until they became jobs)
+    with-successor      garbage in the sessions of jobs that give it a ring successor, honest where
+                        its outputs go straight back to the coordinator
+
+The last two learn each job's route from its coordinator's HELLO (``saw_hello``, called by the
+server), as a node that tried to tell challenges from jobs by their route would.
 
 It is switched on only by the hidden option ``--cheat MODE`` of ``swarm-worker serve`` and
 ``swarm-worker join``, which is refused unless the environment sets ``SWARM_ALLOW_CHEAT=1``;
@@ -29,8 +35,9 @@ from worker_agent.errors import SwarmError
 from worker_agent.model import BlockWeights
 
 ALLOW_ENV = "SWARM_ALLOW_CHEAT"
-MODES = ("garbage", "identity", "other-weights", "selective")
+MODES = ("garbage", "identity", "other-weights", "selective", "ring-only", "with-successor")
 IMPOSTOR_SEED = 1  # the impostor's weights: fixed, so a failure reproduces
+MAX_ROUTES = 4096  # jobs whose route a cheat remembers; the oldest are forgotten first
 
 
 class Cheat:
@@ -44,11 +51,12 @@ class Cheat:
         self.mode = mode
         self.fraction = fraction
         self._impostor: tuple[tuple, Block] | None = None  # (span key, the span with other weights)
-        self._lock = threading.Lock()  # live compute and challenges run on different threads
+        self._lock = threading.Lock()  # the impostor is built on the compute thread, read on any
+        self._routes: dict[str, tuple[str, bool]] = {}  # job -> (topology, has a ring successor)
 
     @classmethod
     def parse(cls, text: str) -> Cheat:
-        """``garbage``, ``identity``, ``other-weights`` or ``selective:FRACTION``."""
+        """``garbage``, ``identity``, ``other-weights``, ``selective:FRACTION``, ``ring-only`` or ``with-successor``."""
         mode, _, fraction = text.partition(":")
         if mode == "selective":
             try:
@@ -67,23 +75,31 @@ class Cheat:
     def __repr__(self) -> str:
         return f"Cheat({str(self)!r})"
 
-    def cheats_on(self, job: str, session: str, *, live: bool) -> bool:
+    def saw_hello(self, job: str, topology: str, next_url: str | None) -> None:
+        """A coordinator opened ``job`` here: its topology and whether it named a ring successor."""
+        self._routes.pop(job, None)
+        self._routes[job] = (topology, topology == "ring" and bool(next_url))
+        while len(self._routes) > MAX_ROUTES:
+            self._routes.pop(next(iter(self._routes)))
+
+    def cheats_on(self, job: str, session: str) -> bool:
         """Whether this session's outputs are faked. Selective decides per (job, session) by a
         hash, so one session is cheated at every step or at none."""
-        if self.mode != "selective":
-            return True
-        if not live:
-            return False
-        draw = int.from_bytes(_hash(job, session)[:8], "big") / 2**64  # uniform in [0, 1)
-        return draw < self.fraction
+        match self.mode:
+            case "selective":
+                draw = int.from_bytes(_hash(job, session)[:8], "big") / 2**64  # uniform in [0, 1)
+                return draw < self.fraction
+            case "ring-only":
+                return self._routes.get(job, ("", False))[0] == "ring"
+            case "with-successor":
+                return self._routes.get(job, ("", False))[1]
+        return True
 
-    def forward(self, block: Block, items: list[WorkItem], *, live: bool) -> list[torch.Tensor]:
+    def forward(self, block: Block, items: list[WorkItem]) -> list[torch.Tensor]:
         """What this cheating node returns instead of ``block.forward(items)``."""
         if self.mode == "other-weights":
             return self.impostor(block).forward(items)
-        honest = [
-            i for i, item in enumerate(items) if not self.cheats_on(item.session.job, item.session.session, live=live)
-        ]
+        honest = [i for i, item in enumerate(items) if not self.cheats_on(item.session.job, item.session.session)]
         outputs: list[torch.Tensor | None] = [None] * len(items)
         if honest:
             for index, output in zip(honest, block.forward([items[i] for i in honest]), strict=True):

@@ -24,6 +24,11 @@ every rule that depends only on the connection itself:
 - roles: a ``coordinator`` may open, forward and close; a ring ``peer`` may only forward, only
   for a job whose coordinator is connected here, and only with a peer pass signed by that job's
   coordinator key for this stage;
+- one ring peer per job: while a peer connection is bound to a job, another HELLO with a pass
+  naming the same sender is refused (``peer_taken``) and closed, to that connection alone. A pass
+  naming another sender, or none (a coordinator without the control plane's assignments cannot
+  name one), is admitted: the route was healed onto a new predecessor, whose connection replaces
+  the old one (the adapter closes it), which a frozen predecessor could otherwise hold forever;
 - job binding: a frame for another job than the one bound is refused;
 - expiry: a connection's grant ends when its ticket (or peer pass) expires, with the job's deadline;
 - which refusals keep the connection usable (every bad frame) and which close it (a failed HELLO,
@@ -91,6 +96,9 @@ class Admission:
     # (None on an insecure-open stage): a live view, read here, never changed; None: the
     # connection's ``coordinated_jobs``.
     jobs: Mapping[str, bytes | None] | None = field(default=None, compare=False, repr=False)
+    # Jobs with a ring peer connection bound here, each with the sender key its pass names: a live
+    # view, read here, never changed; None: no peer is bound to any job.
+    peers: Mapping[str, bytes] | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> StageKey:
@@ -109,6 +117,8 @@ class Binding:
     layer_end: int  # end of that span, exclusive
     expires_at: float | None  # unix seconds the ticket (or peer pass) expires at; None on an insecure-open stage
     coordinator_key: bytes | None = None  # the job's coordinator key the ticket or pass names; None if insecure-open
+    # A peer: the node key its pass names, which must sign every item it forwards (links.py); empty: none named.
+    sender_key: bytes = b""
 
     @property
     def key(self) -> StageKey:
@@ -312,6 +322,11 @@ class Connection:
                     f"the peer pass is not signed by job {hello.job!r}'s coordinator", code="ticket_untrusted"
                 )
             raise TicketError(f"job {hello.job!r} is live here under another coordinator key", code="job_taken")
+        peers = stage.peers if stage.peers is not None else {}
+        if binding.role is Role.PEER and binding.sender_key and peers.get(hello.job) == binding.sender_key:
+            # The job's predecessor is connected already: a second connection of its could only
+            # send what the first may, or be refused for what it may not, so it is not admitted.
+            raise TicketError(f"job {hello.job!r} has its ring peer connected here already", code="peer_taken")
         if not stage.accepting and hello.job not in jobs:
             raise TicketError(
                 f"{stage.model} layers [{stage.layer_start}, {stage.layer_end}) is being released here "
@@ -365,6 +380,7 @@ class Connection:
             grant.layer_end,
             grant.expires_at,
             grant.coordinator_key,
+            grant.sender_key if isinstance(grant, PeerPass) else b"",
         ), us
 
 

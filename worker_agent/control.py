@@ -31,8 +31,14 @@ holds for the jobs in flight while it loads the new one, all on one data-plane p
 do not, it drains the oldest block first: no new job on it, its jobs in flight end (at most
 ``DRAIN_TIMEOUT_S``), then it is unloaded and the new one loaded. A ``release`` of a block does the
 same without a new one: no new job, unloaded once its jobs end. The control plane sends it once
-the block that supersedes it reports ready. Heartbeats report the primary block (the newest one
+the block that supersedes it reports ready. Either way the block first takes new jobs for
+``LATE_JOBS_S`` more: the control plane stopped routing to it before telling the agent, and a job
+routed to it just before is still on its way. Heartbeats report the primary block (the newest one
 still taking jobs).
+
+A stopping agent (SIGTERM, Ctrl-C) tells the control plane first (a heartbeat whose state is
+``leaving``) and waits for its answer, a Drain, sent once nothing new is routed to it; then it
+closes the channel, takes late jobs for ``LATE_JOBS_S`` and drains (``Agent.shut_down``).
 """
 
 from __future__ import annotations
@@ -73,6 +79,11 @@ log = logging.getLogger("swarm.agent")
 HTTP_TIMEOUT_S = 30.0
 MAX_BACKOFF_S = 30.0  # the control channel's reconnect waits are drawn from at most [0, this]
 DRAIN_TIMEOUT_S = 60.0  # how long a released or displaced block waits for its jobs in flight to end
+LEAVE_ANSWER_S = 5.0  # how long a stopping agent waits for the control plane to take it off routing
+# How long a block keeps taking new jobs once the control plane routes nothing more to it (it
+# released the block, or answered the agent's stop): a job routed to it just before that moment is
+# still on its way (admitted, its coordinator starting), and is served rather than refused.
+LATE_JOBS_S = 2.0
 SHUTDOWN_DRAIN_S = 30.0  # how long a stopping agent waits for its jobs in flight to end
 
 
@@ -241,6 +252,7 @@ class Agent:
         max_layers: int | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         shutdown_drain_s: float = SHUTDOWN_DRAIN_S,
+        late_jobs_s: float = LATE_JOBS_S,
         tls: ssl.SSLContext | None = None,
         peer_tls: ssl.SSLContext | None = None,
         port_chosen: bool = True,
@@ -270,6 +282,7 @@ class Agent:
         self.max_layers = max_layers  # the owner's cap on layers held at once (all blocks); None: no cap
         self.drain_timeout_s = drain_timeout_s
         self.shutdown_drain_s = shutdown_drain_s
+        self.late_jobs_s = late_jobs_s  # how long a block let go still takes jobs routed to it just before
         self.tls = tls  # the data plane's certificate (wss://); None: plain ws://
         # The node's certificate as a client (``tls.Identity.client_context``): to its ring
         # successors and the peers it measures. None: a wss:// peer is checked by the system's store.
@@ -281,6 +294,7 @@ class Agent:
         self._server_task: asyncio.Task | None = None
         self._released: set[int] = set()  # released before (or while) they loaded: never to serve
         self.draining = False
+        self.drain_told = asyncio.Event()  # the control plane sent a Drain: it routes nothing new here
         self.stopped = asyncio.Event()
         self.hurry = asyncio.Event()  # set on a second stop signal: stop now, jobs in flight or not
         self._lock = asyncio.Lock()
@@ -331,6 +345,8 @@ class Agent:
                     stopping = asyncio.create_task(self.stopped.wait())
                     try:
                         await asyncio.wait({session, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                        if stopping.done() and not session.done():
+                            await self._announce_leaving(ws)
                     finally:
                         stopping.cancel()
                         if not session.done():
@@ -351,12 +367,36 @@ class Agent:
             attempt += 1
         await self.shut_down()
 
+    async def _announce_leaving(self, ws) -> None:
+        """Tell the control plane this agent is stopping (a heartbeat whose state is ``leaving``) and
+        wait, up to LEAVE_ANSWER_S or a second stop signal, for its answer: a Drain, sent once no
+        new job is routed here. Only then does the agent refuse new jobs (``shut_down``): a job
+        routed here between the stop signal and that moment would otherwise be refused and healed."""
+        try:
+            await ws.send(protocol.encode(protocol.Heartbeat(load=protocol.Load(state=protocol.LEAVING))))
+            hurry = asyncio.ensure_future(self.hurry.wait())
+            answer = asyncio.ensure_future(self.drain_told.wait())
+            try:
+                await asyncio.wait({hurry, answer}, timeout=LEAVE_ANSWER_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hurry.cancel()
+                answer.cancel()
+        except (OSError, websockets.WebSocketException) as exc:
+            log.warning("could not tell the control plane this agent is stopping: %s", exc)
+            return
+        if not self.drain_told.is_set() and not self.hurry.is_set():
+            log.warning("the control plane did not answer this agent's stop within %gs", LEAVE_ANSWER_S)
+
     async def shut_down(self) -> None:
         """Close the data plane once the jobs in flight have ended (a restart cuts no request), up to
-        ``shutdown_drain_s`` or a second stop signal; no new job is taken meanwhile. ``run`` calls
-        it after closing the control channel, so the control plane routes nothing new here."""
+        ``shutdown_drain_s`` or a second stop signal. ``run`` calls it once the control plane took
+        the agent off routing (``_announce_leaving``) and the channel closed: jobs routed here just
+        before are still taken for ``late_jobs_s``, then no new job is."""
         if self.server is not None and self.shutdown_drain_s > 0 and not self.hurry.is_set():
-            await self.server.drain(timeout=self.shutdown_drain_s, hurry=self.hurry)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.hurry.wait(), min(self.late_jobs_s, self.shutdown_drain_s))
+            if self.server is not None:  # not closed meanwhile (its last block unloaded)
+                await self.server.drain(timeout=self.shutdown_drain_s, hurry=self.hurry)
         if self._relay_task is not None:
             self._relay_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -414,8 +454,8 @@ class Agent:
                     log.warning("control plane sent a frame this agent refuses: %s (%s)", exc, exc.code)
                     continue
                 await self._on_message(ws, message)
-                if self.stopped.is_set():
-                    return
+                if isinstance(message, protocol.Stop):
+                    return  # told to stop: ``run`` shuts down (a stop signal keeps the channel for the leave)
         finally:
             self._ws = None
             heartbeat.cancel()
@@ -423,7 +463,10 @@ class Agent:
     async def _heartbeats(self, ws, interval: float) -> None:
         last = (None, 0.0, 0)  # (stage, compute seconds, tokens) at the previous heartbeat
         while True:
-            state = "draining" if self.draining else "serving" if self.serving else "idle"
+            if self.stopped.is_set():
+                state = protocol.LEAVING  # every heartbeat after a stop signal keeps it off routing
+            else:
+                state = "draining" if self.draining else "serving" if self.serving else "idle"
             load = protocol.Load(state=state)
             if self.serving is not None:
                 stage = self.serving.stage
@@ -453,6 +496,7 @@ class Agent:
                 self._release(assignment)
             case protocol.Drain():
                 self.draining = True
+                self.drain_told.set()
             case protocol.Stop(reason=reason):
                 log.warning("stopping: %s", reason or "asked by the control plane")
                 self.stopped.set()
@@ -628,16 +672,19 @@ class Agent:
                 await self._stop_serving()
 
     def _unload(self, block: Serving) -> asyncio.Task:
-        """The task that drains and unloads ``block``, started on the first call."""
+        """The task that drains and unloads ``block``, started on the first call: the block takes
+        the jobs still on their way for ``late_jobs_s``, then no new job, and goes once its jobs end."""
         if block.unloading is None:
-            if self.server is not None:
-                self.server.retire_stage(block.key)
             block.unloading = asyncio.create_task(self._drain_and_unload(block))
         return block.unloading
 
     async def _drain_and_unload(self, block: Serving) -> None:
         model, start, end = block.key
         cut = 0
+        # The control plane released the block before telling this agent: a job it routed here just
+        # before is on its way, and is taken (unless the agent is told to stop at once).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.hurry.wait(), self.late_jobs_s)
         if self.server is not None:
             cut = await self.server.unload_stage(block.key, timeout=self.drain_timeout_s)
         if self.blocks.get(block.assignment) is block:

@@ -72,6 +72,10 @@ BAD_FIELD = "bad_field"
 INVALID_REPORT = "invalid_report"
 FRAMING_CODES = frozenset({FRAME_TOO_LARGE, BAD_JSON, NOT_A_MESSAGE, BAD_VERSION})  # no message to answer
 
+# A heartbeat's load state saying the agent is stopping: the control plane routes it nothing more
+# and answers with a Drain, after which the agent refuses new jobs (``control.Agent.stop``).
+LEAVING = "leaving"
+
 
 class ProtocolError(SwarmError):
     """A control-channel frame or message that breaks the protocol. ``kind`` is the wire type
@@ -338,7 +342,7 @@ class Load(_Part):
     queue: float | None = None  # work items waiting, count
     layer_ms: float | None = None  # measured milliseconds per layer per token since the last heartbeat
     model: str | None = None  # the model being served
-    state: str | None = None  # idle, serving or draining
+    state: str | None = None  # idle, serving, draining or LEAVING
 
     def __post_init__(self) -> None:
         for name in ("sessions", "tokens_served", "uptime_s", "queue", "layer_ms"):

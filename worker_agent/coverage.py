@@ -5,6 +5,19 @@ tile ``[0, n_layers)`` with no gap or overlap; every stage has the same steps; s
 hash at step i equals stage k+1's input hash at step i; the first input and the last output match
 what the coordinator sent and received. It raises a ``ReceiptError`` subclass naming the first
 failure (session, stage, step); what a receipt is and how it is encoded lives in ``receipts.py``.
+
+Every failure that is a node's names that node (``exc.node``), decided on evidence the node
+signed, never on its neighbour's word:
+
+- a broken link (stage k's output hash differs from stage k+1's input hash) in a ring: stage k+1's
+  receipt keeps stage k's signature over the bytes it received (links.py). If that signature is
+  stage k's over those bytes, stage k signed two different outputs for one step: its receipt lies.
+  Otherwise stage k+1 claims an input it cannot prove: its receipt lies;
+- a stage whose steps differ from what the coordinator sent, or whose first input or last output
+  differs from the coordinator's transcript, is that stage's lie.
+
+``honest_work`` then says what the other nodes of a failed job did that still verifies, so they
+are paid for it while the culprit is not.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker_agent.errors import ReceiptError
+from worker_agent.links import signed_by
 from worker_agent.receipts import (
     BrokenLink,
     DuplicateReceipt,
@@ -102,29 +116,59 @@ def _attribute(receipt: Receipt, job: str, model: str, by_node: dict[str, StageA
         )
 
 
-def _check_session(transcript: SessionTranscript, chain: list[Receipt]) -> None:
+def link_culprit(upstream: Receipt, downstream: Receipt, step: int, *, ring: bool) -> str | None:
+    """Who lies when ``upstream``'s output at ``step`` differs from ``downstream``'s input: the node
+    whose signature the evidence holds against it. In a ring the downstream stage keeps the
+    upstream's signature over what it received; without it (or with one that is not upstream's
+    over those bytes) the downstream's claim is unproven and its own. Outside a ring (the
+    coordinator relayed the bytes) the receipts alone cannot say: None."""
+    if not ring:
+        return None
+    inp = downstream.hashes[step][0]
+    link = downstream.links[step]
+    if signed_by(upstream.node_key, link, downstream.job, downstream.session, step, inp):
+        return upstream.node
+    return downstream.node
+
+
+def _check_session(transcript: SessionTranscript, chain: list[Receipt], *, ring: bool = True) -> None:
     """Check one session's receipts, in pipeline order, link up end to end."""
     session = transcript.session
-    first, last = chain[0], chain[-1]
-    for k, receipt in enumerate(chain[1:], start=1):
-        if (receipt.steps, receipt.tokens) != (first.steps, first.tokens):
-            raise StepMismatch(
-                f"session {session!r}: stage {k} (node {receipt.node}) reports {receipt.steps} steps, "
-                f"{receipt.tokens} tokens; stage 0 (node {first.node}) {first.steps} steps, "
-                f"{first.tokens} tokens"
-            )
-    if len(transcript.sent) != first.steps or len(transcript.received) != first.steps:
+    first = chain[0]
+    if len(transcript.sent) != len(transcript.received):
         raise EndpointMismatch(
             f"session {session!r}: the coordinator sent {len(transcript.sent)} and received "
             f"{len(transcript.received)} steps, the stages report {first.steps}"
         )
+    for k, receipt in enumerate(chain):
+        # The coordinator's own count of the steps it sent is the truth each stage is held to.
+        if receipt.steps != len(transcript.sent):
+            raise StepMismatch(
+                f"session {session!r}: stage {k} (node {receipt.node}) reports {receipt.steps} steps, "
+                f"the coordinator sent {len(transcript.sent)}",
+                node=receipt.node,
+            )
+    last = chain[-1]
+    for k, receipt in enumerate(chain[1:], start=1):
+        if receipt.tokens != first.tokens:
+            raise StepMismatch(
+                f"session {session!r}: stage {k} (node {receipt.node}) reports {receipt.tokens} tokens; "
+                f"stage 0 (node {first.node}) {first.tokens} tokens"
+            )
     for k in range(len(chain) - 1):
         upstream, downstream = chain[k], chain[k + 1]
         for i, ((_, out), (inp, _)) in enumerate(zip(upstream.hashes, downstream.hashes, strict=True)):
             if out != inp:
+                culprit = link_culprit(upstream, downstream, i, ring=ring)
+                verdict = {
+                    upstream.node: f"node {upstream.node} signed that it sent what stage {k + 1} received",
+                    downstream.node: f"node {downstream.node} holds no signature of stage {k} over its input",
+                    None: "no link evidence (the coordinator relayed it)",
+                }[culprit]
                 raise BrokenLink(
                     f"session {session!r} step {i}: stage {k} (node {upstream.node}) output "
-                    f"{out.hex()[:16]} != stage {k + 1} (node {downstream.node}) input {inp.hex()[:16]}"
+                    f"{out.hex()[:16]} != stage {k + 1} (node {downstream.node}) input {inp.hex()[:16]}: {verdict}",
+                    node=culprit,
                 )
     ends = zip(first.hashes, last.hashes, transcript.sent, transcript.received, strict=True)
     for i, ((inp, _), (_, out), sent, received) in enumerate(ends):
@@ -221,3 +265,58 @@ def verify_job(
             for node, tokens in tokens_by_node.items()
         },
     )
+
+
+def honest_work(
+    *,
+    job: str,
+    model: str,
+    n_layers: int,
+    assignments: Sequence[StageAssignment],
+    receipts: Sequence[Receipt],
+    transcripts: Sequence[SessionTranscript],
+    culprit: str,
+) -> dict[str, int]:
+    """Node id -> layer-tokens of a job that failed verification through ``culprit``'s doing, for
+    every other node whose own receipts still prove its part: validly signed by the node assigned
+    its span, one per session, with the steps the coordinator sent, and linked to each neighbour
+    that is not the culprit (and to the coordinator's transcript at the ends). A link to the
+    culprit is the culprit's to answer for. A node any of this fails for gets nothing."""
+    try:
+        stages = _check_tiling(assignments, n_layers)
+    except ReceiptError:
+        return {}
+    by_node = {stage.node: stage for stage in stages}
+    found: dict[tuple[str, str], Receipt] = {}
+    for receipt in receipts:
+        try:
+            _attribute(receipt, job, model, by_node)
+        except ReceiptError:
+            continue
+        found.setdefault((receipt.session, receipt.node), receipt)
+
+    def proves(k: int, transcript: SessionTranscript) -> bool:
+        own = found.get((transcript.session, stages[k].node))
+        if own is None or own.steps != len(transcript.sent):
+            return False
+        inputs = [h_in for h_in, _ in own.hashes]
+        outputs = [h_out for _, h_out in own.hashes]
+        if k == 0 and inputs != list(transcript.sent):
+            return False
+        if k == len(stages) - 1 and outputs != list(transcript.received):
+            return False
+        for neighbour, mine, theirs in ((k - 1, inputs, 1), (k + 1, outputs, 0)):
+            if not 0 <= neighbour < len(stages) or stages[neighbour].node == culprit:
+                continue
+            other = found.get((transcript.session, stages[neighbour].node))
+            if other is None or [pair[theirs] for pair in other.hashes] != mine:
+                return False
+        return True
+
+    paid = {}
+    for k, stage in enumerate(stages):
+        if stage.node == culprit or not transcripts or not all(proves(k, t) for t in transcripts):
+            continue
+        tokens = sum(found[(t.session, stage.node)].tokens for t in transcripts)
+        paid[stage.node] = tokens * (stage.layer_end - stage.layer_start)
+    return paid

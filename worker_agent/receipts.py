@@ -38,7 +38,7 @@ from nacl.signing import SigningKey, VerifyKey
 
 from worker_agent.errors import ReceiptError
 
-RECEIPT_VERSION = 1
+RECEIPT_VERSION = 2  # 2: per step, the predecessor's signature over the input (``links``)
 CHAIN_SEED = b"swarm-receipt-v1"
 # Prefixed to the body before signing so a receipt signature cannot pass as a ticket's.
 SIGNING_CONTEXT = b"swarm-receipt-v1\0"
@@ -48,7 +48,7 @@ _STR_FIELDS = ("job", "session", "node", "model")
 _INT_FIELDS = ("layer_start", "layer_end", "steps", "tokens")
 # The fields that go into the body as they are; ``hashes`` becomes a list of lists.
 _PLAIN_FIELDS = (*_STR_FIELDS, *_INT_FIELDS, "node_key", "chain_head")
-_DICT_KEYS = frozenset({"v", "hashes", "sig", *_PLAIN_FIELDS})
+_DICT_KEYS = frozenset({"v", "hashes", "links", "sig", *_PLAIN_FIELDS})
 _TRANSCRIPT_KEYS = frozenset({"session", "sent", "received"})
 
 # Bounds checked before anything is decoded, so a stored or received receipt cannot make its
@@ -57,8 +57,10 @@ _TRANSCRIPT_KEYS = frozenset({"session", "sent", "received"})
 MAX_STEPS = 1 << 16  # hash pairs in one receipt, and hashes in one transcript list
 MAX_ID_CHARS = 1024  # characters in a receipt's job, session, node or model id
 # The JSON text of a receipt at its bounds: a step's hash pair is 138 characters as json.dumps
-# writes it (two quoted 64-digit strings, brackets, two separators), the rest is the fixed fields.
-MAX_JSON_CHARS = 140 * MAX_STEPS + 4 * MAX_ID_CHARS + 1024
+# writes it (two quoted 64-digit strings, brackets, two separators) and its link 132 (a quoted
+# 128-digit signature and a separator); the rest is the fixed fields.
+MAX_JSON_CHARS = 272 * MAX_STEPS + 4 * MAX_ID_CHARS + 1024
+LINK_BYTES = 64  # a predecessor's signature over one step's input (links.py)
 
 
 class MalformedReceipt(ReceiptError):
@@ -177,12 +179,20 @@ class Receipt:
     steps: int  # forward steps in this session
     tokens: int  # token rows processed, summed over steps
     hashes: tuple[tuple[bytes, bytes], ...]  # per step: (sha256 of input bytes, sha256 of output bytes)
+    # Per step: the sender's signature over that input (links.py), 64 bytes when a ring predecessor
+    # sent it, empty when the coordinator did: the evidence that decides a broken link.
+    links: tuple[bytes, ...]
     chain_head: bytes  # last h_i of the chain over ``hashes`` (h0 when steps == 0)
     signature: bytes  # 64-byte ed25519 over SIGNING_CONTEXT + body_bytes()
 
     def _body(self) -> dict[str, Any]:
         body = {name: getattr(self, name) for name in _PLAIN_FIELDS}
-        return {**body, "v": RECEIPT_VERSION, "hashes": [[h_in, h_out] for h_in, h_out in self.hashes]}
+        return {
+            **body,
+            "v": RECEIPT_VERSION,
+            "hashes": [[h_in, h_out] for h_in, h_out in self.hashes],
+            "links": list(self.links),
+        }
 
     def body_bytes(self) -> bytes:
         """Canonical msgpack of every field but the signature, keys sorted: what is signed."""
@@ -198,6 +208,7 @@ class Receipt:
             **self.to_dict(),
             "node_key": self.node_key.hex(),
             "hashes": [[h_in.hex(), h_out.hex()] for h_in, h_out in self.hashes],
+            "links": [link.hex() for link in self.links],
             "chain_head": self.chain_head.hex(),
             "sig": self.signature.hex(),
         }
@@ -209,6 +220,7 @@ class Receipt:
         return cls._parse(
             d,
             hashes=tuple(tuple(pair) if isinstance(pair, list | tuple) else pair for pair in d["hashes"]),
+            links=tuple(d["links"]),
             node_key=d["node_key"],
             chain_head=d["chain_head"],
             signature=d["sig"],
@@ -229,9 +241,15 @@ class Receipt:
                     _unhex(pair[1], f"receipt hashes[{i}][1]", HASH_BYTES),
                 )
             )
+        links = []
+        for i, link in enumerate(d["links"]):
+            if not isinstance(link, str):
+                raise MalformedReceipt(f"receipt links[{i}] must be hex digits")
+            links.append(_unhex(link, f"receipt links[{i}]", LINK_BYTES) if link else b"")
         return cls._parse(
             d,
             hashes=tuple(hashes),
+            links=tuple(links),
             node_key=_unhex(d["node_key"], "receipt node_key", 32),
             chain_head=_unhex(d["chain_head"], "receipt chain_head", HASH_BYTES),
             signature=_unhex(d["sig"], "receipt sig", 64),
@@ -267,6 +285,10 @@ class Receipt:
             raise MalformedReceipt(f"receipt hashes must be pairs of {HASH_BYTES}-byte digests")
         if self.steps != len(self.hashes):
             raise MalformedReceipt(f"receipt claims {self.steps} steps but lists {len(self.hashes)} hash pairs")
+        if not isinstance(self.links, tuple) or len(self.links) != len(self.hashes):
+            raise MalformedReceipt("receipt links must list one entry per step")
+        if not all(isinstance(link, bytes) and len(link) in (0, LINK_BYTES) for link in self.links):
+            raise MalformedReceipt(f"each receipt link must be a {LINK_BYTES}-byte signature or empty")
 
     def verify_signature(self) -> None:
         """Raise unless the receipt is well formed, signed by ``node_key``, and its chain head
@@ -297,7 +319,9 @@ def _envelope(d: object) -> dict:
         raise MalformedReceipt(f"receipt version {d['v']!r} is not supported (expected {RECEIPT_VERSION})")
     if not isinstance(d["hashes"], list | tuple):
         raise MalformedReceipt("receipt hashes must be a list of (input hash, output hash) pairs")
-    _check_bounds("receipt", {name: d[name] for name in _STR_FIELDS}, {"hashes": d["hashes"]})
+    if not isinstance(d["links"], list | tuple):
+        raise MalformedReceipt("receipt links must be a list of signatures")
+    _check_bounds("receipt", {name: d[name] for name in _STR_FIELDS}, {"hashes": d["hashes"], "links": d["links"]})
     return d
 
 
@@ -325,6 +349,7 @@ class ReceiptBuilder:
             "layer_end": layer_end,
         }
         self._hashes: list[tuple[bytes, bytes]] = []
+        self._links: list[bytes] = []
         self._tokens = 0
         # Validate the identity now rather than at sign time, hours of serving later.
         self._snapshot(bytes(HASH_BYTES))._check_shape()
@@ -338,13 +363,17 @@ class ReceiptBuilder:
     def tokens(self) -> int:
         return self._tokens
 
-    def add_step(self, input_hash: bytes, output_hash: bytes, tokens: int) -> None:
-        """Record one step: the digests of the exact input and output wire bytes, and its token rows."""
+    def add_step(self, input_hash: bytes, output_hash: bytes, tokens: int, link: bytes = b"") -> None:
+        """Record one step: the digests of the exact input and output wire bytes, its token rows, and
+        the sender's signature over the input (``link``; empty when the coordinator sent it)."""
+        if not isinstance(link, bytes) or len(link) not in (0, LINK_BYTES):
+            raise MalformedReceipt(f"a step's link must be a {LINK_BYTES}-byte signature or empty")
         if not (_is_hash(input_hash) and _is_hash(output_hash)):
             raise MalformedReceipt(f"step hashes must be {HASH_BYTES}-byte sha256 digests")
         if not _is_int(tokens) or tokens < 0:
             raise MalformedReceipt(f"step tokens must be a non-negative integer, got {tokens!r}")
         self._hashes.append((input_hash, output_hash))
+        self._links.append(link)
         self._tokens += tokens
         self._head = digest(self._head + input_hash + output_hash)
 
@@ -354,6 +383,7 @@ class ReceiptBuilder:
             steps=self.steps,
             tokens=self._tokens,
             hashes=tuple(self._hashes),
+            links=tuple(self._links),
             chain_head=chain_head,
             signature=bytes(64),
         )

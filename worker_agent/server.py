@@ -16,6 +16,15 @@ refusals close the connection) live in the sans-I/O core ``connection.py``; this
 each frame and carries out the action it returns. Bad frames are answered with an ERROR frame
 (code, message, ref = the frame's seq) and the connection stays open; only a failed HELLO closes it.
 
+A ring peer's refused frame is answered to that peer alone, never to the coordinator: a stage's word
+about its neighbour is only a claim, and the job must not fail on one (the coordinator sees for
+itself which stage put out nothing for a step, and relays its predecessor's tap to it before it
+blames it: ``coordinator/pipeline.py``). Likewise the ERRORs a successor answers this stage's
+forwards with are logged here, not passed on. Only this stage's own failure on a frame it took
+(its compute failed) reaches the coordinator, which blames this stage for it. A job has one ring
+peer connection at a stage: a second one from the same sender is refused at its HELLO
+(``connection.py``).
+
 Several stages on one port (make before break): an agent re-placed onto another span loads the
 new block while the old one finishes its jobs in flight. ``add_stage`` puts a stage on the port,
 ``retire_stage`` stops it taking new jobs, and ``unload_stage`` waits (bounded) until its jobs
@@ -68,6 +77,7 @@ from worker_agent.connection import (
     refused,
 )
 from worker_agent.errors import SwarmError, WireError
+from worker_agent.keys import node_id
 from worker_agent.metrics import AgentMetrics, BlockLoad
 from worker_agent.stage import Output, Prepared, Stage
 from worker_agent.tickets import ProofNonces, open_peer_pass
@@ -150,6 +160,31 @@ class CoordinatorKeys(Mapping[str, bytes | None]):
         return len(self._jobs)
 
 
+class PeerKeys(Mapping[str, bytes]):
+    """A live view of a stage's ring peers as the connection core reads them: job -> the sender key
+    its peer's pass names."""
+
+    def __init__(self, peers: dict[str, Conn]) -> None:
+        self._peers = peers
+
+    def __getitem__(self, job: str) -> bytes:
+        core = self._peers[job].core
+        binding = core.binding if core is not None else None
+        return binding.sender_key if binding is not None else b""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._peers)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+
+def sender_of(conn: Conn) -> str:
+    """The node a ring peer's pass names as its sender, for the log; "unnamed" without one."""
+    binding = conn.core.binding if conn.core is not None else None
+    return node_id(binding.sender_key) if binding is not None and binding.sender_key else "unnamed"
+
+
 def stage_key(stage: Stage) -> StageKey:
     return (stage.model, stage.layer_start, stage.layer_end)
 
@@ -162,6 +197,7 @@ class StageSlot:
     jobs: dict[str, JobRoute] = field(default_factory=dict)  # job -> its route, while its coordinator is here
     queue: asyncio.Queue[tuple[Conn, Prepared]] = field(default_factory=asyncio.Queue)  # FORWARDs to batch
     conns: set[Conn] = field(default_factory=set)  # incoming connections bound to this stage
+    peers: dict[str, Conn] = field(default_factory=dict)  # job -> its ring predecessor's connection
     accepting: bool = True  # False once retired: HELLOs only for jobs already open here
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no job is open here
     compute: asyncio.Task | None = None  # its compute loop, while the server runs
@@ -296,6 +332,7 @@ class StageServer:
                 insecure_open=slot.stage.insecure_open,
                 accepting=slot.accepting,
                 jobs=CoordinatorKeys(slot.jobs),
+                peers=PeerKeys(slot.peers),
             )
             for slot in ordered
         ]
@@ -384,6 +421,8 @@ class StageServer:
                 slot.conns.discard(conn)
                 if core.binding is not None and core.binding.role is Role.COORDINATOR:
                     await self._end_job(slot, core.binding.job, conn)
+                if core.binding is not None and slot.peers.get(core.binding.job) is conn:
+                    del slot.peers[core.binding.job]
 
     def _limits(self) -> Limits:
         # Frames are decoded before a HELLO says which stage they are for: the hidden size is
@@ -395,7 +434,7 @@ class StageServer:
         """Carry out what the connection's core decided about one frame; False closes the connection."""
         match action:
             case Refuse():
-                await self._error(conn, action.to_wire())
+                await self._refuse(conn, action.to_wire())
                 return not action.close
             case ReplyPong():
                 primary = self.primary
@@ -404,14 +443,14 @@ class StageServer:
                 slot = self.slots.get(action.binding.key)
                 if slot is None:  # unloaded between the admission list and now
                     gone = wire.Error("not_serving", "that block is no longer served here", fatal=True)
-                    await self._error(conn, gone)
+                    await self._refuse(conn, gone)
                     return False
                 await self._accept(conn, slot, action)
             case _:
                 try:
                     await self._serve(conn, action)
                 except SwarmError as exc:  # the stage turned the frame down; the connection stays usable
-                    await self._error(conn, refused(action, exc).to_wire())
+                    await self._refuse(conn, refused(action, exc).to_wire())
         return True
 
     async def _serve(self, conn: Conn, action: OpenSessions | Dispatch | CloseSessions) -> None:
@@ -421,7 +460,10 @@ class StageServer:
         stage = slot.stage
         match action:
             case Dispatch():
-                slot.queue.put_nowait((conn, stage.prepare(action.forward)))
+                binding = conn.core.binding if conn.core is not None else None
+                # A ring predecessor's items must carry its signature (links.py); the coordinator's need none.
+                sender = binding.sender_key if binding is not None and binding.role is Role.PEER else None
+                slot.queue.put_nowait((conn, stage.prepare(action.forward, sender_key=sender)))
             case OpenSessions():
                 stage.open(action.job, action.sessions)
                 await conn.send(wire.Open(action.job, action.sessions))
@@ -447,6 +489,16 @@ class StageServer:
                     conn, hello.topology, hello.next_url, hello.next_ticket, action.binding.coordinator_key
                 )
                 slot.idle.clear()
+            if slot.stage.cheat is not None:  # tests only (cheat.py): a cheat may choose its jobs by their route
+                slot.stage.cheat.saw_hello(hello.job, hello.topology, hello.next_url)
+        else:
+            # The core admitted a peer while another is bound to the job only for another sender, or
+            # an unnamed one: the route was healed onto a new predecessor, and the old one's goes.
+            old_peer = slot.peers.get(hello.job)
+            slot.peers[hello.job] = conn
+            if old_peer is not None:
+                log.info("job %s: ring peer %s replaces %s", hello.job, sender_of(conn), sender_of(old_peer))
+                self._drop_peer(old_peer)
         await conn.send(wire.Hello(job=hello.job, role="stage", topology=hello.topology, info=slot.stage.info()))
 
     async def _repoint(self, route: JobRoute, hello: wire.Hello) -> None:
@@ -463,7 +515,7 @@ class StageServer:
             self._drop_peer(peer)
 
     def _drop_peer(self, peer: Conn) -> None:
-        """Close a connection to a ring successor in the background: a frozen successor never
+        """Close a connection to or from a ring neighbour in the background: a frozen one never
         answers the closing handshake, and nothing this stage serves may wait on it."""
 
         async def close() -> None:
@@ -476,24 +528,40 @@ class StageServer:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
+    async def _refuse(self, conn: Conn, error: wire.Error) -> None:
+        """Refuse a frame to the connection that sent it, and to it alone, a ring peer's too: were the
+        coordinator told, it could only take this stage's word against its neighbour's, and no job may
+        fail on a claim."""
+        self._log_error(conn, error, "refusing")
+        with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
+            await conn.send(error)
+            if error.fatal:
+                await conn.link.drain()
+
     async def _error(self, conn: Conn, error: wire.Error) -> None:
-        log.warning(
-            "job %s: refusing frame %s from %s: %s (%s)",
-            error.job or "-",
-            error.ref,
-            conn.role or "unauthenticated",
-            error.message,
-            error.code,
-        )
-        self.metrics.errors.labels(error.code).inc()
+        """Report this stage's own failure on the work a frame from ``conn`` asked for: to the job's
+        coordinator, also when a ring peer sent the frame (the stage blames only itself here)."""
+        self._log_error(conn, error, "failed on")
         target = conn
         route = conn.slot.jobs.get(error.job or "") if conn.role is Role.PEER and conn.slot is not None else None
-        if route is not None:  # a ring peer's bad frame is the coordinator's business
+        if route is not None:
             target = route.coordinator
         with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
             await target.send(error)
             if error.fatal:
                 await target.link.drain()
+
+    def _log_error(self, conn: Conn, error: wire.Error, what: str) -> None:
+        log.warning(
+            "job %s: %s frame %s from %s: %s (%s)",
+            error.job or "-",
+            what,
+            error.ref,
+            f"ring peer {sender_of(conn)}" if conn.role is Role.PEER else conn.role or "unauthenticated",
+            error.message,
+            error.code,
+        )
+        self.metrics.errors.labels(error.code).inc()
 
     async def _compute_loop(self, slot: StageSlot) -> None:
         loop = asyncio.get_running_loop()
@@ -582,7 +650,11 @@ class StageServer:
             await peer.send(wire.Hello(job=job, role="peer", ticket=next_ticket, topology="ring"))
             reply = wire.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S), max_frame=wire.MAX_HELLO_FRAME)
             if isinstance(reply.message, wire.Error):
-                raise SwarmError(f"next stage refused HELLO: {reply.message.message}", code=reply.message.code)
+                # Reported as the successor's fault; the coordinator checks that claim itself.
+                refusal = reply.message
+                raise SwarmError(
+                    f"next stage refused HELLO: {refusal.message} ({refusal.code})", code="next_unreachable"
+                )
         except Exception as exc:
             if not ready.done():
                 ready.set_exception(exc)
@@ -596,13 +668,16 @@ class StageServer:
         route.peer = peer
         ready.set_result(peer)
         with contextlib.suppress(websockets.ConnectionClosed):
-            async for data in ws:  # the successor's ERRORs about our frames reach the coordinator
+            # The successor's ERRORs about our frames are its word, logged here and not passed on:
+            # the coordinator judges a step that did not get through by what each stage put out.
+            async for data in ws:
                 self.metrics.bytes_in.inc(len(data))
                 with contextlib.suppress(WireError):
                     frame = wire.decode(data, max_frame=wire.MAX_HEADER)
                     if isinstance(frame.message, wire.Error):
-                        with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
-                            await route.coordinator.send(frame.message)
+                        refusal = frame.message
+                        log.warning("job %s: the next stage refused frame %s: %s (%s)",
+                                    job, refusal.ref, refusal.message, refusal.code)  # fmt: skip
 
     async def _end_job(self, slot: StageSlot, job: str, conn: Conn) -> None:
         route = slot.jobs.get(job)

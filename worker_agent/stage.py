@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +19,7 @@ from worker_agent.block import Block, WorkItem
 from worker_agent.errors import SessionError, WireError
 from worker_agent.keys import node_id, public_key_bytes
 from worker_agent.kvcache import KVSession, SessionLimits, SessionStore
+from worker_agent.links import BadLink, sign_link, verify_link
 from worker_agent.receipts import ReceiptBuilder, digest
 from worker_agent.wire import Forward, Item, tensor_payload
 
@@ -42,6 +43,7 @@ class Prepared:
     work: tuple[WorkItem, ...]
     input_hashes: tuple[bytes, ...]
     sessions: tuple[_StageSession, ...] = field(repr=False)
+    links: tuple[bytes, ...] = ()  # per item: its sender's signature (checked), empty from a coordinator
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,13 @@ class Stage:
             )
             self._sessions[(job, session)] = _StageSession(kv, receipt)
 
-    def prepare(self, forward: Forward) -> Prepared:
-        """Validate a FORWARD against the sessions; raises SessionError/WireError, changing nothing."""
+    def prepare(self, forward: Forward, sender_key: bytes | None = None) -> Prepared:
+        """Validate a FORWARD against the sessions; raises SessionError/WireError, changing nothing.
+
+        ``sender_key``: the frame came from a ring predecessor whose pass names this key, so every
+        item must carry its signature over its bytes (links.py). Otherwise (the coordinator sent it,
+        or a pass names no key) the items' signatures are not checked here. Either way the receipt
+        keeps each item's signature as the evidence of what was received."""
         if forward.shape[1] != self.block.hidden_size:
             raise WireError(f"hidden size {forward.shape[1]} != {self.block.hidden_size}", code="bad_shape")
         states = []
@@ -136,6 +143,16 @@ class Stage:
                 )
             self.store.check_room(state.kv, item.start, item.count, held=state.held)
             states.append(state)
+        hashes = tuple(digest(chunk) for chunk in forward.item_bytes())
+        if sender_key:
+            for item, item_hash in zip(forward.items, hashes, strict=True):
+                try:
+                    verify_link(sender_key, item.sig, forward.job, item.session, item.step, item_hash)
+                except BadLink as exc:
+                    raise WireError(f"refused from the ring predecessor: {exc}", code=exc.code) from None
+        # Kept as evidence either way: the coordinator relays a predecessor's signed output when that
+        # predecessor withheld it (and in star), and a receipt verifier checks every link it reads.
+        links = tuple(item.sig for item in forward.items)
         tensor = forward.tensor()
         work, row = [], 0
         for item, state in zip(forward.items, states, strict=True):
@@ -143,8 +160,7 @@ class Stage:
             row += item.count
             state.next_step += 1
             state.held = item.start + item.count
-        hashes = tuple(digest(chunk) for chunk in forward.item_bytes())
-        return Prepared(forward, tuple(work), hashes, tuple(states))
+        return Prepared(forward, tuple(work), hashes, tuple(states), links)
 
     def compute(self, batch: list[Prepared]) -> list[list[torch.Tensor]]:
         """Run the block over every item of every prepared frame (worker thread): items of different
@@ -164,7 +180,7 @@ class Stage:
         for members in waves:
             items = [flat[index] for index in members]
             cheat = self.cheat
-            results = self.block.forward(items) if cheat is None else cheat.forward(self.block, items, live=True)
+            results = self.block.forward(items) if cheat is None else cheat.forward(self.block, items)
             for member, result in zip(members, results, strict=True):
                 outputs[member] = result
         self.compute_seconds += time.perf_counter() - started
@@ -175,16 +191,21 @@ class Stage:
         return grouped
 
     def finish(self, prepared: Prepared, outputs: list[torch.Tensor]) -> Output:
-        """Serialize outputs in the frame's dtype and record each step in the session's receipt."""
-        dtype = prepared.forward.dtype
+        """Serialize outputs in the frame's dtype, record each step in the session's receipt, and
+        sign each output item (links.py): the successor, the tap and the RESULT all carry it."""
+        forward = prepared.forward
+        dtype = forward.dtype
         chunks = [tensor_payload(out, dtype) for out in outputs]
-        for state, item, chunk, in_hash in zip(
-            prepared.sessions, prepared.forward.items, chunks, prepared.input_hashes, strict=True
+        items = []
+        for state, item, chunk, in_hash, link in zip(
+            prepared.sessions, forward.items, chunks, prepared.input_hashes, prepared.links, strict=True
         ):
-            state.receipt.add_step(in_hash, digest(chunk), item.count)
+            out_hash = digest(chunk)
+            state.receipt.add_step(in_hash, out_hash, item.count, link)
+            items.append(replace(item, sig=sign_link(self.signing_key, forward.job, item.session, item.step, out_hash)))
             self.steps_served += 1
             self.tokens_served += item.count
-        return Output(prepared.forward.items, dtype, prepared.forward.shape, b"".join(chunks))
+        return Output(tuple(items), dtype, forward.shape, b"".join(chunks))
 
     def close(self, job: str, sessions: tuple[str, ...]) -> list[dict]:
         """Close sessions and return their signed receipts (as wire dicts); all or none."""

@@ -38,7 +38,7 @@ from nacl.signing import SigningKey, VerifyKey
 from worker_agent.errors import TicketError
 
 TICKET_VERSION = 2
-PEER_PASS_VERSION = 1
+PEER_PASS_VERSION = 2  # 2: names the sender's node key, whose signatures the successor checks (links.py)
 # Prefixed to the body before signing so a ticket signature can never pass as any other
 # signed object (a receipt, a challenge, a peer pass) made with the same key.
 SIGNING_CONTEXT = b"swarm-ticket-v2\0"
@@ -55,7 +55,7 @@ NONCE_BYTES = 16
 _STR_FIELDS = ("job", "node", "model")
 _INT_FIELDS = ("layer_start", "layer_end")
 _TICKET_KEYS = frozenset({"v", "expires_at", "coordinator_key", *_STR_FIELDS, *_INT_FIELDS})
-_PASS_KEYS = frozenset({"v", "expires_at", *_STR_FIELDS, *_INT_FIELDS})
+_PASS_KEYS = frozenset({"v", "expires_at", "sender_key", *_STR_FIELDS, *_INT_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,10 @@ class PeerPass:
     layer_end: int  # end of that span (exclusive)
     expires_at: float  # unix seconds; the successor's ticket's expiry
     coordinator_key: bytes  # the job's coordinator's public key, which signed the pass
+    # The node key of the stage the pass was handed to (the successor's predecessor): every item it
+    # forwards must carry its signature by this key (links.py). Empty: the coordinator did not know
+    # it (no control plane assignments); the successor then records no link evidence.
+    sender_key: bytes = b""
 
 
 def _invalid(message: str) -> TicketError:
@@ -361,9 +365,12 @@ def check_coordinator_proof(
     nonces.remember(nonce, float(at), now=now)
 
 
-def issue_peer_pass(coordinator_key: SigningKey, successor_ticket: bytes) -> bytes:
+def issue_peer_pass(coordinator_key: SigningKey, successor_ticket: bytes, sender_key: bytes = b"") -> bytes:
     """A pass for the previous ring stage to forward into the sessions this coordinator opens on
-    the stage ``successor_ticket`` is for; it names that stage and expires with its ticket."""
+    the stage ``successor_ticket`` is for; it names that stage and the sender's node key (whose
+    signature every forwarded item must carry), and expires with the successor's ticket."""
+    if not isinstance(sender_key, bytes) or len(sender_key) not in (0, 32):
+        raise _invalid("a peer pass's sender key is 32 bytes, or empty when it is not known")
     ticket = read_ticket(successor_ticket)
     if ticket.coordinator_key != bytes(coordinator_key.verify_key):
         raise _invalid("the successor's ticket names another coordinator key than this coordinator's")
@@ -375,6 +382,7 @@ def issue_peer_pass(coordinator_key: SigningKey, successor_ticket: bytes) -> byt
         "layer_start": ticket.layer_start,
         "layer_end": ticket.layer_end,
         "expires_at": ticket.expires_at,
+        "sender_key": sender_key,
     }
     return _sign(coordinator_key, PEER_PASS_CONTEXT, fields)
 
@@ -386,6 +394,9 @@ def open_peer_pass(blob: bytes, *, now: float | None = None) -> PeerPass:
     body, sig, key = _parse_envelope(blob, "peer pass")
     _verify_sig(key, PEER_PASS_CONTEXT, body, sig, "peer pass")
     fields = _parse_fields(body, _PASS_KEYS, PEER_PASS_VERSION, "peer pass")
+    sender_key = fields["sender_key"]
+    if not isinstance(sender_key, bytes) or len(sender_key) not in (0, 32):
+        raise _invalid("peer pass sender_key must be 32 bytes or empty")
     peer_pass = PeerPass(
         job=fields["job"],
         node=fields["node"],
@@ -394,6 +405,7 @@ def open_peer_pass(blob: bytes, *, now: float | None = None) -> PeerPass:
         layer_end=fields["layer_end"],
         expires_at=float(fields["expires_at"]),
         coordinator_key=key,
+        sender_key=sender_key,
     )
     _check_unexpired(peer_pass.expires_at, now, "peer pass")
     return peer_pass

@@ -38,6 +38,7 @@ MAX_HEADER = 64 * 1024  # bytes of msgpack header: a CLOSE's receipts are the la
 MAX_HELLO_FRAME = 8 * 1024  # bytes in a frame before HELLO, and in a stage's HELLO reply (tickets, identity)
 MAX_ITEMS = 1024  # sessions named in one frame: FORWARD/RESULT items, OPEN/CLOSE sessions and receipts
 _MAX_ID = 128  # characters in a job or session id
+SIG_BYTES = 64  # an item's sender signature (links.py)
 # The header is unpacked with every container and string bounded, so a hostile header cannot
 # grow into more than a few MiB of Python objects (64 KiB of empty lists is about 4 MiB):
 # strings and bytes fit in the header, a map is a receipt or an identity (a few dozen keys), an
@@ -78,6 +79,8 @@ class Item:
     step: int  # 0-based index of this forward step within the session
     start: int  # position of the first token; below the session's length truncates the cache
     count: int  # token rows of this session in the tensor
+    # The sender's signature over this item (links.py): 64 bytes from a stage, empty from a coordinator.
+    sig: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ def encode(message: Message, seq: int) -> bytes:
                 job=message.job,
                 dtype=message.dtype,
                 shape=list(message.shape),
-                items=[[i.session, i.step, i.start, i.count] for i in message.items],
+                items=[[i.session, i.step, i.start, i.count, *([i.sig] if i.sig else [])] for i in message.items],
             )
             payload = message.payload
         case Close():
@@ -343,13 +346,20 @@ def _parse_tensor_frame(kind: MsgType, h: dict, payload: bytes, hidden_size: int
     items = []
     for raw in raw_items:
         if not (
-            isinstance(raw, list) and len(raw) == 4 and isinstance(raw[0], str) and all(_is_int(n) for n in raw[1:])
+            isinstance(raw, list)
+            and len(raw) in (4, 5)
+            and isinstance(raw[0], str)
+            and all(_is_int(n) for n in raw[1:4])
+            and (len(raw) == 4 or (isinstance(raw[4], bytes) and len(raw[4]) == SIG_BYTES))
         ):
-            raise WireError(f"each item is [session, step, start, count], got {raw!r}", code="malformed")
-        session, step, start, count = raw
+            raise WireError(
+                f"each item is [session, step, start, count] or [..., {SIG_BYTES}-byte signature], got {raw!r:.200}",
+                code="malformed",
+            )
+        session, step, start, count = raw[:4]
         if not 0 < len(session) <= _MAX_ID or step < 0 or start < 0 or count < 1:
-            raise WireError(f"item {raw!r} is out of range", code="malformed")
-        items.append(Item(session, step, start, count))
+            raise WireError(f"item {raw[:4]!r} is out of range", code="malformed")
+        items.append(Item(session, step, start, count, raw[4] if len(raw) == 5 else b""))
     if len({item.session for item in items}) != len(items):
         raise WireError("a session appears twice in one frame", code="malformed")
     if sum(item.count for item in items) != rows:

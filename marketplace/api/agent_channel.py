@@ -33,6 +33,7 @@ from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import services as placement
 from marketplace.placement.errors import InvalidDataUrl
 from marketplace.placement.selectors import assignments_of_node
+from marketplace.verification import claims
 from worker_agent import control_protocol as protocol
 from worker_agent.control_protocol import FRAMING_CODES, MessageType, ProtocolError
 
@@ -144,7 +145,7 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
                 await database_sync_to_async(placement.assignment_failed)(self.node_pk, assignment, error)
             case protocol.ProbeResult():
                 results = protocol.to_wire(message)["results"]
-                await database_sync_to_async(services.record_links)(self.node_pk, results)
+                await database_sync_to_async(claims.record_probe_results)(self.node_pk, results)
             case _:
                 # A message of this protocol that only the control plane sends.
                 await self._send(protocol.error(protocol.UNKNOWN_TYPE, f"unknown type {str(message.TYPE)!r}"))

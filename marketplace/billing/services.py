@@ -152,6 +152,29 @@ def _transfer_many(moves: Sequence[Move]) -> list[Transfer]:
     )
 
 
+def refund_charge(job, reason: str) -> int:
+    """Inside the caller's transaction: return a settled job's whole charge to its customer's credit,
+    once, with ``reason`` on the ledger entry (a failed audit found its work bad). Returns the amount
+    refunded (0 when nothing was charged, or it was refunded already)."""
+    job = type(job).objects.select_for_update().get(pk=job.pk)  # one refund, whoever else fails an audit of it
+    if job.charged_amount <= 0 or Transfer.objects.filter(job=job, kind="refund").exists():
+        return 0
+    found = accounts([(AccountKind.PLATFORM_REVENUE, None), (AccountKind.CUSTOMER_CREDIT, job.customer_id)])
+    transfer_many(
+        [
+            Move(
+                found[(AccountKind.PLATFORM_REVENUE, None)],
+                found[(AccountKind.CUSTOMER_CREDIT, job.customer_id)],
+                job.charged_amount,
+                kind="refund",
+                job=job,
+                memo=reason[:255],
+            )
+        ]
+    )
+    return job.charged_amount
+
+
 def prices_for(model: str) -> tuple[int, int]:
     """(prompt, completion) nano-dollars per million tokens in force now. Prices are set by model
     name: a catalog model ref (``name@<hash>``) pays its name's prices."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.utils import timezone
 from nacl.signing import SigningKey
 
 from marketplace import logs
@@ -36,8 +37,10 @@ from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_assignments
 from marketplace.jobs.settlement import settle
 from marketplace.nodes.authority import coordinator_tls, held_coordinator_tls
-from marketplace.nodes.tickets import TICKET_MARGIN_S, ticket_for
+from marketplace.nodes.models import Node
+from marketplace.nodes.tickets import job_ticket_expiry, ticket_for
 from marketplace.verification.audits import record_audits
+from marketplace.verification.failures import GONE_CODES, alive_through, failure_code, record_failure
 from marketplace.verification.strikes import strike_unverifiable_receipts
 from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
@@ -226,7 +229,7 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
     # settlement does not wait for them either (a failed audit claws back through its strike).
     await in_thread(settle, job_pk)
     if result.verification_culprit is not None:
-        await in_thread(_strike_receipts, job_pk, result.verification_culprit, result.verification_error)
+        await _blame_receipts(job_pk, result.verification_culprit, result.verification_error)
     if result.audits or result.audit_missing:
         await in_thread(_record_audits, job_pk, result.audits, result.audit_missing)
     return JobState.SUCCEEDED
@@ -248,7 +251,7 @@ class JobGrant:
 
     @classmethod
     def new(cls) -> JobGrant:
-        return cls(SigningKey.generate(), time.time() + settings.SWARM_JOB_TIMEOUT_S + TICKET_MARGIN_S)
+        return cls(SigningKey.generate(), job_ticket_expiry())
 
 
 async def _specs(job: Job, route: list[dict], grant: JobGrant) -> list[StageSpec]:
@@ -376,10 +379,7 @@ def public_failure(code: str, message: str) -> str:
     may name nodes, their addresses and stage indexes: the providers' business, never a customer's."""
     if code == "timeout":
         return message  # the job's time limit, in seconds
-    return (
-        f"a provider stage failed ({code}) and no route around it was available; "
-        "only the tokens delivered before it are charged"
-    )
+    return f"a provider stage failed ({code}) and no route around it was available; nothing is charged for this request"
 
 
 def logprob_fields(tokenizer, event: TokenEvent) -> dict:
@@ -435,5 +435,31 @@ def _record_audits(job_pk: int, materials: list, gaps: list) -> list[int]:
     return record_audits(Job.objects.get(pk=job_pk), materials, gaps)
 
 
-def _strike_receipts(job_pk: int, node_id: str, reason: str) -> None:
-    strike_unverifiable_receipts(Job.objects.get(pk=job_pk), node_id, reason)
+DROPPED = "lost before it sent its receipt"  # how the coordinator words a receipt that never came
+
+
+async def _blame_receipts(job_pk: int, node_id: str, reason: str) -> None:
+    """The node the job's verification failed on. A receipt that lies, or one refused while the
+    node was up, is its strike at once. A connection lost at CLOSE looks the same as a crash, so
+    the node is given one heartbeat to show that its agent lived through it: only then is the drop
+    deliberate and struck (an honest node that crashed is only counted and routed around)."""
+    dropped_at = timezone.now() if DROPPED in reason else None
+    if dropped_at is not None and failure_code(reason) in GONE_CODES:
+        await asyncio.sleep(1.5 * settings.SWARM_HEARTBEAT_INTERVAL_S)
+    await in_thread(_strike_receipts, job_pk, node_id, reason, dropped_at)
+
+
+def _strike_receipts(job_pk: int, node_id: str, reason: str, dropped_at=None) -> None:
+    """Strike the culprit of the job's verification (unless it dropped and did not live through it,
+    see ``_blame_receipts``), and count the failure against it like a stall (routing backs off)."""
+    job = Job.objects.get(pk=job_pk)
+    node = Node.objects.filter(node_id=node_id).first()
+    now = timezone.now()
+    lived = (
+        node is not None
+        and alive_through(node, job, now)
+        and (failure_code(reason) not in GONE_CODES or node.last_heartbeat_at > dropped_at)
+    )
+    if dropped_at is None or lived:
+        strike_unverifiable_receipts(job, node_id, reason)
+    record_failure(node_id, reason, job=job)

@@ -43,6 +43,8 @@ from marketplace.placement.models import PlacementState
 from marketplace.placement.selectors import context_length, recovering, route_around, route_request
 from marketplace.placement.services import report_node_failure
 from marketplace.verification.audits import choose_audit_stages
+from marketplace.verification.claims import refused_positions
+from marketplace.verification.failures import record_failure
 from worker_agent import model as models
 from worker_agent.coordinator import grammar
 from worker_agent.coordinator.job import encode_prompt
@@ -53,6 +55,9 @@ KEY_PREFIX = "sk-sw-"
 PLAYGROUND_KEY_NAME = "Playground (dashboard)"  # kept for the key the dashboard's playground uses
 LAST_USED_RESOLUTION_S = 60  # how precisely a key's last_used_at is kept
 COORDINATOR_LOST = "coordinator_lost"  # the error code of a job ended by ``reconcile_jobs``
+# A stage's refusal of a session longer than it holds (``worker_agent.kvcache``): a heal with it
+# measures the positions the node holds against those it reported (``verification.claims``).
+SESSION_TOO_LONG = "session_too_long"
 FINAL_EVENT_GRACE_S = 30.0  # how long after a job ended its response still waits for the final event
 
 
@@ -313,8 +318,10 @@ def heal_job(
     job_pk: int, failed_node: str, reason: str, now: datetime | None = None, *, report: bool = True
 ) -> list[dict] | None:
     """A running job's coordinator saw ``failed_node``'s stage die or stall: report the node
-    (``report_node_failure``: no request is routed to it any more) and move the job onto a route
-    that avoids every node it reported; returns the new route (``Job.route``'s shape), or None.
+    (``report_node_failure``: no request is routed to it any more), count the failure against it
+    (``verification.failures.record_failure``: routing backs off, repeated ones are a strike) and
+    move the job onto a route that avoids every node it reported; returns the new route
+    (``Job.route``'s shape), or None.
 
     The new route keeps the job's surviving stages where it can, so that only the failed span
     changes (a warm spare or another pipeline's stage holding exactly that span takes it), else it
@@ -335,6 +342,10 @@ def heal_job(
         return None
     if report:
         report_node_failure(failed_node, reason, now=now)
+        record_failure(failed_node, reason, job=job, now=now)
+        if str(reason).startswith(f"{SESSION_TOO_LONG}:"):  # it holds fewer positions than it reported
+            reached = job.prompt_tokens + RequestParams.from_json(job.params).max_tokens
+            refused_positions(failed_node, reached, job=job)
     if len(job.heals) >= settings.SWARM_MAX_HEALS:
         log.warning("job %s: %s failed, but it was healed %d times already", job.public_id, failed_node, len(job.heals))
         return None

@@ -106,6 +106,22 @@ class Node(models.Model):
     # is routed to it until a heartbeat sent after the report clears it, or the sweep takes it offline.
     suspected_at = models.DateTimeField(null=True, blank=True)
     suspicion = models.CharField(max_length=255, blank=True)  # the reported failure
+    # Failures a job's coordinator attributed to it (a stall, a dropped connection, a receipt it owed
+    # and never sent: marketplace.verification.failures), counted in windows of SWARM_FAILURE_WINDOW_S
+    # from the first; no request is routed to it before ``routing_backoff_until``, which doubles with
+    # each failure of the window. Unlike a suspicion, no heartbeat and no reconnect clears these.
+    recent_failures = models.PositiveIntegerField(default=0)  # in the current window
+    # ... of which the node's agent stayed up and heartbeating through: no crash, restart or freeze
+    # (churn) explains them; only these lead to a strike.
+    recent_deliberate = models.PositiveIntegerField(default=0)
+    last_failure_at = models.DateTimeField(null=True, blank=True)  # the latest counted one (an incident)
+    failures_since = models.DateTimeField(null=True, blank=True)  # the current window's first failure
+    failures_total = models.PositiveIntegerField(default=0)  # every attributed failure since it was added
+    routing_backoff_until = models.DateTimeField(null=True, blank=True)
+    last_failure = models.CharField(max_length=255, blank=True)  # the latest one's reason
+    # A strike is open on it (a failed audit or challenge, a lying receipt): no request is routed to
+    # it until every open strike is decided (verification.strikes keeps this in step with them).
+    under_review = models.BooleanField(default=False)
     joined_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     # Marked trusted by an admin (vetted hardware and operator): a customer may require that only

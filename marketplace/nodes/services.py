@@ -425,6 +425,31 @@ def apply_heartbeat(node_pk: int, load: dict, now: datetime | None = None) -> bo
     return back
 
 
+def clamp_positions(node_pk: int, positions: int) -> bool:
+    """The node's stage refused a session for its length: it holds at most ``positions`` positions
+    per session, whatever it reported (``max_positions``, which admission lets requests use). True
+    when its report was higher; it stands until its agent joins again."""
+    clamped = Node.objects.filter(pk=node_pk, max_positions__gt=positions).update(max_positions=max(positions, 1))
+    if clamped:
+        notify_node_changed(node_pk)
+    return bool(clamped)
+
+
+def mark_leaving(node_pk: int) -> bool:
+    """The node's agent says it is stopping (SIGTERM, Ctrl-C), before it refuses any job: no
+    request is routed to it from now on (placement routes only nodes whose control channel is up)
+    and it gets no new block. Its agent is told it may stop taking jobs (a Drain, the answer it
+    waits for). Its blocks stay assigned: a restarted agent confirms each one again. True when an
+    active or draining node was marked."""
+    if not Node.objects.filter(pk=node_pk, state__in=[NodeState.ACTIVE, NodeState.DRAINING]).update(connected=False):
+        return False
+    node_id = Node.objects.values_list("node_id", flat=True).get(pk=node_pk)
+    push(node_id, protocol.to_wire(protocol.Drain()))
+    log.info("node %s is stopping: no new job is routed to it", node_id)
+    notify_node_changed(node_pk)
+    return True
+
+
 def mark_draining(node: Node) -> bool:
     """An active or pending node takes no new work; its agent is told. True when it changed."""
     if not Node.objects.filter(pk=node.pk, state__in=[NodeState.ACTIVE, NodeState.PENDING]).update(
@@ -520,10 +545,13 @@ def record_links(node_pk: int, results: list) -> int:
     return stored
 
 
-def record_verified_speed(node_pk: int, layer_tokens_per_s: float) -> None:
-    """A speed the control plane measured itself (a passed challenge): the node's best one is kept."""
+def record_verified_speed(node_pk: int, layer_tokens_per_s: float) -> bool:
+    """A speed the control plane measured itself (a passed challenge): the node's best one is kept.
+    True when it is the node's best so far (its credible speed may have changed)."""
     if not (layer_tokens_per_s > 0):
-        return
+        return False
     node = Node.objects.only("verified_layer_tokens_per_s").get(pk=node_pk)
     if node.verified_layer_tokens_per_s is None or layer_tokens_per_s > node.verified_layer_tokens_per_s:
         Node.objects.filter(pk=node_pk).update(verified_layer_tokens_per_s=layer_tokens_per_s)
+        return True
+    return False

@@ -6,6 +6,7 @@ job's deadline."""
 from __future__ import annotations
 
 import fcntl
+import time
 from functools import cache
 
 from django.conf import settings
@@ -17,6 +18,12 @@ from worker_agent.tickets import issue_ticket
 # A ticket outlives its job's deadline by this much: room for clock skew between the control plane
 # and the agents, and for the sessions' CLOSE once the job is stopped.
 TICKET_MARGIN_S = 30.0
+
+
+def job_ticket_expiry() -> float:
+    """When the tickets of a job starting now expire (unix seconds): the job's timeout, plus the margin.
+    Every job's tickets, a challenge's included, expire so: a node cannot tell them apart by it."""
+    return time.time() + settings.SWARM_JOB_TIMEOUT_S + TICKET_MARGIN_S
 
 
 @cache

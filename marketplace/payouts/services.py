@@ -61,13 +61,19 @@ def split(pool: int, weights: dict[str, int]) -> dict[str, int]:
     return shares
 
 
-def credit_earnings(job, layer_tokens_by_node: dict[str, int]) -> list[Earning]:
+def credit_earnings(
+    job, layer_tokens_by_node: dict[str, int], *, worth: int | None = None, memo: str = ""
+) -> list[Earning]:
     """Called inside the settlement's transaction (``jobs.settlement``): pay a settled job's stages
-    from its charge, in proportion to the layer-tokens its verified receipts show each node served."""
-    if job.charged_amount <= 0 or Earning.objects.filter(job=job).exists():
+    from its charge, in proportion to the layer-tokens its verified receipts show each node served.
+    ``worth``: what the work was worth when the customer was charged nothing for it (a job left
+    unverified by one node's lie): the platform pays the honest stages their shares of that, from
+    its revenue (the liar's clawed-back pay goes the other way)."""
+    pool = job.charged_amount if worth is None else worth
+    if pool <= 0 or Earning.objects.filter(job=job).exists():
         return []
-    fee = job.charged_amount * settings.SWARM_PLATFORM_FEE_BPS // 10_000
-    shares = split(job.charged_amount - fee, layer_tokens_by_node)
+    fee = pool * settings.SWARM_PLATFORM_FEE_BPS // 10_000
+    shares = split(pool - fee, layer_tokens_by_node)
     nodes = {n.node_id: n for n in Node.objects.filter(node_id__in=list(shares))}
     available_at = (job.finished_at or timezone.now()) + timedelta(seconds=settings.SWARM_CHALLENGE_WINDOW_S)
     found = accounts(
@@ -93,7 +99,7 @@ def credit_earnings(job, layer_tokens_by_node: dict[str, int]) -> list[Earning]:
         )
         if amount:
             pending = found[(AccountKind.PROVIDER_PENDING, node.owner_id)]
-            moves.append(Move(revenue, pending, amount, kind="earning", job=job, memo=f"node {node_id}"))
+            moves.append(Move(revenue, pending, amount, kind="earning", job=job, memo=f"node {node_id}{memo}"[:255]))
     earnings = Earning.objects.bulk_create(earnings)
     transfer_many(moves)
     return earnings

@@ -41,6 +41,9 @@ class NodeCapacity:
     compute: float  # relative throughput, layer-tokens/s from the agent's benchmark; > 0
     max_layers: int  # decoder layers that fit in the node's memory; >= 1
     reputation: float = 1.0  # below the placement threshold the node is kept off pipelines
+    # Its unmeasured speed claim is far past the others' (``nodes.capacity``): kept off pipelines
+    # like a node under the reputation threshold, until a challenge measures it.
+    in_doubt: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.node, str) or not self.node:
@@ -228,9 +231,11 @@ def place(
 ) -> Placement:
     """Pipelines, their stages and the spares' warm blocks for a model of ``n_layers`` layers.
 
-    1. Nodes with ``reputation >= min_reputation`` are trusted. Only when the trusted nodes
-       cannot hold the model together are low-reputation nodes admitted, highest reputation
-       first (then most memory, then id), just until the layers fit; the rest are spares.
+    1. Nodes with ``reputation >= min_reputation`` and no speed claim in doubt are trusted. Only
+       when the trusted nodes cannot hold the model together are the others admitted, just until
+       the layers fit: low-reputation nodes first, highest reputation first (then most memory,
+       then id), then nodes whose claim is in doubt; the rest are spares. A node claiming a speed
+       no challenge has measured thus gets no pipeline of its own while the others can serve.
     2. :func:`choose_pipeline_count` over the admitted nodes gives k and each pipeline's minimal
        members. Of the admitted nodes left over, up to ``spares_per_pipeline`` per pipeline are
        kept as spares (largest first); the rest join the pipelines, each to the one with the
@@ -250,9 +255,10 @@ def place(
     """
     _check_layers(n_layers)
     _check_unique(nodes)
-    trusted = [n for n in nodes if n.reputation >= min_reputation]
+    trusted = [n for n in nodes if n.reputation >= min_reputation and not n.in_doubt]
     doubtful = sorted(
-        (n for n in nodes if n.reputation < min_reputation), key=lambda n: (-n.reputation, -n.max_layers, n.node)
+        (n for n in nodes if n.reputation < min_reputation or n.in_doubt),
+        key=lambda n: (n.in_doubt, -n.reputation, -n.max_layers, n.node),
     )
     admitted, missing = list(trusted), n_layers - sum(min(n.max_layers, n_layers) for n in trusted)
     for node in doubtful:
@@ -284,7 +290,7 @@ def place(
         pipelines.append(tuple(spans_for(members, layers)))
         idle += [by_id[m] for m in members if layers[m] == 0]
     in_pipelines = {m for members in groups for m in members}
-    rank = {n.node: (n.reputation < min_reputation, -n.max_layers, -n.compute, n.node) for n in nodes}
+    rank = {n.node: (n.reputation < min_reputation or n.in_doubt, -n.max_layers, -n.compute, n.node) for n in nodes}
     idle = sorted(idle + [n for n in nodes if n.node not in in_pipelines], key=lambda n: rank[n.node])
     loaded = sorted(  # time per token of each stage, in units of 1/compute: layers / compute
         ((p, stage) for p, pipeline in enumerate(pipelines) for stage in pipeline),

@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db.models import Max
+from django.utils import timezone
 
-from marketplace.nodes.capacity import credible_speeds
+from marketplace.catalog.selectors import served_models
+from marketplace.nodes.capacity import assess
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState, Privacy
 from marketplace.placement.allocation import Stage
 from marketplace.placement.errors import PlacementError
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
+from marketplace.placement.round_trips import credible_round_trips
 from marketplace.placement.routing import route
 from worker_agent import model as models
 from worker_agent.kvcache import SessionLimits
@@ -56,9 +59,18 @@ def assignments_of_node(node_pk: int):
 
 def _routable(assignment: Assignment) -> bool:
     """A stage a request may pass through now: its block is ready on an active node that no job's
-    coordinator has reported failed since its last sign of life."""
+    coordinator has reported failed since its last sign of life, that no open strike holds
+    under review (a failed check takes it off routing at once), and whose failures do not keep it
+    off routing now (``verification.failures``: the back-off doubles with each one)."""
     node = assignment.node
-    return assignment.state == AssignmentState.READY and node.state == NodeState.ACTIVE and node.suspected_at is None
+    return (
+        assignment.state == AssignmentState.READY
+        and node.state == NodeState.ACTIVE
+        and node.connected  # an agent that said it is stopping is off routing before it refuses a job
+        and node.suspected_at is None
+        and not node.under_review
+        and (node.routing_backoff_until is None or node.routing_backoff_until <= timezone.now())
+    )
 
 
 def allowed_for(assignment: Assignment, privacy: str, n_layers: int) -> bool:
@@ -123,6 +135,31 @@ def context_length(model: str) -> int | None:
     return min(limits if own is None else [own, *limits])
 
 
+def shared_models() -> list[str]:
+    """The models that share the nodes, in ``served_models`` order; empty when one model is served."""
+    served = served_models()
+    return served if len(served) > 1 else []
+
+
+def share_of(model: str) -> set[str] | None:
+    """The node ids ``model`` may be placed on now; None when nodes are not shared (one model
+    served, or a model outside SWARM_MODELS): then every node may take it."""
+    if model not in shared_models():
+        return None
+    state = PlacementState.objects.filter(model=model).only("share").first()
+    return set(state.share) if state is not None else set()
+
+
+def leaving(model: str, assignments: Collection[Assignment]) -> set[str]:
+    """The nodes of ``assignments`` (live blocks of ``model``) that are leaving it: moved to another
+    model's share, their block held only until ``model`` is servable without it (make before break,
+    ``services._release_leaving``). Decided when the share moved, so routing avoids them from then."""
+    share = share_of(model)
+    if share is None:
+        return set()
+    return {a.node.node_id for a in assignments if a.node.node_id not in share}
+
+
 def is_servable(model: str) -> bool:
     return bool(servable_pipelines(model))
 
@@ -177,15 +214,29 @@ def link_rtts(node_ids: list[str]) -> dict[tuple[str, str], float]:
         rtt[(source, target)] = value
         if target.startswith("region:"):
             rtt[(target, source)] = value
-    return rtt
+    # A report the other end of its link contradicts counts as that end measured it (``round_trips``).
+    return credible_round_trips(
+        rtt, tolerance=settings.SWARM_RTT_CLAIM_TOLERANCE, margin_ms=settings.SWARM_RTT_CLAIM_MARGIN_MS
+    )
 
 
-def _costs(nodes: list[str], rows: list[Node] | None = None) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
-    """Measured round trips between ``nodes`` (and the regions) and each node's time per layer, ms.
+def _costs(
+    nodes: list[str], rows: list[Node] | None = None
+) -> tuple[dict[tuple[str, str], float], dict[str, float], frozenset[str]]:
+    """Measured round trips between ``nodes`` (and the regions), each node's time per layer (ms)
+    at its credible speed, and the nodes whose speed claim is in doubt (``nodes.capacity``).
     ``rows``: those nodes' rows when the caller has them already (one query fewer)."""
     rtt = link_rtts(nodes)
-    speed = credible_speeds(Node.objects.filter(node_id__in=nodes) if rows is None else rows)
-    return rtt, {node: 1000.0 / value for node, value in speed.items() if value}
+    credence = assess(Node.objects.filter(node_id__in=nodes) if rows is None else rows)
+    return rtt, {node: 1000.0 / value for node, value in credence.speeds.items() if value}, credence.in_doubt
+
+
+def last_resort_first(stages: list[Stage], last_resort: Collection[str]) -> list[list[Stage]]:
+    """The sets of ``stages`` routing tries in turn: first without the ``last_resort`` nodes (leaving
+    the model, or unmeasured with a claim in doubt), then all of them: such a node gets a request
+    only when no chain avoids it."""
+    preferred = [s for s in stages if s.node not in last_resort]
+    return [preferred, stages] if len(preferred) < len(stages) else [stages]
 
 
 def route_request(
@@ -198,7 +249,9 @@ def route_request(
     healing around it (``route_around``). With ``busy`` (jobs in flight by node id), a node
     carrying its ``session_room`` already is left out. ``placed``: the caller knows the model has
     a placement (admission locked its row), so it is not looked up again. ``privacy``: only stages
-    that ``allowed_for`` lets such a request through."""
+    that ``allowed_for`` lets such a request through. A stage of a node leaving the model or
+    unmeasured with a speed claim in doubt is taken only when no chain avoids it
+    (``last_resort_first``)."""
     if not placed and not PlacementState.objects.filter(model=model).exists():
         return None
     busy = busy or {}
@@ -212,24 +265,23 @@ def route_request(
         return None
     stages = [_pipeline_stage(a) for a in usable]
     rows = list({a.node.node_id: a.node for a in usable}.values())
-    rtt, layer_ms = _costs(sorted(node.node_id for node in rows), rows)
+    rtt, layer_ms, in_doubt = _costs(sorted(node.node_id for node in rows), rows)
+    tiers = last_resort_first(
+        [Stage(s.node, s.layer_start, s.layer_end) for s in stages], in_doubt | leaving(model, usable)
+    )
     best = None
-    for region in settings.SWARM_COORDINATOR_REGIONS:
-        source = region_target(region)
-        try:
-            candidate = route(
-                [Stage(s.node, s.layer_start, s.layer_end) for s in stages],
-                n_layers,
-                rtt,
-                layer_ms,
-                source=source,
-            )
-        except PlacementError:
-            return None  # no chain of routable stages covers every layer
-        if best is None or candidate.cost_ms < best[1].cost_ms:
-            best = (region, candidate)
+    for candidates in tiers:
+        for region in settings.SWARM_COORDINATOR_REGIONS:
+            try:
+                candidate = route(candidates, n_layers, rtt, layer_ms, source=region_target(region))
+            except PlacementError:
+                break  # no chain of these stages covers every layer
+            if best is None or candidate.cost_ms < best[1].cost_ms:
+                best = (region, candidate)
+        if best is not None:
+            break
     if best is None:
-        return None
+        return None  # no chain of routable stages covers every layer
     region, chosen = best
     by_key = {(s.node, s.layer_start, s.layer_end): s for s in stages}
     return region, [by_key[(s.node, s.layer_start, s.layer_end)] for s in chosen.stages], chosen.cost_ms
@@ -252,17 +304,21 @@ def route_around(
     surviving stages when it can: first the layers that only the failed stages held are filled from
     the stages lying inside those gaps (a spare or another pipeline's stage holding exactly a dead
     span fills it in one), so that only the dead spans change; failing that, the fastest full chain.
+    Either way a stage of a node leaving the model or with a speed claim in doubt only when no chain
+    of those candidates avoids it (``last_resort_first``).
     """
     avoid = set(avoid)
     n_layers = models.n_layers(model)
-    stages = {
-        (a.node.node_id, a.layer_start, a.layer_end): _pipeline_stage(a)
+    usable = [
+        a
         for a in live_assignments(model)
         if _routable(a) and a.node.node_id not in avoid and allowed_for(a, privacy, n_layers)
-    }
+    ]
+    stages = {(a.node.node_id, a.layer_start, a.layer_end): _pipeline_stage(a) for a in usable}
     if not stages:
         return None
-    rtt, layer_ms = _costs(sorted({node for node, _, _ in stages}))
+    rtt, layer_ms, in_doubt = _costs(sorted({node for node, _, _ in stages}))
+    last_resort = in_doubt | leaving(model, usable)
     survivors = [stage for stage in current if stage in stages]
     taken = [(start, end) for _, start, end in survivors]
     in_gaps = [
@@ -270,10 +326,11 @@ def route_around(
         for key in stages
         if not any(key[1] < end and start < key[2] for start, end in taken)  # overlaps no survivor
     ]
-    for candidates in (survivors + in_gaps, list(stages)):
-        try:
-            chosen = route([Stage(*key) for key in candidates], n_layers, rtt, layer_ms, source=region_target(region))
-        except PlacementError:
-            continue
-        return [stages[(s.node, s.layer_start, s.layer_end)] for s in chosen.stages]
+    for keys in (survivors + in_gaps, list(stages)):
+        for candidates in last_resort_first([Stage(*key) for key in keys], last_resort):
+            try:
+                chosen = route(candidates, n_layers, rtt, layer_ms, source=region_target(region))
+            except PlacementError:
+                continue
+            return [stages[(s.node, s.layer_start, s.layer_end)] for s in chosen.stages]
     return None

@@ -24,8 +24,10 @@ SWARM_DEMAND_SHIFT (``share_by_demand``); nodes joining or leaving re-share at o
 last used. A node moving from model A to model B is handed over make before break:
 
 1. B's placement leaves it out while it holds a live block of A (``_candidates``);
-2. A is placed again over its new share; the moving node's block of A stays live and routable, as a
-   spare, while A has no servable pipeline without it (``_apply``);
+2. A is placed again over its new share; the moving node's block of A stays live, as a spare, while
+   A has no servable pipeline without it (``_apply``); routing takes it only where no chain avoids
+   it (``selectors.leaving``): it gets no new request from the moment the move is decided while
+   other blocks can serve;
 3. once one has (the blocks that replace it report ready, or another pipeline was whole all along),
    its block of A is released (``_release_leaving``): the agent takes no new job on it and unloads
    it once its jobs in flight end, and B is placed again, now with that node.
@@ -49,7 +51,7 @@ from django.utils import timezone
 from marketplace.catalog.selectors import min_reputation, served_models
 from marketplace.nodes import services as nodes
 from marketplace.nodes import trust_marks
-from marketplace.nodes.capacity import credible_speeds
+from marketplace.nodes.capacity import assess, credible_speeds
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.reachability import relay_at, relay_of
@@ -69,7 +71,7 @@ from marketplace.placement.allocation import (
 from marketplace.placement.data_urls import check_data_url
 from marketplace.placement.errors import InvalidDataUrl, PlacementError
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
-from marketplace.placement.selectors import link_maps, region_target, servable_pipelines
+from marketplace.placement.selectors import link_maps, region_target, servable_pipelines, share_of
 from marketplace.placement.tour import hop_cost, place_coordinator
 from marketplace.placement.trusted import covers, has_trusted_pipeline, place_with_trusted
 from worker_agent import control_protocol as protocol
@@ -154,9 +156,13 @@ def node_connected(node_pk: int) -> Node:
 
 @transaction.atomic
 def record_heartbeat(node_pk: int, load: dict, now: datetime | None = None) -> None:
-    """A heartbeat: its load is recorded; a node it brings back from offline is placed again."""
+    """A heartbeat: its load is recorded; a node it brings back from offline is placed again. One
+    whose agent reports it is stopping (state ``leaving``) is taken off routing at once, in the
+    same transaction (``nodes.services.mark_leaving``)."""
     if nodes.apply_heartbeat(node_pk, load, now=now):
         _placement_changed()
+    if isinstance(load, dict) and load.get("state") == protocol.LEAVING:
+        nodes.mark_leaving(node_pk)
 
 
 @transaction.atomic
@@ -167,6 +173,24 @@ def report_node_failure(node_id: str, reason: str, now: datetime | None = None) 
     sent after the report clears the suspicion. The report alone changes no capacity, so it asks
     for no new placement. False when no active or draining node has that id."""
     return nodes.mark_suspected(node_id, reason, now=now)
+
+
+@transaction.atomic
+def record_measured_speed(node_pk: int, layer_tokens_per_s: float) -> bool:
+    """A speed a passed challenge proved (``nodes.services.record_verified_speed``). A node's first
+    proof makes its speed count where a claim in doubt counted for nothing (``nodes.capacity``),
+    and a better one lifts its cap: its model is placed again when a fresh plan over the credible
+    speeds now serves SWARM_REPLACE_MARGIN more tokens/s (``_replacement_pays``). True when it is."""
+    if not nodes.record_verified_speed(node_pk, layer_tokens_per_s):
+        return False
+    model = Assignment.objects.filter(node_id=node_pk, state__in=LIVE_STATES).values_list("model", flat=True).first()
+    if model is None:
+        return False
+    live = list(Assignment.objects.filter(model=model, state__in=LIVE_STATES, is_spare=False).select_related("node"))
+    if not live or not _replacement_pays(model, live):
+        return False
+    mark_dirty(model)
+    return True
 
 
 def sweep_heartbeats(now=None) -> list[str]:
@@ -257,7 +281,7 @@ def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacit
     busy = Assignment.objects.filter(state__in=LIVE_STATES).exclude(model=model).values("node_id")
     query = Node.objects.select_for_update() if lock else Node.objects.all()
     query = query.filter(state=NodeState.ACTIVE, connected=True, node_id__isnull=False).exclude(pk__in=busy)
-    share = shares.share_of(model)
+    share = share_of(model)
     if share is not None:
         query = query.filter(node_id__in=share)
     # A catalog model may ask for nodes of some standing (its entry's min_reputation).
@@ -265,10 +289,16 @@ def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacit
     nodes = list(query.order_by("pk"))
     failing = _failing(nodes, model)
     nodes = [n for n in nodes if n.pk not in failing]
-    speeds = credible_speeds(nodes)
+    credence = assess(nodes)
     caps = {n.pk: shares.layer_cap(n, model) for n in nodes}
     capacities = [
-        NodeCapacity(node=n.node_id, compute=speeds[n.node_id], max_layers=caps[n.pk], reputation=n.reputation)
+        NodeCapacity(
+            node=n.node_id,
+            compute=credence.speeds[n.node_id],
+            max_layers=caps[n.pk],
+            reputation=n.reputation,
+            in_doubt=n.node_id in credence.in_doubt,
+        )
         for n in nodes
         if caps[n.pk] >= 1
     ]
@@ -379,7 +409,7 @@ def place_model(model: str) -> list[Assignment]:
             if plan is None:
                 raise PlacementError(
                     "no active node can hold a layer of this model"
-                    if shares.share_of(model) is None
+                    if share_of(model) is None
                     else "no active node of its share of the nodes can hold a layer of this model"
                 )
         except PlacementError as exc:
@@ -511,7 +541,7 @@ def _leaving(model: str, live: dict[str, Assignment]) -> set[str]:
     """The nodes holding a live block of ``model`` that its share no longer has, while they are
     up (active, control channel open, not reported failed): they moved to another model's share.
     A node that left the swarm is not among them: its block is released as before."""
-    share = shares.share_of(model)
+    share = share_of(model)
     if share is None:
         return set()
     return {
@@ -528,7 +558,7 @@ def _release_leaving(model: str) -> list[str]:
     """Make before break across models: the blocks of ``model`` on nodes that moved to another
     model's share are let go once ``model`` has a servable pipeline through none of them (their
     replacements are ready, or another pipeline was whole all along); returns those nodes' ids."""
-    share = shares.share_of(model)
+    share = share_of(model)
     if share is None:
         return []
     live = Assignment.objects.select_for_update().filter(model=model, state__in=LIVE_STATES).select_related("node")

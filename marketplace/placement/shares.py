@@ -26,12 +26,12 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from marketplace.catalog.selectors import min_reputation, served_models
+from marketplace.catalog.selectors import min_reputation
 from marketplace.nodes.capacity import credible_speeds
 from marketplace.nodes.models import Node, NodeState
 from marketplace.placement import memory
 from marketplace.placement.models import LIVE_STATES, Assignment, PlacementState
-from marketplace.placement.selectors import AGENT_DEFAULT_POSITIONS, model_positions
+from marketplace.placement.selectors import AGENT_DEFAULT_POSITIONS, model_positions, shared_models
 from marketplace.placement.sharing import ModelDemand, NodeOffer, demand_moved, share, work
 from worker_agent import model as models
 
@@ -70,21 +70,6 @@ def layer_footprint(node: Node, model: str) -> memory.LayerFootprint:
         positions=min(limits, default=AGENT_DEFAULT_POSITIONS),
         sessions=min(sessions, node.max_sessions) if node.max_sessions else sessions,
     )
-
-
-def shared_models() -> list[str]:
-    """The models that share the nodes, in ``served_models`` order; empty when one model is served."""
-    served = served_models()
-    return served if len(served) > 1 else []
-
-
-def share_of(model: str) -> set[str] | None:
-    """The node ids ``model`` may be placed on now; None when nodes are not shared (one model
-    served, or a model outside SWARM_MODELS): then every node may take it."""
-    if model not in shared_models():
-        return None
-    state = PlacementState.objects.filter(model=model).only("share").first()
-    return set(state.share) if state is not None else set()
 
 
 def outside_shares() -> list[Node]:

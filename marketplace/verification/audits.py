@@ -19,6 +19,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from marketplace.billing.services import refund_charge
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node
 from marketplace.verification.dispatch import AUDIT_TASK, thresholds, verify_after_commit
@@ -186,6 +187,8 @@ def _finish_audit(audit_pk: int, state: str, reason: str, metrics: dict) -> Audi
         audit.save(update_fields=["state", "reason", "metrics", "checked_at"])
         notify_node_changed(audit.node_id)
         if state == CheckState.FAILED:
+            # The customer never pays for work found bad: the whole job's charge goes back.
+            refund_charge(audit.job, f"refund: audit {audit.pk} of stage {audit.stage} failed")
             open_strike(
                 audit.node,
                 StrikeKind.AUDIT,

@@ -1,25 +1,27 @@
-"""Seeded challenges, run over the data plane as ordinary sessions of a job.
+"""Challenges: jobs the verifier runs to check one node, which the node cannot tell from a customer's.
 
 ``send_challenge`` opens one for a node that serves a ready block (at random times,
 ``send_due_challenges``) and, once that commits, runs it (``run_challenge``: in a thread of this
-process, or as a Celery task on the queue "verify"): the control plane acts as a job's coordinator,
-with a ticket it signs for a job id shaped like a customer's, and sends the challenge input through
-the node's data plane as one session (``worker_agent.coordinator.challenger``). The output is
-stored (``record_challenge_output``) and ``verify_challenge`` compares it per token with the
-trusted recompute (float32, then bfloat16 before it fails). A node that cannot be reached, refuses,
-errs, stalls past the deadline, or signs a receipt that does not match the traffic fails it
-(``fail_challenge``); ``expire_challenges`` fails those left without an outcome past their deadline.
-A failure opens a strike."""
+process, or as a Celery task on the queue "verify"). The run is a real job
+(``worker_agent.coordinator.challenger``): a request copying the model's recent real jobs, with a
+prompt of the challenge's own (``traffic.py``), through a route laid out like the node's pipeline
+(``challenge_route``), in which every span but the node's is served by a node the operator trusts or
+by a stand-in stage the verifier runs on its trusted blocks. The coordinator keeps the node's exact
+inputs and outputs, which its receipt signs; they are stored (``record_challenge_output``) and
+``verify_challenge`` recomputes the node's span on the same inputs and compares per token (float32,
+then bfloat16 before it fails). A node that cannot be reached, refuses, errs, stalls past the
+deadline, or signs a receipt that does not match the traffic fails it (``fail_challenge``);
+``expire_challenges`` fails those left without an outcome past their deadline. A failure opens a
+strike. A failure of the verifier's own stages is an error, with no verdict on the node."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import secrets
 import threading
-import time
-import uuid
 from datetime import timedelta
 
 from celery import current_app
@@ -31,17 +33,31 @@ from nacl.signing import SigningKey
 from marketplace.nodes.authority import coordinator_tls
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
-from marketplace.nodes.services import record_verified_speed
-from marketplace.nodes.tickets import TICKET_MARGIN_S, ticket_for
-from marketplace.placement.models import Assignment, AssignmentState
+from marketplace.nodes.tickets import issuer_key, issuer_public_key, job_ticket_expiry, ticket_for
+from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState
+from marketplace.placement.services import record_measured_speed
 from marketplace.verification.dispatch import CHALLENGE_RUN_TASK, CHALLENGE_TASK, thresholds, verify_after_commit
 from marketplace.verification.errors import NotChallengeable
 from marketplace.verification.models import Challenge, CheckState, StrikeKind
+from marketplace.verification.prompts import prompt_pool
 from marketplace.verification.strikes import open_strike, strike_false_capacity_claim
+from marketplace.verification.traffic import draw_request, recent_shapes
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
 from worker_agent import challenge as challenges
-from worker_agent.coordinator.challenger import DEADLINE, run_challenge_session
-from worker_agent.errors import SwarmError
+from worker_agent.audit import AuditMaterial
+from worker_agent.coordinator.challenger import (
+    DEADLINE,
+    VERIFIER,
+    ChallengeRoute,
+    NodeFailed,
+    StandIn,
+    TrustedStage,
+    run_challenge_job,
+)
+from worker_agent.coordinator.job import encode_prompt
+from worker_agent.coordinator.speculation import SpeculationSettings
+from worker_agent.errors import ChallengeError
+from worker_agent.keys import node_id, public_key_bytes
 from worker_agent.receipts import StageAssignment
 
 log = logging.getLogger("swarm.verification")
@@ -53,7 +69,8 @@ def _ready_assignment(node: Node) -> Assignment | None:
 
 @transaction.atomic
 def open_challenge(node: Node, *, tokens: int | None = None, seed: int | None = None) -> Challenge:
-    """A new challenge of the span a node serves, not run yet; raises NotChallengeable."""
+    """A new challenge of the span a node serves, not run yet; raises NotChallengeable. ``tokens``:
+    the completion tokens its request asks for (None: as many as the real job it copies)."""
     assignment = _ready_assignment(node)
     if assignment is None or not node.connected or node.state != NodeState.ACTIVE:
         raise NotChallengeable(f"node {node.node_id} serves no ready block to challenge")
@@ -64,7 +81,7 @@ def open_challenge(node: Node, *, tokens: int | None = None, seed: int | None = 
         layer_start=assignment.layer_start,
         layer_end=assignment.layer_end,
         seed=secrets.randbits(63) if seed is None else seed,
-        tokens=tokens or settings.SWARM_CHALLENGE_TOKENS,
+        tokens=tokens or 0,
         sent_at=now,
         deadline_at=now + timedelta(seconds=settings.SWARM_CHALLENGE_DEADLINE_S),
     )
@@ -116,15 +133,10 @@ def send_due_challenges(now=None, rng: random.Random | None = None) -> list[int]
     return sent
 
 
-def challenge_job_id() -> str:
-    """A job id for a challenge's session, of the same shape as a customer's chat completion's."""
-    return f"chatcmpl-{uuid.uuid4().hex}"
-
-
 def run_challenge(challenge_pk: int) -> Challenge:
-    """Run an open challenge through the node's data plane as one session of a ticketed job and
-    record its outcome. Blocking (up to the challenge's deadline): call it from a worker thread or
-    a Celery task, never from an event loop."""
+    """Run an open challenge as a job through the node and the stages around it (trusted nodes' or
+    the verifier's stand-ins), and record its outcome. Blocking (up to the challenge's deadline): call
+    it from a worker thread or a Celery task, never from an event loop."""
     challenge = Challenge.objects.select_related("node").get(pk=challenge_pk)
     if challenge.state != CheckState.SENT:
         return challenge
@@ -142,47 +154,150 @@ def run_challenge(challenge_pk: int) -> Challenge:
     )
     if assignment is None or not assignment.data_url or not node.public_key:
         # Placement moved the block away meanwhile: no verdict on the node either way.
-        Challenge.objects.filter(pk=challenge_pk, state=CheckState.SENT).update(
-            state=CheckState.ERROR, reason="the node no longer serves the challenged span", checked_at=timezone.now()
+        return _no_verdict(challenge_pk, "the node no longer serves the challenged span")
+    try:
+        route = challenge_route(challenge, assignment)
+        tokenizer = models_tokenizer(challenge.model)
+        drawn = draw_request(
+            random.Random(challenge.seed),
+            recent_shapes(challenge.model),
+            prompt_pool(),
+            lambda prompt, chat: encode_prompt(tokenizer, prompt, chat=chat),
+            max_tokens=challenge.tokens or None,
         )
-        return Challenge.objects.get(pk=challenge_pk)
-    job = challenge_job_id()
-    left = (challenge.deadline_at - timezone.now()).total_seconds()
-    # A key of its own for this session, as every job's coordinator has; the ticket dies with the deadline.
+    except Exception as exc:  # the verifier's own failure is not the node's
+        log.exception("challenge %s could not be prepared", challenge_pk)
+        return _no_verdict(challenge_pk, f"verifier failed: {exc}")
+    Challenge.objects.filter(pk=challenge_pk, tokens=0).update(tokens=drawn.request.max_tokens)
+    # A key of its own for this job, as every job's coordinator has; its tickets expire as a job's do,
+    # counted from when they are signed, just before the job connects (its stand-ins are up by then).
     coordinator_key = SigningKey.generate()
-    ticket = ticket_for(
-        job=job,
-        node=node.node_id,
-        model=challenge.model,
-        layer_start=challenge.layer_start,
-        layer_end=challenge.layer_end,
-        coordinator_key=bytes(coordinator_key.verify_key),
-        expires_at=time.time() + max(left, 0.1) + TICKET_MARGIN_S,
-    )
+    expiry: list[float] = []
+
+    def ticket(stage: StageAssignment) -> bytes:
+        expiry[:] = expiry or [job_ticket_expiry()]
+        return ticket_for(
+            job=drawn.job,
+            node=stage.node,
+            model=challenge.model,
+            layer_start=stage.layer_start,
+            layer_end=stage.layer_end,
+            coordinator_key=bytes(coordinator_key.verify_key),
+            expires_at=expiry[0],
+        )
+
+    left = max((challenge.deadline_at - timezone.now()).total_seconds(), 0.1)
+    tls = coordinator_tls()
     try:
         run = asyncio.run(
-            run_challenge_session(
-                assignment.data_url,
-                ticket,
+            run_challenge_job(
+                route,
+                drawn.request,
+                job=drawn.job,
+                tickets=ticket,
+                issuer_key=issuer_public_key(),
                 coordinator_key=coordinator_key,
-                job=job,
-                model=challenge.model,
-                hidden_size=models_hidden_size(challenge.model),
-                assignment=StageAssignment(
-                    node.node_id, bytes.fromhex(node.public_key), challenge.layer_start, challenge.layer_end
+                timeout_s=left,
+                host=settings.SWARM_CHALLENGE_HOST,
+                tls=tls,
+                peer_tls=tls,
+                # As every job's coordinator speculates (jobs.runner.speculation_settings).
+                speculation=SpeculationSettings(
+                    enabled=settings.SWARM_SPECULATION == "auto", draft_model=settings.SWARM_DRAFT_MODEL
                 ),
-                seed=challenge.seed,
-                tokens=challenge.tokens,
-                timeout_s=max(left, 0.1),
-                tls=coordinator_tls(),
+                stall_timeout_s=settings.SWARM_STALL_TIMEOUT_S,
+                pace=drawn.pace,
             )
         )
-    except SwarmError as exc:
+    except NodeFailed as exc:
         return fail_challenge(challenge_pk, f"{exc} ({exc.code})", expired=exc.code == DEADLINE)
-    except Exception as exc:  # whatever else the node's answer broke is the node's fault: fail closed
-        log.exception("challenge %s: the session failed", challenge_pk)
-        return fail_challenge(challenge_pk, f"the session failed: {type(exc).__name__}: {exc}")
-    return record_challenge_output(challenge_pk, run.output, elapsed_ms=run.elapsed_s * 1000.0)
+    except ChallengeError as exc:
+        if exc.code != VERIFIER:
+            raise
+        log.warning("challenge %s: no verdict: %s", challenge_pk, exc)
+        return _no_verdict(challenge_pk, str(exc))
+    except Exception as exc:  # the verifier's own failure (a stand-in that would not start, a bug)
+        log.exception("challenge %s: the job failed on the verifier's side", challenge_pk)
+        return _no_verdict(challenge_pk, f"verifier failed: {type(exc).__name__}: {exc}")
+    return record_challenge_output(challenge_pk, run.material, elapsed_ms=run.elapsed_s * 1000.0)
+
+
+def _no_verdict(challenge_pk: int, reason: str) -> Challenge:
+    Challenge.objects.filter(pk=challenge_pk, state=CheckState.SENT).update(
+        state=CheckState.ERROR, reason=reason[:1000], checked_at=timezone.now()
+    )
+    return Challenge.objects.get(pk=challenge_pk)
+
+
+def stand_in_key(model: str, layer_start: int, layer_end: int) -> SigningKey:
+    """The node key of the verifier's stand-in for a span: the same one at every challenge (a stage
+    of a real route is a node the swarm knows, not a new one each time), derived from the ticket key."""
+    seed = hashlib.sha256(b"swarm-stand-in-v1\0" + bytes(issuer_key()) + f"{model}\0{layer_start}:{layer_end}".encode())
+    return SigningKey(seed.digest())
+
+
+def stand_in_node(model: str, layer_start: int, layer_end: int) -> str:
+    """The node id the verifier's stand-in for a span goes by."""
+    return node_id(public_key_bytes(stand_in_key(model, layer_start, layer_end)))
+
+
+def challenge_route(challenge: Challenge, assignment: Assignment) -> ChallengeRoute:
+    """The route of a challenge's job: laid out like the node's own pipeline, the node on its span and
+    on each other one a trusted node serving it (``SWARM_CHALLENGE_TRUSTED_NODES``), else a stand-in."""
+    others = (
+        Assignment.objects.filter(
+            model=challenge.model, generation=assignment.generation, pipeline=assignment.pipeline, is_spare=False
+        )
+        .filter(state__in=LIVE_STATES)
+        .exclude(pk=assignment.pk)
+        .values_list("layer_start", "layer_end")
+    )
+    spans = route_spans((challenge.layer_start, challenge.layer_end), list(others), models_layers(challenge.model))
+    trusted = {
+        (held.layer_start, held.layer_end): TrustedStage(
+            StageAssignment(held.node.node_id, bytes.fromhex(held.node.public_key), held.layer_start, held.layer_end),
+            held.data_url,
+        )
+        for held in Assignment.objects.filter(
+            model=challenge.model,
+            state=AssignmentState.READY,
+            node__node_id__in=settings.SWARM_CHALLENGE_TRUSTED_NODES,
+            node__state=NodeState.ACTIVE,
+            node__connected=True,
+        )
+        .exclude(node=challenge.node)
+        .exclude(data_url="")
+        .select_related("node")
+    }
+    node = challenge.node
+    return ChallengeRoute(
+        challenge.model,
+        StageAssignment(node.node_id, bytes.fromhex(node.public_key), challenge.layer_start, challenge.layer_end),
+        assignment.data_url,
+        tuple(
+            trusted.get((start, end))
+            or StandIn(trusted_block(challenge.model, start, end), stand_in_key(challenge.model, start, end))
+            for start, end in spans
+        ),
+    )
+
+
+def route_spans(node: tuple[int, int], others: list[tuple[int, int]], n_layers: int) -> list[tuple[int, int]]:
+    """The spans, other than the node's, of a route over ``n_layers`` laid out like the node's
+    pipeline: each other stage's span that fits before or after the node without overlap, in layer
+    order, and one span for each gap left."""
+    spans: list[tuple[int, int]] = []
+    for low, high in ((0, node[0]), (node[1], n_layers)):
+        position = low
+        for start, end in sorted(others):
+            if start >= position and end <= high:
+                if start > position:
+                    spans.append((position, start))
+                spans.append((start, end))
+                position = end
+        if position < high:
+            spans.append((position, high))
+    return spans
 
 
 @transaction.atomic
@@ -205,9 +320,11 @@ def fail_challenge(challenge_pk: int, reason: str, *, expired: bool = False) -> 
 
 
 @transaction.atomic
-def record_challenge_output(challenge_pk: int, output, *, elapsed_ms: float) -> Challenge:
-    """Store the output a node's data plane returned for an open challenge, (tokens, hidden)
-    float32, and verify it once this commits; past the deadline it fails, with a strike."""
+def record_challenge_output(challenge_pk: int, material: AuditMaterial, *, elapsed_ms: float) -> Challenge:
+    """Store what the coordinator kept of the node's part of an open challenge's job (its inputs and
+    outputs, step by step, checked against its receipt) and verify it once this commits; material
+    of another node, model or span fails, and so does an answer past the deadline, with a strike.
+    ``elapsed_ms``: the node's own share of the job's time."""
     challenge = Challenge.objects.select_for_update().select_related("node").get(pk=challenge_pk)
     if challenge.state != CheckState.SENT:
         return challenge
@@ -220,14 +337,15 @@ def record_challenge_output(challenge_pk: int, output, *, elapsed_ms: float) -> 
         challenge.save()
         open_strike(challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge))
         return challenge
-    hidden = models_hidden_size(challenge.model)
-    if tuple(output.shape) != (challenge.tokens, hidden):
+    expected = (challenge.node.node_id, challenge.model, challenge.layer_start, challenge.layer_end)
+    found = (material.node, material.model, material.layer_start, material.layer_end)
+    if found != expected:
         challenge.state, challenge.checked_at = CheckState.FAILED, now
-        challenge.reason = f"malformed answer: shape {tuple(output.shape)}, not ({challenge.tokens}, {hidden})"
+        challenge.reason = f"malformed answer: the material is of {found}, not {expected}"
         challenge.save()
         open_strike(challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge))
         return challenge
-    challenge.output = output.detach().to("cpu").float().contiguous().numpy().astype("<f4").tobytes()
+    challenge.output = material.to_bytes()
     challenge.state = CheckState.ANSWERED
     challenge.save()
     verify_after_commit(CHALLENGE_TASK, verify_challenge, challenge.pk)
@@ -241,33 +359,40 @@ def models_hidden_size(model: str) -> int:
     return int(models.load_config(model).hidden_size)
 
 
-def verify_challenge(challenge_pk: int) -> Challenge:
-    """Compare a stored answer with the trusted recompute; a failure opens a strike."""
-    import numpy as np
-    import torch
+def models_layers(model: str) -> int:
+    from worker_agent import model as models  # torch stays out of this module's import (models_hidden_size)
 
+    return models.n_layers(model)
+
+
+def models_tokenizer(model: str):
+    from worker_agent import model as models  # torch stays out of this module's import (models_hidden_size)
+
+    return models.load_tokenizer(model)
+
+
+def verify_challenge(challenge_pk: int) -> Challenge:
+    """Recompute the node's span on the inputs it was sent and compare its outputs per token; a
+    failure opens a strike."""
     challenge = Challenge.objects.get(pk=challenge_pk)
     if challenge.state != CheckState.ANSWERED:
         return challenge
     try:
+        material = AuditMaterial.from_bytes(bytes(challenge.output))
         block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end)
-        reference = challenges.run_challenge(block, challenge.seed, challenge.tokens)
-    except Exception as exc:  # the verifier's own failure is not the node's
+        comparison = challenges.grade(material, block, **thresholds())
+        reference_dtype = "float32"
+        if not comparison.passed:
+            block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end, FALLBACK_DTYPE)
+            fallback = challenges.grade(material, block, **thresholds())
+            if fallback.passed:
+                comparison, reference_dtype = fallback, FALLBACK_DTYPE
+    except Exception as exc:  # the verifier's own failure is not the node's (its rows were checked as they came)
         log.exception("cannot recompute challenge %s", challenge_pk)
         Challenge.objects.filter(pk=challenge_pk, state=CheckState.ANSWERED).update(
             state=CheckState.ERROR, reason=f"verifier failed: {exc}", checked_at=timezone.now()
         )
         return Challenge.objects.get(pk=challenge_pk)
-    output = torch.from_numpy(np.frombuffer(bytes(challenge.output), dtype="<f4").copy()).reshape(reference.shape)
-    comparison = challenges.compare(output, reference, **thresholds())
-    reference_dtype = "float32"
-    if not comparison.passed:
-        block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end, FALLBACK_DTYPE)
-        fallback = challenges.compare(
-            output, challenges.run_challenge(block, challenge.seed, challenge.tokens), **thresholds()
-        )
-        if fallback.passed:
-            comparison, reference_dtype = fallback, FALLBACK_DTYPE
     with transaction.atomic():
         challenge = Challenge.objects.select_for_update().get(pk=challenge_pk)
         if challenge.state != CheckState.ANSWERED:
@@ -276,12 +401,12 @@ def verify_challenge(challenge_pk: int) -> Challenge:
         challenge.checked_at = timezone.now()
         if comparison.passed:
             challenge.state = CheckState.PASSED
-            # Timed here, from the first FORWARD to the last RESULT of the right answer: a speed the
-            # node proved, not claimed.
+            # Timed by the verifier, the node's share of each step of the job of the right answer: a
+            # speed the node proved, not claimed.
             took = (challenge.elapsed_ms or 0.0) / 1000.0
             if took > 0:
                 layers = challenge.layer_end - challenge.layer_start
-                record_verified_speed(challenge.node_id, layers * challenge.tokens / took)
+                record_measured_speed(challenge.node_id, layers * material.tokens / took)
         else:
             challenge.state = CheckState.FAILED
             challenge.reason = "output disagrees with the trusted recompute: " + "; ".join(comparison.failures)

@@ -1,6 +1,6 @@
 """Spot-checks of nodes' computation and the strikes they lead to.
 
-A ``Challenge`` is a seeded input sent to one node over its data plane, as a job's session; an ``Audit`` is one
+A ``Challenge`` is a job the verifier runs through one node and stand-ins of its own; an ``Audit`` is one
 stage of one live session whose exact inputs and outputs the coordinator kept (the node signed
 their hashes in its receipt). Both are replayed on the control plane's trusted float32 block and
 compared per token. A failed check becomes a ``Strike`` with its evidence; an admin upholds or
@@ -28,14 +28,14 @@ class Challenge(models.Model):
     model = models.CharField(max_length=128)
     layer_start = models.PositiveIntegerField()
     layer_end = models.PositiveIntegerField()
-    seed = models.BigIntegerField()  # 0 <= seed < 2**63: the input is derived from it
-    tokens = models.PositiveIntegerField()
+    seed = models.BigIntegerField()  # 0 <= seed < 2**63: draws its request (traffic.py)
+    tokens = models.PositiveIntegerField()  # completion tokens its request asks for (0: not drawn yet)
     state = models.CharField(max_length=16, choices=CheckState.choices, default=CheckState.SENT)
     sent_at = models.DateTimeField()
     deadline_at = models.DateTimeField()
     answered_at = models.DateTimeField(null=True, blank=True)
-    elapsed_ms = models.FloatField(null=True, blank=True)  # first FORWARD to last RESULT, timed here
-    output = models.BinaryField(null=True, blank=True)  # the answer: float32 (tokens, hidden), little-endian
+    elapsed_ms = models.FloatField(null=True, blank=True)  # the node's share of its job's steps, timed here
+    output = models.BinaryField(null=True, blank=True)  # the node's part of its job: AuditMaterial.to_bytes()
     metrics = models.JSONField(default=dict)  # per-token cosine and rel_norm, min/max, thresholds
     reason = models.TextField(blank=True)
     checked_at = models.DateTimeField(null=True, blank=True)
@@ -75,7 +75,8 @@ class StrikeKind(models.TextChoices):
     CHALLENGE = "challenge", "failed challenge"
     AUDIT = "audit", "failed audit"
     RECEIPT = "receipt", "unverifiable receipt"  # it made a job's receipts fail (none, not its own, false)
-    CAPACITY = "capacity", "false capacity claim"  # it claims far more speed than it ever proved
+    CAPACITY = "capacity", "false capacity claim"  # far more speed, or shorter round trips, than measured
+    FAILURES = "failures", "repeated failures"  # stalls, drops and refusals attributed to it, past a threshold
 
 
 class StrikeState(models.TextChoices):
@@ -105,10 +106,13 @@ class Strike(models.Model):
         ordering = ["-created_at"]
         indexes = [models.Index(fields=["node", "state"])]
         constraints = [
+            # A capacity strike may stand on its figures alone: a claim and the measurement that
+            # contradicts it (round trips reported by a link's two ends: no check or job behind it).
             models.CheckConstraint(
                 condition=models.Q(challenge__isnull=False)
                 | models.Q(audit__isnull=False)
-                | models.Q(job__isnull=False),
+                | models.Q(job__isnull=False)
+                | models.Q(kind="capacity"),
                 name="strike_has_evidence",
             ),
             models.CheckConstraint(

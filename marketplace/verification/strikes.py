@@ -24,7 +24,10 @@ log = logging.getLogger("swarm.verification")
 
 
 def open_strike(node: Node, kind: str, *, challenge=None, audit=None, job=None, evidence: dict) -> Strike:
+    """Open a strike: the node's pending pay is withheld, and it leaves routing at once, until
+    every open strike on it is decided (``_review_state``)."""
     strike = Strike.objects.create(node=node, kind=kind, challenge=challenge, audit=audit, job=job, evidence=evidence)
+    Node.objects.filter(pk=node.pk).update(under_review=True)
     log.warning("strike %s on node %s: %s", strike.pk, node.node_id, evidence.get("reason"))
     transaction.on_commit(lambda: refresh_reputation(node.pk))
     notify_admins("strike")
@@ -45,6 +48,7 @@ def uphold_strike(strike: Strike, *, by=None, reason: str = "") -> Strike:
     strike.decision_reason = reason or ("upheld by an admin" if by else "upheld: not reviewed within the review period")
     strike.clawed_back = claw_back(strike.node, strike)
     strike.save()
+    _review_state(strike.node_id)
     since = strike.decided_at - timedelta(days=settings.SWARM_STRIKE_PERIOD_DAYS)
     upheld = Strike.objects.filter(node=strike.node, state=StrikeState.UPHELD, decided_at__gte=since).count()
     if upheld >= settings.SWARM_STRIKES_TO_EJECT:
@@ -69,9 +73,17 @@ def overturn_strike(strike: Strike, *, by, reason: str) -> Strike:
     strike.decided_by = by
     strike.decision_reason = reason.strip()
     strike.save()
+    _review_state(strike.node_id)
     transaction.on_commit(lambda: refresh_reputation(strike.node_id))
     notify_admins("strike")
     return strike
+
+
+def _review_state(node_pk: int) -> None:
+    """A decided strike returns its node to routing once no other strike on it is open (an
+    ejected node stays out by its state)."""
+    open_ones = Strike.objects.filter(node_id=node_pk, state=StrikeState.OPEN)
+    Node.objects.filter(pk=node_pk).update(under_review=open_ones.exists())
 
 
 def uphold_overdue_strikes(now=None) -> list[int]:

@@ -1,117 +1,368 @@
-"""A seeded challenge run as an ordinary session of a job, over the data plane.
+"""A challenge run as a job: the verifier drives a real job through a route in which the challenged
+node serves its own span and every other span is served by a node the verifier trusts
+(``TrustedStage``: one that serves customers' jobs too) or by a stand-in.
 
-The control plane acts as the job's coordinator: it HELLOs the node's data plane with a ticket it
-signed for a job id shaped like a real one (naming a coordinator key made for it, which the HELLO
-proves, as every job's coordinator does), OPENs one session, sends the challenge input
-(``challenge.challenge_input``) as a prefill FORWARD followed by single-token decode steps, as a
-generating session does, CLOSEs it and checks the stage's signed receipt against exactly the bytes
-sent and received. The node sees a job's session; nothing on the wire names it a challenge::
+A stand-in is an ordinary ``Stage`` on an ordinary ``StageServer``, run by the verifier on its own
+trusted copy of that span's block. So everything the challenged node sees is made by the code that
+makes it for a customer's job (``worker_agent/observed.py`` lists what that is): the job's
+``Coordinator`` HELLOs it in ``ring`` topology with a ticket like a job's, a successor's URL and peer
+pass where its span is not the last, a predecessor (the stage before it) connects to it as a ring
+peer and FORWARDs real activations of the layers before its span, signed as every stage signs what it
+sends on; it forwards its outputs to the stage after it and taps them to the coordinator, which
+samples from the real final hidden states, drafts and speculates as it does for any request. The
+stand-in that feeds the node keeps to the pace of the real job the request copies (``Pace``), so
+the node's inputs come about as far apart as in a job. A stand-in is still the verifier's node at
+the verifier's address (``worker_agent/observed.py`` says what a node can learn from that); a trusted
+node is not::
 
-    run = await run_challenge_session(url, ticket, coordinator_key=key, job="chatcmpl-...", model="tiny-llama",
-                                      assignment=StageAssignment(...), seed=7, tokens=8, timeout_s=30)
-    run.output  # (tokens, hidden) float32: compare it with the trusted recompute
+    route = ChallengeRoute("tiny-llama", node=StageAssignment(...), url="ws://...",
+                           others=(StandIn(block_0_2, key_a), TrustedStage(StageAssignment(...), "wss://...")))
+    run = await run_challenge_job(route, request, job="chatcmpl-...", tickets=sign, issuer_key=pub,
+                                  coordinator_key=SigningKey.generate(), timeout_s=60,
+                                  pace=Pace(per_token_s=0.08))
+    run.material  # the node's exact inputs and outputs, step by step, which its receipt signed
 
-Any failure raises: ``StageError`` (unreachable, refused HELLO, an ERROR frame, a stall or the
-deadline), ``ReceiptError`` (no receipt, a bad signature, hashes that do not match the traffic) or
-``ChallengeError`` (a malformed output). A session past ``timeout_s`` is a ``StageError`` with
-code ``DEADLINE``.
+The node's output is graded like an audited stage's: ``run.material`` is checked against the node's
+signed receipt here, and the verifier replays it on its trusted block (``audit.recompute``). Its
+inputs come from the stage before it, the verifier's or a trusted node, never from the node itself.
+
+Any failure raises. The node's own (``NodeFailed``, a ``StageError`` or ``ReceiptError`` naming it):
+it cannot be reached, refuses, errs, stalls, misses the deadline (``DEADLINE``), signs no receipt or
+a false one, or leaves its outputs short. Anything else is the verifier's (``ChallengeError`` with
+code ``challenge_verifier``), and says nothing about the node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-import torch
 from nacl.signing import SigningKey
 
-from worker_agent import wire
-from worker_agent.challenge import challenge_input, session_steps
+from worker_agent.audit import AuditMaterial, check_hashes
+from worker_agent.block import Block
+from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
-from worker_agent.coverage import verify_stage_session
-from worker_agent.errors import ChallengeError, StageError
-from worker_agent.receipts import Receipt, SessionTranscript, StageAssignment
+from worker_agent.coordinator.result import GenerationResult
+from worker_agent.coordinator.sampling import SamplingParams
+from worker_agent.coordinator.speculation import SpeculationSettings
+from worker_agent.errors import AuditError, ChallengeError, ReceiptError, StageError, SwarmError
+from worker_agent.receipts import Receipt, StageAssignment
+from worker_agent.server import StageServer
+from worker_agent.stage import Stage
 
-WIRE_DTYPE = "f32"  # the dtype a job's coordinator sends (Pipeline's default)
 DEADLINE = "challenge_deadline"  # the StageError code of a session that did not end in time
+VERIFIER = "challenge_verifier"  # the ChallengeError code of a failure that is not the node's
+STAND_IN_START_S = 10.0  # a stand-in's server must be listening within this
+
+
+class NodeFailed(ChallengeError):
+    """The challenged node did not serve its span of the job right; ``cause`` is the error seen."""
+
+    code = "challenge_node_failed"
+
+    def __init__(self, message: str, *, cause: SwarmError) -> None:
+        super().__init__(message, code=cause.code)
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """A span the verifier serves itself in the challenge's route."""
+
+    block: Block  # the verifier's trusted block of the span
+    signing_key: SigningKey  # its node key: it signs its receipts and every item it sends on
+
+
+@dataclass(frozen=True)
+class TrustedStage:
+    """A span served in the challenge's route by a node the verifier trusts, one that also serves
+    customers' jobs: next to it, the challenged node has the neighbours a real job gives it (their
+    identities, addresses, load and pace)."""
+
+    assignment: StageAssignment  # the trusted node, its key and its span
+    url: str  # its data-plane URL
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast the real job a challenge copies decoded. A stand-in is dedicated to one job and would
+    answer faster than the shared, loaded stages of real routes, so the node would see its inputs come
+    closer together than in a job. The stand-in that feeds the node (its predecessor, or the last
+    stage when the node is the first) holds each step after a session's first by what the rest of the
+    route takes short of the copied job's time per token, on average over the session's steps so far:
+    the steps come at the copied job's pace, and as unevenly as the route makes them."""
+
+    per_token_s: float  # the copied job's time per token after the first: one decode step around the route
+
+
+@dataclass(frozen=True)
+class ChallengeRoute:
+    model: str  # the model id
+    node: StageAssignment  # the challenged node: its id, registered key and span
+    url: str  # its data-plane URL
+    # Every other span of the route, served by a stand-in or a trusted node; with the node's they tile the model.
+    others: tuple[StandIn | TrustedStage, ...]
+
+
+@dataclass(frozen=True)
+class ChallengeRequest:
+    """What the challenge's job asks for, as a customer's request would (``Coordinator.request_ids``)."""
+
+    prompt_ids: tuple[int, ...]  # the prompt, tokenized as the API tokenizes a customer's
+    max_tokens: int  # completion tokens at most
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    speculate: bool = True  # speculative decoding where it pays, as the API's default
 
 
 @dataclass(frozen=True)
 class ChallengeRun:
-    output: torch.Tensor  # (tokens, hidden) float32: every step's RESULT rows, in order
-    elapsed_s: float  # from the first FORWARD sent to the last RESULT received, on this side's clock
-    receipt: Receipt  # the stage's signed receipt for the session, verified against the traffic
+    material: AuditMaterial  # the node's inputs and outputs, step by step, as its receipt signed them
+    receipt: Receipt  # the node's signed receipt for the session
+    # The node's share of the job: per step, from its input leaving the stage before it (or the
+    # coordinator) to its output arriving at the coordinator; summed over the steps.
+    elapsed_s: float
 
 
-async def run_challenge_session(
-    url: str,
-    ticket: bytes,
+class _PacedStage(Stage):
+    """A stand-in's stage that holds each session's steps after the first to a pace (``Pace``)."""
+
+    def __init__(self, *args, pace: Pace, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pace = pace
+        self._sent: dict[tuple[str, str], float] = {}  # (job, session) -> when its last step went out
+        # (job, session) -> the time the rest of the route took, summed over its steps so far, and how many
+        self._route: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def compute(self, batch):
+        started = time.monotonic()
+        outputs = super().compute(batch)
+        keys = [(prepared.forward.job, item.session) for prepared in batch for item in prepared.forward.items]
+        hold = 0.0
+        for key in keys:
+            if key in self._sent:
+                total, steps = self._route.get(key, (0.0, 0))
+                total, steps = total + started - self._sent[key], steps + 1
+                self._route[key] = (total, steps)
+                hold = max(hold, self.pace.per_token_s - total / steps - (time.monotonic() - started))
+        # The compute thread of this stand-in's own server: waiting here holds up nothing else.
+        time.sleep(max(0.0, hold))
+        now = time.monotonic()
+        for key in keys:
+            self._sent[key] = now
+        return outputs
+
+
+class _StepClock:
+    """Times the challenged stage's share of each step from the traffic the coordinator sees: a
+    step's input leaves when the stage before it taps it (or the coordinator sends it, at stage 0),
+    and its output is back when the challenged stage's tap or RESULT arrives."""
+
+    def __init__(self, challenged: int) -> None:
+        self.challenged = challenged
+        self._left: dict[tuple[str, int], float] = {}
+        self._back: dict[tuple[str, int], float] = {}
+        self._issued: dict[str, int] = {}  # session -> steps the coordinator issued so far
+
+    def watch(self, pipeline: Pipeline) -> None:
+        """Wrap the pipeline's send and receive ends of each step with this clock."""
+        forward, on_result = pipeline.forward, pipeline.on_result
+
+        async def timed_forward(session: str, start: int, count: int, payload: bytes) -> bytes:
+            step = self._issued.get(session, 0)
+            self._issued[session] = step + 1
+            if self.challenged == 0:
+                self._left.setdefault((session, step), time.perf_counter())
+            return await forward(session, start, count, payload)
+
+        def timed_on_result(index: int, result) -> None:
+            now = time.perf_counter()
+            stamps = self._left if index == self.challenged - 1 else self._back if index == self.challenged else None
+            if stamps is not None:
+                for item in result.items:
+                    stamps.setdefault((item.session, item.step), now)
+            on_result(index, result)
+
+        pipeline.forward = timed_forward  # type: ignore[method-assign]
+        pipeline.on_result = timed_on_result  # type: ignore[method-assign]
+
+    def elapsed(self, session: str) -> float:
+        return sum(
+            max(0.0, back - self._left[key])
+            for key, back in self._back.items()
+            if key[0] == session and key in self._left
+        )
+
+
+async def _serve_stand_ins(
+    route: ChallengeRoute,
+    issuer_key: bytes,
+    host: str,
+    peer_tls: ssl.SSLContext | None,
+    pace: Pace | None,
+    stop: asyncio.Future,
+) -> tuple[list[asyncio.Task], list[tuple[StageAssignment, str]]]:
+    """Start a server for every stand-in; returns their tasks and (assignment, url) of every other
+    stage, the trusted ones too."""
+    tasks, served = [], []
+    # The stage that feeds the node: its predecessor, or the last stage when the node is the first.
+    feeder = max(
+        route.others,
+        key=lambda other: (_span(other)[1] == route.node.layer_start, _span(other)[1]),
+        default=None,
+    )
+    for stand_in in route.others:
+        if isinstance(stand_in, TrustedStage):
+            served.append((stand_in.assignment, stand_in.url))
+            continue
+        key, model, trusted = stand_in.signing_key, route.model, [issuer_key]
+        if pace is not None and stand_in is feeder:
+            stage: Stage = _PacedStage(stand_in.block, pace=pace, model=model, signing_key=key, trusted_keys=trusted)
+        else:
+            stage = Stage(stand_in.block, model=model, signing_key=key, trusted_keys=trusted)
+        bound = asyncio.get_running_loop().create_future()
+        server = StageServer(stage, peer_tls=peer_tls)
+        tasks.append(asyncio.create_task(server.serve(host, 0, ready=bound.set_result, stop=stop)))
+        port = await asyncio.wait_for(bound, STAND_IN_START_S)
+        assignment = StageAssignment(stage.node, stage.node_key, stage.layer_start, stage.layer_end)
+        served.append((assignment, f"ws://{host}:{port}"))
+    return tasks, served
+
+
+def _span(stage: StandIn | TrustedStage) -> tuple[int, int]:
+    if isinstance(stage, TrustedStage):
+        return stage.assignment.layer_start, stage.assignment.layer_end
+    return stage.block.weights.layer_start, stage.block.weights.layer_end
+
+
+def _in_layer_order(
+    route: ChallengeRoute, others: Sequence[tuple[StageAssignment, str]]
+) -> tuple[list[tuple[StageAssignment, str]], int]:
+    """The route's stages in layer order and the challenged node's position; raises ChallengeError
+    (the verifier's) unless they tile the model from layer 0 without gap or overlap."""
+    stages = sorted([*others, (route.node, route.url)], key=lambda stage: stage[0].layer_start)
+    position = 0
+    for assignment, _ in stages:
+        if assignment.layer_start != position:
+            raise ChallengeError(f"the challenge's route does not tile the model at layer {position}", code=VERIFIER)
+        position = assignment.layer_end
+    return stages, [assignment for assignment, _ in stages].index(route.node)
+
+
+async def run_challenge_job(
+    route: ChallengeRoute,
+    request: ChallengeRequest,
     *,
-    coordinator_key: SigningKey,
     job: str,
-    model: str,
-    hidden_size: int,
-    assignment: StageAssignment,
-    seed: int,
-    tokens: int,
+    tickets: Callable[[StageAssignment], bytes],
+    issuer_key: bytes,
+    coordinator_key: SigningKey,
     timeout_s: float,
+    host: str = "127.0.0.1",
     tls: ssl.SSLContext | None = None,
+    peer_tls: ssl.SSLContext | None = None,
+    speculation: SpeculationSettings | None = None,
+    stall_timeout_s: float = 10.0,
+    pace: Pace | None = None,
 ) -> ChallengeRun:
-    """Run challenge (seed, tokens) through the stage at ``url`` as one session of ``job``, as the
-    coordinator holding ``coordinator_key`` (the key ``ticket`` names); the whole exchange, from
-    connecting to the receipt, must end within ``timeout_s``. With the swarm's client context
-    ``tls`` a wss:// stage must show the certificate of the assigned node (``Pipeline``)."""
-    inputs = challenge_input(seed, tokens, hidden_size)  # (tokens, hidden) float32
-    pipeline = Pipeline(
-        job,
-        [StageSpec(url, ticket, node=assignment.node)],
-        topology="star",
-        dtype=WIRE_DTYPE,
-        stall_timeout_s=timeout_s,
-        model=model,
-        hidden_size=hidden_size,
-        coordinator_key=coordinator_key,
-        tls=tls,
-    )
+    """Run ``request`` as job ``job`` through the node and the stand-ins of ``route``, as the
+    coordinator holding ``coordinator_key``. ``tickets`` signs each stage's ticket (the stand-ins
+    trust ``issuer_key``, which signs them), ``host`` is the address the stand-ins listen on and the
+    challenged node reaches its successor at; ``tls`` is the coordinator's client context and
+    ``peer_tls`` the one a stand-in reaches a ``wss://`` node with; the stand-ins keep to ``pace``.
+    The whole job, from the first connection to the receipts, must end within ``timeout_s``."""
+    stop = asyncio.get_running_loop().create_future()
+    tasks: list[asyncio.Task] = []
     try:
-        return await asyncio.wait_for(_exchange(pipeline, job, model, assignment, inputs), timeout_s)
-    except TimeoutError:
-        raise StageError(
-            "the stage did not finish the session by the challenge's deadline", code=DEADLINE, stage=0
-        ) from None
+        tasks, others = await _serve_stand_ins(route, issuer_key, host, peer_tls, pace, stop)
+        stages, challenged = _in_layer_order(route, others)
+        try:
+            return await asyncio.wait_for(
+                _run(route, request, stages, challenged, job, tickets, coordinator_key, tls, speculation,
+                     stall_timeout_s),
+                timeout_s,
+            )  # fmt: skip
+        except TimeoutError:
+            cause = StageError("the job did not end by the challenge's deadline", code=DEADLINE, stage=challenged)
+            raise NodeFailed(str(cause), cause=cause) from None
     finally:
-        await pipeline.aclose()
+        if not stop.done():
+            stop.set_result(None)
+        for task in tasks:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, STAND_IN_START_S)
 
 
-async def _exchange(
-    pipeline: Pipeline, job: str, model: str, assignment: StageAssignment, inputs: torch.Tensor
+async def _run(
+    route: ChallengeRoute,
+    request: ChallengeRequest,
+    stages: list[tuple[StageAssignment, str]],
+    challenged: int,
+    job: str,
+    tickets: Callable[[StageAssignment], bytes],
+    coordinator_key: SigningKey,
+    tls: ssl.SSLContext | None,
+    speculation: SpeculationSettings | None,
+    stall_timeout_s: float,
 ) -> ChallengeRun:
-    await pipeline.connect()
-    session = pipeline.new_session_id()
-    await pipeline.open([session])
-    rows: list[bytes] = []
-    started = time.perf_counter()
-    for start, count in session_steps(inputs.shape[0]):
-        payload = wire.tensor_payload(inputs[start : start + count], WIRE_DTYPE)
-        rows.append(await pipeline.forward(session, start, count, payload))
-    elapsed = time.perf_counter() - started
-    receipts = await pipeline.close([session])
-    transcript = pipeline.transcripts[session]
-    if len(receipts) != 1:
-        raise StageError(f"the stage sent {len(receipts)} receipts for one session", code="bad_receipt", stage=0)
-    receipt = Receipt.from_dict(receipts[0])
-    verify_stage_session(
-        job=job,
-        model=model,
-        assignment=assignment,
-        receipt=receipt,
-        transcript=SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received)),
-    )
-    data = b"".join(rows)
-    expected = inputs.numel() * wire.DTYPES[WIRE_DTYPE].itemsize
-    if len(data) != expected:
-        raise ChallengeError(f"the stage returned {len(data)} bytes, {expected} expected", code="challenge_malformed")
-    output = torch.frombuffer(bytearray(data), dtype=wire.DTYPES[WIRE_DTYPE]).reshape(inputs.shape)
-    return ChallengeRun(output.to(torch.float32), elapsed, receipt)  # (tokens, hidden)
+    assignments = [assignment for assignment, _ in stages]
+    specs = [StageSpec(url, tickets(assignment), node=assignment.node) for assignment, url in stages]
+    clock = _StepClock(challenged)
+    result: GenerationResult | None = None
+    try:
+        async with Coordinator(
+            route.model,
+            specs,
+            job=job,
+            topology="ring",
+            assignments=assignments,
+            audit_stages=(challenged,),
+            stall_timeout_s=stall_timeout_s,
+            coordinator_key=coordinator_key,
+            speculation=speculation,
+            tls=tls,
+        ) as coordinator:
+            clock.watch(coordinator.pipeline)
+            generation = coordinator.request_ids(
+                request.prompt_ids,
+                max_tokens=request.max_tokens,
+                sampling=request.sampling,
+                speculate=request.speculate,
+            )
+            async for event in coordinator.stream(generation, strict=False):
+                if isinstance(event, GenerationResult):
+                    result = event
+    except StageError as exc:
+        if exc.stage == challenged:
+            raise NodeFailed(f"the challenged stage failed: {exc}", cause=exc) from None
+        raise ChallengeError(f"a stand-in or the coordinator failed: {exc} ({exc.code})", code=VERIFIER) from None
+    assert result is not None  # the stream ends with its result
+    return _graded(route, result, challenged, clock.elapsed(result.session))
+
+
+def _graded(route: ChallengeRoute, result: GenerationResult, challenged: int, elapsed_s: float) -> ChallengeRun:
+    """The node's material, checked against its receipt; raises NodeFailed when it is the node's fault."""
+    node = route.node.node
+    cause: SwarmError
+    # The stages around the node are trusted: a failure that names no one is the node's.
+    if result.verification_error and result.verification_culprit in (node, None):
+        cause = ReceiptError(f"the node's receipt does not verify: {result.verification_error}", node=node)
+        raise NodeFailed(str(cause), cause=cause)
+    if result.verification_error:  # a stand-in's receipt: the verifier's own stage broke
+        raise ChallengeError(f"a stand-in's receipt failed: {result.verification_error}", code=VERIFIER)
+    for gap in result.audit_missing:
+        if gap.owed_by == challenged:
+            cause = StageError(f"the challenged stage {gap.reason}", code="challenge_outputs_missing", stage=challenged)
+            raise NodeFailed(str(cause), cause=cause)
+        raise ChallengeError(f"the stand-in before the node {gap.reason}", code=VERIFIER)
+    (material,) = result.audits
+    receipt = next(receipt for receipt in result.receipts if receipt.node == node)
+    try:
+        check_hashes(material, receipt)
+    except (AuditError, ReceiptError) as exc:
+        raise NodeFailed(f"the node's receipt does not cover its traffic: {exc}", cause=exc) from None
+    return ChallengeRun(material, receipt, elapsed_s)

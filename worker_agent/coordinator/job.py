@@ -38,7 +38,7 @@ from worker_agent.coordinator.drafters import Drafter
 from worker_agent.coordinator.grammar import Constraint, JsonGrammar
 from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.heal import Healer, HealRecord, StageFailure
-from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, Pipeline, StageSpec
+from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, CloseIncomplete, Pipeline, StageSpec
 from worker_agent.coordinator.result import GenerationResult
 from worker_agent.coordinator.router import PLAIN, Router, RouteTiming
 from worker_agent.coordinator.sampling import SamplingParams
@@ -366,28 +366,37 @@ class Coordinator:
                     session = pipeline.new_session_id()
                     state.rewind()
             replies: list[tuple[dict, ...]] | None = None
+            partial: list[tuple[dict, ...]] | None = None
             verification, verification_error, culprit = None, "", None
             try:
                 replies = await pipeline.close_by_stage([session])
                 closed = True
             except StageError as exc:
-                # Every token is out, and a stage was lost before it sent its receipt (a restart, a
-                # network cut): the client has its answer; the job cannot be verified, so nobody is
-                # paid for it, and nobody is struck (a lost connection proves nothing).
+                # Every token is out, and a stage's receipt did not come: its session was gone, or its
+                # connection dropped or went silent before it answered CLOSE. The client has its
+                # answer; the job cannot be verified, and the stage that owed the receipt is its
+                # culprit (none when no stage answered: then the coordinator's own link is likelier).
                 if strict:
                     raise
                 verification_error = f"{exc} (lost before it sent its receipt; {exc.code})"
+                culprit = pipeline.node_at(exc.stage) if exc.stage is not None else None
+                partial = exc.replies if isinstance(exc, CloseIncomplete) else None
             audits, audit_missing = await pipeline.take_audits(session)
             receipts: list[Receipt] = []
+            if partial is not None:  # the receipts that did come are the others' proof of their part
+                receipts, _ = self._own_receipts(pipeline, session, partial)
             if replies is not None:
+                receipts, refused = self._own_receipts(pipeline, session, replies)
                 try:
-                    receipts, verification = self._verify(
-                        pipeline, session, self._own_receipts(pipeline, session, replies)
-                    )
+                    if refused is not None:
+                        raise refused
+                    receipts, verification = self._verify(pipeline, session, receipts)
                 except ReceiptError as exc:
                     if strict:
                         raise
-                    receipts, verification_error, culprit = [], f"{exc} ({exc.code})", exc.node
+                    # The receipts that are their signers' own stay: they are the evidence that
+                    # decides the failure, and pay the stages whose work still verifies.
+                    verification_error, culprit = f"{exc} ({exc.code})", exc.node
         finally:
             self._streams -= 1
             pipeline.forget(session)
@@ -536,26 +545,34 @@ class Coordinator:
         return drafter.propose(context, k)
 
     @staticmethod
-    def _own_receipts(pipeline: Pipeline, session: str, replies: list[tuple[dict, ...]]) -> list[Receipt]:
-        """Each stage's CLOSE reply must hold exactly its own receipt for the session, readable and
-        validly signed: anything else is that stage's doing (the ReceiptError names its node)."""
+    def _own_receipts(
+        pipeline: Pipeline, session: str, replies: list[tuple[dict, ...]]
+    ) -> tuple[list[Receipt], ReceiptError | None]:
+        """The stages' receipts for the session, in route order, and the first refusal: each stage's
+        CLOSE reply must hold exactly its own receipt, readable and validly signed; anything else is
+        that stage's doing (the ReceiptError names its node) and leaves its receipt out."""
         assignments = pipeline.assignments or []
-        receipts = []
+        receipts: list[Receipt] = []
+        refused: ReceiptError | None = None
         for index, reply in enumerate(replies):
             node = assignments[index].node if index < len(assignments) else None
             where = f"stage {index} (node {node})"
             try:
-                decoded = [Receipt.from_dict(raw) for raw in reply]
+                try:
+                    decoded = [Receipt.from_dict(raw) for raw in reply]
+                except ReceiptError as exc:
+                    raise MalformedReceipt(f"{where} sent an unreadable receipt: {exc}", node=node) from None
+                if len(decoded) != 1 or (decoded[0].session, decoded[0].node) != (session, node):
+                    raise MissingReceipt(f"{where} did not send its own receipt for session {session!r}", node=node)
+                try:
+                    decoded[0].verify_signature()
+                except ReceiptError as exc:
+                    raise BadSignature(f"{where}: {exc}", node=node) from None
             except ReceiptError as exc:
-                raise MalformedReceipt(f"{where} sent an unreadable receipt: {exc}", node=node) from None
-            if len(decoded) != 1 or (decoded[0].session, decoded[0].node) != (session, node):
-                raise MissingReceipt(f"{where} did not send its own receipt for session {session!r}", node=node)
-            try:
-                decoded[0].verify_signature()
-            except ReceiptError as exc:
-                raise BadSignature(f"{where}: {exc}", node=node) from None
+                refused = refused or exc
+                continue
             receipts.append(decoded[0])
-        return receipts
+        return receipts, refused
 
     @property
     def assignments(self) -> list[StageAssignment] | None:

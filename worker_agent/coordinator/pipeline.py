@@ -13,6 +13,12 @@ coalesced into one FORWARD frame, so stages see them together and batch them.
 - ``star``: the coordinator relays each stage's RESULT to the next stage itself (works when
   agents cannot reach each other).
 
+A step that stalls is blamed on the first stage with no usable output for it (the coordinator's
+own observation, never a stage's word about its neighbour). In ring, that stage is first relayed its
+predecessor's tap over the coordinator's own link, and from then on every tap of that predecessor,
+so that a predecessor withholding its forwards can neither frame its successor nor stall the job
+again. A stage's claim that it cannot reach its successor is checked with a PING of the successor.
+
 Each HELLO as coordinator carries the stage's ticket and a fresh proof, signed by the job's
 coordinator key (``coordinator_key``, the key the tickets name), that this is the job's coordinator.
 With the swarm's TLS (``tls``, ``worker_agent/tls.py``) a ``wss://`` stage is reached only once its
@@ -44,7 +50,9 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from worker_agent import wire
 from worker_agent.audit import AuditMaterial
+from worker_agent.coordinator.stalls import Relay, StallWatch
 from worker_agent.errors import AuditError, StageError, WireError
+from worker_agent.links import signed_by
 from worker_agent.receipts import StageAssignment, digest
 from worker_agent.tickets import issue_peer_pass, prove_coordinator
 from worker_agent.tls import connect_options
@@ -58,6 +66,7 @@ STALL_PER_ROW_S = 0.02  # and this much more per token row of the step (a long p
 # connection as its answer to that CLOSE, so taps are nearly always in by then; this covers a
 # tap still in flight behind a slow send.
 TAP_GRACE_S = 2.0
+PROBE_TIMEOUT_S = 5.0  # a stage said to be unreachable must answer the coordinator's PING within this
 CLOSE_TOO_LARGE = 1009  # WebSocket close code: a message over the size limit
 OFF_LOOP_DECODE_BYTES = 1024 * 1024  # a stage's frames at least this large are decoded in a thread
 
@@ -112,6 +121,15 @@ class _Capture:
         return all(self.has(boundary) for boundary in self.boundaries)
 
 
+class CloseIncomplete(StageError):
+    """A CLOSE that some stages answered and one (``stage``) did not: ``replies`` holds each stage's
+    receipts in route order, empty for those that sent none, so the ones that came are kept."""
+
+    def __init__(self, message: str, *, code: str, stage: int | None, replies: list[tuple[dict, ...]]) -> None:
+        super().__init__(message, code=code, stage=stage)
+        self.replies = replies
+
+
 class StageLink:
     """One stage connection: HELLO, request/answer pairs, and a reader dispatching frames."""
 
@@ -125,7 +143,11 @@ class StageLink:
         self.info: dict = {}
         self.bytes_sent = 0
         self._replies: dict[tuple[str, tuple[str, ...]], asyncio.Future] = {}  # (type, sessions) -> waiter
+        self._pongs: dict[int, asyncio.Future] = {}  # PING nonce -> waiter
         self._reader: asyncio.Task | None = None
+        # Seqs of the FORWARDs the coordinator relayed to this stage from its predecessor's tap
+        # (``stalls.py``): a refusal of one as a step it had already is no failure.
+        self.relayed: set[int] = set()
 
     async def connect(self, job: str, topology: str, next_url: str | None, next_ticket: bytes | None) -> dict:
         """HELLO the stage; ``next_ticket`` is the peer pass for its ring successor, if any."""
@@ -217,6 +239,26 @@ class StageLink:
         finally:
             self._replies.pop(key, None)
 
+    async def ping(self, timeout: float) -> None:
+        """PING the stage over this link; raises a StageError unless it answers within ``timeout``."""
+        nonce = self.seq + 1
+        future = asyncio.get_running_loop().create_future()
+        self._pongs[nonce] = future
+        try:
+            await self.send(wire.Ping(nonce))
+            await asyncio.wait_for(future, timeout)
+        except (TimeoutError, OSError, RuntimeError, websockets.ConnectionClosed):
+            raise StageError(
+                f"stage {self.index} did not answer PING in {timeout:g}s", code="stage_timeout", stage=self.index
+            ) from None
+        finally:
+            self._pongs.pop(nonce, None)
+
+    async def relay(self, frame: wire.Forward) -> None:
+        """Send the stage a FORWARD of its predecessor's output (its tap), remembered as relayed."""
+        self.relayed.add(self.seq + 1)  # the seq ``send`` gives it
+        await self.send(frame)
+
     async def _read(self) -> None:
         assert self.ws is not None
         try:
@@ -247,13 +289,23 @@ class StageLink:
         match message:
             case wire.Result():
                 self.pipeline.on_result(self.index, message)
+            case wire.Pong():
+                pong = self._pongs.get(message.nonce)
+                if pong is not None and not pong.done():
+                    pong.set_result(None)
+            case wire.Error() if message.ref in self.relayed and message.code in ("replayed_seq", "step_gap"):
+                # A relayed step it had already, or whose earlier step its predecessor's own frame
+                # still has to bring: it owes its output all the same, and the stall watch waits for it.
+                pass
+            case wire.Error() if message.code == "next_unreachable" and self.index + 1 < len(self.pipeline.links):
+                self.pipeline.judge_unreachable(self.index, message)
             case wire.Error():
-                # A stage that cannot reach its ring successor reports it: the successor is to blame.
-                blamed = self.index + 1 if message.code == "next_unreachable" else self.index
+                # Every other ERROR on this link is the stage's own refusal of what the coordinator
+                # sent it, or its own failure: a stage never passes its neighbours' word on.
                 error = StageError(
                     f"stage {self.index} ({self.spec.url}): {message.message}",
                     code=message.code,
-                    stage=min(blamed, len(self.pipeline.links) - 1),
+                    stage=self.index,
                 )
                 waiting = [
                     future
@@ -320,9 +372,8 @@ class Pipeline:
         self._steps: dict[str, int] = {}
         self._session_ids = session_ids if session_ids is not None else itertools.count()
         self.stall_timeout_s = stall_timeout_s
-        # (session, step) of a step in flight -> how many stages have put out their part of it so far
-        self._reached: dict[tuple[str, int], int] = {}
-        self._moved_at: dict[tuple[str, int], float] = {}  # ... and when the last of them did (loop time)
+        # How far each step in flight got through the stages, and what to do when one stalls.
+        self._stalls = StallWatch(job, len(stages), ring=topology == "ring")
         self._tasks: set[asyncio.Task] = set()
         self.audit_stages = tuple(sorted(set(audit_stages)))  # stage indices whose traffic is kept
         # Who is assigned each span of this route, as the coordinator knows it (from the control
@@ -356,7 +407,7 @@ class Pipeline:
         async def hello(index: int, link: StageLink) -> dict:
             ring_next = self.links[index + 1].spec if self.topology == "ring" and index + 1 < len(self.links) else None
             return await link.connect(
-                self.job, self.topology, ring_next.url if ring_next else None, self._peer_pass(ring_next)
+                self.job, self.topology, ring_next.url if ring_next else None, self._peer_pass(index, ring_next)
             )
 
         outcomes = await asyncio.gather(
@@ -367,11 +418,29 @@ class Pipeline:
                 raise outcome
         return [link.info for link in self.links]
 
-    def _peer_pass(self, successor: StageSpec | None) -> bytes | None:
-        """The pass a ring stage presents to ``successor``: only for this job, only to forward."""
+    def _peer_pass(self, index: int, successor: StageSpec | None) -> bytes | None:
+        """The pass stage ``index`` presents to its ring ``successor``: only for this job, only to
+        forward, and only items signed by the key assigned to stage ``index`` (links.py)."""
         if successor is None or successor.ticket is None or self.coordinator_key is None:
             return None
-        return issue_peer_pass(self.coordinator_key, successor.ticket)
+        return issue_peer_pass(self.coordinator_key, successor.ticket, self._node_key(index))
+
+    def _node_key(self, index: int) -> bytes:
+        """The node key assigned to stage ``index``, as the control plane said; empty without one."""
+        assignments = self.assignments
+        return assignments[index].node_key if assignments is not None and index < len(assignments) else b""
+
+    def _signed(self, index: int, result: wire.Result) -> bool:
+        """Whether every item of stage ``index``'s output carries its signature over its bytes: a tap or
+        answer that does not is not the stage's word, and is treated as never sent (an audit counts its
+        bytes missing, owed by that stage)."""
+        key = self._node_key(index)
+        if not key:
+            return True  # no control plane assignments: nothing to check the signatures against
+        return all(
+            signed_by(key, item.sig, result.job, item.session, item.step, digest(chunk))
+            for item, chunk in zip(result.items, result.item_bytes(), strict=True)
+        )
 
     async def open(self, sessions: list[str]) -> None:
         timeout = min(REPLY_TIMEOUT_S, self.stall_timeout_s)
@@ -388,9 +457,24 @@ class Pipeline:
         return [receipt for reply in await self.close_by_stage(sessions) for receipt in reply]
 
     async def close_by_stage(self, sessions: list[str]) -> list[tuple[dict, ...]]:
-        """Close sessions everywhere; returns each stage's receipts (wire dicts), in route order."""
-        replies = await asyncio.gather(*(link.request(wire.Close(self.job, tuple(sessions))) for link in self.links))
-        return [reply.receipts for reply in replies]
+        """Close sessions everywhere; returns each stage's receipts (wire dicts), in route order.
+
+        A stage whose receipts do not come (its connection dropped, it refused or did not answer the
+        CLOSE) raises the StageError blaming the first such stage in route order; when no stage of
+        several answered, it blames none (``stage`` None): the coordinator's own link is likelier."""
+        replies = await asyncio.gather(
+            *(link.request(wire.Close(self.job, tuple(sessions))) for link in self.links), return_exceptions=True
+        )
+        failed = [reply for reply in replies if isinstance(reply, BaseException)]
+        if failed and len(failed) == len(replies) > 1:
+            raise StageError(f"no stage answered CLOSE: {failed[0]}", code="close_unanswered")
+        if failed:
+            first = failed[0]
+            answered = [() if isinstance(reply, BaseException) else reply.receipts for reply in replies]
+            if isinstance(first, StageError):
+                raise CloseIncomplete(str(first), code=first.code, stage=first.stage, replies=answered)
+            raise first
+        return [reply.receipts for reply in replies if not isinstance(reply, BaseException)]
 
     def new_session_id(self) -> str:
         return f"s{next(self._session_ids)}"
@@ -400,13 +484,15 @@ class Pipeline:
 
         A step that makes no progress for the stall timeout (no stage puts out its part: in ring
         each stage but the last taps its output to the coordinator, in star the coordinator relays
-        it) raises a StageError (``stage_stalled``) blaming the first stage that did not answer."""
+        it) raises a StageError (``stage_stalled``) blaming the first stage that did not answer. In
+        ring that stage is first handed its predecessor's output by the coordinator itself
+        (``stalls.py``) and blamed only if it then puts out nothing for another stall timeout: a
+        predecessor that taps an output but withholds it from its successor cannot frame it."""
         step = self._steps[session]
         self._steps[session] = step + 1
         future = asyncio.get_running_loop().create_future()
         self._waiting[(session, step)] = future
-        self._reached[(session, step)] = 0
-        self._moved_at[(session, step)] = asyncio.get_running_loop().time()
+        self._stalls.start((session, step), asyncio.get_running_loop().time())
         self.transcripts[session].sent.append(digest(payload))
         capture = self._captures.get(session)
         if capture is not None:
@@ -421,24 +507,62 @@ class Pipeline:
         try:
             while True:
                 # The stall is counted from the step's last progress (a stage putting its part out).
-                left = self._moved_at.get(key, loop.time()) + stall - loop.time()
+                left = self._stalls.moved_at(key) + stall - loop.time()
                 try:
                     return await asyncio.wait_for(asyncio.shield(future), max(left, 0.0))
                 except TimeoutError:
-                    if loop.time() - self._moved_at.get(key, 0.0) < stall:
+                    if loop.time() - self._stalls.moved_at(key) < stall:
                         continue  # a stage put its part out meanwhile: slow, not stalled
-                    blamed = min(self._reached.get(key, 0), len(self.links) - 1)
+                    verdict = self._stalls.stalled(key, loop.time())
+                    if isinstance(verdict, Relay):
+                        log.warning(
+                            "job %s session %s step %d: stage %d put out nothing; handing it stage %d's output",
+                            self.job,
+                            session,
+                            step,
+                            verdict.stage,
+                            verdict.stage - 1,
+                        )
+                        await self._relay(verdict.stage, verdict.forward)
+                        continue
+                    blamed = verdict.stage
                     raise StageError(
-                        f"session {session} step {step}: stage {blamed} made no progress in {stall:.1f}s",
+                        f"session {session} step {step}: stage {blamed} (node {self.node_at(blamed)}) made no "
+                        f"progress in {stall:.1f}s",
                         code="stage_stalled",
                         stage=blamed,
                     ) from None
         finally:
             self._waiting.pop((session, step), None)
-            self._reached.pop((session, step), None)
-            self._moved_at.pop((session, step), None)
+            self._stalls.end((session, step))
             if not future.done():
                 future.cancel()
+
+    def node_at(self, index: int) -> str | None:
+        """The node at route position ``index``: the control plane's assignment, else its HELLO's word."""
+        assignments = self.assignments
+        if assignments is not None and index < len(assignments):
+            return assignments[index].node
+        return self.links[index].info.get("node")
+
+    def judge_unreachable(self, index: int, error: wire.Error) -> None:
+        """Stage ``index`` says it cannot reach its ring successor: only its word. The coordinator
+        PINGs the successor over its own link: silent, the successor is to blame
+        (``next_unreachable``); answering, the claimant is (``next_unconfirmed``), having put out
+        nothing for the steps it did not pass on. Either way the route's steps fail."""
+
+        async def judge() -> None:
+            successor = index + 1
+            try:
+                await self.links[successor].ping(min(PROBE_TIMEOUT_S, self.stall_timeout_s))
+            except StageError:
+                blamed, code, verdict = successor, "next_unreachable", "and it does not answer the coordinator either"
+            else:
+                blamed, code, verdict = index, "next_unconfirmed", "but it answers the coordinator"
+            message = f"stage {index} says it cannot reach stage {successor} ({error.message}), {verdict}"
+            self.fail_all(StageError(message, code=code, stage=blamed))
+
+        self._spawn(judge())
 
     async def _flush(self) -> None:
         """Send the steps issued in this event-loop turn: one frame for all sessions' steps, or, when
@@ -469,13 +593,16 @@ class Pipeline:
         """Stage ``index``'s output: the step's answer from the last stage, otherwise a ring tap
         (kept for audits only, never an answer) or a star output to relay on. An answer of another
         dtype or width than the route's fails the route's steps, blaming the last stage."""
-        usable = result.dtype == self.dtype and (self.hidden_size is None or result.shape[1] == self.hidden_size)
+        shaped = result.dtype == self.dtype and (self.hidden_size is None or result.shape[1] == self.hidden_size)
+        usable = shaped and self._signed(index, result)
         if index + 1 < len(self.links):
-            for item in result.items:
-                key = (item.session, item.step)
-                if key in self._reached and index + 1 > self._reached[key]:
-                    self._reached[key] = index + 1
-                    self._moved_at[key] = asyncio.get_running_loop().time()
+            # Only a usable output is progress: one of another width or not under the stage's own
+            # signature is nothing the next stage could be handed.
+            now = asyncio.get_running_loop().time()
+            for item, chunk in zip(result.items, result.item_bytes() if usable else (), strict=False):
+                relay = self._stalls.output(index, item, result.dtype, chunk, now)
+                if relay is not None:  # its successor is disputed: the coordinator hands it this too
+                    self._spawn(self._relay(relay.stage, relay.forward))
             # A tap of another dtype or width is not the stage's output as the next stage takes it:
             # it is not kept, and the audit it was owed to counts it missing, owed by this stage.
             if self._captures and usable:
@@ -487,13 +614,12 @@ class Pipeline:
             return
         if not usable:
             width = f"{self.hidden_size}" if self.hidden_size is not None else "the route's width"
-            self.fail_all(
-                StageError(
-                    f"stage {index} answered {result.dtype} rows {result.shape[1]} wide, not {self.dtype} x {width}",
-                    code="stage_bad_output",
-                    stage=index,
-                )
+            what = (
+                "with bytes its own signature does not cover"
+                if shaped
+                else f"{result.dtype} rows {result.shape[1]} wide, not {self.dtype} x {width}"
             )
+            self.fail_all(StageError(f"stage {index} answered {what}", code="stage_bad_output", stage=index))
             return
         for item, chunk in zip(result.items, result.item_bytes(), strict=True):
             future = self._waiting.get((item.session, item.step))
@@ -584,8 +710,10 @@ class Pipeline:
         self._captures.pop(session, None)
 
     async def _relay(self, index: int, frame: wire.Forward) -> None:
+        link = self.links[index]
         try:
-            await self.links[index].send(frame)
+            # In ring the stage may have had the step from its predecessor already (``StageLink.relay``).
+            await (link.relay(frame) if self.topology == "ring" else link.send(frame))
         except Exception as exc:
             self.fail_all(StageError(f"cannot send to stage {index}: {exc}", code="stage_lost", stage=index))
 

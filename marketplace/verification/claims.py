@@ -1,0 +1,105 @@
+"""Capacity claims checked against what was measured: a node's word about itself that a measurement
+contradicts past a tolerance is a ``capacity`` strike (one open at a time per kind of claim, with the
+claim and the measurement as evidence). Placement and routing already clamp such a claim to what
+was measured; the strike is what makes lying cost more than it could win.
+
+- speed: ``strikes.strike_false_capacity_claim``, after a passed challenge proved a speed;
+- round trips: ``record_probe_results``, each link measured from both ends
+  (``placement.round_trips``);
+- memory for the KV cache, as positions per session: ``refused_positions``, a stage that refused a
+  session for its length although it reported holding more.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import transaction
+
+from marketplace.nodes.models import LinkMeasurement, Node
+from marketplace.nodes.services import clamp_positions, record_links
+from marketplace.placement.round_trips import FalseRoundTrip, false_claims, liars
+from marketplace.verification.models import Strike, StrikeKind, StrikeState
+from marketplace.verification.strikes import open_strike
+
+# Distinct peers whose own measurements must contradict a node's reports before it is struck: one
+# hostile peer could inflate its report of a link to frame an honest node (a trusted peer suffices).
+RTT_WITNESSES = 2
+
+
+@transaction.atomic
+def record_probe_results(node_pk: int, results: list) -> list[Strike]:
+    """Store an agent's link measurements (``nodes.services.record_links``), then cross-check every
+    link between it and another node against the other end's report: a node whose reports enough
+    peers contradict (``placement.round_trips.liars``), this one or a peer its new measurements
+    contradict, gets a strike. Returns the strikes opened."""
+    record_links(node_pk, results)
+    node_id = Node.objects.values_list("node_id", flat=True).get(pk=node_pk)
+    mine = LinkMeasurement.objects.filter(source_id=node_pk).exclude(target__startswith="region:")
+    peers = set(mine.values_list("target", flat=True))
+    # Every report between those peers and anyone: a peer's other links are its other witnesses.
+    rows = LinkMeasurement.objects.filter(source__node_id__in=peers | {node_id}).exclude(target__startswith="region:")
+    reports = {(source, target): rtt for source, target, rtt in rows.values_list("source__node_id", "target", "rtt_ms")}
+    false = false_claims(
+        reports, tolerance=settings.SWARM_RTT_CLAIM_TOLERANCE, margin_ms=settings.SWARM_RTT_CLAIM_MARGIN_MS
+    )
+    trusted = set(
+        Node.objects.filter(node_id__in=peers | {node_id}, trusted_at__isnull=False).values_list("node_id", flat=True)
+    )
+    return [
+        strike
+        for liar, claims in sorted(liars(false, trusted=trusted, witnesses=RTT_WITNESSES).items())
+        if (strike := _strike_round_trips(liar, claims)) is not None
+    ]
+
+
+def _strike_round_trips(node_id: str, claims: list[FalseRoundTrip]) -> Strike | None:
+    node = Node.objects.get(node_id=node_id)
+    if _open_strike_of(node, "rtt"):
+        return None
+    links = ", ".join(f"{c.target}: {c.claimed_ms:g} ms where it measured {c.measured_ms:g} ms" for c in claims)
+    return open_strike(
+        node,
+        str(StrikeKind.CAPACITY),
+        evidence={
+            "kind": "rtt",
+            "reason": f"reports round trips far below what the other ends measured ({links})",
+            "links": [{"target": c.target, "claimed_ms": c.claimed_ms, "measured_ms": c.measured_ms} for c in claims],
+        },
+    )
+
+
+@transaction.atomic
+def refused_positions(node_id: str, reached: int, *, job) -> Strike | None:
+    """``node_id``'s stage refused ``job``'s session for its length (``session_too_long``), the
+    session reaching at most ``reached`` positions (its prompt and max tokens): the node holds
+    fewer than that per session. Reported holding as many (``max_positions``, which admission lets
+    requests use), its report is clamped to ``reached - 1`` (``nodes.services.clamp_positions``);
+    one past SWARM_MEMORY_CLAIM_TOLERANCE times that is a strike, with the job as evidence."""
+    node = Node.objects.filter(node_id=node_id).first()
+    if node is None or not node.max_positions or node.max_positions < reached:
+        return None  # refused past what it reported: its report was true
+    claimed, held = node.max_positions, reached - 1
+    clamp_positions(node.pk, held)
+    if claimed <= settings.SWARM_MEMORY_CLAIM_TOLERANCE * held:
+        return None
+    if _open_strike_of(node, "memory"):
+        return None
+    return open_strike(
+        node,
+        str(StrikeKind.CAPACITY),
+        job=job,
+        evidence={
+            "kind": "memory",
+            "reason": f"reports holding {claimed} positions per session, but refused a session of at most {reached}",
+            "claimed_positions": claimed,
+            "refused_at_most": reached,
+            "job": job.public_id,
+        },
+    )
+
+
+def _open_strike_of(node: Node, claim: str) -> bool:
+    """Whether a capacity strike for the same kind of claim is open on ``node``: one false claim,
+    one strike, however often the node repeats it."""
+    strikes = Strike.objects.filter(node=node, kind=StrikeKind.CAPACITY, state=StrikeState.OPEN)
+    return strikes.filter(evidence__kind=claim).exists()
