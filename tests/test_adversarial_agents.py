@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import time
 
+import openai
 import pytest
 from django.contrib.auth import get_user_model
 
+from marketplace.billing.models import Transfer
 from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts.models import Earning, EarningState
 from marketplace.verification import strikes
@@ -46,26 +48,31 @@ def test_cheater_is_caught_struck_clawed_back_and_ejected(make_swarm, cheat):
     swarm = make_swarm(cheat=cheat)
     admin = get_user_model().objects.create_user("dave", "dave@example.test", None, is_staff=True)
 
-    # Live traffic: the cheater's receipts still prove coverage, so its jobs are verified and paid
-    # pending, but every audit of its stage fails.
-    jobs = [swarm.run_job(f"Tell me about bees, take {i}") for i in range(2)]
-    for job in jobs:
-        assert job.verified is True, job.verification_error
-        assert len(job.audit_stages) == 3
+    # Live traffic: the cheater's receipts still prove coverage, so its job is verified and paid
+    # pending, but the audit of its stage fails: the customer is refunded, and the cheater leaves
+    # routing at once (its pipeline is the only one, so the next request finds no capacity).
+    job = swarm.run_job("Tell me about bees")
+    assert job.verified is True, job.verification_error
+    assert len(job.audit_stages) == 3
     cheater_audits = Audit.objects.filter(node=swarm.cheater)
-    assert [a.state for a in cheater_audits] == [CheckState.FAILED] * 2
+    assert [a.state for a in cheater_audits] == [CheckState.FAILED]
     assert all(a.state == CheckState.PASSED for a in Audit.objects.exclude(node=swarm.cheater))
+    assert Transfer.objects.get(job=job, kind="refund").amount == job.charged_amount > 0
     pending_before = swarm.pending("mallory")
     assert pending_before == sum(e.amount for e in Earning.objects.filter(node=swarm.cheater))
     assert pending_before > 0
+    assert Node.objects.get(pk=swarm.cheater.pk).under_review is True
+    with pytest.raises(openai.APIStatusError) as refused:
+        swarm.client.completions.create(model=swarm.model, prompt="More bees", max_tokens=4, temperature=0)
+    assert refused.value.status_code == 503
 
-    # Challenges: the cheater fails each one; an honest node passes.
-    for _ in range(2):
+    # Challenges reach it all the same: the cheater fails each one; an honest node passes.
+    for _ in range(3):
         assert swarm.challenge(swarm.cheater).state == CheckState.FAILED
     assert swarm.challenge(swarm.honest[0]).state == CheckState.PASSED
 
     strikes = Strike.objects.filter(node=swarm.cheater)
-    assert sorted(s.kind for s in strikes) == [StrikeKind.AUDIT] * 2 + [StrikeKind.CHALLENGE] * 2
+    assert sorted(s.kind for s in strikes) == [StrikeKind.AUDIT] + [StrikeKind.CHALLENGE] * 3
     assert all(s.evidence["min_cosine"] < 0.99 for s in strikes)
     assert Strike.objects.exclude(node=swarm.cheater).count() == 0
 
@@ -127,11 +134,11 @@ def test_node_cheating_only_on_live_sessions_is_caught_by_a_challenge(make_swarm
     assert all(node.verified_layer_tokens_per_s > 0 for node in swarm.honest)
     assert Strike.objects.exclude(node=swarm.cheater).count() == 0
 
-    # Its live traffic is caught by the audits as well.
-    job = swarm.run_job("Count to ten")
-    assert Audit.objects.get(job=job, node=swarm.cheater).state == CheckState.FAILED
-    assert Strike.objects.filter(node=swarm.cheater, kind=StrikeKind.AUDIT).count() == 1
-    assert Strike.objects.exclude(node=swarm.cheater).count() == 0
+    # Struck, it leaves routing at once: its pipeline is the only one, so no customer request reaches it.
+    assert Node.objects.get(pk=swarm.cheater.pk).under_review is True
+    with pytest.raises(openai.APIStatusError) as refused:
+        swarm.client.completions.create(model=swarm.model, prompt="Count to ten", max_tokens=4, temperature=0)
+    assert refused.value.status_code == 503
 
 
 def test_honest_bfloat16_agents_get_no_strike_over_30_challenges_or_their_audits(make_swarm):
