@@ -46,7 +46,8 @@ def spent(customer):
         prompt_tokens=40,
     )
     settlement.place_hold(job)
-    finish_job(job.pk, state=JobState.SUCCEEDED, completion_tokens=7, finish_reason="stop")
+    # Cancelled by its customer after 7 tokens: charged for them without receipts to verify.
+    finish_job(job.pk, state=JobState.CANCELLED, completion_tokens=7, finish_reason="stop")
     settlement.settle(job.pk)
     return key, job
 
@@ -119,7 +120,7 @@ def test_credits_and_generation_answer_for_the_calling_key(customer, spent):
         generation["tokens_completion"],
         generation["total_cost"],
         generation["state"],
-    ) == ("chatcmpl-abc", MODEL, 40, 7, 0.000061, "succeeded")
+    ) == ("chatcmpl-abc", MODEL, 40, 7, 0.000061, "cancelled")
 
 
 def test_another_customers_generation_is_not_found(customer, spent, django_user_model):
