@@ -49,6 +49,7 @@ def control_plane(settings, tmp_path):
     settings.SWARM_TICKET_KEY_PATH = tmp_path / "ticket.key"
     settings.SWARM_JOB_TIMEOUT_S = 120.0
     settings.SWARM_DEFAULT_PRICES = (0, 0)  # free: these jobs are about receipts, not credits
+    settings.SWARM_STALL_TIMEOUT_S = 3.0  # a rogue's unsigned output is no progress: it stalls, then is blamed
     issuer_key.cache_clear()
     yield settings
     issuer_key.cache_clear()
@@ -185,6 +186,8 @@ def test_a_stage_that_unambiguously_spoils_the_receipts_is_struck_and_only_it(
     assert state == JobState.SUCCEEDED
     assert job.verified is False
     assert job.verification_error.endswith(f"({code})")
-    (strike,) = Strike.objects.all()
-    assert (strike.node_id, strike.kind) == (nodes[rogue].pk, StrikeKind.RECEIPT)
+    # Only the rogue is struck: for its receipt, and (when the job drew an audit of its stage) for the
+    # audit its lying receipt fails too.
+    assert set(Strike.objects.values_list("node_id", flat=True)) == {nodes[rogue].pk}
+    (strike,) = Strike.objects.filter(kind=StrikeKind.RECEIPT)
     assert strike.evidence["job"] == job.public_id
