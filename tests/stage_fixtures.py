@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from marketplace.jobs import services
 from marketplace.jobs.models import Job
 from marketplace.jobs.params import RequestParams
-from marketplace.nodes.tickets import issuer_public_key
+from marketplace.nodes.tickets import issuer_key, issuer_public_key
 from marketplace.placement.selectors import PipelineStage
 from worker_agent import model as models
 from worker_agent.block import Block
@@ -19,6 +19,23 @@ from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 
 MODEL = "tiny-llama"
+
+
+@contextlib.contextmanager
+def in_memory_control_plane(settings, tmp_path, **overrides) -> Iterator:
+    """The control plane these in-process jobs run against: the in-memory channel layer (whatever
+    REDIS_URL says), a ticket key of the test's own, a 120 s job timeout, then ``overrides``
+    (setting name -> value)."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    settings.SWARM_TICKET_KEY_PATH = tmp_path / "ticket.key"
+    settings.SWARM_JOB_TIMEOUT_S = 120.0
+    for name, value in overrides.items():
+        setattr(settings, name, value)
+    issuer_key.cache_clear()
+    try:
+        yield settings
+    finally:
+        issuer_key.cache_clear()
 
 
 @contextlib.asynccontextmanager

@@ -30,7 +30,6 @@ from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.models import Node
-from marketplace.nodes.tickets import issuer_key
 from marketplace.payouts.models import Earning, EarningState
 from marketplace.verification.models import Audit, CheckState, Strike, StrikeKind
 from marketplace.verification.strikes import release_earnings_in_good_standing
@@ -106,15 +105,14 @@ class ChangedTaps(StageServer):
 
 @pytest.fixture
 def control_plane(settings, tmp_path):
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-    settings.SWARM_TICKET_KEY_PATH = tmp_path / "ticket.key"
-    settings.SWARM_JOB_TIMEOUT_S = 120.0
-    settings.SWARM_DEFAULT_PRICES = PRICES
-    settings.SWARM_AUDIT_NEW_NODE_FRACTION = 1.0  # every stage of these jobs is audited
-    settings.SWARM_VERIFIER = "inline"
-    issuer_key.cache_clear()
-    yield settings
-    issuer_key.cache_clear()
+    with stage_fixtures.in_memory_control_plane(
+        settings,
+        tmp_path,
+        SWARM_DEFAULT_PRICES=PRICES,
+        SWARM_AUDIT_NEW_NODE_FRACTION=1.0,  # every stage of these jobs is audited
+        SWARM_VERIFIER="inline",
+    ) as plane:
+        yield plane
 
 
 @pytest.mark.parametrize("stage_class", [BrokenLinkStage, GarbageBrokenLinkStage], ids=["honest", "garbage"])

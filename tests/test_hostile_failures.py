@@ -32,7 +32,6 @@ from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.models import Node
-from marketplace.nodes.tickets import issuer_key
 from marketplace.payouts.models import Earning
 from marketplace.verification.models import Strike, StrikeKind
 from tests import stage_fixtures
@@ -56,23 +55,23 @@ PARAMS = RequestParams(max_tokens=6, temperature=0.0, prompt="Failures land on w
 
 @pytest.fixture
 def control_plane(settings, tmp_path):
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-    settings.SWARM_TICKET_KEY_PATH = tmp_path / "ticket.key"
-    settings.SWARM_JOB_TIMEOUT_S = 60.0
-    settings.SWARM_DEFAULT_PRICES = PRICES
-    settings.SWARM_AUDIT_NEW_NODE_FRACTION = 0.0  # no audits: these attacks are about failures
-    settings.SWARM_VERIFIER = "inline"
-    settings.SWARM_STALL_TIMEOUT_S = 2.0  # short, yet long for tiny-llama on a busy machine
-    settings.SWARM_HEAL_WAIT_S = 0.0
-    settings.SWARM_FAILURE_BACKOFF_S = BACKOFF_S
-    settings.SWARM_FAILURE_BACKOFF_MAX_S = 3600.0
-    settings.SWARM_FAILURE_WINDOW_S = 3600.0
-    settings.SWARM_FAILURES_BEFORE_STRIKE = 1
-    settings.SWARM_FAILURE_INCIDENT_S = 0.0  # these jobs run one after another: each failure is its own
-    settings.SWARM_HEARTBEAT_INTERVAL_S = HEARTBEAT_S
-    issuer_key.cache_clear()
-    yield settings
-    issuer_key.cache_clear()
+    with stage_fixtures.in_memory_control_plane(
+        settings,
+        tmp_path,
+        SWARM_JOB_TIMEOUT_S=60.0,
+        SWARM_DEFAULT_PRICES=PRICES,
+        SWARM_AUDIT_NEW_NODE_FRACTION=0.0,  # no audits: these attacks are about failures
+        SWARM_VERIFIER="inline",
+        SWARM_STALL_TIMEOUT_S=2.0,  # short, yet long for tiny-llama on a busy machine
+        SWARM_HEAL_WAIT_S=0.0,
+        SWARM_FAILURE_BACKOFF_S=BACKOFF_S,
+        SWARM_FAILURE_BACKOFF_MAX_S=3600.0,
+        SWARM_FAILURE_WINDOW_S=3600.0,
+        SWARM_FAILURES_BEFORE_STRIKE=1,
+        SWARM_FAILURE_INCIDENT_S=0.0,  # these jobs run one after another: each failure is its own
+        SWARM_HEARTBEAT_INTERVAL_S=HEARTBEAT_S,
+    ) as plane:
+        yield plane
 
 
 class Heartbeats:

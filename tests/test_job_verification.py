@@ -18,7 +18,6 @@ from channels.layers import get_channel_layer
 from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
-from marketplace.nodes.tickets import issuer_key
 from marketplace.verification.models import Strike, StrikeKind
 from tests import stage_fixtures
 from tests.stage_fixtures import stage_servers
@@ -45,14 +44,13 @@ class TamperingStage(Stage):
 @pytest.fixture
 def control_plane(settings, tmp_path):
     """In-memory channel layer (whatever REDIS_URL says), a ticket key of this test's own, free tokens."""
-    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
-    settings.SWARM_TICKET_KEY_PATH = tmp_path / "ticket.key"
-    settings.SWARM_JOB_TIMEOUT_S = 120.0
-    settings.SWARM_DEFAULT_PRICES = (0, 0)  # free: these jobs are about receipts, not credits
-    settings.SWARM_STALL_TIMEOUT_S = 3.0  # a rogue's unsigned output is no progress: it stalls, then is blamed
-    issuer_key.cache_clear()
-    yield settings
-    issuer_key.cache_clear()
+    with stage_fixtures.in_memory_control_plane(
+        settings,
+        tmp_path,
+        SWARM_DEFAULT_PRICES=(0, 0),  # free: these jobs are about receipts, not credits
+        SWARM_STALL_TIMEOUT_S=3.0,  # a rogue's unsigned output is no progress: it stalls, then is blamed
+    ) as plane:
+        yield plane
 
 
 @pytest.fixture
