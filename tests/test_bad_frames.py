@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ import torch
 from nacl.signing import SigningKey
 from websockets.exceptions import ConnectionClosed
 
+from tests.forged import another_signature
 from tests.wire_client import RawClient, forward_header, raw_client, raw_frame
 from worker_agent import model as models
 from worker_agent import wire
@@ -28,6 +30,7 @@ from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.session import TokenEvent
 from worker_agent.kvcache import SessionLimits, SessionStore
+from worker_agent.links import PEER_CONTEXT, peer_proof, proves_second_connection
 from worker_agent.local import LocalSwarm
 from worker_agent.tickets import issue_peer_pass, issue_ticket
 
@@ -546,29 +549,63 @@ def test_a_peer_may_not_open_sessions_and_only_the_peer_hears_of_it(tiny_swarm, 
     assert (type(coordinator_pong), coordinator_pong.nonce, coordinator_pong.info["sessions"]) == (wire.Pong, 2, 1)
 
 
-def test_a_second_peer_connection_for_a_job_is_refused_to_it_alone(tiny_swarm, tiny_reference):
+def test_a_second_peer_connection_under_another_signature_is_refused_and_reported_with_its_proof(
+    tiny_swarm, tiny_reference
+):
     job = _job("raw")
-
     # The pass names its sender, as every pass the control plane's coordinators issue does.
-    sender = bytes(SigningKey.generate().verify_key)
+    sender = SigningKey.generate()
 
     async def bad():
-        peer_pass = issue_peer_pass(tiny_swarm.coordinator_key(job), tiny_swarm.tickets(job)[1], sender)
+        peer_pass = issue_peer_pass(
+            tiny_swarm.coordinator_key(job), tiny_swarm.tickets(job)[1], bytes(sender.verify_key)
+        )
+        first_proof = peer_proof(sender, peer_pass)
+        second_proof = another_signature(sender, PEER_CONTEXT + hashlib.sha256(peer_pass).digest())
         async with raw_client(tiny_swarm.urls[1]) as coordinator, raw_client(tiny_swarm.urls[1]) as first:
             await _authenticated(tiny_swarm, coordinator, job, agent=1)
-            accepted = await first.hello(job, peer_pass, role="peer", topology="ring")
-            second = await _hello_reply(tiny_swarm.urls[1], job, peer_pass, role="peer")
+            unproven = await _hello_reply(tiny_swarm.urls[1], job, peer_pass, role="peer")
+            accepted = await first.hello(job, peer_pass, role="peer", topology="ring", proof=first_proof)
+            async with raw_client(tiny_swarm.urls[1]) as second_client:
+                second = await second_client.hello(job, peer_pass, role="peer", topology="ring", proof=second_proof)
+            report = await coordinator.recv()  # the stage hands the coordinator both proofs, to judge
             first_pong = await first.ping(1)  # the first connection stays
-            coordinator_pong = await coordinator.ping(2)  # and the coordinator was told nothing
-            return accepted, second, first_pong, coordinator_pong
+            return peer_pass, unproven, accepted, second, report, first_pong
 
-    accepted, second, first_pong, coordinator_pong = _around_live_session(tiny_swarm, tiny_reference, bad)
+    peer_pass, unproven, accepted, second, report, first_pong = _around_live_session(tiny_swarm, tiny_reference, bad)
+
+    assert (type(unproven), unproven.code, unproven.fatal) == (wire.Error, "peer_unproven", True)
+    assert (type(accepted), accepted.role) == (wire.Hello, "stage")
+    message = f"job {job!r}'s ring peer opened a second connection under another signature of its pass"
+    assert second == wire.Error("peer_twice", message, ref=1, job=job, fatal=True)  # the evidence is not its own
+    assert (type(report), report.code, report.job, report.fatal) == (wire.Error, "peer_twice", job, False)
+    assert proves_second_connection(bytes(sender.verify_key), peer_pass, report.evidence)
+    assert (type(first_pong), first_pong.nonce) == (wire.Pong, 1)
+
+
+def test_the_same_peer_proof_again_is_a_reconnect_that_replaces_the_first_connection(tiny_swarm, tiny_reference):
+    job = _job("raw")
+    sender = SigningKey.generate()
+
+    async def reconnect():
+        peer_pass = issue_peer_pass(
+            tiny_swarm.coordinator_key(job), tiny_swarm.tickets(job)[1], bytes(sender.verify_key)
+        )
+        proof = peer_proof(sender, peer_pass)
+        async with raw_client(tiny_swarm.urls[1]) as coordinator, raw_client(tiny_swarm.urls[1]) as first:
+            await _authenticated(tiny_swarm, coordinator, job, agent=1)
+            await first.hello(job, peer_pass, role="peer", topology="ring", proof=proof)
+            async with raw_client(tiny_swarm.urls[1]) as again:
+                accepted = await again.hello(job, peer_pass, role="peer", topology="ring", proof=proof)
+                await asyncio.wait_for(first.ws.wait_closed(), 10)  # the stage dropped the old one
+                pong = await again.ping(1)
+                coordinator_pong = await coordinator.ping(2)  # nothing was reported
+            return accepted, pong, coordinator_pong
+
+    accepted, pong, coordinator_pong = _around_live_session(tiny_swarm, tiny_reference, reconnect)
 
     assert (type(accepted), accepted.role) == (wire.Hello, "stage")
-    assert second == wire.Error(
-        "peer_taken", f"job {job!r} has its ring peer connected here already", ref=1, job=job, fatal=True
-    )
-    assert (type(first_pong), first_pong.nonce) == (wire.Pong, 1)
+    assert (type(pong), pong.nonce) == (wire.Pong, 1)
     assert (type(coordinator_pong), coordinator_pong.nonce) == (wire.Pong, 2)
 
 

@@ -7,11 +7,13 @@ exact action it returns: the refusal's code, message, ref, job, session and whet
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import pytest
 import torch
 from nacl.signing import SigningKey
 
+from tests.forged import another_signature
 from worker_agent import wire
 from worker_agent.connection import (
     AcceptHello,
@@ -23,6 +25,7 @@ from worker_agent.connection import (
     Dispatch,
     Limits,
     OpenSessions,
+    PeerRecord,
     Refuse,
     ReplyPong,
     Role,
@@ -31,7 +34,8 @@ from worker_agent.connection import (
 )
 from worker_agent.errors import SessionError
 from worker_agent.keys import node_id
-from worker_agent.tickets import ProofNonces, issue_peer_pass, issue_ticket, prove_coordinator
+from worker_agent.links import PEER_CONTEXT, peer_proof, proves_second_connection
+from worker_agent.tickets import ProofNonces, issue_peer_pass, issue_ticket, open_peer_pass, prove_coordinator
 
 pytestmark = pytest.mark.dataplane
 
@@ -268,37 +272,111 @@ def test_a_peer_hello_for_a_job_without_a_coordinator_here_is_refused():
 def test_a_peer_hello_for_a_coordinated_job_binds_the_peer_role():
     connection = _bound(role="peer")
 
-    assert connection.binding == Binding(
-        JOB, Role.PEER, NODE, MODEL, 2, 4, expires_at=NOW + 600, coordinator_key=COORDINATOR_PUB
+    binding = connection.binding
+    assert binding is not None and binding.peer is not None
+    assert binding == Binding(
+        JOB, Role.PEER, NODE, MODEL, 2, 4, expires_at=NOW + 600, coordinator_key=COORDINATOR_PUB, peer=binding.peer
+    )
+    assert binding.peer.proof == b""  # the pass names no sender: nobody to prove
+
+
+SENDER = SigningKey(b"\x05" * 32)
+SENDER_PUB = bytes(SENDER.verify_key)
+SUCCESSOR_TICKET = _ticket(coordinator_key=COORDINATOR_PUB)
+
+
+def _peer_admission(bound: PeerRecord | None) -> Admission:
+    """This stage with the job's coordinator here and, if ``bound``, a peer admitted for the job."""
+    return dataclasses.replace(ADMISSION, jobs={JOB: COORDINATOR_PUB}, peers={JOB: bound} if bound else {})
+
+
+def _record(peer_pass: bytes, proof: bytes) -> PeerRecord:
+    return PeerRecord(open_peer_pass(peer_pass, now=NOW).order, hashlib.sha256(peer_pass).digest(), proof)
+
+
+def _peer_hello(peer_pass: bytes, proof: bytes | None) -> wire.Hello:
+    return wire.Hello(job=JOB, role="peer", ticket=peer_pass, topology="ring", proof=proof)
+
+
+def test_a_pass_naming_a_sender_admits_only_that_senders_signature_over_it():
+    peer_pass = issue_peer_pass(COORDINATOR, SUCCESSOR_TICKET, SENDER_PUB)
+    other_pass = issue_peer_pass(COORDINATOR, SUCCESSOR_TICKET, SENDER_PUB)
+
+    unproven = _feed(_connection(admission=_peer_admission(None)), _peer_hello(peer_pass, None), 1)
+    strangers = _feed(
+        _connection(admission=_peer_admission(None)), _peer_hello(peer_pass, peer_proof(STRANGER, peer_pass)), 1
+    )
+    other = _feed(
+        _connection(admission=_peer_admission(None)), _peer_hello(peer_pass, peer_proof(SENDER, other_pass)), 1
+    )
+    proven = _feed(
+        _connection(admission=_peer_admission(None)), _peer_hello(peer_pass, peer_proof(SENDER, peer_pass)), 1
+    )
+
+    assert (unproven.code, unproven.close) == ("peer_unproven", True)
+    assert unproven.message == "the peer HELLO carries no proof of the sender key its pass names"
+    assert (strangers.code, other.code) == ("peer_unproven", "peer_unproven")
+    assert isinstance(proven, AcceptHello)
+    assert proven.binding.peer == _record(peer_pass, peer_proof(SENDER, peer_pass))
+
+
+def test_the_same_pass_and_proof_again_is_the_sender_reconnecting():
+    peer_pass = issue_peer_pass(COORDINATOR, SUCCESSOR_TICKET, SENDER_PUB)
+    proof = peer_proof(SENDER, peer_pass)
+
+    again = _feed(_connection(admission=_peer_admission(_record(peer_pass, proof))), _peer_hello(peer_pass, proof), 1)
+
+    assert isinstance(again, AcceptHello)  # the server drops the old connection: it may be half dead
+
+
+def test_the_same_pass_under_another_signature_is_refused_with_both_as_evidence():
+    peer_pass = issue_peer_pass(COORDINATOR, SUCCESSOR_TICKET, SENDER_PUB)
+    first = peer_proof(SENDER, peer_pass)
+    second = another_signature(SENDER, PEER_CONTEXT + hashlib.sha256(peer_pass).digest())
+
+    action = _feed(_connection(admission=_peer_admission(_record(peer_pass, first))), _peer_hello(peer_pass, second), 1)
+
+    assert action == Refuse(
+        "peer_twice",
+        f"job {JOB!r}'s ring peer opened a second connection under another signature of its pass",
+        ref=1,
+        job=JOB,
+        close=True,
+        evidence=first + second,
+    )
+    assert proves_second_connection(SENDER_PUB, peer_pass, action.evidence)
+    # The successor cannot make such evidence up: the same proof twice, or a proof over another pass, is none.
+    assert not proves_second_connection(SENDER_PUB, peer_pass, first + first)
+    assert not proves_second_connection(
+        SENDER_PUB, issue_peer_pass(COORDINATOR, SUCCESSOR_TICKET, SENDER_PUB), first + second
     )
 
 
-def test_a_second_ring_peer_of_the_same_sender_is_refused_and_another_or_an_unnamed_one_is_admitted():
-    sender, other_sender = bytes(SigningKey(b"\x05" * 32).verify_key), bytes(SigningKey(b"\x06" * 32).verify_key)
-    successor_ticket = _ticket(coordinator_key=COORDINATOR_PUB)
-    admission = Admission(
-        node=NODE,
-        model=MODEL,
-        layer_start=SPAN[0],
-        layer_end=SPAN[1],
-        trusted_keys=ADMISSION.trusted_keys,
-        jobs={JOB: COORDINATOR_PUB},
-        peers={JOB: sender},  # the job's predecessor is connected already
+def test_a_newer_pass_takes_the_peer_place_and_an_older_one_never_again():
+    healed_away = SigningKey(b"\x07" * 32)
+    old_pass = issue_peer_pass(COORDINATOR, SUCCESSOR_TICKET, bytes(healed_away.verify_key))
+    new_pass = issue_peer_pass(COORDINATOR, SUCCESSOR_TICKET, SENDER_PUB)
+    old_record, new_record = (
+        _record(old_pass, peer_proof(healed_away, old_pass)),
+        _record(new_pass, peer_proof(SENDER, new_pass)),
     )
 
-    def peer_hello(sender_key: bytes) -> wire.Hello:
-        return _hello(role="peer", ticket=issue_peer_pass(COORDINATOR, successor_ticket, sender_key))
-
-    same = _feed(_connection(admission=admission), peer_hello(sender), 1)
-    healed = _feed(_connection(admission=admission), peer_hello(other_sender), 1)
-    unnamed = _feed(_connection(admission=dataclasses.replace(admission, peers={JOB: b""})), peer_hello(b""), 1)
-
-    assert same == Refuse(
-        "peer_taken", f"job {JOB!r} has its ring peer connected here already", ref=1, job=JOB, close=True
+    newer = _feed(
+        _connection(admission=_peer_admission(old_record)), _peer_hello(new_pass, peer_proof(SENDER, new_pass)), 1
     )
-    assert isinstance(healed, AcceptHello)  # a heal's new predecessor: the server drops the old one
-    assert healed.binding.sender_key == other_sender
-    assert isinstance(unnamed, AcceptHello)  # no sender to tell apart: the newest connection serves
+    stale = _feed(
+        _connection(admission=_peer_admission(new_record)), _peer_hello(old_pass, peer_proof(healed_away, old_pass)), 1
+    )
+
+    assert isinstance(newer, AcceptHello)
+    assert newer.binding.sender_key == SENDER_PUB
+    assert stale == Refuse(
+        "peer_stale",
+        f"job {JOB!r}'s route was healed onto a newer pass than this one: its sender is no longer the ring peer",
+        ref=1,
+        job=JOB,
+        close=True,
+    )
 
 
 def test_a_coordinator_may_open_forward_and_close_its_jobs_sessions():

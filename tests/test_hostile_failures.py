@@ -18,6 +18,7 @@ no failure, no suspicion and no strike:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 from datetime import timedelta
 
@@ -32,14 +33,17 @@ from marketplace.jobs import runner, services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.models import Node
-from marketplace.payouts.models import Earning
+from marketplace.payouts.models import Earning, EarningState
 from marketplace.verification.models import Strike, StrikeKind
+from marketplace.verification.strikes import release_earnings_in_good_standing, uphold_strike
 from tests import stage_fixtures
+from tests.forged import another_signature
 from tests.stage_fixtures import stage_servers
 from worker_agent import wire
 from worker_agent.connection import CloseSessions, Dispatch, Role
 from worker_agent.errors import SessionError
 from worker_agent.keys import generate_signing_key
+from worker_agent.links import PEER_CONTEXT, peer_proof
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 
@@ -144,21 +148,32 @@ def assert_untouched(nodes: list[Node]) -> None:
 
 
 class SecondPeerOpens(StageServer):
-    """Once its own peer connection to its successor is up, opens a second one with the same pass
-    and sends an OPEN on it (the attack that had the successor blamed)."""
+    """Once its own peer connection to its successor is up, opens a second one with its pass (under
+    ``proof``: none, its own proof again, or another signature of the pass that it made itself) and
+    sends an OPEN on it: the attack that had the successor blamed."""
 
-    answers: list[wire.Message] = []
+    proof = "none"
+    answers: list = []
 
     async def _send_on(self, slot, job, output):
         route = slot.jobs.get(job)
         if route is not None and route.peer is not None and not SecondPeerOpens.answers:
             SecondPeerOpens.answers = await self._second_connection(job, route)
+            if SecondPeerOpens.proof == "same":  # the successor took the new one for a reconnect
+                await asyncio.wait_for(route.peer.ws.wait_closed(), 10)
         await super()._send_on(slot, job, output)
 
     @staticmethod
-    async def _second_connection(job, route) -> list[wire.Message]:
+    async def _second_connection(job, route) -> list:
+        message = PEER_CONTEXT + hashlib.sha256(route.next_ticket).digest()
+        proof = {
+            "none": None,
+            "same": peer_proof(route.signing_key, route.next_ticket),
+            "another": another_signature(route.signing_key, message),
+        }[SecondPeerOpens.proof]
+        hello = wire.Hello(job=job, role="peer", ticket=route.next_ticket, topology="ring", proof=proof)
         async with connect(route.next_url, compression=None) as ws:
-            await ws.send(wire.encode(wire.Hello(job=job, role="peer", ticket=route.next_ticket, topology="ring"), 1))
+            await ws.send(wire.encode(hello, 1))
             answers = [wire.decode(await asyncio.wait_for(ws.recv(), 10)).message]
             try:
                 await ws.send(wire.encode(wire.Open(job, ("stolen",)), 2))
@@ -181,24 +196,78 @@ class PeerOpens(StageServer):
         await super()._send_on(slot, job, output)
 
 
-@pytest.mark.parametrize("attacker", [SecondPeerOpens, PeerOpens], ids=["second connection", "own connection"])
+@pytest.mark.parametrize("attacker", ["unproven second connection", "own connection"])
 def test_a_predecessors_open_on_a_peer_connection_is_refused_and_nobody_is_blamed(
     attacker, nodes_and_keys, monkeypatch
 ):
     nodes, keys, api_key = nodes_and_keys
-    SecondPeerOpens.answers, PeerOpens.sent = [], False
+    SecondPeerOpens.answers, SecondPeerOpens.proof, PeerOpens.sent = [], "none", False
+    server = SecondPeerOpens if attacker == "unproven second connection" else PeerOpens
 
-    [job] = run_jobs(api_key, keys, monkeypatch, 1, rogue=0, rogue_server=attacker)
+    [job] = run_jobs(api_key, keys, monkeypatch, 1, rogue=0, rogue_server=server)
 
     assert (job.state, job.verified, job.heals, job.error_code) == (JobState.SUCCEEDED, True, [], "")
     assert job.completion_tokens == PARAMS.max_tokens
     assert_untouched(nodes)  # the successor is not blamed, and the attacker's refused frame costs nobody a job
-    if attacker is SecondPeerOpens:
+    if server is SecondPeerOpens:
         hello, after = SecondPeerOpens.answers
-        assert (type(hello), hello.code, hello.fatal) == (wire.Error, "peer_taken", True)
+        assert (type(hello), hello.code, hello.fatal) == (wire.Error, "peer_unproven", True)
         assert after == "ConnectionClosedOK"
     else:
         assert PeerOpens.sent
+
+
+def test_a_second_peer_connection_under_another_signature_is_the_senders_strike_and_unpaid(
+    nodes_and_keys, heartbeats, monkeypatch
+):
+    nodes, keys, api_key = nodes_and_keys
+    attacker = nodes[0]
+    SecondPeerOpens.answers, SecondPeerOpens.proof = [], "another"
+
+    [job] = run_jobs(api_key, keys, monkeypatch, 1, rogue=0, rogue_server=SecondPeerOpens)
+
+    # The successor refused it and handed the coordinator both signatures; the job went on, verified.
+    hello, after = SecondPeerOpens.answers
+    assert (type(hello), hello.code, hello.fatal) == (wire.Error, "peer_twice", True)
+    assert after == "ConnectionClosedOK"
+    assert (job.state, job.verified, job.heals, job.error_code) == (JobState.SUCCEEDED, True, [], "")
+    [strike] = Strike.objects.filter(node=attacker)
+    assert (strike.kind, strike.job_id, strike.evidence["kind"]) == (StrikeKind.PROTOCOL, job.pk, "peer_twice")
+    assert len(bytes.fromhex(strike.evidence["signatures"])) == 128  # both of its signatures over the pass
+    assert Node.objects.get(pk=attacker.pk).under_review
+    assert_untouched(nodes[1:])
+    # Paid for nothing: its pending pay is withheld while the strike is open and clawed back when upheld.
+    release_earnings_in_good_standing(now=timezone.now() + timedelta(days=365))
+    states = dict(Earning.objects.filter(job=job).values_list("node_id", "state"))
+    assert states == {
+        attacker.pk: EarningState.PENDING,
+        nodes[1].pk: EarningState.AVAILABLE,
+        nodes[2].pk: EarningState.AVAILABLE,
+    }
+    uphold_strike(strike)
+    assert Earning.objects.get(job=job, node=attacker).state == EarningState.CLAWED_BACK
+
+
+def test_a_second_peer_connection_under_its_own_proof_replaces_the_first_and_its_loss_is_the_senders(
+    nodes_and_keys, heartbeats, monkeypatch
+):
+    nodes, keys, api_key = nodes_and_keys
+    attacker = nodes[0]
+    SecondPeerOpens.answers, SecondPeerOpens.proof = [], "same"
+
+    [job] = run_jobs(api_key, keys, monkeypatch, 1, rogue=0, rogue_server=SecondPeerOpens)
+
+    # A reconnect, as far as anyone can tell: the new connection replaced the first, whose later
+    # outputs then could not reach the successor; the coordinator asked the successor, which
+    # answered, so the failure is the sender's.
+    hello, opened = SecondPeerOpens.answers
+    assert (type(hello), hello.role) == (wire.Hello, "stage")
+    assert (type(opened), opened.code) == (wire.Error, "not_allowed")
+    assert (job.state, job.error_code, job.charged_amount) == (JobState.FAILED, "next_unconfirmed", 0)
+    assert failures(attacker) == (1, 1)
+    assert Node.objects.get(pk=attacker.pk).recent_deliberate == 1  # alive through it: the next one is a strike
+    assert not Strike.objects.exists()
+    assert_untouched(nodes[1:])
 
 
 class Withholds(StageServer):

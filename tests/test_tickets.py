@@ -415,6 +415,7 @@ def test_a_peer_pass_names_the_successor_and_expires_with_its_ticket():
     successor = _issue(node="node-bbbb", layer_start=15, layer_end=30, ttl_s=120)
 
     grant = open_peer_pass(issue_peer_pass(COORDINATOR, successor), now=NOW + 1)
+    later = open_peer_pass(issue_peer_pass(COORDINATOR, successor), now=NOW + 1)
 
     assert grant == PeerPass(
         job="job-1",
@@ -424,7 +425,9 @@ def test_a_peer_pass_names_the_successor_and_expires_with_its_ticket():
         layer_end=30,
         expires_at=NOW + 120,
         coordinator_key=COORDINATOR_PUB,
+        order=grant.order,
     )
+    assert later.order > grant.order > 0  # a pass issued later is newer: a successor admits it over this one
     with pytest.raises(TicketError) as err:
         open_peer_pass(issue_peer_pass(COORDINATOR, successor), now=NOW + 120)
     assert err.value.code == "ticket_expired"

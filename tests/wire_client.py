@@ -68,9 +68,12 @@ class RawClient:
         key: SigningKey | None = None,
         next_url: str | None = None,
         next_ticket: bytes | None = None,
+        proof: bytes | None = None,
     ) -> wire.Message:
-        """Say HELLO; with ``key`` (the job's coordinator key) it carries a fresh proof of that key."""
-        proof = prove_coordinator(key, ticket) if key is not None and ticket is not None else None
+        """Say HELLO; with ``key`` (the job's coordinator key) it carries a fresh proof of that key,
+        and a peer's carries ``proof`` (its signature over its pass, ``links.peer_proof``)."""
+        if key is not None and ticket is not None:
+            proof = prove_coordinator(key, ticket)
         hello = wire.Hello(
             job=job,
             role=role,

@@ -24,11 +24,16 @@ every rule that depends only on the connection itself:
 - roles: a ``coordinator`` may open, forward and close; a ring ``peer`` may only forward, only
   for a job whose coordinator is connected here, and only with a peer pass signed by that job's
   coordinator key for this stage;
-- one ring peer per job: while a peer connection is bound to a job, another HELLO with a pass
-  naming the same sender is refused (``peer_taken``) and closed, to that connection alone. A pass
-  naming another sender, or none (a coordinator without the control plane's assignments cannot
-  name one), is admitted: the route was healed onto a new predecessor, whose connection replaces
-  the old one (the adapter closes it), which a frozen predecessor could otherwise hold forever;
+- one ring peer per job, proven: a pass naming a sender is admitted only with that sender's
+  signature over it (``links.check_peer_proof``, else ``peer_unproven``), so a pass is nobody
+  else's to use. The stage remembers the newest pass it admitted for each job (``PeerRecord``).
+  The same pass with the same proof is the sender reconnecting: its new connection replaces the
+  old one (the adapter closes it), which a frozen half of a connection could otherwise hold
+  forever. The same pass with another valid proof is refused (``peer_twice``) with both proofs as
+  evidence for the job's coordinator: an honest sender's proof never changes. A newer pass
+  (another sender, or the same one re-pointed) replaces the old connection: the route was
+  healed. An older pass is refused (``peer_stale``): the predecessor the route was healed away
+  from cannot push its replacement out;
 - job binding: a frame for another job than the one bound is refused;
 - expiry: a connection's grant ends when its ticket (or peer pass) expires, with the job's deadline;
 - which refusals keep the connection usable (every bad frame) and which close it (a failed HELLO,
@@ -41,11 +46,13 @@ the adapter turns those errors into refusals with ``refused``.
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from worker_agent import wire
 from worker_agent.errors import SwarmError, TicketError, WireError
+from worker_agent.links import BadLink, check_peer_proof, second_connection_evidence
 from worker_agent.tickets import (
     PeerPass,
     ProofNonces,
@@ -57,6 +64,23 @@ from worker_agent.tickets import (
 )
 
 StageKey = tuple[str, int, int]  # (model, layer_start, layer_end): which of an agent's stages
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """The newest peer pass a stage admitted for a job, and the proof its sender gave with it."""
+
+    order: int  # the pass's issue order (tickets.PeerPass.order)
+    pass_digest: bytes  # sha256 of the pass's bytes: the same pass presented again
+    proof: bytes  # the sender's signature over the pass (links.peer_proof); empty: no sender named
+
+
+class SecondPeerConnection(TicketError):
+    """A pass's sender opened a second connection under a proof it made outside the protocol."""
+
+    def __init__(self, message: str, evidence: bytes) -> None:
+        super().__init__(message, code="peer_twice")
+        self.evidence = evidence  # both proofs (links.second_connection_evidence), for the coordinator
 
 
 class Role(enum.StrEnum):
@@ -96,9 +120,9 @@ class Admission:
     # (None on an insecure-open stage): a live view, read here, never changed; None: the
     # connection's ``coordinated_jobs``.
     jobs: Mapping[str, bytes | None] | None = field(default=None, compare=False, repr=False)
-    # Jobs with a ring peer connection bound here, each with the sender key its pass names: a live
-    # view, read here, never changed; None: no peer is bound to any job.
-    peers: Mapping[str, bytes] | None = field(default=None, compare=False, repr=False)
+    # Jobs a ring peer was admitted for, each with the newest pass admitted and its proof: a live
+    # view, read here, never changed; None: no peer was admitted for any job.
+    peers: Mapping[str, PeerRecord] | None = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> StageKey:
@@ -119,6 +143,7 @@ class Binding:
     coordinator_key: bytes | None = None  # the job's coordinator key the ticket or pass names; None if insecure-open
     # A peer: the node key its pass names, which must sign every item it forwards (links.py); empty: none named.
     sender_key: bytes = b""
+    peer: PeerRecord | None = None  # a peer: its pass and proof, remembered by the stage once admitted
 
     @property
     def key(self) -> StageKey:
@@ -145,6 +170,8 @@ class Refuse:
     job: str | None = None  # the job the refused frame named, if any
     session: str | None = None  # the first session the refused frame named, if any
     close: bool = False  # a refused HELLO or an expired grant: the connection is closed after the ERROR
+    # peer_twice: the two proofs, which the adapter also hands the job's coordinator (who judges them)
+    evidence: bytes | None = None
     kind: ActionKind = field(default=ActionKind.REFUSE, init=False)
 
     def to_wire(self) -> wire.Error:
@@ -303,7 +330,8 @@ class Connection:
             binding = self._admit(hello, now)
         except TicketError as exc:
             self.state = State.CLOSED
-            return Refuse(exc.code, str(exc), ref=seq, job=hello.job, close=True)
+            evidence = exc.evidence if isinstance(exc, SecondPeerConnection) else None
+            return Refuse(exc.code, str(exc), ref=seq, job=hello.job, close=True, evidence=evidence)
         self.state, self.binding = State.BOUND, binding
         return AcceptHello(hello, binding)
 
@@ -322,11 +350,9 @@ class Connection:
                     f"the peer pass is not signed by job {hello.job!r}'s coordinator", code="ticket_untrusted"
                 )
             raise TicketError(f"job {hello.job!r} is live here under another coordinator key", code="job_taken")
-        peers = stage.peers if stage.peers is not None else {}
-        if binding.role is Role.PEER and binding.sender_key and peers.get(hello.job) == binding.sender_key:
-            # The job's predecessor is connected already: a second connection of its could only
-            # send what the first may, or be refused for what it may not, so it is not admitted.
-            raise TicketError(f"job {hello.job!r} has its ring peer connected here already", code="peer_taken")
+        bound = stage.peers.get(hello.job) if stage.peers is not None else None
+        if binding.peer is not None and bound is not None:
+            _check_newest(hello.job, binding.peer, bound)
         if not stage.accepting and hello.job not in jobs:
             raise TicketError(
                 f"{stage.model} layers [{stage.layer_start}, {stage.layer_end}) is being released here "
@@ -367,10 +393,21 @@ class Connection:
         check_ticket_target(grant, node=us.node, model=us.model, layer_start=us.layer_start, layer_end=us.layer_end)
         if grant.job != hello.job:
             raise TicketError(f"ticket is for job {grant.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
+        peer: PeerRecord | None = None
         if hello.role == Role.COORDINATOR:
             # Last: a proof's nonce is remembered only once everything else about the HELLO held.
             assert isinstance(grant, Ticket)  # a coordinator's grant is always a ticket (the branch above)
             check_coordinator_proof(hello.proof, hello.ticket, grant, now=now, nonces=self.nonces)
+        else:
+            assert isinstance(grant, PeerPass)
+            peer = PeerRecord(grant.order, hashlib.sha256(hello.ticket).digest(), b"")
+            if grant.sender_key:
+                try:
+                    check_peer_proof(grant.sender_key, hello.ticket, hello.proof)
+                except BadLink as exc:
+                    raise TicketError(str(exc), code=exc.code) from None
+                assert hello.proof is not None  # checked just above
+                peer = replace(peer, proof=hello.proof)
         return Binding(
             grant.job,
             Role(hello.role),
@@ -381,7 +418,25 @@ class Connection:
             grant.expires_at,
             grant.coordinator_key,
             grant.sender_key if isinstance(grant, PeerPass) else b"",
+            peer,
         ), us
+
+
+def _check_newest(job: str, peer: PeerRecord, bound: PeerRecord) -> None:
+    """Raise TicketError unless a peer with ``peer``'s pass may take the job's ring peer place from
+    the one admitted with ``bound`` (the rules in the module's docstring)."""
+    if peer.pass_digest == bound.pass_digest:
+        if peer.proof != bound.proof:
+            raise SecondPeerConnection(
+                f"job {job!r}'s ring peer opened a second connection under another signature of its pass",
+                second_connection_evidence(bound.proof, peer.proof),
+            )
+        return  # the sender reconnecting
+    if peer.order < bound.order:
+        raise TicketError(
+            f"job {job!r}'s route was healed onto a newer pass than this one: its sender is no longer the ring peer",
+            code="peer_stale",
+        )
 
 
 def refused(action: OpenSessions | Dispatch | CloseSessions, exc: SwarmError) -> Refuse:

@@ -56,6 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import websockets
+from nacl.signing import SigningKey
 from prometheus_client import Counter
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
@@ -70,6 +71,7 @@ from worker_agent.connection import (
     Dispatch,
     Limits,
     OpenSessions,
+    PeerRecord,
     Refuse,
     ReplyPong,
     Role,
@@ -78,6 +80,7 @@ from worker_agent.connection import (
 )
 from worker_agent.errors import SwarmError, WireError
 from worker_agent.keys import node_id
+from worker_agent.links import peer_proof
 from worker_agent.metrics import AgentMetrics, BlockLoad
 from worker_agent.stage import Output, Prepared, Stage
 from worker_agent.tickets import ProofNonces, open_peer_pass
@@ -139,6 +142,8 @@ class JobRoute:
     next_url: str | None
     next_ticket: bytes | None  # the successor's peer pass
     coordinator_key: bytes | None = None  # the key the job's coordinator proved; None if insecure-open
+    # This node's key, which signs the successor's peer pass to open a connection with it (links.py)
+    signing_key: SigningKey | None = None
     peer: Conn | None = None
     peer_ready: asyncio.Future | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
@@ -160,25 +165,6 @@ class CoordinatorKeys(Mapping[str, bytes | None]):
         return len(self._jobs)
 
 
-class PeerKeys(Mapping[str, bytes]):
-    """A live view of a stage's ring peers as the connection core reads them: job -> the sender key
-    its peer's pass names."""
-
-    def __init__(self, peers: dict[str, Conn]) -> None:
-        self._peers = peers
-
-    def __getitem__(self, job: str) -> bytes:
-        core = self._peers[job].core
-        binding = core.binding if core is not None else None
-        return binding.sender_key if binding is not None else b""
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._peers)
-
-    def __len__(self) -> int:
-        return len(self._peers)
-
-
 def sender_of(conn: Conn) -> str:
     """The node a ring peer's pass names as its sender, for the log; "unnamed" without one."""
     binding = conn.core.binding if conn.core is not None else None
@@ -198,6 +184,9 @@ class StageSlot:
     queue: asyncio.Queue[tuple[Conn, Prepared]] = field(default_factory=asyncio.Queue)  # FORWARDs to batch
     conns: set[Conn] = field(default_factory=set)  # incoming connections bound to this stage
     peers: dict[str, Conn] = field(default_factory=dict)  # job -> its ring predecessor's connection
+    # job -> the newest peer pass admitted for it and its proof, kept while the job's coordinator is
+    # here, also when that peer's connection is gone: an older pass is never admitted again.
+    peer_records: dict[str, PeerRecord] = field(default_factory=dict)
     accepting: bool = True  # False once retired: HELLOs only for jobs already open here
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no job is open here
     compute: asyncio.Task | None = None  # its compute loop, while the server runs
@@ -332,7 +321,7 @@ class StageServer:
                 insecure_open=slot.stage.insecure_open,
                 accepting=slot.accepting,
                 jobs=CoordinatorKeys(slot.jobs),
-                peers=PeerKeys(slot.peers),
+                peers=slot.peer_records,
             )
             for slot in ordered
         ]
@@ -435,6 +424,9 @@ class StageServer:
         match action:
             case Refuse():
                 await self._refuse(conn, action.to_wire())
+                if action.evidence is not None and action.job is not None:
+                    await self._report(action.job, wire.Error(action.code, action.message, job=action.job,
+                                                              evidence=action.evidence))  # fmt: skip
                 return not action.close
             case ReplyPong():
                 primary = self.primary
@@ -486,16 +478,24 @@ class StageServer:
                     await self._repoint(old, hello)
             else:
                 slot.jobs[hello.job] = JobRoute(
-                    conn, hello.topology, hello.next_url, hello.next_ticket, action.binding.coordinator_key
+                    conn,
+                    hello.topology,
+                    hello.next_url,
+                    hello.next_ticket,
+                    action.binding.coordinator_key,
+                    slot.stage.signing_key,
                 )
                 slot.idle.clear()
             if slot.stage.cheat is not None:  # tests only (cheat.py): a cheat may choose its jobs by their route
                 slot.stage.cheat.saw_hello(hello.job, hello.topology, hello.next_url)
         else:
-            # The core admitted a peer while another is bound to the job only for another sender, or
-            # an unnamed one: the route was healed onto a new predecessor, and the old one's goes.
+            # The core admitted a peer while another is bound to the job only for a newer pass (the
+            # route was healed onto a new predecessor) or the same pass and proof (its sender
+            # reconnecting): either way the old connection goes.
             old_peer = slot.peers.get(hello.job)
             slot.peers[hello.job] = conn
+            if action.binding.peer is not None:
+                slot.peer_records[hello.job] = action.binding.peer
             if old_peer is not None:
                 log.info("job %s: ring peer %s replaces %s", hello.job, sender_of(conn), sender_of(old_peer))
                 self._drop_peer(old_peer)
@@ -537,6 +537,16 @@ class StageServer:
             await conn.send(error)
             if error.fatal:
                 await conn.link.drain()
+
+    async def _report(self, job: str, error: wire.Error) -> None:
+        """Hand the job's coordinator a refusal with its evidence (a ring peer's second connection),
+        for it to judge: the stage's word alone blames nobody."""
+        route = next((slot.jobs[job] for slot in self.slots.values() if job in slot.jobs), None)
+        if route is None:
+            return
+        log.warning("job %s: reporting %s to its coordinator", job, error.code)
+        with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
+            await route.coordinator.send(error)
 
     async def _error(self, conn: Conn, error: wire.Error) -> None:
         """Report this stage's own failure on the work a frame from ``conn`` asked for: to the job's
@@ -647,7 +657,8 @@ class StageServer:
                 connect(next_url, max_size=wire.MAX_HEADER, compression=None, **tls), HELLO_TIMEOUT_S
             )
             peer = Conn(ws, self.wan, sent=self.metrics.bytes_out)
-            await peer.send(wire.Hello(job=job, role="peer", ticket=next_ticket, topology="ring"))
+            proof = peer_proof(route.signing_key, next_ticket) if route.signing_key and next_ticket else None
+            await peer.send(wire.Hello(job=job, role="peer", ticket=next_ticket, topology="ring", proof=proof))
             reply = wire.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S), max_frame=wire.MAX_HELLO_FRAME)
             if isinstance(reply.message, wire.Error):
                 # Reported as the successor's fault; the coordinator checks that claim itself.
@@ -684,6 +695,7 @@ class StageServer:
         if route is None or route.coordinator is not conn:
             return
         del slot.jobs[job]
+        slot.peer_records.pop(job, None)
         if not slot.jobs:
             slot.idle.set()
         dropped = slot.stage.drop_job(job)

@@ -38,7 +38,9 @@ from nacl.signing import SigningKey, VerifyKey
 from worker_agent.errors import TicketError
 
 TICKET_VERSION = 2
-PEER_PASS_VERSION = 2  # 2: names the sender's node key, whose signatures the successor checks (links.py)
+# 2: names the sender's node key, whose signatures the successor checks (links.py); 3: and its
+# issue order, so a successor tells a healed route's pass from the one it replaced.
+PEER_PASS_VERSION = 3
 # Prefixed to the body before signing so a ticket signature can never pass as any other
 # signed object (a receipt, a challenge, a peer pass) made with the same key.
 SIGNING_CONTEXT = b"swarm-ticket-v2\0"
@@ -55,7 +57,7 @@ NONCE_BYTES = 16
 _STR_FIELDS = ("job", "node", "model")
 _INT_FIELDS = ("layer_start", "layer_end")
 _TICKET_KEYS = frozenset({"v", "expires_at", "coordinator_key", *_STR_FIELDS, *_INT_FIELDS})
-_PASS_KEYS = frozenset({"v", "expires_at", "sender_key", *_STR_FIELDS, *_INT_FIELDS})
+_PASS_KEYS = frozenset({"v", "expires_at", "sender_key", "order", *_STR_FIELDS, *_INT_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,10 @@ class PeerPass:
     # forwards must carry its signature by this key (links.py). Empty: the coordinator did not know
     # it (no control plane assignments); the successor then records no link evidence.
     sender_key: bytes = b""
+    # When the coordinator issued it (its own clock in nanoseconds, strictly increasing): a ring
+    # successor admits a peer whose pass is older than the newest it has admitted for the job
+    # never again, so a predecessor the route was healed away from cannot push its replacement out.
+    order: int = 0
 
 
 def _invalid(message: str) -> TicketError:
@@ -365,10 +371,22 @@ def check_coordinator_proof(
     nonces.remember(nonce, float(at), now=now)
 
 
+_last_order = 0
+
+
+def _next_order() -> int:
+    """A pass's issue order: this process's clock in nanoseconds, strictly increasing."""
+    global _last_order
+    _last_order = max(time.time_ns(), _last_order + 1)
+    return _last_order
+
+
 def issue_peer_pass(coordinator_key: SigningKey, successor_ticket: bytes, sender_key: bytes = b"") -> bytes:
     """A pass for the previous ring stage to forward into the sessions this coordinator opens on
     the stage ``successor_ticket`` is for; it names that stage and the sender's node key (whose
-    signature every forwarded item must carry), and expires with the successor's ticket."""
+    signature every forwarded item must carry, and which must sign the pass to open a connection
+    with it: ``links.peer_proof``), is ordered after every pass issued before it, and expires with
+    the successor's ticket."""
     if not isinstance(sender_key, bytes) or len(sender_key) not in (0, 32):
         raise _invalid("a peer pass's sender key is 32 bytes, or empty when it is not known")
     ticket = read_ticket(successor_ticket)
@@ -383,6 +401,7 @@ def issue_peer_pass(coordinator_key: SigningKey, successor_ticket: bytes, sender
         "layer_end": ticket.layer_end,
         "expires_at": ticket.expires_at,
         "sender_key": sender_key,
+        "order": _next_order(),
     }
     return _sign(coordinator_key, PEER_PASS_CONTEXT, fields)
 
@@ -397,6 +416,8 @@ def open_peer_pass(blob: bytes, *, now: float | None = None) -> PeerPass:
     sender_key = fields["sender_key"]
     if not isinstance(sender_key, bytes) or len(sender_key) not in (0, 32):
         raise _invalid("peer pass sender_key must be 32 bytes or empty")
+    if not _is_int(fields["order"]) or fields["order"] < 0:
+        raise _invalid("peer pass order must be a non-negative integer")
     peer_pass = PeerPass(
         job=fields["job"],
         node=fields["node"],
@@ -406,6 +427,7 @@ def open_peer_pass(blob: bytes, *, now: float | None = None) -> PeerPass:
         expires_at=float(fields["expires_at"]),
         coordinator_key=key,
         sender_key=sender_key,
+        order=fields["order"],
     )
     _check_unexpired(peer_pass.expires_at, now, "peer pass")
     return peer_pass

@@ -25,7 +25,7 @@ import enum
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 import torch
@@ -35,6 +35,7 @@ from worker_agent.errors import WireError
 VERSION = 1
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024  # bytes in one frame, header included
 MAX_HEADER = 64 * 1024  # bytes of msgpack header: a CLOSE's receipts are the largest legitimate one
+MAX_EVIDENCE = 1024  # bytes of an ERROR's evidence
 MAX_HELLO_FRAME = 8 * 1024  # bytes in a frame before HELLO, and in a stage's HELLO reply (tickets, identity)
 MAX_ITEMS = 1024  # sessions named in one frame: FORWARD/RESULT items, OPEN/CLOSE sessions and receipts
 _MAX_ID = 128  # characters in a job or session id
@@ -154,6 +155,9 @@ class Error:
     job: str | None = None
     session: str | None = None
     fatal: bool = False  # the sender closes the connection after this frame
+    # What the refusal rests on, for the job's coordinator to check itself, never to take on the
+    # stage's word: peer_twice carries the two proofs (links.py). At most MAX_EVIDENCE bytes.
+    evidence: bytes | None = None
 
 
 Message = Hello | Open | Forward | Result | Close | Ping | Pong | Error
@@ -216,6 +220,8 @@ def encode(message: Message, seq: int) -> bytes:
                 session=message.session,
                 fatal=message.fatal,
             )
+            if message.evidence is not None:  # absent, not nil, where there is none: older peers read on
+                header["evidence"] = message.evidence
     return msgpack.packb(header, use_bin_type=True) + payload
 
 
@@ -273,7 +279,7 @@ def decode(
         raise WireError(f"unsupported protocol version {version!r} (this side speaks {VERSION})", code="bad_version")
     seq = _int(header, "seq", minimum=0)
     try:
-        kind = MsgType(header.get("type"))
+        kind = MsgType(header.get("type", ""))  # a missing type is as unknown as any other
     except ValueError:
         raise WireError(f"unknown frame type {header.get('type')!r}", code="unknown_type") from None
     payload = frame[offset:]
@@ -324,6 +330,7 @@ def _parse(kind: MsgType, h: dict, payload: bytes, hidden_size: int | None) -> M
                 job=_opt(h, "job", str),
                 session=_opt(h, "session", str),
                 fatal=bool(_opt(h, "fatal", bool)),
+                evidence=_evidence(h),
             )
     raise WireError(f"unknown frame type {kind!r}", code="unknown_type")  # pragma: no cover
 
@@ -374,7 +381,7 @@ def _parse_tensor_frame(kind: MsgType, h: dict, payload: bytes, hidden_size: int
     return message
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -415,6 +422,13 @@ def _opt(h: dict, key: str, kind: type) -> Any:
     if kind is int and isinstance(value, bool):
         raise WireError(f"field {key!r} must be an integer", code="malformed")
     return value
+
+
+def _evidence(h: dict) -> bytes | None:
+    evidence = _opt(h, "evidence", bytes)
+    if evidence is not None and len(evidence) > MAX_EVIDENCE:
+        raise WireError(f"an ERROR's evidence is at most {MAX_EVIDENCE} bytes", code="too_large")
+    return evidence
 
 
 def finite(value: float) -> bool:

@@ -41,7 +41,7 @@ from marketplace.nodes.models import Node
 from marketplace.nodes.tickets import job_ticket_expiry, ticket_for
 from marketplace.verification.audits import record_audits
 from marketplace.verification.failures import GONE_CODES, alive_through, failure_code, record_failure
-from marketplace.verification.strikes import strike_unverifiable_receipts
+from marketplace.verification.strikes import strike_misconduct, strike_unverifiable_receipts
 from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
@@ -321,9 +321,7 @@ async def _generate(
     marked running (``started``), and sent its prompt only once it is (else ``_NotStarted``)."""
     grant = JobGrant.new()
     specs = await _specs(job, job.route, grant)
-    params = RequestParams.from_json(job.params)
-    last_progress = time.monotonic()
-    async with Coordinator(
+    coordinator = Coordinator(
         job.model,
         specs,
         job=job.public_id,
@@ -336,7 +334,21 @@ async def _generate(
         coordinator_key=grant.coordinator_key,
         speculation=speculation_settings(),
         tls=held_coordinator_tls() or await in_thread(coordinator_tls),  # a thread only to make or renew it
-    ) as coord:
+    )
+    try:
+        return await _stream(job, coordinator, layer, group, delivered, started)
+    finally:
+        # However the job ended: a breach its node signed against itself is a strike regardless.
+        if coordinator.misconduct:
+            await in_thread(_strike_misconduct, job.pk, list(coordinator.misconduct))
+
+
+async def _stream(
+    job: Job, coordinator: Coordinator, layer, group: str, delivered: Delivered, started: asyncio.Future[bool]
+) -> tuple[GenerationResult | None, bool, dict]:
+    params = RequestParams.from_json(job.params)
+    last_progress = time.monotonic()
+    async with coordinator as coord:
         if not await started:
             raise _NotStarted
         log.info("job running: %s, %d prompt tokens, on %d stages", job.model, job.prompt_tokens, len(job.route))
@@ -447,6 +459,10 @@ async def _blame_receipts(job_pk: int, node_id: str, reason: str) -> None:
     if dropped_at is not None and failure_code(reason) in GONE_CODES:
         await asyncio.sleep(1.5 * settings.SWARM_HEARTBEAT_INTERVAL_S)
     await in_thread(_strike_receipts, job_pk, node_id, reason, dropped_at)
+
+
+def _strike_misconduct(job_pk: int, misconduct: list) -> None:
+    strike_misconduct(Job.objects.get(pk=job_pk), misconduct)
 
 
 def _strike_receipts(job_pk: int, node_id: str, reason: str, dropped_at=None) -> None:

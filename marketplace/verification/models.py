@@ -77,6 +77,7 @@ class StrikeKind(models.TextChoices):
     RECEIPT = "receipt", "unverifiable receipt"  # it made a job's receipts fail (none, not its own, false)
     CAPACITY = "capacity", "false capacity claim"  # far more speed, or shorter round trips, than measured
     FAILURES = "failures", "repeated failures"  # stalls, drops and refusals attributed to it, past a threshold
+    PROTOCOL = "protocol", "protocol breach"  # a breach proven by its own signatures (a second peer connection)
 
 
 class StrikeState(models.TextChoices):

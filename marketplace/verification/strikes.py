@@ -155,3 +155,25 @@ def strike_unverifiable_receipts(job, node_id: str, reason: str) -> Strike | Non
         job=job,
         evidence={"kind": "receipt", "job": job.public_id, "reason": reason[:2000]},
     )
+
+
+@transaction.atomic
+def strike_misconduct(job, misconduct: list) -> list[Strike]:
+    """Each breach of the protocol a node of the job's route proved against itself with its own
+    signatures (``worker_agent.links.Misconduct``, checked by the job's coordinator): one strike
+    per node and kind, with the signatures as evidence; whatever became of the job."""
+    route = {stage["node"] for stage in job.route}
+    strikes, seen = [], set()
+    for breach in misconduct:
+        node = Node.objects.filter(node_id=breach.node).first()
+        if node is None or breach.node not in route or (breach.node, breach.code) in seen:
+            continue
+        seen.add((breach.node, breach.code))
+        evidence = {
+            "kind": breach.code,
+            "job": job.public_id,
+            "reason": breach.reason,
+            "signatures": breach.evidence.hex(),
+        }
+        strikes.append(open_strike(node, str(StrikeKind.PROTOCOL), job=job, evidence=evidence))
+    return strikes

@@ -47,6 +47,7 @@ from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError, StageError
 from worker_agent.keys import node_id
+from worker_agent.links import Misconduct
 from worker_agent.receipts import (
     BadSignature,
     MalformedReceipt,
@@ -119,6 +120,8 @@ class Coordinator:
         self.wan = wan
         self.stall_timeout_s = stall_timeout_s
         self._session_ids = itertools.count()  # shared by every route the job heals onto: ids never repeat
+        self._peer_passes: dict[tuple[bytes, bytes], bytes] = {}  # likewise: a kept pair keeps its pass
+        self.misconduct: list[Misconduct] = []  # breaches proven by their nodes' own signatures
         self.hidden_size = models.load_config(model).hidden_size  # the registry's, never a stage's word
         self.pipeline = self._pipeline(stages, audit_stages)
         self.pipeline.assignments = assignments
@@ -155,6 +158,8 @@ class Coordinator:
             hidden_size=self.hidden_size,
             coordinator_key=self.coordinator_key,
             tls=self.tls,
+            peer_passes=self._peer_passes,
+            misconduct=self.misconduct,
         )
 
     async def __aenter__(self) -> Coordinator:

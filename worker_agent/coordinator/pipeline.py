@@ -52,7 +52,7 @@ from worker_agent import wire
 from worker_agent.audit import AuditMaterial
 from worker_agent.coordinator.stalls import Relay, StallWatch
 from worker_agent.errors import AuditError, StageError, WireError
-from worker_agent.links import signed_by
+from worker_agent.links import Misconduct, proves_second_connection, signed_by
 from worker_agent.receipts import StageAssignment, digest
 from worker_agent.tickets import issue_peer_pass, prove_coordinator
 from worker_agent.tls import connect_options
@@ -299,6 +299,10 @@ class StageLink:
                 pass
             case wire.Error() if message.code == "next_unreachable" and self.index + 1 < len(self.pipeline.links):
                 self.pipeline.judge_unreachable(self.index, message)
+            case wire.Error() if message.code == "peer_twice" and self.index > 0:
+                # Not a failure of this stage's: what it refused, with the evidence, for the
+                # coordinator to judge; the job goes on.
+                self.pipeline.judge_second_connection(self.index, message)
             case wire.Error():
                 # Every other ERROR on this link is the stage's own refusal of what the coordinator
                 # sent it, or its own failure: a stage never passes its neighbours' word on.
@@ -349,6 +353,8 @@ class Pipeline:
         hidden_size: int | None = None,
         coordinator_key: SigningKey | None = None,
         tls: ssl.SSLContext | None = None,
+        peer_passes: dict[tuple[bytes, bytes], bytes] | None = None,
+        misconduct: list[Misconduct] | None = None,
     ) -> None:
         if topology not in ("ring", "star"):
             raise ValueError(f"topology must be 'ring' or 'star', got {topology!r}")
@@ -389,6 +395,11 @@ class Pipeline:
         # certificate from the swarm CA naming its spec's node, and is shown this coordinator's.
         # None: a wss:// stage is checked against the system's store and its URL's host.
         self.tls = tls
+        # The job's peer passes, shared by every route it heals onto: (successor's ticket, sender
+        # key) -> pass. A stage whose successor and own key did not change keeps its pass, so its
+        # peer connection stays; a new pair gets a newer pass, which takes the successor's peer place.
+        self._peer_passes = peer_passes if peer_passes is not None else {}
+        self.misconduct = misconduct if misconduct is not None else []  # proven by the culprits' own keys
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -423,7 +434,28 @@ class Pipeline:
         forward, and only items signed by the key assigned to stage ``index`` (links.py)."""
         if successor is None or successor.ticket is None or self.coordinator_key is None:
             return None
-        return issue_peer_pass(self.coordinator_key, successor.ticket, self._node_key(index))
+        key = (successor.ticket, self._node_key(index))
+        if key not in self._peer_passes:
+            self._peer_passes[key] = issue_peer_pass(self.coordinator_key, successor.ticket, key[1])
+        return self._peer_passes[key]
+
+    def judge_second_connection(self, index: int, error: wire.Error) -> None:
+        """Stage ``index`` refused a second peer connection of its predecessor's, handing over two
+        different proofs over one pass: if both are that predecessor's signatures over the pass
+        this coordinator issued it, the predecessor signed outside the protocol (links.py) and is
+        reported; else the claim is only its word, and nothing comes of it."""
+        sender = index - 1
+        successor = self.links[index].spec
+        sender_key = self._node_key(sender)
+        issued = self._peer_passes.get((successor.ticket, sender_key)) if successor.ticket is not None else None
+        node = self.node_at(sender)
+        if issued is None or node is None or not proves_second_connection(sender_key, issued, error.evidence):
+            log.warning("job %s: stage %d reports a second peer connection without proof", self.job, index)
+            return
+        reason = f"stage {sender} opened a second connection to stage {index} under a second signature of its pass"
+        log.warning("job %s: %s (node %s)", self.job, reason, node)
+        assert error.evidence is not None  # proven just above
+        self.misconduct.append(Misconduct(node, "peer_twice", reason, error.evidence))
 
     def _node_key(self, index: int) -> bytes:
         """The node key assigned to stage ``index``, as the control plane said; empty without one."""
