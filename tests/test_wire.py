@@ -92,6 +92,19 @@ def test_error_round_trips_with_and_without_optional_fields():
     )
 
 
+def test_an_errors_evidence_round_trips_up_to_its_limit_and_no_further():
+    proofs = wire.Error("peer_twice", "two proofs", job="job-1", evidence=bytes(range(128)))
+    over = {"v": 1, "type": "ERROR", "seq": 1, "code": "peer_twice", "message": "m", "evidence": b"x" * 1025}
+    wrong = {"v": 1, "type": "ERROR", "seq": 1, "code": "peer_twice", "message": "m", "evidence": "text"}
+
+    assert _round_trip(proofs).message == proofs
+    assert (_refusal(raw_frame(over, b"")).code, _refusal(raw_frame(over, b"")).message) == (
+        "too_large",
+        "an ERROR's evidence is at most 1024 bytes",
+    )
+    assert _refusal(raw_frame(wrong, b"")).code == "malformed"
+
+
 def test_multi_item_forward_round_trips_with_exact_item_slices():
     tensor = _rows(6)
     payload = wire.tensor_payload(tensor, "f32")
