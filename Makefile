@@ -45,6 +45,7 @@ test: $(STAMP)
 		apt-get install -y --no-install-recommends $$tool >/dev/null || exit 1; done
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mkdocs build --strict --site-dir $(VENV)/site
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

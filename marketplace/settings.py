@@ -1,4 +1,4 @@
-"""Settings, driven by environment variables (documented in the README).
+"""Settings, driven by environment variables (every one in docs/operations.md's table).
 
 Embedded default: SQLite, the in-memory channel layer, Celery tasks run eagerly in-process and
 periodic sweeps run in the web process. Production: DATABASE_URL (PostgreSQL) and REDIS_URL
@@ -11,6 +11,7 @@ import os
 import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import dj_database_url
@@ -159,7 +160,8 @@ MIGRATION_MODULES = {
 DATABASE_URL = env_str("DATABASE_URL", "")
 if DATABASE_URL:
     try:
-        DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
+        # Typed as Django reads it: dj_database_url's typed config, or the SQLite one below (whose NAME is a Path).
+        DATABASES: dict[str, Any] = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=0)}
     except Exception as exc:
         raise ImproperlyConfigured(f"DATABASE_URL is not a database URL: {exc}") from exc
     if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
@@ -268,8 +270,6 @@ SWARM_EMBEDDED_SCHEDULER = env_bool("SWARM_EMBEDDED_SCHEDULER", not REDIS_URL)
 SWARM_SWEEP_INTERVAL_S = env_float("SWARM_SWEEP_INTERVAL_S", 2.0, minimum=0.1)
 # How often the embedded scheduler runs the trust work (challenges, strikes, reputation, earnings).
 SWARM_TRUST_INTERVAL_S = env_float("SWARM_TRUST_INTERVAL_S", 10.0, minimum=0.1)
-# Re-place a model automatically when nodes come and go.
-SWARM_AUTO_PLACE = env_bool("SWARM_AUTO_PLACE", True)
 # Nodes kept off the serving path with a warm block, per pipeline, when there are more nodes
 # than the pipelines need (0: every node serves).
 SWARM_SPARES_PER_PIPELINE = env_int("SWARM_SPARES_PER_PIPELINE", 1, minimum=0)
@@ -446,7 +446,7 @@ if SWARM_VERIFIER not in ("inline", "celery"):
 # difference of their norms is below SWARM_CHECK_MAX_REL_NORM.
 SWARM_CHECK_MIN_COSINE = env_float("SWARM_CHECK_MIN_COSINE", 0.99, minimum=0.0)
 SWARM_CHECK_MAX_REL_NORM = env_float("SWARM_CHECK_MAX_REL_NORM", 0.05, minimum=0.0)
-# A challenge is a job the verifier runs (README "Trust"): it has a job's time to end.
+# A challenge is a job the verifier runs (docs/trust-and-payouts.md, "Challenges are jobs"): it has a job's time to end.
 SWARM_CHALLENGE_DEADLINE_S = env_float("SWARM_CHALLENGE_DEADLINE_S", SWARM_JOB_TIMEOUT_S, minimum=0.1)
 # The address the verifier's stand-in stages listen on, which a challenged node reaches its successor
 # at: an address of the verifying process's host that the nodes can reach (default: SWARM_PUBLIC_URL's host).
@@ -458,7 +458,7 @@ SWARM_CHALLENGE_PROMPTS = env_str("SWARM_CHALLENGE_PROMPTS", "")
 # Node ids the verifier trusts to serve the other spans of a challenge's route (nodes the operator runs,
 # which serve customers' jobs too); a span no trusted node serves gets a stand-in of the verifier's.
 SWARM_CHALLENGE_TRUSTED_NODES = env_list("SWARM_CHALLENGE_TRUSTED_NODES", [])
-# The check-rate formula (README "Trust"): a node is checked often enough that cheating loses it more
+# The check-rate formula (docs/trust-and-payouts.md, "How often a node is checked"): a node is checked often enough that cheating loses it more
 # than it gains. SAFETY is the factor k by which the expected loss must exceed the gain; HORIZON is the
 # days of future income an ejected node forfeits (scaled by its age and reputation).
 SWARM_CHECK_SAFETY = env_float("SWARM_CHECK_SAFETY", 2.0, minimum=1.0)

@@ -25,7 +25,7 @@ class Reachability(models.TextChoices):
 
 
 class Privacy(models.TextChoices):
-    """Which nodes may see a request (README, "Who sees what"). Stage 0 sees the prompt's embeddings
+    """Which nodes may see a request (docs/privacy.md, "Who sees what"). Stage 0 sees the prompt's embeddings
     and the last stage the states the output's logits come from; every stage sees activations."""
 
     ANY = "any", "Any node"
