@@ -822,6 +822,10 @@ def soak_child(args) -> int:
             # Every agent of the soak is honest: each strike, failure count or refund is a false one.
             "strikes_on_honest_nodes": Strike.objects.count(),
             "strikes_by_kind": count_by(list(Strike.objects.values_list("kind", flat=True))),
+            "strike_reasons": [
+                f"{node}: {evidence.get('reason', '')}"[:300]
+                for node, evidence in Strike.objects.values_list("node__node_id", "evidence")
+            ],
             "failures_counted_on_honest_nodes": sum(Node.objects.values_list("failures_total", flat=True)),
             "audits": count_by(list(Audit.objects.values_list("state", flat=True))),
             "challenges": count_by(list(Challenge.objects.values_list("state", flat=True))),

@@ -311,6 +311,9 @@ SWARM_SPEED_FALSE_CLAIM = env_float("SWARM_SPEED_FALSE_CLAIM", 50.0, minimum=2.0
 # to the other end's measurement / the tolerance and struck.
 SWARM_RTT_CLAIM_TOLERANCE = env_float("SWARM_RTT_CLAIM_TOLERANCE", 2.0, minimum=1.0)
 SWARM_RTT_CLAIM_MARGIN_MS = env_float("SWARM_RTT_CLAIM_MARGIN_MS", 50.0, minimum=0.0)
+# Reports of a link an end must have made before the least of them is evidence against the other
+# end's claim (a single report from a busy end is inflated by its load, not by the other's lie).
+SWARM_RTT_EVIDENCE_SAMPLES = env_int("SWARM_RTT_EVIDENCE_SAMPLES", 3, minimum=1)
 # A node whose stage refuses a session for its length within the positions it reported holding is
 # clamped to less than that length; one that reported more than this many times it is struck.
 SWARM_MEMORY_CLAIM_TOLERANCE = env_float("SWARM_MEMORY_CLAIM_TOLERANCE", 2.0, minimum=1.0)

@@ -155,7 +155,11 @@ class LinkMeasurement(models.Model):
 
     source = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="links")
     target = models.CharField(max_length=64)  # a node id, or "region:<name>"
-    rtt_ms = models.FloatField()
+    rtt_ms = models.FloatField()  # the latest report: what routing prices the hop at
+    # The least this source ever reported for the link, over ``samples`` reports: load on either
+    # end only adds delay, so this is what counts as its measurement against the other end's claim.
+    lowest_rtt_ms = models.FloatField(null=True, blank=True)
+    samples = models.PositiveIntegerField(default=0)
     uplink_mbps = models.FloatField(null=True, blank=True)
     measured_at = models.DateTimeField()
 

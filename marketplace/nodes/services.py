@@ -13,6 +13,7 @@ import logging
 import math
 import secrets
 from datetime import datetime, timedelta
+from typing import Any, Literal, overload
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -126,6 +127,12 @@ def _verify(public_key: bytes, message: bytes, signature_hex: str, error: type[E
         raise error("the signature does not verify with the node's key") from exc
 
 
+@overload
+def _number(
+    report: dict, key: str, *, minimum: float = ..., maximum: float = ..., required: Literal[True] = ...
+) -> float: ...
+@overload
+def _number(report: dict, key: str, *, minimum: float = ..., maximum: float = ..., required: bool) -> float | None: ...
 def _number(
     report: dict, key: str, *, minimum: float = 0.0, maximum: float = 1e15, required: bool = True
 ) -> float | None:
@@ -395,7 +402,7 @@ def apply_heartbeat(node_pk: int, load: dict, now: datetime | None = None) -> bo
     a failure report clears the node's suspicion."""
     if not isinstance(load, dict):
         raise InvalidReport("load must be an object")
-    clean = {}
+    clean: dict[str, Any] = {}  # numbers, and the model and state as text
     for key in ("sessions", "tokens_served", "uptime_s", "queue", "layer_ms"):
         if key in load:
             clean[key] = _number(load, key)
@@ -444,6 +451,7 @@ def mark_leaving(node_pk: int) -> bool:
     if not Node.objects.filter(pk=node_pk, state__in=[NodeState.ACTIVE, NodeState.DRAINING]).update(connected=False):
         return False
     node_id = Node.objects.values_list("node_id", flat=True).get(pk=node_pk)
+    assert node_id is not None  # an active or draining node has joined
     push(node_id, protocol.to_wire(protocol.Drain()))
     log.info("node %s is stopping: no new job is routed to it", node_id)
     notify_node_changed(node_pk)
@@ -532,8 +540,18 @@ def record_links(node_pk: int, results: list) -> int:
     for target, rtt, uplink in parsed:
         if target not in regions and target not in peers:
             continue
+        before = LinkMeasurement.objects.filter(source_id=node_pk, target=target).first()
+        lowest = rtt if before is None or before.lowest_rtt_ms is None else min(before.lowest_rtt_ms, rtt)
         LinkMeasurement.objects.update_or_create(
-            source_id=node_pk, target=target, defaults={"rtt_ms": rtt, "uplink_mbps": uplink, "measured_at": now}
+            source_id=node_pk,
+            target=target,
+            defaults={
+                "rtt_ms": rtt,
+                "lowest_rtt_ms": lowest,
+                "samples": (before.samples if before is not None else 0) + 1,
+                "uplink_mbps": uplink,
+                "measured_at": now,
+            },
         )
         stored += 1
         if uplink is not None and target in regions:

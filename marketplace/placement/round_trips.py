@@ -6,7 +6,9 @@ to look near and win routes. A round trip between two nodes is one loop, out one
 other, whichever end times it: each end's report is a measurement of the other's claim. Routing
 still prices each direction by its sender's report (``routing``), and honest ends disagree by
 their answering delays and jitter, so a report stands unless the other end measured the same link
-more than ``tolerance`` times as long, and by more than ``margin_ms``. Then:
+more than ``tolerance`` times as long, and by more than ``margin_ms``. As evidence for a strike an
+end's measurement is the least it reported over several reports, since load on a busy end inflates
+what it measures (an honest node would otherwise be struck by its overloaded peers). Then:
 
 - it is clamped (``credible_round_trips``): the hop counts as the other end's measurement divided
   by the tolerance, so a false report buys no more than an honest disagreement could;
@@ -53,11 +55,16 @@ def credible_round_trips(reports: RoundTrips, *, tolerance: float, margin_ms: fl
     return credible
 
 
-def false_claims(reports: RoundTrips, *, tolerance: float, margin_ms: float) -> list[FalseRoundTrip]:
-    """The reports the other end of their link contradicts, by reporter and target."""
+def false_claims(
+    reports: RoundTrips, *, tolerance: float, margin_ms: float, evidence: RoundTrips | None = None
+) -> list[FalseRoundTrip]:
+    """The reports the other end of their link contradicts, by reporter and target. ``evidence``:
+    what each end's measurement of a link counts as against the other's claim, where it differs
+    from its latest report (the least it ever reported, once it reported enough: load only adds
+    delay, so a busy end's momentary figure convicts nobody); a link missing from it is no evidence."""
     found = []
     for (source, target), claimed in sorted(reports.items()):
-        measured = reports.get((target, source))
+        measured = (evidence if evidence is not None else reports).get((target, source))
         if measured is not None and contradicted(claimed, measured, tolerance=tolerance, margin_ms=margin_ms):
             found.append(FalseRoundTrip(source, target, claimed, measured))
     return found

@@ -38,13 +38,27 @@ def record_probe_results(node_pk: int, results: list) -> list[Strike]:
     peers = set(mine.values_list("target", flat=True))
     # Every report between those peers and anyone: a peer's other links are its other witnesses.
     rows = LinkMeasurement.objects.filter(source__node_id__in=peers | {node_id}).exclude(target__startswith="region:")
-    reports = {(source, target): rtt for source, target, rtt in rows.values_list("source__node_id", "target", "rtt_ms")}
+    reports, evidence = {}, {}
+    for source, target, rtt, lowest, samples in rows.values_list(
+        "source__node_id", "target", "rtt_ms", "lowest_rtt_ms", "samples"
+    ):
+        assert source is not None  # the rows are filtered by their source's node id
+        reports[(source, target)] = rtt
+        if lowest is not None and samples >= settings.SWARM_RTT_EVIDENCE_SAMPLES:
+            evidence[(source, target)] = lowest
     false = false_claims(
-        reports, tolerance=settings.SWARM_RTT_CLAIM_TOLERANCE, margin_ms=settings.SWARM_RTT_CLAIM_MARGIN_MS
+        reports,
+        tolerance=settings.SWARM_RTT_CLAIM_TOLERANCE,
+        margin_ms=settings.SWARM_RTT_CLAIM_MARGIN_MS,
+        evidence=evidence,
     )
-    trusted = set(
-        Node.objects.filter(node_id__in=peers | {node_id}, trusted_at__isnull=False).values_list("node_id", flat=True)
-    )
+    trusted = {
+        trusted_id
+        for trusted_id in Node.objects.filter(node_id__in=peers | {node_id}, trusted_at__isnull=False).values_list(
+            "node_id", flat=True
+        )
+        if trusted_id is not None  # always: filtered by node id
+    }
     return [
         strike
         for liar, claims in sorted(liars(false, trusted=trusted, witnesses=RTT_WITNESSES).items())
