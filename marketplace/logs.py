@@ -22,9 +22,19 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar, Token
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest
+
+    class IdentifiedRequest(HttpRequest):
+        """A request as ``RequestIdMiddleware`` passes it on, for views' annotations (defined for the
+        type checker only: this module imports no Django when it runs)."""
+
+        request_id: str
+
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("swarm_request_id", default=None)
 JOB_ID: ContextVar[str | None] = ContextVar("swarm_job_id", default=None)

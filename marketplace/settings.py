@@ -461,9 +461,10 @@ SWARM_CHALLENGE_PROMPTS = env_str("SWARM_CHALLENGE_PROMPTS", "")
 # Node ids the verifier trusts to serve the other spans of a challenge's route (nodes the operator runs,
 # which serve customers' jobs too); a span no trusted node serves gets a stand-in of the verifier's.
 SWARM_CHALLENGE_TRUSTED_NODES = env_list("SWARM_CHALLENGE_TRUSTED_NODES", [])
-# The check-rate formula (docs/trust-and-payouts.md, "How often a node is checked"): a node is checked often enough that cheating loses it more
-# than it gains. SAFETY is the factor k by which the expected loss must exceed the gain; HORIZON is the
-# days of future income an ejected node forfeits (scaled by its age and reputation).
+# The check-rate formula (docs/trust-and-payouts.md, "How often a node is checked"): a node is
+# checked often enough that cheating loses it more than it gains. SAFETY is the factor k by which
+# the expected loss must exceed the gain; HORIZON is the days of future income an ejected node
+# forfeits (scaled by its age and reputation).
 SWARM_CHECK_SAFETY = env_float("SWARM_CHECK_SAFETY", 2.0, minimum=1.0)
 SWARM_CHECK_HORIZON_DAYS = env_float("SWARM_CHECK_HORIZON_DAYS", 30.0, minimum=0.0)
 SWARM_CHALLENGES_MIN_PER_DAY = env_float("SWARM_CHALLENGES_MIN_PER_DAY", 24.0, minimum=0.0)

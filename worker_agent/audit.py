@@ -443,7 +443,7 @@ def verify_audit(
     when any output row is out of bounds, and returns the report when every row passes."""
     check_hashes(material, receipt, upstream)
     report = replay(material, block, min_cosine=min_cosine, max_rel_norm=max_rel_norm)
-    if not report.passed:
+    if report.first_failure is not None:  # not passed
         step, row = report.first_failure
         index = sum(count for _, count in material.steps[:step]) + row
         raise AuditFailed(

@@ -51,6 +51,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,6 +64,11 @@ from worker_agent.kvcache import KVLayout, KVSession
 from worker_agent.model import BlockWeights, model_name
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "Block", "WorkItem"]
+
+# A transformers decoder layer, one of its parts, or a model's config: what they hold differs by
+# architecture (fused projections, head norms, sandwich norms, multipliers), so they are read by
+# name, untyped; ``_check_supported`` checks each layer's parts against its architecture's entry.
+Dynamic = Any
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,8 @@ class Block:
 
     def __init__(self, weights: BlockWeights, *, max_batch: int = 32) -> None:
         kind = _check_supported(weights)
-        attention = weights.layers[0].self_attn
-        config = weights.config
+        attention: Dynamic = weights.layers[0].self_attn
+        config: Dynamic = weights.config
         self.weights = weights
         self.max_batch = max_batch
         self.head_dim = int(attention.head_dim)
@@ -134,7 +140,8 @@ class Block:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.weights.config.hidden_size)
+        config: Dynamic = self.weights.config
+        return int(config.hidden_size)
 
     @torch.inference_mode()
     def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
@@ -195,7 +202,7 @@ class Block:
 
     def _layer(
         self,
-        layer: nn.Module,
+        layer: Dynamic,
         index: int,
         hidden: torch.Tensor,
         cos: torch.Tensor,
@@ -233,9 +240,7 @@ class Block:
         """A sublayer's output as it joins the residual stream."""
         return out if self.residual_scale is None else out * self.residual_scale
 
-    def _project_qkv(
-        self, attention: nn.Module, normed: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project_qkv(self, attention: Dynamic, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (tokens, heads, d), keys and values (tokens, kv_heads, d) of the normed rows."""
         tokens, d = normed.shape[0], self.head_dim
         if self.fused_qkv:
@@ -251,7 +256,7 @@ class Block:
             values.reshape(tokens, self.kv_heads, d),
         )
 
-    def _mlp(self, mlp: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, mlp: Dynamic, normed: torch.Tensor) -> torch.Tensor:
         """down(act(gate) * up) of the normed rows. (tokens, hidden)"""
         if self.fused_gate_up:
             gate, up = _project(mlp.gate_up_proj, normed).chunk(2, dim=-1)  # (tokens, inner) each
@@ -304,6 +309,7 @@ def _check_supported(weights: BlockWeights) -> Architecture:
     """The entry of the model's type, once every layer is one ``Block`` computes exactly."""
     config, name = weights.config, model_name(weights.model)
     kind = architecture(getattr(config, "model_type", None), name)
+    layer: Dynamic
     for local, layer in enumerate(weights.layers):
         where = f"{name} layer {weights.layer_start + local}"
         _check_parts(where, "parts", layer, kind.layer_parts)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -157,7 +158,7 @@ def impostor_weights(weights: BlockWeights, *, seed: int = IMPOSTOR_SEED) -> Blo
     )
 
 
-def cheat_from_option(text: str | None, environ: dict[str, str] | None = None) -> Cheat | None:
+def cheat_from_option(text: str | None, environ: Mapping[str, str] | None = None) -> Cheat | None:
     """The cheat a ``--cheat`` option asks for; refused unless SWARM_ALLOW_CHEAT=1."""
     if text is None:
         return None

@@ -53,7 +53,7 @@ import ssl
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import websockets
@@ -143,7 +143,7 @@ def hardware_report(device: str, max_layers: int | None, dtype: str = "float32")
     if device.startswith("cuda") and torch.cuda.is_available():
         index = torch.device(device).index or 0
         props = torch.cuda.get_device_properties(index)
-        report = {
+        report: dict[str, Any] = {
             "device": "cuda",
             "device_name": props.name,
             "memory_bytes": int(props.total_memory),
@@ -414,7 +414,8 @@ class Agent:
         """The primary block: the newest one still taking jobs, else the newest; None if none."""
         blocks = list(self.blocks.values())
         live = [block for block in blocks if block.unloading is None]
-        return (live or blocks or [None])[-1]
+        newest_first = live or blocks
+        return newest_first[-1] if newest_first else None
 
     async def _session(self, ws) -> None:
         hello = protocol.decode(await asyncio.wait_for(ws.recv(), HTTP_TIMEOUT_S))
@@ -461,7 +462,8 @@ class Agent:
             heartbeat.cancel()
 
     async def _heartbeats(self, ws, interval: float) -> None:
-        last = (None, 0.0, 0)  # (stage, compute seconds, tokens) at the previous heartbeat
+        # (stage, compute seconds, tokens) at the previous heartbeat
+        last: tuple[Stage | None, float, int] = (None, 0.0, 0)
         while True:
             if self.stopped.is_set():
                 state = protocol.LEAVING  # every heartbeat after a stop signal keeps it off routing
@@ -537,7 +539,7 @@ class Agent:
                 await ws.send(ready)
                 log.info("serving %s layers %d:%d again, as assignment %s", model, start, end, assignment)
                 return
-            if same is not None:
+            if same is not None and same.unloading is not None:  # unloading: a live one was handled above
                 await same.unloading  # the port serves one stage per span: let the released one go first
             await self._make_room(end - start)
             log.info("assigned %s layers %d:%d (assignment %s)", model, start, end, assignment)

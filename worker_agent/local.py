@@ -68,8 +68,12 @@ class LocalSwarm:
         self.threads = threads
         self.wan = wan
         self.extra_args = extra_args or []
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="swarm-")
-        self.workdir = Path(workdir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir:
+            self.workdir = Path(workdir)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="swarm-")
+            self.workdir = Path(self._tmp.name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
         self.agents: list[Agent] = []

@@ -87,7 +87,9 @@ def _build_smollm2(out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model while it still looks quantized; the
     # dequantized weights it then writes are identical to the ones in memory.
-    model.hf_quantizer = None
+    # PreTrainedModel does not declare hf_quantizer (from_pretrained sets it), so mypy checks the
+    # assignment against torch's Module.__setattr__, which types values as tensors or modules.
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -30,7 +30,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import msgpack
 from nacl.exceptions import CryptoError
@@ -325,6 +325,18 @@ def _envelope(d: object) -> dict:
     return d
 
 
+class _Identity(TypedDict):
+    """The fields of a builder's receipts that its steps do not change."""
+
+    job: str
+    session: str
+    node: str
+    node_key: bytes
+    model: str
+    layer_start: int
+    layer_end: int
+
+
 class ReceiptBuilder:
     """Accumulates one stage's steps for one session; ``sign`` snapshots them into a Receipt."""
 
@@ -339,7 +351,7 @@ class ReceiptBuilder:
         layer_start: int,
         layer_end: int,
     ) -> None:
-        self._identity = {
+        self._identity: _Identity = {
             "job": job,
             "session": session,
             "node": node,

@@ -9,7 +9,7 @@ from marketplace.accounts.models import User
 class SwarmUserAdmin(UserAdmin):
     form = AdminChangeUserForm
     add_form = AdminAddUserForm
-    fieldsets = (*UserAdmin.fieldsets, ("Roles", {"fields": ("is_provider", "is_customer")}))
+    fieldsets = (*(UserAdmin.fieldsets or ()), ("Roles", {"fields": ("is_provider", "is_customer")}))
     add_fieldsets = (
         (
             None,

@@ -38,7 +38,10 @@ def check_email_free(email: str, *, user_pk: int | None = None) -> str:
     ``user_pk``'s) already uses it, compared without case. The sign-up form and the Django admin's
     user forms both check through here."""
     email = email.strip().lower()
-    if get_user_model().objects.filter(email__iexact=email).exclude(pk=user_pk).exists():
+    others = get_user_model().objects.filter(email__iexact=email)
+    if user_pk is not None:
+        others = others.exclude(pk=user_pk)
+    if others.exists():
         raise EmailTaken("An account with this email already exists.", param="email")
     return email
 

@@ -13,12 +13,13 @@ import asyncio
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponseBase, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from marketplace import logs
@@ -38,6 +39,9 @@ from marketplace.jobs.models import ApiKey
 from marketplace.jobs.params import RequestParams
 from marketplace.placement.selectors import context_length, servable_pipelines
 from worker_agent.checkpoints import is_ref, ref_name
+
+if TYPE_CHECKING:
+    from marketplace.logs import IdentifiedRequest
 
 log = logging.getLogger("swarm.api")
 
@@ -117,7 +121,7 @@ async def list_models(request: HttpRequest, api_key: ApiKey) -> JsonResponse:
 @releases_db
 @allow_method("POST")
 @api_key_required
-async def chat_completions(request: HttpRequest, api_key: ApiKey) -> HttpResponse:
+async def chat_completions(request: IdentifiedRequest, api_key: ApiKey) -> HttpResponseBase:
     return await _complete(request, api_key, "chat")
 
 
@@ -125,11 +129,11 @@ async def chat_completions(request: HttpRequest, api_key: ApiKey) -> HttpRespons
 @releases_db
 @allow_method("POST")
 @api_key_required
-async def completions(request: HttpRequest, api_key: ApiKey) -> HttpResponse:
+async def completions(request: IdentifiedRequest, api_key: ApiKey) -> HttpResponseBase:
     return await _complete(request, api_key, "completion")
 
 
-async def _complete(request: HttpRequest, api_key: ApiKey, kind: str) -> HttpResponse:
+async def _complete(request: IdentifiedRequest, api_key: ApiKey, kind: str) -> HttpResponseBase:
     try:
         body = _json_body(request)
     except DomainError as exc:
@@ -139,7 +143,7 @@ async def _complete(request: HttpRequest, api_key: ApiKey, kind: str) -> HttpRes
 
 async def complete_for_key(
     api_key: ApiKey, body: dict, kind: str, request_id: str, idempotency_key: str | None = None
-) -> HttpResponse:
+) -> HttpResponseBase:
     """Validate a request ``body``, rate limit and admit it as a job of ``api_key`` (a job per
     choice), and answer it in OpenAI's shapes (SSE when streamed). The public API calls it with the
     bearer key; the dashboard's playground with the signed-in customer's playground key. With an

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpResponseBase, JsonResponse, StreamingHttpResponse
 
 from marketplace.api import admission
 from marketplace.api.errors import error_body
@@ -323,7 +323,7 @@ class Built:
             message["content"] += delta["content"]
 
 
-def replayed(answer: dict, stream: bool, include_usage: bool) -> HttpResponse:
+def replayed(answer: dict, stream: bool, include_usage: bool) -> HttpResponseBase:
     """A kept answer sent again: as it was, or as a stream of one chunk per choice then its end."""
     if not stream:
         return JsonResponse(answer)

@@ -113,13 +113,15 @@ AMOUNT = money_column("amount", "amount")
 class LedgerAccountAdmin(ReadOnlyAdmin):
     list_display = ("kind", "owner", BALANCE)
     list_filter = ("kind",)
-    fields = ("kind", "owner", BALANCE)
-    readonly_fields = (BALANCE,)
+    # Django takes callables in fields and readonly_fields (shown read-only); the stubs allow names only.
+    fields = ("kind", "owner", BALANCE)  # type: ignore[assignment]
+    readonly_fields = (BALANCE,)  # type: ignore[assignment]
 
 
 @admin.register(Transfer)
 class TransferAdmin(ReadOnlyAdmin):
     list_display = ("id", "kind", "debit", "credit", AMOUNT, "job", "reference", "created_at")
     list_filter = ("kind",)
-    fields = ("kind", "debit", "credit", AMOUNT, "job", "reference", "memo", "created_at")
-    readonly_fields = (AMOUNT, "created_at")
+    # Django takes callables in fields and readonly_fields (shown read-only); the stubs allow names only.
+    fields = ("kind", "debit", "credit", AMOUNT, "job", "reference", "memo", "created_at")  # type: ignore[assignment]
+    readonly_fields = (AMOUNT, "created_at")  # type: ignore[assignment]

@@ -12,6 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import stripe
 from django.conf import settings
@@ -54,7 +55,10 @@ def is_transient(exc: stripe.StripeError) -> bool:
     return exc.http_status is None or exc.http_status >= 500
 
 
-def call_stripe(operation: Callable[[], stripe.StripeObject], *, what: str) -> stripe.StripeObject:
+_Result = TypeVar("_Result", bound=stripe.StripeObject)
+
+
+def call_stripe(operation: Callable[[], _Result], *, what: str) -> _Result:
     """Run one Stripe request, retrying transient failures; the caller passes the idempotency key."""
     configure()
     attempts = settings.STRIPE_MAX_RETRIES + 1

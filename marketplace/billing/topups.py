@@ -92,7 +92,7 @@ def start_top_up(user, dollars: object, *, origin: str) -> tuple[TopUp, str]:
     top_up = TopUp.objects.create(customer=user, amount_cents=cents, currency="usd")
     success_url, cancel_url = checkout_returns(origin, top_up.pk)
 
-    def create_session() -> stripe.StripeObject:
+    def create_session() -> stripe.checkout.Session:
         return stripe.checkout.Session.create(
             mode="payment",
             line_items=[
@@ -124,6 +124,7 @@ def start_top_up(user, dollars: object, *, origin: str) -> tuple[TopUp, str]:
         raise TopUpRefused(f"The payment provider refused this top-up ({reason}); nothing was charged.") from exc
     TopUp.objects.filter(pk=top_up.pk).update(stripe_session_id=session.id)
     top_up.refresh_from_db()
+    assert session.url is not None  # a new hosted Checkout Session has its page's URL (until it completes or expires)
     return top_up, session.url
 
 

@@ -4,6 +4,8 @@ tokens. An entry is never deleted here: jobs, receipts and prices name it (disab
 
 from __future__ import annotations
 
+from typing import Any
+
 from django import forms
 from django.contrib import admin
 
@@ -35,12 +37,14 @@ class RegistrationForm(forms.ModelForm):
         fields = REGISTERED
 
     def clean(self) -> dict:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data  # what a ModelForm's clean returns
         self._validate_unique = False  # the registration checks the name itself, and has created the row
         if self.errors:
             return data
+        fields: dict[str, Any] = {name: data.get(name) for name in REGISTERED + PRICES}
         try:
-            self.registered = offerings.register(**{name: data.get(name) for name in REGISTERED + PRICES})
+            self.registered = offerings.register(**fields)
         except CatalogError as exc:
             self.add_error(exc.param if exc.param in self.fields else None, exc.message)
         return data

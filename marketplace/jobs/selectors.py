@@ -16,9 +16,9 @@ from marketplace.jobs.models import FINAL_STATES, Job, JobState
 def usage(user, group: str) -> list[dict]:
     """Tokens and cost of the customer's jobs, grouped by day, model or key."""
     expression = {"day": TruncDay("created_at"), "model": F("model"), "key": F("api_key__prefix")}[group]
-    rows = Job.objects.filter(customer=user).annotate(group=expression)
+    grouped = Job.objects.filter(customer=user).annotate(group=expression)
     rows = (
-        rows.values("group")
+        grouped.values("group")
         .annotate(
             requests=Count("id"),
             prompt_tokens=Sum("prompt_tokens"),
@@ -77,6 +77,7 @@ def request_rows(firsts: Iterable[Job]) -> list[RequestRow]:
     firsts = list(firsts)
     others: dict[int, list[Job]] = {}
     for job in Job.objects.filter(first_choice__in=firsts).order_by("choice_index"):
+        assert job.first_choice_id is not None  # the filter picks other choices only
         others.setdefault(job.first_choice_id, []).append(job)
     rows = []
     for first in firsts:

@@ -170,6 +170,7 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
         except grammar.GrammarError as exc:
             raise InvalidRequest(f"'{param}': {exc}.", param=param) from None
     if not params.chat:
+        assert params.prompt is not None  # a request without messages has a prompt (RequestParams checks)
         return encode_prompt(tokenizer, params.prompt, chat=False)
     messages = tools.with_tools(params.chat_messages(), params.tools, params.tool_choice, tokenizer)
     return encode_prompt(tokenizer, messages, chat=True)
@@ -236,7 +237,7 @@ def admit_jobs(
 
 
 OVERLOADED_RETRY_AFTER_S = 2  # Retry-After of a 503 overloaded
-NO_TRUSTED = {
+NO_TRUSTED: dict[str, str] = {  # by privacy (a Privacy is its value: a request's privacy looks it up)
     Privacy.TRUSTED_ONLY: (
         "No route of trusted nodes is ready for model {model!r}; the request asked for trusted nodes only "
         "(trusted_only) and was not sent to any other. Retry later, or drop the requirement."
@@ -355,11 +356,13 @@ def heal_job(
     if stages is None:
         # No route without every node this job saw fail: one that has since proved alive (it
         # heartbeats after the report: it was slow or briefly frozen, not dead) may serve it again.
-        still_failed = set(
-            Node.objects.filter(node_id__in=avoid)
+        still_failed = {
+            node_id
+            for node_id in Node.objects.filter(node_id__in=avoid)
             .filter(Q(suspected_at__isnull=False) | ~Q(state=NodeState.ACTIVE))
             .values_list("node_id", flat=True)
-        )
+            if node_id is not None  # always: filtered by node id
+        }
         if still_failed != avoid:
             stages = route_around(job.model, current, still_failed, job.coordinator_region, job.privacy)
     if stages is None:
@@ -538,14 +541,14 @@ def reconcile_jobs(now=None) -> list[str]:
     due = Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True).filter(
         Q(settle_retry_at__isnull=True) | Q(settle_retry_at__lte=now)
     )
-    for job in due.only("pk", "public_id").order_by("pk"):
+    for ended in due.only("pk", "public_id").order_by("pk"):
         try:
-            settle(job.pk)  # its own transaction: one job that cannot settle never blocks the others
+            settle(ended.pk)  # its own transaction: one job that cannot settle never blocks the others
         except Exception as exc:
-            settle_failure(job.pk, exc, now=now)
+            settle_failure(ended.pk, exc, now=now)
             continue
-        if job.public_id not in touched:
-            touched.append(job.public_id)
+        if ended.public_id not in touched:
+            touched.append(ended.public_id)
     return touched
 
 

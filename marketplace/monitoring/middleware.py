@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import cast
 
 from asgiref.sync import iscoroutinefunction
 from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
@@ -41,8 +42,10 @@ def method_of(request: HttpRequest) -> str:
 def _observe(request: HttpRequest, response: HttpResponseBase, started: float) -> HttpResponseBase:
     endpoint, method, status = endpoint_of(request), method_of(request), response.status_code
     if isinstance(response, StreamingHttpResponse) and response.is_async:
+        # is_async says the content is the async iterator (the stubs type it as either kind).
+        content = cast(AsyncIterator[bytes], response.streaming_content)
         response.streaming_content = _timed(
-            response.streaming_content, lambda: metrics.http_request(endpoint, method, status, elapsed(started))
+            content, lambda: metrics.http_request(endpoint, method, status, elapsed(started))
         )
     else:
         metrics.http_request(endpoint, method, status, elapsed(started))

@@ -17,8 +17,9 @@ TOTAL = money_column("total", "total")
 
 class PayoutInline(admin.TabularInline):
     model = Payout
-    fields = ("provider", AMOUNT, SENT, "state", "stripe_transfer_id", "attempts", "last_error", "flagged")
-    readonly_fields = fields
+    # Django takes callables in fields and readonly_fields (shown read-only); the stubs allow names only.
+    fields = ("provider", AMOUNT, SENT, "state", "stripe_transfer_id", "attempts", "last_error", "flagged")  # type: ignore[assignment]
+    readonly_fields = fields  # type: ignore[assignment]
     extra = 0
     can_delete = False
 
@@ -30,8 +31,9 @@ class PayoutInline(admin.TabularInline):
 class PayoutBatchAdmin(admin.ModelAdmin):
     list_display = ("id", "state", TOTAL, "created_at", "approved_by", "approved_at")
     list_filter = ("state",)
-    fields = ("state", TOTAL, "created_at", "approved_by", "approved_at")
-    readonly_fields = fields
+    # Django takes callables in fields and readonly_fields (shown read-only); the stubs allow names only.
+    fields = ("state", TOTAL, "created_at", "approved_by", "approved_at")  # type: ignore[assignment]
+    readonly_fields = fields  # type: ignore[assignment]
     inlines = [PayoutInline]
     actions = ["approve"]
 
@@ -58,7 +60,8 @@ class PayoutAdmin(ReadOnlyAdmin):
     list_display = ("id", "batch", "provider", AMOUNT, SENT, "state", "attempts", "flagged", "stripe_transfer_id")
     list_filter = ("state", "flagged")
     exclude = ("amount", "cents", "carried_in")
-    readonly_fields = (AMOUNT, SENT, money_column("carried_in", "carried in (earlier sub-cent rests)"))
+    # Django takes callables in fields and readonly_fields (shown read-only); the stubs allow names only.
+    readonly_fields = (AMOUNT, SENT, money_column("carried_in", "carried in (earlier sub-cent rests)"))  # type: ignore[assignment]
 
 
 @admin.register(Earning)
@@ -66,7 +69,8 @@ class EarningAdmin(ReadOnlyAdmin):
     list_display = ("id", "provider", "node", "job", AMOUNT, "layer_tokens", "state", "available_at")
     list_filter = ("state",)
     exclude = ("amount",)
-    readonly_fields = (AMOUNT,)
+    # Django takes callables in fields and readonly_fields (shown read-only); the stubs allow names only.
+    readonly_fields = (AMOUNT,)  # type: ignore[assignment]
 
 
 @admin.register(ConnectAccount)

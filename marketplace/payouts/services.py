@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from datetime import timedelta
+from typing import Any
 
 import stripe
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Sum
+from django.db.models import F, QuerySet, Sum
 from django.urls import reverse
 from django.utils import timezone
 
@@ -105,7 +106,7 @@ def credit_earnings(
     return earnings
 
 
-def release_earnings(now=None, *, withheld: Iterable[int] = (), unless=None) -> int:
+def release_earnings(now=None, *, withheld: Iterable[int] | QuerySet[Any, Any] = (), unless=None) -> int:
     """Earnings whose challenge window has passed become available, except those of the ``withheld``
     node pks and those matching ``unless`` (a condition on an earning; verification passes the
     nodes with an open strike and the jobs whose audits are not all passed:
@@ -114,9 +115,8 @@ def release_earnings(now=None, *, withheld: Iterable[int] = (), unless=None) -> 
     due = Earning.objects.filter(state=EarningState.PENDING, available_at__lte=now).exclude(node_id__in=withheld)
     if unless is not None:
         due = due.exclude(unless)
-    due = due.values_list("pk", flat=True)
     released = 0
-    for pk in list(due):
+    for pk in list(due.values_list("pk", flat=True)):
         with transaction.atomic():
             earning = Earning.objects.select_for_update().get(pk=pk)
             if earning.state != EarningState.PENDING:

@@ -174,7 +174,7 @@ def spans_for(order: Sequence[str], layers: Mapping[str, int]) -> list[Stage]:
     return stages
 
 
-def _as_nodes(capacities: Sequence[int] | Sequence[NodeCapacity]) -> list[NodeCapacity]:
+def _as_nodes(capacities: Sequence[int | NodeCapacity]) -> list[NodeCapacity]:
     """Bare capacities become nodes named by their index ("0", "1", ...) with equal compute."""
     return [c if isinstance(c, NodeCapacity) else NodeCapacity(str(i), 1.0, c) for i, c in enumerate(capacities)]
 

@@ -131,8 +131,8 @@ def route(
     best, last = _close(finals, hop, source)
     assert last is not None  # the bound keeps the best chain
     chain = [last]
-    while came_from[chain[-1]] is not None:
-        chain.append(came_from[chain[-1]])
+    while (before := came_from[chain[-1]]) is not None:
+        chain.append(before)
     return Route(stages=tuple(reversed(chain)), cost_ms=best)
 
 

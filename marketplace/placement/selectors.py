@@ -87,6 +87,7 @@ def allowed_for(assignment: Assignment, privacy: str, n_layers: int) -> bool:
 
 def _pipeline_stage(a: Assignment) -> PipelineStage:
     node = a.node
+    assert node.node_id is not None and node.public_key is not None  # a node with a block has joined
     return PipelineStage(
         node.node_id, node.public_key, a.data_url or node.data_url, a.layer_start, a.layer_end, node.region,
         node.audit_fraction,
@@ -157,7 +158,8 @@ def leaving(model: str, assignments: Collection[Assignment]) -> set[str]:
     share = share_of(model)
     if share is None:
         return set()
-    return {a.node.node_id for a in assignments if a.node.node_id not in share}
+    # Every node with a block has joined: none lacks an id.
+    return {node_id for a in assignments if (node_id := a.node.node_id) is not None and node_id not in share}
 
 
 def is_servable(model: str) -> bool:
@@ -194,10 +196,12 @@ def link_maps(node_ids: list[str]) -> tuple[dict[tuple[str, str], float], dict[s
     for source, value in (
         measured.values("source__node_id").annotate(best=Max("uplink_mbps")).values_list("source__node_id", "best")
     ):
+        assert source is not None  # filtered by node id
         uplink[source] = value
     for source, value in Node.objects.filter(node_id__in=node_ids, uplink_mbps__isnull=False).values_list(
         "node_id", "uplink_mbps"
     ):
+        assert source is not None and value is not None  # filtered by both
         uplink.setdefault(source, value)
     for region in settings.SWARM_COORDINATOR_REGIONS:
         uplink[region_target(region)] = settings.SWARM_REGION_UPLINK_MBPS
@@ -211,6 +215,7 @@ def link_rtts(node_ids: list[str]) -> dict[tuple[str, str], float]:
         "source__node_id", "target", "rtt_ms"
     )
     for source, target, value in rows:
+        assert source is not None  # filtered by node id
         rtt[(source, target)] = value
         if target.startswith("region:"):
             rtt[(target, source)] = value

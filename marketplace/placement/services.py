@@ -38,6 +38,7 @@ at once: its jobs in flight still end on them, and its new requests find no rout
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections import Counter
@@ -78,6 +79,13 @@ from worker_agent import control_protocol as protocol
 from worker_agent import model as models
 
 log = logging.getLogger("swarm.placement")
+
+
+def _node_id(node: Node) -> str:
+    """The id of a node that placement handles (a candidate, a block's holder, an active or draining
+    node): each has joined, so each has one."""
+    assert node.node_id is not None
+    return node.node_id
 
 
 def mark_dirty(model: str | None = None) -> None:
@@ -204,6 +212,7 @@ def sweep_heartbeats(now=None) -> list[str]:
     )
     gone = []
     for pk, node_id in silent:
+        assert node_id is not None  # an active or draining node has joined
         with transaction.atomic():
             # Conditional: a heartbeat that raced in keeps the node.
             if Node.objects.filter(
@@ -293,8 +302,8 @@ def _candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacit
     caps = {n.pk: shares.layer_cap(n, model) for n in nodes}
     capacities = [
         NodeCapacity(
-            node=n.node_id,
-            compute=credence.speeds[n.node_id],
+            node=_node_id(n),
+            compute=credence.speeds[_node_id(n)],
             max_layers=caps[n.pk],
             reputation=n.reputation,
             in_doubt=n.node_id in credence.in_doubt,
@@ -319,8 +328,9 @@ def _failing(nodes: list[Node], model: str) -> set[int]:
     since = {n.pk: n.connected_since for n in nodes}
     recent: dict[int, list[str]] = {pk: [] for pk in since}
     rows = Assignment.objects.filter(node_id__in=since, model=model)
-    if None not in since.values() and since:
-        rows = rows.filter(created_at__gte=min(since.values()))
+    opened_at = [opened for opened in since.values() if opened is not None]
+    if len(opened_at) == len(since) and since:  # every node's channel opened at a known time
+        rows = rows.filter(created_at__gte=min(opened_at))
     for node_pk, state, created_at in rows.order_by("-created_at", "-pk").values_list("node_id", "state", "created_at"):
         opened = since[node_pk]
         if len(recent[node_pk]) < needed and (opened is None or created_at >= opened):
@@ -370,9 +380,9 @@ def place_model(model: str) -> list[Assignment]:
     state, _ = PlacementState.objects.select_for_update().get_or_create(model=model)
     nodes, capacities = _candidates(model, lock=True)
     n_layers = models.n_layers(model)
-    by_id = {n.node_id: n for n in nodes}
+    by_id = {_node_id(n): n for n in nodes}
     live = {
-        a.node.node_id: a
+        _node_id(a.node): a
         for a in Assignment.objects.select_for_update()
         .filter(model=model, state__in=LIVE_STATES)
         .select_related("node")
@@ -382,7 +392,7 @@ def place_model(model: str) -> list[Assignment]:
     state.generation += 1
     state.dirty = False
     state.placed_at = now
-    trusted_ids = {n.node_id for n in nodes if n.trusted}
+    trusted_ids = {_node_id(n) for n in nodes if n.trusted}
     repaired = _repair(live, capacities, n_layers, state.coordinator_regions)
     joined = None if repaired is not None else _join_as_spares(model, live, capacities, n_layers)
     kept = repaired[0] if repaired is not None else joined
@@ -562,8 +572,8 @@ def _release_leaving(model: str) -> list[str]:
     if share is None:
         return []
     live = Assignment.objects.select_for_update().filter(model=model, state__in=LIVE_STATES).select_related("node")
-    leaving = [a for a in live.order_by("pk") if a.node.node_id not in share]
-    away = {a.node.node_id for a in leaving}
+    leaving = [a for a in live.order_by("pk") if _node_id(a.node) not in share]
+    away = {_node_id(a.node) for a in leaving}
     if not leaving or not any(all(s.node not in away for s in p) for p in servable_pipelines(model)):
         return []
     return _let_go(leaving, f"{model} is servable without them")
@@ -576,11 +586,11 @@ def _let_go(leaving: list[Assignment], why: str) -> list[str]:
         return []
     for assignment in leaving:
         _release(assignment)
-        taker = shares.model_sharing(assignment.node.node_id)
+        taker = shares.model_sharing(_node_id(assignment.node))
         if taker is not None:
             # Once this commits: the placement rows are locked before the assignments everywhere else.
-            transaction.on_commit(lambda taker=taker: mark_dirty(taker))
-    nodes = [a.node.node_id for a in leaving]
+            transaction.on_commit(functools.partial(mark_dirty, taker))
+    nodes = [_node_id(a.node) for a in leaving]
     log.info("%s: let go the blocks of %s on %s (moved to other models)", why, leaving[0].model, ", ".join(nodes))
     return nodes
 
@@ -611,7 +621,7 @@ def request_probes(model: str, nodes: list[Node]) -> None:
     """Ask each placed node to measure its links to the others and to the coordinator regions."""
     for node in nodes:
         targets = [
-            protocol.ProbeTarget(target=other.node_id, url=other.data_url)
+            protocol.ProbeTarget(target=_node_id(other), url=other.data_url)
             for other in nodes
             if other.pk != node.pk and other.data_url
         ]
@@ -619,7 +629,7 @@ def request_probes(model: str, nodes: list[Node]) -> None:
             protocol.ProbeTarget(target=region_target(r), url=settings.SWARM_REGION_PROBE_URLS.get(r))
             for r in settings.SWARM_COORDINATOR_REGIONS
         ]
-        push(node.node_id, protocol.to_wire(protocol.Probe(model=model, targets=targets)))
+        push(_node_id(node), protocol.to_wire(protocol.Probe(model=model, targets=tuple(targets))))
     log.info("asked %d nodes to probe their links for %s", len(nodes), model)
 
 
@@ -641,7 +651,7 @@ def rebalance_if_needed(now=None) -> list[str]:
             continue
         speed = credible_speeds(a.node for a in live)
         for pipeline in {a.pipeline for a in live}:
-            stages = [Stage(a.node.node_id, a.layer_start, a.layer_end) for a in live if a.pipeline == pipeline]
+            stages = [Stage(_node_id(a.node), a.layer_start, a.layer_end) for a in live if a.pipeline == pipeline]
             covered = sum(s.layer_end - s.layer_start for s in stages)
             if covered == models.n_layers(state.model) and needs_rebalance(
                 per_layer_load(stages, covered, speed), settings.SWARM_REBALANCE_CV
@@ -693,17 +703,17 @@ def _replacement_pays(model: str, live: list[Assignment]) -> bool:
     compute = {c.node: c.compute for c in capacities}
     serving = credible_speeds(a.node for a in live)
     for a in live:  # a serving node busy elsewhere is not a candidate, but its stage still counts
-        compute.setdefault(a.node.node_id, serving[a.node.node_id])
+        compute.setdefault(_node_id(a.node), serving[_node_id(a.node)])
     current = []
     for pipeline in sorted({a.pipeline for a in live}):
-        stages = sorted((Stage(a.node.node_id, a.layer_start, a.layer_end) for a in live if a.pipeline == pipeline),
+        stages = sorted((Stage(_node_id(a.node), a.layer_start, a.layer_end) for a in live if a.pipeline == pipeline),
                         key=lambda s: s.layer_start)  # fmt: skip
         if sum(s.layers for s in stages) == n_layers:
             current.append(stages)
     try:
         proposed = place_with_trusted(  # the plan place_model would make, trusted pipelines apart
             capacities,
-            {n.node_id for n in nodes if n.trusted},
+            {_node_id(n) for n in nodes if n.trusted},
             n_layers,
             spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE,
         )
@@ -732,15 +742,16 @@ def _release(assignment: Assignment) -> None:
 
 def _push_release(assignment: Assignment) -> None:
     """Tell the agent to let ``assignment``'s block go, and every older block it still holds for it."""
-    while assignment is not None:
+    current: Assignment | None = assignment
+    while current is not None:
         push(
-            assignment.node.node_id,
-            protocol.to_wire(protocol.Release(assignment=assignment.pk, model=assignment.model)),
+            _node_id(current.node),
+            protocol.to_wire(protocol.Release(assignment=current.pk, model=current.model)),
         )
-        older = assignment.supersedes
+        older = current.supersedes
         if older is not None:
-            Assignment.objects.filter(pk=assignment.pk).update(supersedes=None)
-        assignment = older
+            Assignment.objects.filter(pk=current.pk).update(supersedes=None)
+        current = older
 
 
 def _release_superseded(assignment_pk: int) -> None:

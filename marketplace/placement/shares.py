@@ -178,13 +178,14 @@ def _offers(served: list[str], states: list[PlacementState]) -> list[NodeOffer]:
     )
     return [
         NodeOffer(
-            node=n.node_id,
-            speed=speeds[n.node_id],
+            node=node_id,
+            speed=speeds[node_id],
             # A node below a model's minimum reputation (its catalog entry's) can hold none of it.
             layers={model: layer_cap(n, model) if n.reputation >= needs[model] else 0 for model in served},
-            current=current.get(n.node_id) or holding.get(n.node_id),
+            current=current.get(node_id) or holding.get(node_id),
         )
         for n in nodes
+        if (node_id := n.node_id) is not None  # always: the query keeps joined nodes only
     ]
 
 
@@ -195,6 +196,7 @@ def _store(states: list[PlacementState], given: Mapping[str, str], why: str) -> 
     held: dict[str, set[str]] = {state.model: set() for state in states}
     live = Assignment.objects.filter(state__in=LIVE_STATES, model__in=held).values_list("model", "node__node_id")
     for model, node in live:
+        assert node is not None  # a node holds blocks only once joined
         held[model].add(node)
     changed = []
     for state in states:

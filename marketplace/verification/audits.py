@@ -43,9 +43,13 @@ def choose_audit_stages(
     (``fractions`` by node id when the caller read them already; None: a new node's default)."""
     rng = rng or random.SystemRandom()
     if fractions is None:
-        fractions = dict(
-            Node.objects.filter(node_id__in=[s["node"] for s in route]).values_list("node_id", "audit_fraction")
-        )
+        fractions = {
+            node_id: fraction
+            for node_id, fraction in Node.objects.filter(node_id__in=[s["node"] for s in route]).values_list(
+                "node_id", "audit_fraction"
+            )
+            if node_id is not None  # always: filtered by node id
+        }
     chosen = []
     for index, stage in enumerate(route):
         fraction = fractions.get(stage["node"])

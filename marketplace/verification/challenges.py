@@ -241,6 +241,12 @@ def stand_in_node(model: str, layer_start: int, layer_end: int) -> str:
     return node_id(public_key_bytes(stand_in_key(model, layer_start, layer_end)))
 
 
+def _stage_assignment(node: Node, layer_start: int, layer_end: int) -> StageAssignment:
+    # A node that holds an assignment has joined: it has an id and a public key.
+    assert node.node_id is not None and node.public_key is not None
+    return StageAssignment(node.node_id, bytes.fromhex(node.public_key), layer_start, layer_end)
+
+
 def challenge_route(challenge: Challenge, assignment: Assignment) -> ChallengeRoute:
     """The route of a challenge's job: laid out like the node's own pipeline, the node on its span and
     on each other one a trusted node serving it (``SWARM_CHALLENGE_TRUSTED_NODES``), else a stand-in."""
@@ -255,7 +261,7 @@ def challenge_route(challenge: Challenge, assignment: Assignment) -> ChallengeRo
     spans = route_spans((challenge.layer_start, challenge.layer_end), list(others), models_layers(challenge.model))
     trusted = {
         (held.layer_start, held.layer_end): TrustedStage(
-            StageAssignment(held.node.node_id, bytes.fromhex(held.node.public_key), held.layer_start, held.layer_end),
+            _stage_assignment(held.node, held.layer_start, held.layer_end),
             held.data_url,
         )
         for held in Assignment.objects.filter(
@@ -272,7 +278,7 @@ def challenge_route(challenge: Challenge, assignment: Assignment) -> ChallengeRo
     node = challenge.node
     return ChallengeRoute(
         challenge.model,
-        StageAssignment(node.node_id, bytes.fromhex(node.public_key), challenge.layer_start, challenge.layer_end),
+        _stage_assignment(node, challenge.layer_start, challenge.layer_end),
         assignment.data_url,
         tuple(
             trusted.get((start, end))
@@ -378,6 +384,7 @@ def verify_challenge(challenge_pk: int) -> Challenge:
     if challenge.state != CheckState.ANSWERED:
         return challenge
     try:
+        assert challenge.output is not None  # an answered challenge keeps the material it was answered with
         material = AuditMaterial.from_bytes(bytes(challenge.output))
         block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end)
         comparison = challenges.grade(material, block, **thresholds())

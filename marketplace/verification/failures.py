@@ -135,6 +135,7 @@ def record_failure(node_id: str, reason: str, *, job, now: datetime | None = Non
     notify_node_changed(node.pk)
     if not deliberate or chosen != settings.SWARM_FAILURES_BEFORE_STRIKE + 1:
         return None
+    assert since is not None  # a counted failure sets failures_since with last_failure_at
     return open_strike(
         node,
         str(StrikeKind.FAILURES),

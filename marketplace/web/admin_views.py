@@ -21,7 +21,7 @@ from marketplace.verification.errors import StrikeDecisionRefused
 from marketplace.verification.models import StrikeState
 from marketplace.web import selectors, trust_selectors
 from marketplace.web.forms import EjectForm, StrikeDecisionForm
-from marketplace.web.views import staff_required
+from marketplace.web.views import HtmxRequest, staff_required
 
 
 def _swarm_context() -> dict:
@@ -70,14 +70,14 @@ def _strike_lists(form: StrikeDecisionForm | None = None) -> dict:
     return {"groups": rows, "open_count": sum(len(group.strikes) for group in groups), "decided": decided}
 
 
-def _strike_page(request: HttpRequest, *, form: StrikeDecisionForm | None = None, status: int = 200) -> HttpResponse:
+def _strike_page(request: HtmxRequest, *, form: StrikeDecisionForm | None = None, status: int = 200) -> HttpResponse:
     page = "web/partials/strike_queue.html" if request.htmx else "web/admin_strikes.html"
     return render(request, page, _strike_lists(form), status=status)
 
 
 @staff_required
 @require_GET
-def strikes(request: HttpRequest) -> HttpResponse:
+def strikes(request: HtmxRequest) -> HttpResponse:
     return _strike_page(request)
 
 
@@ -94,7 +94,7 @@ def todo_fragment(request: HttpRequest) -> HttpResponse:
     return render(request, "web/partials/admin_todo.html", {"todo": trust_selectors.admin_todo()})
 
 
-def _decide_strike(request: HttpRequest, pk: int, *, overturn: bool) -> HttpResponse:
+def _decide_strike(request: HtmxRequest, pk: int, *, overturn: bool) -> HttpResponse:
     strike = trust_selectors.strike_by_pk(pk)
     if strike is None:
         raise Http404("no such strike")
@@ -120,30 +120,30 @@ def _decide_strike(request: HttpRequest, pk: int, *, overturn: bool) -> HttpResp
 
 @staff_required
 @require_POST
-def strike_uphold(request: HttpRequest, pk: int) -> HttpResponse:
+def strike_uphold(request: HtmxRequest, pk: int) -> HttpResponse:
     return _decide_strike(request, pk, overturn=False)
 
 
 @staff_required
 @require_POST
-def strike_overturn(request: HttpRequest, pk: int) -> HttpResponse:
+def strike_overturn(request: HtmxRequest, pk: int) -> HttpResponse:
     return _decide_strike(request, pk, overturn=True)
 
 
-def _payouts_page(request: HttpRequest) -> HttpResponse:
+def _payouts_page(request: HtmxRequest) -> HttpResponse:
     page = "web/partials/payouts_panel.html" if request.htmx else "web/admin_payouts.html"
     return render(request, page, {"payouts": trust_selectors.payouts_view()})
 
 
 @staff_required
 @require_GET
-def payouts(request: HttpRequest) -> HttpResponse:
+def payouts(request: HtmxRequest) -> HttpResponse:
     return _payouts_page(request)
 
 
 @staff_required
 @require_POST
-def payouts_build(request: HttpRequest) -> HttpResponse:
+def payouts_build(request: HtmxRequest) -> HttpResponse:
     batch = payout_services.build_batch()
     if batch is None:
         messages.info(request, "Nobody is due a payout: no provider with a payout-ready account is above the minimum.")
@@ -156,7 +156,7 @@ def payouts_build(request: HttpRequest) -> HttpResponse:
 
 @staff_required
 @require_POST
-def payouts_approve(request: HttpRequest, pk: int) -> HttpResponse:
+def payouts_approve(request: HtmxRequest, pk: int) -> HttpResponse:
     batch = trust_selectors.batch_by_pk(pk)
     if batch is None:
         raise Http404("no such batch")
@@ -175,7 +175,7 @@ def payouts_approve(request: HttpRequest, pk: int) -> HttpResponse:
     return _payouts_page(request) if request.htmx else redirect("web:payouts")
 
 
-def _node_action(request: HttpRequest, node: Node | None = None, form: EjectForm | None = None, status: int = 200):
+def _node_action(request: HtmxRequest, node: Node | None = None, form: EjectForm | None = None, status: int = 200):
     """The swarm page's action panel (an eject form, or what the last action did)."""
     context = {"action_node": node, "form": form}
     if request.htmx:
@@ -192,7 +192,7 @@ def _any_node(pk: int) -> Node:
 
 @staff_required
 @require_http_methods(["GET", "POST"])
-def node_eject(request: HttpRequest, pk: int) -> HttpResponse:
+def node_eject(request: HtmxRequest, pk: int) -> HttpResponse:
     node = _any_node(pk)
     if request.method == "GET":
         return _node_action(request, node, EjectForm())
@@ -212,7 +212,7 @@ def node_eject(request: HttpRequest, pk: int) -> HttpResponse:
 
 @staff_required
 @require_POST
-def node_reinstate(request: HttpRequest, pk: int) -> HttpResponse:
+def node_reinstate(request: HtmxRequest, pk: int) -> HttpResponse:
     node = _any_node(pk)
     if node.state != NodeState.EJECTED:
         messages.info(request, f"{node.name} is not ejected (it is {node.state}).")

@@ -8,10 +8,12 @@ another customer's top-up or request answers 404, as if it did not exist.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.paginator import Paginator
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
@@ -31,7 +33,10 @@ from marketplace.web import selectors
 from marketplace.web.forms import TopUpForm
 from marketplace.web.playground_errors import advice_table
 from marketplace.web.services import ensure_playground_key
-from marketplace.web.views import customer_required
+from marketplace.web.views import HtmxRequest, customer_required
+
+if TYPE_CHECKING:
+    from marketplace.logs import IdentifiedRequest
 
 REQUESTS_PER_PAGE = 20
 LEDGER_ROWS = 200
@@ -85,7 +90,7 @@ def ledger(request: HttpRequest) -> HttpResponse:
 
 @customer_required
 @require_POST
-def top_up(request: HttpRequest) -> HttpResponse:
+def top_up(request: HtmxRequest) -> HttpResponse:
     form = TopUpForm(request.POST)
     if form.is_valid():
         amount = str(form.cleaned_data["amount"])
@@ -131,7 +136,7 @@ def playground(request: HttpRequest) -> HttpResponse:
 
 @releases_db
 @allow_method("POST")
-async def playground_chat(request: HttpRequest) -> HttpResponse:
+async def playground_chat(request: IdentifiedRequest) -> HttpResponseBase:
     """A chat completion for the signed-in customer, streamed, admitted exactly as the public API
     admits one (validation, rate limits, credits, capacity) on their playground key. The page's Stop
     button hangs up, which cancels the job as any client leaving mid-stream does."""

@@ -4,7 +4,9 @@ too; a view shows a service's refusal on its form with ``form.add_error``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from decimal import Decimal
+from typing import Any
 
 from django import forms
 from django.conf import settings
@@ -74,8 +76,10 @@ class StrikeDecisionForm(forms.Form):
         help_text="Kept with the decision and shown to the node's owner. Required to overturn.",
     )
 
-    def __init__(self, *args, strike_pk: int, require_reason: bool = False, **kwargs) -> None:
-        super().__init__(*args, prefix=f"strike-{strike_pk}", **kwargs)
+    def __init__(
+        self, data: Mapping[str, Any] | None = None, *, strike_pk: int, require_reason: bool = False, **kwargs: Any
+    ) -> None:
+        super().__init__(data, prefix=f"strike-{strike_pk}", **kwargs)
         self.require_reason = require_reason
 
     def clean_reason(self) -> str:

@@ -24,7 +24,7 @@ from marketplace.nodes.models import Node
 from marketplace.placement import services as placement_services
 from marketplace.web import node_selectors, selectors, services, trust_selectors
 from marketplace.web.forms import NodeForm
-from marketplace.web.views import provider_required
+from marketplace.web.views import HtmxRequest, provider_required
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def _own_node(request: HttpRequest, pk: int) -> Node:
 # --- the list -------------------------------------------------------------------------------------
 
 
-def _nodes_panel(request: HttpRequest, form: NodeForm) -> HttpResponse:
+def _nodes_panel(request: HtmxRequest, form: NodeForm) -> HttpResponse:
     """The panel (for HTMX, which swaps it in) or the page; a refused form answers 400 on a page load.
     Every join command still on screen is shown again, whatever happened to the form."""
     statuses = selectors.provider_nodes(request.user)
@@ -66,7 +66,7 @@ def _nodes_panel(request: HttpRequest, form: NodeForm) -> HttpResponse:
 
 @provider_required
 @require_http_methods(["GET", "POST"])
-def nodes(request: HttpRequest) -> HttpResponse:
+def nodes(request: HtmxRequest) -> HttpResponse:
     if request.method == "GET":
         return _nodes_panel(request, NodeForm())
     form = NodeForm(request.POST)
@@ -139,7 +139,7 @@ def node_trust_fragment(request: HttpRequest, pk: int) -> HttpResponse:
 
 @provider_required
 @require_POST
-def node_rotate_token(request: HttpRequest, pk: int) -> HttpResponse:
+def node_rotate_token(request: HtmxRequest, pk: int) -> HttpResponse:
     node = _own_node(request, pk)
     services.new_join_token(node)
     join = _join_command(request, node)
@@ -165,7 +165,7 @@ def node_join_fragment(request: HttpRequest, pk: int) -> HttpResponse:
 
 @provider_required
 @require_POST
-def node_join_dismiss(request: HttpRequest, pk: int) -> HttpResponse:
+def node_join_dismiss(request: HtmxRequest, pk: int) -> HttpResponse:
     """The provider is done with the join command: it is not shown again (HTMX swaps the box out)."""
     node = _own_node(request, pk)
     services.dismiss_join_command(node)
@@ -176,7 +176,7 @@ def node_join_dismiss(request: HttpRequest, pk: int) -> HttpResponse:
 
 @provider_required
 @require_POST
-def node_drain(request: HttpRequest, pk: int) -> HttpResponse:
+def node_drain(request: HtmxRequest, pk: int) -> HttpResponse:
     node = placement_services.drain_node(_own_node(request, pk))
     if request.htmx:
         return render(request, "web/partials/node_status.html", {"status": selectors.node_status(node)})

@@ -336,7 +336,11 @@ def latency_heatmap() -> Heatmap:
     """Measured round trips from each node (rows) to peers and coordinator regions (columns)."""
     links = list(LinkMeasurement.objects.select_related("source"))
     names = dict(Node.objects.filter(node_id__isnull=False).values_list("node_id", "name"))
-    sources = sorted({(link.source.node_id, link.source.name) for link in links}, key=lambda s: (s[1], s[0]))
+    sources = sorted(
+        # Every source is a joined node: only an agent's reports are recorded.
+        {(source_id, link.source.name) for link in links if (source_id := link.source.node_id) is not None},
+        key=lambda s: (s[1], s[0]),
+    )
     node_targets = sorted({link.target for link in links if not link.target.startswith("region:")})
     node_targets.sort(key=lambda t: (names.get(t, t), t))
     region_targets = sorted({link.target for link in links if link.target.startswith("region:")})
@@ -380,6 +384,7 @@ def throughput(now: datetime | None = None) -> Throughput:
     start = (now - timedelta(minutes=THROUGHPUT_MINUTES - 1)).replace(second=0, microsecond=0)
     per_minute = [0] * THROUGHPUT_MINUTES
     for finished_at, tokens in ended.filter(finished_at__gte=start).values_list("finished_at", "completion_tokens"):
+        assert finished_at is not None  # ended jobs are filtered on finished_at
         index = int((finished_at - start).total_seconds() // 60)
         if 0 <= index < THROUGHPUT_MINUTES:
             per_minute[index] += tokens

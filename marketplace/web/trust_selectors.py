@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Count, Sum
@@ -238,7 +239,7 @@ def earnings_view(provider, now: datetime | None = None) -> EarningsView:
     now = now or timezone.now()
     found = {row["day"]: row for row in payouts.earnings_by_day(provider, days=EARNINGS_DAYS, now=now)}
     today = timezone.localdate(now)
-    days = []
+    days: list[dict[str, Any]] = []
     for back in range(EARNINGS_DAYS - 1, -1, -1):
         day = today - timedelta(days=back)
         row = found.get(day, {})

@@ -20,6 +20,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
+from django_htmx.middleware import HtmxDetails
 
 from marketplace.billing.errors import PaymentProviderUnavailable
 from marketplace.install.script import public_url
@@ -32,6 +33,12 @@ from marketplace.web import landing_selectors, selectors, trust_selectors
 from marketplace.web.forms import ApiKeyForm, KeyPrivacyForm
 
 USAGE_GROUPS = ("day", "model", "key")
+
+
+class HtmxRequest(HttpRequest):
+    """A request as the dashboards' views get it: ``HtmxMiddleware`` (in MIDDLEWARE) sets ``htmx`` on each."""
+
+    htmx: HtmxDetails
 
 
 def role_required(check: Callable) -> Callable:
@@ -86,7 +93,7 @@ def home(request: HttpRequest) -> HttpResponse:
 # --- providers (their nodes' pages are node_views.py) ----------------------------------------------
 
 
-def _form_panel(request: HttpRequest, partial: str, page: str, form, context: dict) -> HttpResponse:
+def _form_panel(request: HtmxRequest, partial: str, page: str, form, context: dict) -> HttpResponse:
     """A panel with a form: just the panel for HTMX (which swaps it in), else the whole page;
     a refused form answers 400 on a full page load."""
     status = 400 if form.errors and not request.htmx else 200
@@ -134,7 +141,7 @@ def connect_stripe(request: HttpRequest) -> HttpResponse:
 # --- customers ------------------------------------------------------------------------------------
 
 
-def _keys_panel(request: HttpRequest, form: ApiKeyForm, *, created=None, key: str = "") -> HttpResponse:
+def _keys_panel(request: HtmxRequest, form: ApiKeyForm, *, created=None, key: str = "") -> HttpResponse:
     context = {
         "form": form,
         "keys": selectors.api_keys(request.user),
@@ -147,7 +154,7 @@ def _keys_panel(request: HttpRequest, form: ApiKeyForm, *, created=None, key: st
 
 @customer_required
 @require_http_methods(["GET", "POST"])
-def keys(request: HttpRequest) -> HttpResponse:
+def keys(request: HtmxRequest) -> HttpResponse:
     if request.method == "GET":
         return _keys_panel(request, ApiKeyForm())
     form = ApiKeyForm(request.POST)
@@ -165,7 +172,7 @@ def keys(request: HttpRequest) -> HttpResponse:
 
 @customer_required
 @require_POST
-def key_revoke(request: HttpRequest, pk: int) -> HttpResponse:
+def key_revoke(request: HtmxRequest, pk: int) -> HttpResponse:
     api_key = selectors.key_of(request.user, pk)
     if api_key is None:
         raise Http404("no such key")
@@ -177,7 +184,7 @@ def key_revoke(request: HttpRequest, pk: int) -> HttpResponse:
 
 @customer_required
 @require_POST
-def key_privacy(request: HttpRequest, pk: int) -> HttpResponse:
+def key_privacy(request: HtmxRequest, pk: int) -> HttpResponse:
     """Which nodes the key's requests may pass through, from its next request on."""
     api_key = selectors.key_of(request.user, pk)
     if api_key is None or api_key.revoked_at is not None:
