@@ -231,7 +231,8 @@ class StageServer:
         """The newest stage still taking jobs (else the newest stage), or None without stages."""
         slots = list(self.slots.values())
         accepting = [slot for slot in slots if slot.accepting]
-        return (accepting or slots or [None])[-1]
+        newest = accepting or slots
+        return newest[-1] if newest else None
 
     def add_stage(self, stage: Stage) -> None:
         """Serve ``stage`` on this port too; it becomes the primary."""
@@ -266,7 +267,7 @@ class StageServer:
             for slot in list(self.slots.values()):
                 await slot.idle.wait()
 
-        waiters = {asyncio.create_task(all_idle())}
+        waiters: set[asyncio.Task] = {asyncio.create_task(all_idle())}
         if hurry is not None:
             waiters.add(asyncio.create_task(hurry.wait()))
         await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -613,14 +614,14 @@ class StageServer:
         route = slot.jobs.get(job)
         if route is None:  # the coordinator left while this was computing
             return
-        frame_args = dict(job=job, items=output.items, dtype=output.dtype, shape=output.shape, payload=output.payload)
+        result = wire.Result(job, output.items, output.dtype, output.shape, output.payload)
         tap = route.topology == "ring" and bool(route.next_url)
         try:
             if tap:
                 peer = await self._peer(job, route)
-                await peer.send(wire.Forward(**frame_args))
+                await peer.send(wire.Forward(job, output.items, output.dtype, output.shape, output.payload))
             else:
-                await route.coordinator.send(wire.Result(**frame_args))
+                await route.coordinator.send(result)
         except (TimeoutError, SwarmError, OSError, websockets.WebSocketException) as exc:
             error = (
                 exc
@@ -632,7 +633,7 @@ class StageServer:
         if tap:
             # A coordinator that went away is _end_job's business, not an error to report.
             with contextlib.suppress(websockets.ConnectionClosed, RuntimeError):
-                await self.send_tap(route.coordinator, wire.Result(**frame_args))
+                await self.send_tap(route.coordinator, result)
 
     async def send_tap(self, coordinator: Conn, tap: wire.Result) -> None:
         """Send the coordinator its copy of an output this stage forwarded to its ring successor."""
@@ -650,6 +651,7 @@ class StageServer:
         ready = route.peer_ready
         assert ready is not None
         next_url, next_ticket = route.next_url, route.next_ticket
+        assert next_url is not None  # only a ring stage with a successor connects to one (``_send_on``)
         try:
             tls = connect_options(next_url, _successor(next_ticket) if self.peer_tls else None, self.peer_tls)
             # The successor only ever answers with its HELLO and ERRORs: nothing large.
@@ -723,7 +725,7 @@ def _successor(peer_pass: bytes | None) -> str | None:
     return open_peer_pass(peer_pass).node if peer_pass is not None else None
 
 
-def _cap_messages(ws: ServerConnection, max_size: int) -> None:
+def _cap_messages(ws: ServerConnection | ClientConnection, max_size: int) -> None:
     """Set the largest message the WebSocket library reads whole on this connection from now on
     (websockets reads the limit afresh for each incoming frame)."""
     ws.protocol.max_message_size = max_size

@@ -197,6 +197,7 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
             error_message="the client went away; partial work recorded",
         )
         return JobState.CANCELLED
+    assert result is not None  # only a cancelled run ends without a result (``_stream``)
     decode = result.token_times[-1] - result.token_times[0] if len(result.token_times) > 1 else 0.0
     result_transcripts = [
         SessionTranscript(session, tuple(t.sent), tuple(t.received)).to_json() for session, t in transcripts.items()
@@ -397,6 +398,7 @@ def public_failure(code: str, message: str) -> str:
 def logprob_fields(tokenizer, event: TokenEvent) -> dict:
     """A token event's log-probabilities for the API: the token's text, its bytes and its
     log-probability, and the likeliest tokens' ``[text, log-probability, bytes]``, most likely first."""
+    assert event.token_id is not None  # only a token's event carries log-probabilities
     return {
         "token": tokenizer.decode([event.token_id]),
         "bytes": token_bytes(tokenizer, event.token_id),

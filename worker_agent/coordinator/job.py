@@ -28,7 +28,7 @@ import ssl
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 
 from nacl.signing import SigningKey
@@ -328,7 +328,7 @@ class Coordinator:
 
     async def stream(
         self, request: GenerationRequest, *, strict: bool = True
-    ) -> AsyncIterator[TokenEvent | GenerationResult]:
+    ) -> AsyncGenerator[TokenEvent | GenerationResult, None]:
         """Yield each committed token as it comes, then the verified result. Receipts that fail
         verification raise (``strict``), or are reported in the result's ``verification_error``."""
         started = time.monotonic()

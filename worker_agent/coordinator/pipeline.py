@@ -322,9 +322,9 @@ class StageLink:
                 if not waiting and not failed:
                     self.pipeline.fail_all(error)
             case wire.Open() | wire.Close():
-                future = self._replies.get((type(message).__name__, message.sessions))
-                if future is not None and not future.done():
-                    future.set_result(message)
+                pending = self._replies.get((type(message).__name__, message.sessions))
+                if pending is not None and not pending.done():
+                    pending.set_result(message)
 
     async def aclose(self) -> None:
         if self._reader is not None:
@@ -502,11 +502,11 @@ class Pipeline:
             raise StageError(f"no stage answered CLOSE: {failed[0]}", code="close_unanswered")
         if failed:
             first = failed[0]
-            answered = [() if isinstance(reply, BaseException) else reply.receipts for reply in replies]
+            answered = [() if isinstance(reply, BaseException) else _receipts(reply) for reply in replies]
             if isinstance(first, StageError):
                 raise CloseIncomplete(str(first), code=first.code, stage=first.stage, replies=answered)
             raise first
-        return [reply.receipts for reply in replies if not isinstance(reply, BaseException)]
+        return [_receipts(reply) for reply in replies if not isinstance(reply, BaseException)]
 
     def new_session_id(self) -> str:
         return f"s{next(self._session_ids)}"
@@ -641,8 +641,8 @@ class Pipeline:
                 for item, chunk in zip(result.items, result.item_bytes(), strict=True):
                     self._capture(item, index + 1, chunk)
             if self.topology == "star":
-                relay = wire.Forward(result.job, result.items, result.dtype, result.shape, result.payload)
-                self._spawn(self._relay(index + 1, relay))
+                forward = wire.Forward(result.job, result.items, result.dtype, result.shape, result.payload)
+                self._spawn(self._relay(index + 1, forward))
             return
         if not usable:
             width = f"{self.hidden_size}" if self.hidden_size is not None else "the route's width"
@@ -764,3 +764,9 @@ class Pipeline:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(link.aclose() for link in self.links), return_exceptions=True)
+
+
+def _receipts(reply: wire.Message) -> tuple[dict, ...]:
+    """The receipts of a stage's answer to CLOSE (``StageLink.request`` answers a CLOSE with one)."""
+    assert isinstance(reply, wire.Close)
+    return reply.receipts
