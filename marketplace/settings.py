@@ -305,6 +305,9 @@ SWARM_SPEED_CLAIM_OUTLIER = env_float("SWARM_SPEED_CLAIM_OUTLIER", 4.0, minimum=
 # A node claiming more than this many times the best speed it proved in a challenge gets a strike
 # (the proof is a lower bound, round trips and queueing included: honest nodes stay far below).
 SWARM_SPEED_FALSE_CLAIM = env_float("SWARM_SPEED_FALSE_CLAIM", 50.0, minimum=2.0)
+# Passed challenges a node must have before the best speed they proved can make its claim a strike
+# (load on its machine only slows a challenge: one slow one is no evidence of a lie).
+SWARM_SPEED_EVIDENCE_CHALLENGES = env_int("SWARM_SPEED_EVIDENCE_CHALLENGES", 3, minimum=1)
 # Round trips are measured from both ends (marketplace/placement/round_trips.py): a node's report of
 # a link that the other end measured more than this many times as long, and by more than the
 # margin (answering delays and jitter make honest ends disagree by some milliseconds), is clamped

@@ -159,6 +159,9 @@ def test_a_claim_far_beyond_what_the_node_proved_is_a_strike_and_an_honest_gap_i
     # honest node proves well under its benchmark, here 10x under).
     record_verified_speed(liar.pk, 500.0)
     record_verified_speed(honest.pk, 300.0)
+    # One passed challenge is no evidence yet: load only slows a challenge (SWARM_SPEED_EVIDENCE_CHALLENGES: 3).
+    assert strike_false_capacity_claim(liar.pk, passed_challenge(liar)) is None
+    passed_challenge(liar)
 
     strike = strike_false_capacity_claim(liar.pk, passed_challenge(liar))
 
@@ -168,7 +171,8 @@ def test_a_claim_far_beyond_what_the_node_proved_is_a_strike_and_an_honest_gap_i
     assert "2000000000x the 500 it proved" in strike.evidence["reason"]
     # One open strike per false claim, not one per challenge it passes.
     assert strike_false_capacity_claim(liar.pk, passed_challenge(liar)) is None
-    assert strike_false_capacity_claim(honest.pk, passed_challenge(honest)) is None
+    for _ in range(3):
+        assert strike_false_capacity_claim(honest.pk, passed_challenge(honest)) is None
     unproven = make_joined_node(provider, "gpu-new", compute=1e12).node
     assert strike_false_capacity_claim(unproven.pk, None) is None  # nothing proved yet: only capped, not struck
     assert list(Strike.objects.values_list("node__name", "kind")) == [("gpu-liar", StrikeKind.CAPACITY)]

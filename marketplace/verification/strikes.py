@@ -121,10 +121,14 @@ def strike_false_capacity_claim(node_pk: int, challenge) -> Strike | None:
     """The node claims more than SWARM_SPEED_FALSE_CLAIM times the best speed it has proved (a
     passed challenge's timing, a lower bound): its claim is a lie placement already does not
     believe (``nodes.capacity``), and it gets a strike, once while one is open, with ``challenge``
-    (the one just passed) as its evidence."""
+    (the one just passed) as its evidence. Only once SWARM_SPEED_EVIDENCE_CHALLENGES challenges
+    have passed: load on the node's machine only slows a challenge, so the best of several is the
+    proof, and an honest node on a busy machine is not struck for one slow one (it is capped anyway)."""
     node = Node.objects.get(pk=node_pk)
     proven, claim = node.verified_layer_tokens_per_s, node.compute_layer_tokens_per_s
     if not proven or claim <= settings.SWARM_SPEED_FALSE_CLAIM * proven:
+        return None
+    if node.challenges.filter(state=CheckState.PASSED).count() < settings.SWARM_SPEED_EVIDENCE_CHALLENGES:
         return None
     if node.strikes.filter(kind=StrikeKind.CAPACITY, state=StrikeState.OPEN).exists():
         return None
