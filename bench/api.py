@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import json
 import os
-import platform
 import secrets
 import signal
 import subprocess
@@ -56,7 +54,7 @@ import threading
 import time
 from pathlib import Path
 
-from hostinfo import cpu_model
+from report import describe_machine, load_average, package_versions, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 # The web app is imported from the checkout, whatever the script's directory or the venv's install.
@@ -132,7 +130,7 @@ class ControlPlane:
         from marketplace.billing.services import grant
         from marketplace.jobs.models import ApiKey
         from marketplace.jobs.services import create_api_key
-        from marketplace.nodes.services import create_node
+        from marketplace.nodes.joining import create_node
 
         user_model = get_user_model()
         provider = user_model.objects.create(
@@ -936,20 +934,11 @@ def targets(a: dict, b: dict) -> list[dict]:
 
 
 def machine(threads: int) -> dict:
-    versions = {}
-    for package in ("torch", "transformers", "django", "channels", "uvicorn", "openai"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    return {
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        **versions,
-        "torch_threads_per_agent_and_control_plane": threads,
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    return describe_machine(
+        **package_versions("torch", "transformers", "django", "channels", "uvicorn", "openai"),
+        torch_threads_per_agent_and_control_plane=threads,
+        load_average_at_start=load_average(),
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -1039,7 +1028,7 @@ def main() -> int:
         "elapsed_s": elapsed,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output, report)
     print(f"\nwrote {args.output} in {elapsed} s")
     return 0
 

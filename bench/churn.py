@@ -75,6 +75,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's packages, whatever the venv's editable install points at
 
 from api import machine, percentile, setup_django  # noqa: E402 - the sibling benchmark's helpers
+from report import write_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "churn.json"
 MODELS = {
@@ -479,7 +480,7 @@ class SoakPlane:
 
     def join(self, again: Joined | None = None) -> Joined:
         """A new node (its own key and join token), or ``again``'s node reconnecting with its key."""
-        from marketplace.nodes.services import create_node
+        from marketplace.nodes.joining import create_node
         from worker_agent.local import join_agent
 
         index = self.started
@@ -1096,7 +1097,7 @@ def main() -> int:
         "elapsed_s": elapsed,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output, report)
     print(f"\nwrote {args.output} in {elapsed} s")
     return 0
 

@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+from report import describe_machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -134,7 +135,7 @@ def serve_control_plane(port: int, setup_path: Path) -> None:
     from marketplace.billing.services import grant
     from marketplace.embedded import EmbeddedServer
     from marketplace.jobs.services import create_api_key
-    from marketplace.nodes.services import create_node, register_agent
+    from marketplace.nodes.joining import create_node, register_agent
     from worker_agent.control_protocol import join_signature
     from worker_agent.keys import generate_signing_key, public_key_bytes, write_key
 
@@ -291,23 +292,14 @@ def main() -> int:
         for row in rows.values()
     )
     print("PASS" if ok else "MISS", "(0 crashes, 0 hangs, 0 server errors, RSS <= 1.5x start)")
-    results = ROOT / "bench" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "fuzz.json").write_text(
-        json.dumps(
-            {
-                "machine": {
-                    "platform": platform.platform(),
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                },
-                "conditions": {k: v for k, v in vars(args).items() if k != "serve"},
-                "rows": rows,
-                "pass": ok,
-            },
-            indent=2,
-        )
-        + "\n"
+    write_json(
+        ROOT / "bench" / "results" / "fuzz.json",
+        {
+            "machine": describe_machine(platform=platform.platform()),
+            "conditions": {k: v for k, v in vars(args).items() if k != "serve"},
+            "rows": rows,
+            "pass": ok,
+        },
     )
     return 0
 

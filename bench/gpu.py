@@ -15,15 +15,14 @@ The table goes to stdout, everything to ``bench/results/gpu.json`` (``--output``
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from report import machine_line, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -136,7 +135,7 @@ def main() -> int:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     result["conditions"] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": machine_line(),
         "torch": torch.__version__,
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -150,8 +149,7 @@ def main() -> int:
         cos_text = "-" if cos is None else f"{cos:.2e}"
         rel_text = "-" if rel is None else f"{rel:.2e}"
         print(f"{entry['dtype']:<9} {entry['device']:<7} {cos_text:>9} {rel_text:>9}  {cells}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.output, result)
     print(f"written to {args.output.name}")
     return 0
 

@@ -34,7 +34,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import platform
 import secrets
 import signal
 import subprocess
@@ -43,6 +42,8 @@ import tempfile
 import time
 import urllib.parse
 from pathlib import Path
+
+from report import machine_line, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -148,7 +149,7 @@ class Topology:
         from marketplace.billing.services import grant
         from marketplace.jobs.models import ApiKey
         from marketplace.jobs.services import create_api_key
-        from marketplace.nodes.services import create_node
+        from marketplace.nodes.joining import create_node
 
         users = get_user_model().objects
         provider = users.create(username="load-provider", email="load-provider@example.com", is_provider=True)
@@ -477,11 +478,11 @@ def main() -> int:
     result["targets"] = targets(result)
     result["conditions"] = {
         "args": {k: str(v) for k, v in vars(args).items() if k != "output"},
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
+        "machine": machine_line(),
         "load_average_at_end": os.getloadavg(),
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.output, result)
     header = ("part", "requests", "stalled", "5xx", "tok/s", "TTFT p50/p99 ms", "admit p50/p99 ms")
     print(f"{header[0]:<8} {header[1]:>8} {header[2]:>7} {header[3]:>4} {header[4]:>7} {header[5]:>17} {header[6]:>17}")
     for part in ("burst", "steady"):

@@ -49,7 +49,6 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import re
 import selectors
 import statistics
@@ -63,8 +62,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's packages and tests.netlab, whatever the venv points at
 
-from hostinfo import cpu_model  # noqa: E402 - after the path is set
 from nacl.signing import SigningKey  # noqa: E402
+from report import describe_machine, load_average, write_json  # noqa: E402 - after the path is set
 from websockets.asyncio.client import connect  # noqa: E402
 
 from tests.netlab import Netlab, NetlabUnavailable, missing_netlab_reason  # noqa: E402 - after the path is set
@@ -97,10 +96,6 @@ CLIENT_TIMEOUT_S = 600.0
 PASS_TTL_S = 3600.0
 HOP_GOAL_MS = 1.0
 _READY = re.compile(r"^READY direct=(\S+) relayed=(\S+) node=(\S+)")
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # --- the lab side (root namespace) ------------------------------------------------------------------
@@ -484,12 +479,7 @@ def main() -> int:
         print(f"bench/netlab.py skipped: {reason}")
         return 0
     started = time.monotonic()
-    machine = {
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "load_average_at_start": load_average(),
-    }
+    machine = describe_machine(load_average_at_start=load_average())
     print(
         f"machine: {machine['cpu']}, {machine['cpu_count']} CPUs, load average {machine['load_average_at_start']}\n"
         f"{MODEL} in 3 stages (0:10, 10:20, 20:30), WAN emulation {WAN} on every sender, one torch thread per "
@@ -537,7 +527,7 @@ def main() -> int:
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.output, result)
     print(f"\nwrote {args.output.relative_to(ROOT) if args.output.is_relative_to(ROOT) else args.output} "
           f"in {result['elapsed_s']} s")  # fmt: skip
     return 0

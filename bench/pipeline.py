@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -59,7 +58,7 @@ from pathlib import Path
 
 import psutil
 import torch
-from hostinfo import cpu_model
+from report import describe_machine, load_average, write_json
 from safetensors import safe_open
 
 from worker_agent import kernels, wire
@@ -511,16 +510,13 @@ def print_summary(rows: list[dict], ref: dict, swarms: list[dict], weights: dict
 def machine(threads: int) -> dict:
     import transformers
 
-    return {
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "memory_gb": round(psutil.virtual_memory().total / 1024**3, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads_per_agent_and_coordinator": threads,
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    return describe_machine(
+        memory_gb=round(psutil.virtual_memory().total / 1024**3, 1),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        torch_threads_per_agent_and_coordinator=threads,
+        load_average_at_start=load_average(),
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -633,7 +629,7 @@ def main() -> int:
         "elapsed_s": elapsed,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output, report)
     print(f"\nwrote {args.output} in {elapsed} s")
     return 0
 

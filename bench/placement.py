@@ -28,7 +28,7 @@ In one run, all inputs seeded:
    its share (``allocation.place``, one spare per pipeline as SWARM_SPARES_PER_PIPELINE's default),
    then one request routed on the 80-layer model over all its stages (round trips as in 2., over
    the 10,001 points). Production reads the nodes, shares and assignments from the database
-   around these steps (``shares._offers``, ``services._candidates``) and orders each pipeline's
+   around these steps (``shares._offers``, ``candidates.candidates``) and orders each pipeline's
    ring over measured links (``best_tour``, timed in 3.); those are not in this time.
 
 Each time is the best of a few repetitions (``time.perf_counter``). Targets are reported, not
@@ -39,9 +39,7 @@ figures to ``bench/results/placement.json``.
 
 from __future__ import annotations
 
-import json
 import math
-import platform
 import random
 import sys
 import time
@@ -50,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from report import describe_machine, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -360,11 +359,7 @@ def main() -> None:
     report = {
         "benchmark": "placement",
         "command": "python bench/placement.py",
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-        },
+        "machine": describe_machine(numpy=np.__version__),
         "conditions": {
             "seed": SEED,
             "nodes": N_NODES,
@@ -416,8 +411,7 @@ def main() -> None:
         },
         "verdict": verdict,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(RESULTS, report)
     print(f"\nwrote {RESULTS}")
 
 

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's packages, whatever the venv's editable install points at
 
-from hostinfo import cpu_model  # noqa: E402 - after the path is set
 from nacl.signing import SigningKey  # noqa: E402 - after the path is set
+from report import describe_machine, write_json  # noqa: E402 - after the path is set
 from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 from websockets.asyncio.server import ServerConnection, serve  # noqa: E402
 
@@ -160,9 +158,7 @@ def main() -> None:
     direct, relayed = summary(samples["direct"]), summary(samples["relayed"])
     added = round(relayed["median"] - direct["median"], 4)
     result = {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
+        **describe_machine(),
         "round_trips": args.round_trips,
         "message_bytes": args.message_bytes,
         "transport": "websockets over mTLS, compression off; peer, relay and agent in three processes",
@@ -174,7 +170,7 @@ def main() -> None:
     for name, stats in (("direct", direct), ("relayed", relayed)):
         print(f"  {name:8} median {stats['median']:.3f} ms   p90 {stats['p90']:.3f} ms   p99 {stats['p99']:.3f} ms")
     print(f"  the relay adds {added:.3f} ms per round trip (median)")
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(RESULTS, result)
     print(f"wrote {RESULTS.relative_to(ROOT)}")
 
 

@@ -45,12 +45,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
+
+from report import describe_machine, load_average, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's packages, whatever the venv's editable install points at
@@ -323,14 +324,13 @@ def write_report(args: argparse.Namespace, rows: list[dict], load: list[float], 
         "benchmark": "speculative",
         "command": " ".join(["python", "bench/speculative.py", *sys.argv[1:]]),
         "complete": final,
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": args.threads,
-            "load_average_at_start": load,
-            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": describe_machine(
+            platform=platform.platform(),
+            torch=torch.__version__,
+            threads=args.threads,
+            load_average_at_start=load,
+            load_average_at_end=load_average(),
+        ),
         "settings": {k: v for k, v in vars(args).items() if k != "output"},
         "conditions": {
             "wan": "every link of the ring (coordinator -> A -> B -> C -> coordinator) delayed by half the round "
@@ -345,8 +345,7 @@ def write_report(args: argparse.Namespace, rows: list[dict], load: list[float], 
         "comparisons": compare(rows),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.output, report)
 
 
 def main() -> int:

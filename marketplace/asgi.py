@@ -31,7 +31,7 @@ from marketplace.catalog.selectors import served_models  # noqa: E402
 from marketplace.catalog.services import register_settings_checkpoints  # noqa: E402
 from marketplace.db import release_connections  # noqa: E402
 from marketplace.periodic import embedded_scheduler  # noqa: E402
-from marketplace.placement.services import mark_dirty  # noqa: E402
+from marketplace.placement.rebalancing import mark_dirty  # noqa: E402
 from marketplace.routing import websocket_urlpatterns  # noqa: E402
 
 log = logging.getLogger("swarm.scheduler")

@@ -42,7 +42,7 @@ def use_django_logging(**_: Any) -> None:
 def warm_models(sender: Any = None, **_: Any) -> None:
     """Load the served models' configs and tokenizers, and in a coordinator worker (one consuming a
     ``coord.*`` queue) their heads, before the first task: a coordinator worker runs every job on
-    one event loop (``jobs.tasks``), which a cold load would hold for seconds under the first burst."""
+    one event loop (``flows.tasks``), which a cold load would hold for seconds under the first burst."""
     # Imported once Django is set up (this module is imported before it) and torch only in the
     # workers that start, not in every importer.
     from marketplace.catalog.selectors import served_models

@@ -1,7 +1,11 @@
-"""Database connection hygiene for async code."""
+"""Database connection hygiene for async code: the call that hands a thread's connections back, and
+the view decorator that calls it on every way out of an async view."""
 
 from __future__ import annotations
 
+import functools
+
+from asgiref.sync import sync_to_async
 from django.db import connections
 
 
@@ -14,3 +18,18 @@ def release_connections() -> None:
     for connection in connections.all(initialized_only=True):
         if not connection.in_atomic_block:
             connection.close()
+
+
+def releases_db(view):
+    """Async views run their ORM calls in a thread of the request's; Django's end-of-request
+    cleanup runs elsewhere and would leave that thread's connection checked out of the pool, so
+    close it here, on every way out."""
+
+    @functools.wraps(view)
+    async def wrapped(request, *args, **kwargs):
+        try:
+            return await view(request, *args, **kwargs)
+        finally:
+            await sync_to_async(release_connections)()
+
+    return wrapped

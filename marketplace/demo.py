@@ -74,8 +74,8 @@ def _accounts() -> dict:
     # Imported after _setup_django(): models need the app registry.
     from marketplace.jobs.models import ApiKey
     from marketplace.jobs.services import create_api_key
+    from marketplace.nodes.joining import create_node
     from marketplace.nodes.models import Node
-    from marketplace.nodes.services import create_node
 
     User = get_user_model()
     logins = {}
@@ -100,7 +100,7 @@ def _accounts() -> dict:
             node, token = create_node(owner=provider, name=f"demo-gpu-{index}")
         else:
             # Imported after _setup_django(): models need the app registry.
-            from marketplace.nodes.services import rotate_join_token
+            from marketplace.nodes.joining import rotate_join_token
 
             token = rotate_join_token(node)
         tokens.append(token)
@@ -125,7 +125,7 @@ def _retire_earlier_agents() -> None:
     from django.utils import timezone
 
     # Imported after _setup_django(): models need the app registry.
-    from marketplace.placement.services import sweep_heartbeats
+    from marketplace.placement.lifecycle import sweep_heartbeats
 
     gone = sweep_heartbeats(now=timezone.now() + timedelta(seconds=settings.SWARM_HEARTBEAT_TIMEOUT_S + 1))
     if gone:

@@ -2,7 +2,7 @@
 
 Two context variables hold the request id (``req_<hex>``, named at the HTTP edge by
 ``RequestIdMiddleware`` and sent back to the client in the ``x-request-id`` header) and the job id
-(the job's public id, e.g. ``chatcmpl-<hex>``, bound where a job runs: ``jobs.runner.run_job``, and
+(the job's public id, e.g. ``chatcmpl-<hex>``, bound where a job runs: ``flows.runner.run_job``, and
 a Celery task through its message headers). ``ContextFilter``, on the handler that
 ``logging_config`` builds for ``settings.LOGGING``, copies them onto each record as ``request_id``
 and ``job_id``, ``-`` outside any request or job.

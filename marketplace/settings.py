@@ -1,3 +1,4 @@
+# Over 500 lines: the one settings module, grouped by subsystem, so that every setting is read in one place.
 """Settings, driven by environment variables (every one in docs/operations.md's table).
 
 Embedded default: SQLite, the in-memory channel layer, Celery tasks run eagerly in-process and
@@ -370,7 +371,7 @@ SWARM_WHEELS_DIR = Path(env_str("SWARM_WHEELS_DIR", str(DATA_DIR / "wheels")))
 # Where a job's coordinator runs: "inprocess" (the web process's event loop) or "celery" (a task
 # on the queue coord.<region>, for Celery workers of that region).
 SWARM_COORDINATOR_LAUNCH = env_str("SWARM_COORDINATOR_LAUNCH", "celery" if REDIS_URL else "inprocess")
-# A coordinator worker's threads for its jobs' database and cache calls (marketplace.jobs.tasks).
+# A coordinator worker's threads for its jobs' database and cache calls (marketplace.flows.tasks).
 SWARM_COORDINATOR_DB_THREADS = env_int("SWARM_COORDINATOR_DB_THREADS", 16, minimum=1)
 # torch's CPU threads in each control-plane process (web, coordinator and verify workers), set as
 # it loads the models. Their torch work is a few rows at a time (the coordinators' embeddings and
@@ -551,4 +552,4 @@ LOGGING = logging_config(SWARM_LOG_FORMAT, SWARM_LOG_LEVEL)
 
 # --- periodic work (one table for Celery beat and the embedded scheduler) --------------------
 CELERY_BEAT_SCHEDULE = beat_schedule(globals())
-CELERY_IMPORTS = ("marketplace.periodic",)  # its task is not in an app's tasks module
+CELERY_IMPORTS = ("marketplace.periodic", "marketplace.flows.tasks")  # their tasks are in no app's tasks module

@@ -15,7 +15,6 @@ urlpatterns = [
     path("readyz", monitoring.readyz, name="ready"),
     path("metrics", monitoring.metrics_view, name="metrics"),
     path("", include("marketplace.install.urls")),
-    path("", include("marketplace.catalog.urls")),
     path("", include("marketplace.web.account_urls")),
     path("", include("marketplace.web.urls")),
 ]

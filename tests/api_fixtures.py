@@ -38,7 +38,7 @@ from marketplace.api import ratelimit
 from marketplace.billing.models import ModelPrice
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey
-from marketplace.nodes import services as node_services
+from marketplace.nodes import joining
 from marketplace.nodes.tickets import issuer_key
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer
@@ -183,7 +183,7 @@ def live_swarm(db, tmp_path_factory):
         api_key.refresh_from_db()
         forget_rate_counts(api_key)
         server = LiveServer().start()
-        tokens = [node_services.create_node(owner=provider, name=f"gpu-{i}")[1] for i in range(3)]
+        tokens = [joining.create_node(owner=provider, name=f"gpu-{i}")[1] for i in range(3)]
         agents = [join(server.url, token, workdir, i) for i, token in enumerate(tokens)]
         route = wait_for(lambda: servable_route(agents, workdir), SERVABLE_TIMEOUT_S, "a servable pipeline", 0.5)
         yield Swarm(server.url, provider, customer, api_key, key, route, agents)

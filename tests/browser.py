@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from marketplace.nodes.services import create_node
+from marketplace.nodes.joining import create_node
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer, wait_for
 from worker_agent.local import join_agent, stop_processes

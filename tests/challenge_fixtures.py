@@ -1,9 +1,11 @@
 """What a challenged node's part of a job looks like once the coordinator kept it: ``AuditMaterial``
 of real activations (a prompt through the layers before the node's span), and outputs computed
-honestly (in float32 or bfloat16), or made up by the test."""
+honestly (in float32 or bfloat16), or made up by the test. And the start of a test's worker process
+that needs Django (``django_process``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -80,3 +82,20 @@ def material(
         inputs=chunks(inputs),
         outputs=chunks(out),
     )
+
+
+def django_process(settings_module: str, overrides: dict[str, object]) -> None:
+    """Start a spawned worker process of a test (``ProcessPoolExecutor``'s initializer): Django set
+    up from ``settings_module`` with the test's ``overrides``, before any task of the test's module
+    is unpickled there (importing it needs the apps). Its INFO logging is off: a few lines for every
+    connection and session of a busy route would cost the process more than the work they report."""
+    import logging
+
+    import django
+    from django.conf import settings
+
+    os.environ["DJANGO_SETTINGS_MODULE"] = settings_module
+    django.setup()
+    for name, value in overrides.items():
+        setattr(settings, name, value)
+    logging.disable(logging.INFO)

@@ -2,12 +2,88 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
 import pytest
+import torch
 from channels.layers import channel_layers
+from django.conf import settings
 
 from worker_agent.local import LocalSwarm, even_spans
 
 SMOLLM2_SPANS = [(0, 10), (10, 20), (20, 30)]
+REDIS_DATABASES = 16  # Redis's default `databases`: numbers 0..15
+NETLAB_FILES = "test_netlab"  # how the files of netlab tests are named
+NETLAB_SCOPE = "netlab"
+# The files that take minutes (measured under `make test`), longest first: xdist hands them out
+# before all others, so that none of them starts last and runs on while the other workers idle.
+# Only the run's length depends on this list: a stale one slows `make test`, it breaks nothing.
+SLOW_SCOPES_FIRST = [
+    "tests/test_challenge_indistinguishable.py",
+    "tests/test_adversarial_agents.py",
+    "tests/test_replacement_live.py",
+    "tests/test_structured_output.py",
+    NETLAB_SCOPE,
+    "tests/test_openai_api.py",
+    "tests/test_pipeline_generate.py",
+    "tests/test_architectures.py",
+    "tests/test_api_schema_fuzz.py",
+    "tests/test_billing_concurrency.py",
+    "tests/test_control_plane_e2e.py",
+]
+
+
+def _redis_url_of_worker(url: str, worker: str) -> str:
+    """``url`` with its database number moved up by the xdist worker's index (gw0 keeps it, gw1
+    takes the next one, ...): each worker's channel groups, cache keys and Celery queues are its own,
+    while one Redis serves them all."""
+    parts = urlsplit(url)
+    base = int(parts.path.strip("/") or 0)
+    number = base + int(worker.removeprefix("gw"))
+    if number >= REDIS_DATABASES:
+        raise pytest.UsageError(f"{url} leaves no Redis database for xdist worker {worker}: use a lower number")
+    return urlunsplit(parts._replace(path=f"/{number}"))
+
+
+def _give_this_worker_its_own_redis() -> None:
+    """Under pytest-xdist, workers run tests side by side: on one Redis database they would read each
+    other's channel messages, cache entries (rate limits, locks) and Celery tasks. Django has read
+    REDIS_URL before this file is imported (pytest-django sets it up first), so the settings made from
+    it are rewritten here, before any test opens a connection; the environment is too, for the agents,
+    Celery workers and settings subprocesses that tests start."""
+    worker, url = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("REDIS_URL")
+    if not worker or not url or url != settings.REDIS_URL:
+        return
+    own = _redis_url_of_worker(url, worker)
+    os.environ["REDIS_URL"] = own
+    settings.REDIS_URL = own
+    if url == settings.CELERY_BROKER_URL:
+        settings.CELERY_BROKER_URL = own
+    for layer in settings.CHANNEL_LAYERS.values():
+        for host in layer.get("CONFIG", {}).get("hosts", []):
+            if isinstance(host, dict) and host.get("address") == url:
+                host["address"] = own
+    for cache in settings.CACHES.values():
+        if cache.get("LOCATION") == url:
+            cache["LOCATION"] = own
+    channel_layers.backends = {}
+
+
+def _one_thread_per_worker() -> None:
+    """Under pytest-xdist, each worker is one of about as many processes as the machine has cores:
+    torch's and OpenMP's teams of threads in every one of them (and in the agents, Celery workers and
+    process pools they start, which inherit OMP_NUM_THREADS) would spin against each other, which
+    slows a busy-waiting team tenfold rather than twofold."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+_give_this_worker_its_own_redis()
+_one_thread_per_worker()
 
 
 @pytest.fixture
@@ -32,6 +108,42 @@ def tiny_swarm():
     """Three agents serving the seeded random tiny-llama (6 layers), for fast protocol tests."""
     with LocalSwarm("tiny-llama", even_spans(6, 3), threads=1) as swarm:
         yield swarm
+
+
+def _xdist_scope(nodeid: str) -> str:
+    """The work unit of a test under ``--dist loadfile``: its file, except that all netlab files
+    are one unit. A unit runs on one worker, in order, so a file's module fixtures (live control
+    planes, swarms of agents) start once; and netlab namespaces, bridges and NAT routers have fixed
+    names, so two labs must never exist at once."""
+    path = nodeid.split("::", 1)[0]
+    return NETLAB_SCOPE if Path(path).name.startswith(NETLAB_FILES) else path
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, on the process that hands out tests
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileNetlabTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # The queue holds the files by number of tests, most first; the slow ones go to its front.
+            for scope in reversed(SLOW_SCOPES_FIRST):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return LoadFileNetlabTogether(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The xdist scheduler knows tests by id only, hence netlab files by name: hold them to it."""
+    for item in items:
+        if item.get_closest_marker("netlab") and _xdist_scope(item.nodeid) != NETLAB_SCOPE:
+            raise pytest.UsageError(f"{item.nodeid} is a netlab test: its file's name must start with {NETLAB_FILES}")
 
 
 def pytest_report_header(config) -> str | None:

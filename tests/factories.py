@@ -21,7 +21,7 @@ from django.utils import timezone
 from nacl.signing import SigningKey
 from rest_framework.test import APIClient
 
-from marketplace.nodes import services
+from marketplace.nodes import joining
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.placement.models import Assignment, PlacementState
 from worker_agent.control_protocol import join_signature
@@ -142,7 +142,7 @@ def make_node():
     """A node added by its owner (pending, not joined); returns the node and its join token."""
 
     def make(owner, name: str = "gpu-1", region: str = "local") -> tuple[Node, str]:
-        return services.create_node(owner=owner, name=name, region=region)
+        return joining.create_node(owner=owner, name=name, region=region)
 
     return make
 
@@ -169,7 +169,7 @@ def make_joined_node(make_node):
         hardware = {"device": "cpu", "device_name": "test", "memory_bytes": memory_bytes, "dtypes": ["float32"]}
         if max_layers is not None:
             hardware["max_layers"] = max_layers
-        services.register_agent(
+        joining.register_agent(
             token=token,
             public_key=public_hex(key),
             signature=join_signature(key, token),

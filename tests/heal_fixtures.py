@@ -12,7 +12,7 @@ from typing import NamedTuple
 import pytest
 
 from marketplace.nodes.models import Node
-from marketplace.placement import services
+from marketplace.placement import placing, readiness
 from marketplace.placement.models import Assignment, AssignmentState
 from tests.factories import MODEL
 
@@ -44,7 +44,7 @@ def stage(node: Node, layer_start: int, layer_end: int) -> dict:
 
 def report_ready() -> None:
     for assignment in Assignment.objects.filter(state=AssignmentState.ASSIGNED).select_related("node"):
-        services.assignment_ready(assignment.node_id, assignment.pk, url_of(assignment.node))
+        readiness.assignment_ready(assignment.node_id, assignment.pk, url_of(assignment.node))
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def swarm(provider, make_joined_node, measure_ring, swarm_settings) -> Swarm:
         for name, compute, cap in specs
     ]
     measure_ring(nodes)
-    services.place_model(MODEL)
+    placing.place_model(MODEL)
     report_ready()
     for node in nodes:
         node.refresh_from_db()

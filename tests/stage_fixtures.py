@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 
+from marketplace.flows import admission
 from marketplace.jobs import services
 from marketplace.jobs.models import Job
 from marketplace.jobs.params import RequestParams
@@ -79,8 +80,8 @@ async def stage_servers(
 
 def admit(api_key, route: list[PipelineStage], params: RequestParams, monkeypatch) -> Job:
     """Admit a completion job for ``params`` onto ``route`` (placement's routing is bypassed)."""
-    monkeypatch.setattr(services, "route_request", lambda model, busy=None, **_: ("local", route, 1.0))
-    return services.admit_job(
+    monkeypatch.setattr(admission, "route_request", lambda model, busy=None, **_: ("local", route, 1.0))
+    return admission.admit_job(
         api_key=api_key,
         kind="completion",
         model=MODEL,

@@ -16,14 +16,16 @@ from marketplace.api import admission
 from marketplace.api.errors import error_response
 from marketplace.billing.models import Transfer
 from marketplace.billing.services import grant
+from marketplace.flows import admission as flows_admission
 from marketplace.jobs import services
 from marketplace.jobs.errors import Overloaded
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.services import create_api_key
 from marketplace.nodes.models import Node
+from marketplace.placement.placing import place_model
+from marketplace.placement.readiness import assignment_ready
 from marketplace.placement.selectors import route_request
-from marketplace.placement.services import assignment_ready, place_model
 
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]
 pytestmark = pytest.mark.control
@@ -52,7 +54,7 @@ def api_key(customer):
 
 def admit(api_key) -> list[Job]:
     params = RequestParams(max_tokens=4, temperature=0.0, prompt="Once upon a time")
-    return services.admit_jobs(
+    return flows_admission.admit_jobs(
         api_key=api_key,
         kind="completion",
         model=MODEL,
@@ -82,7 +84,7 @@ def test_a_node_that_reported_fewer_sessions_caps_its_stage_there(placed, api_ke
     Node.objects.filter(pk=placed[0].pk).update(max_sessions=1)
     admit(api_key)
 
-    assert route_request(MODEL, services.jobs_in_flight()) is None  # its one session is taken
+    assert route_request(MODEL, flows_admission.jobs_in_flight()) is None  # its one session is taken
     assert route_request(MODEL) is not None  # the model itself is servable: overloaded, not down
     with pytest.raises(Overloaded):
         admit(api_key)
@@ -141,13 +143,13 @@ def test_a_full_model_s_line_is_first_come_first_served_and_only_its_head_asks(
     params = RequestParams(max_tokens=4, temperature=0.0, prompt="Once upon a time")
     prompt_ids = services.tokenize_prompt(MODEL, params)
     asked: list[str] = []  # the request id of every admission the database was asked for
-    admit_jobs = services.admit_jobs
+    admit_jobs = flows_admission.admit_jobs
 
     def counted(**job):
         asked.append(job["request_id"])
         return admit_jobs(**job)
 
-    monkeypatch.setattr(services, "admit_jobs", counted)
+    monkeypatch.setattr(flows_admission, "admit_jobs", counted)
 
     def end(job_pk: int) -> None:
         try:

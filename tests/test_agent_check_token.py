@@ -13,8 +13,9 @@ import pytest
 from django.core.cache import cache
 from django.utils import timezone
 
+from marketplace.nodes.joining import JOIN_CHECK_WINDOW_S, token_check_failures_key
 from marketplace.nodes.models import Node, NodeState
-from marketplace.nodes.services import JOIN_CHECK_WINDOW_S, mark_connected, token_check_failures_key
+from marketplace.nodes.services import mark_connected
 from tests.factories import db_snapshot, drf_datetime, join_payload
 from tests.live import wait_for
 from worker_agent.keys import generate_signing_key

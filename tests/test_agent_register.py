@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from marketplace.nodes.joining import create_node
 from marketplace.nodes.models import Node, NodeState
-from marketplace.nodes.services import create_node
 from marketplace.nodes.tickets import issuer_public_key
 from tests.factories import GIB, db_snapshot, join_payload, public_hex
 from worker_agent.control_protocol import join_signature

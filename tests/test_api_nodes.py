@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from marketplace.nodes.models import Node, NodeState
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
-from marketplace.placement.services import place_model
+from marketplace.placement.placing import place_model
 from tests.factories import MODEL, PASSWORD, db_snapshot, drf_datetime, join_payload
 from worker_agent.keys import generate_signing_key
 

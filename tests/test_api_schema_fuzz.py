@@ -16,7 +16,7 @@ from schemathesis.checks import not_a_server_error
 
 from marketplace.billing.services import grant
 from marketplace.jobs import services as jobs_services
-from marketplace.nodes import services as nodes_services
+from marketplace.nodes import joining
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.api]
 
@@ -53,7 +53,7 @@ def test_no_operation_of_the_documented_api_answers_a_server_error(
     )
     grant(user, 5)
     jobs_services.create_api_key(user, "fuzzed")
-    nodes_services.create_node(owner=user, name="fuzzed-gpu")
+    joining.create_node(owner=user, name="fuzzed-gpu")
     schema = schemathesis.openapi.from_url(f"{live_server.url}/api/schema/", auth=(USER, PASSWORD))
     operations = [result.ok() for result in schema.get_all_operations()]
     called: dict[str, int] = {}

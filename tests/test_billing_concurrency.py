@@ -16,7 +16,7 @@ from marketplace.billing import services
 from marketplace.billing.models import AccountKind, LedgerAccount, ModelPrice, Transfer
 from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.jobs.services import create_api_key
-from marketplace.nodes.services import create_node
+from marketplace.nodes.joining import create_node
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer, wait_for
 from worker_agent.local import join_agent, stop_processes

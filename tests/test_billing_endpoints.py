@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from marketplace.billing import services
 from marketplace.billing.models import ModelPrice
-from marketplace.jobs import settlement
+from marketplace.flows import settlement
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import create_api_key, finish_job
 

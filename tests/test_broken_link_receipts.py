@@ -26,7 +26,8 @@ from django.utils import timezone
 
 from marketplace.billing.models import Transfer
 from marketplace.billing.services import credits, grant
-from marketplace.jobs import runner, services
+from marketplace.flows import runner
+from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.models import Node

@@ -15,9 +15,11 @@ from marketplace.nodes.capacity import assess, credible_speeds
 from marketplace.nodes.models import Node
 from marketplace.nodes.services import record_verified_speed
 from marketplace.placement.allocation import NodeCapacity, place
+from marketplace.placement.lifecycle import record_measured_speed
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
+from marketplace.placement.placing import place_model
+from marketplace.placement.readiness import assignment_ready
 from marketplace.placement.selectors import route_request
-from marketplace.placement.services import assignment_ready, place_model, record_measured_speed
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind
 from marketplace.verification.strikes import strike_false_capacity_claim
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from django.test import Client
 
-from marketplace import offerings
 from marketplace.api import request_body
 from marketplace.billing.models import ModelPrice
 from marketplace.catalog.models import CatalogModel, SourceKind
 from marketplace.catalog.selectors import served_models
+from marketplace.flows import offerings
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ModelNotFound
-from marketplace.placement import services as placement
+from marketplace.placement import placing
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import AGENT_DEFAULT_POSITIONS
 from tests.catalog_fixtures import CHECKPOINT_FILES as FILES
@@ -206,7 +206,7 @@ def test_disabling_a_model_releases_its_blocks_and_places_it_no_more(
 ):
     with django_capture_on_commit_callbacks(execute=True):
         offerings.update("llama", enabled=False)
-        placement.place_dirty_models()
+        placing.place_dirty_models()
 
     placed.refresh_from_db()
     assert placed.state == AssignmentState.RELEASED
@@ -238,7 +238,7 @@ def test_a_node_below_the_models_minimum_reputation_is_not_placed_on_it(
     offerings.update("llama", min_reputation=0.9)
 
     with django_capture_on_commit_callbacks(execute=True):
-        placed = placement.place_model(registered.ref)
+        placed = placing.place_model(registered.ref)
 
     assert sorted(a.node.name for a in placed) == ["a", "b"]
     assert sorted((a.layer_start, a.layer_end) for a in placed) == [(0, 2), (2, 4)]

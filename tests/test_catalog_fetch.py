@@ -13,10 +13,10 @@ import urllib.request
 import pytest
 from django.db import connection
 
-from marketplace import offerings
 from marketplace.catalog import services
 from marketplace.catalog.models import CatalogModel, SourceKind
 from marketplace.catalog.selectors import assignment_source, served_models
+from marketplace.flows import offerings
 from marketplace.placement.models import PlacementState
 from tests.catalog_fixtures import llama_checkpoint, weight_map
 from tests.live import LiveServer

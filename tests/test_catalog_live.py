@@ -28,12 +28,12 @@ from django.test.utils import override_settings
 from openai import OpenAI
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from marketplace import offerings
 from marketplace.billing.models import AccountKind, LedgerAccount
 from marketplace.billing.services import grant
+from marketplace.flows import offerings
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import Job, JobState
-from marketplace.nodes import services as node_services
+from marketplace.nodes import joining
 from marketplace.nodes.models import Node
 from marketplace.nodes.tickets import issuer_key
 from marketplace.payouts.models import Earning
@@ -104,7 +104,7 @@ def own_cache(root: Path) -> Path:
 
 
 def start_agent(live, monkeypatch, tmp_path: Path, owner, name: str, cache: Path, *, max_layers: int):
-    node, token = node_services.create_node(owner=owner, name=name)
+    node, token = joining.create_node(owner=owner, name=name)
     monkeypatch.setenv("SWARM_MODEL_CACHE", str(cache))  # the agent's environment: its own cache
     live.agents.append(
         join_agent(

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from marketplace import offerings
 from marketplace.billing.models import ModelPrice
 from marketplace.billing.services import prices_for
 from marketplace.catalog import services
 from marketplace.catalog.errors import CatalogError
 from marketplace.catalog.models import CatalogModel, SourceKind
 from marketplace.catalog.selectors import served_models
+from marketplace.flows import offerings
 from tests.catalog_fixtures import CHECKPOINT_FILES as FILES
 from tests.catalog_fixtures import LAYER_BYTES, content_hash_of, llama_checkpoint
 

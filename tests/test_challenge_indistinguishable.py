@@ -1,33 +1,42 @@
 """A node cannot tell a challenge from a customer's job by anything it observes.
 
-Over the wire: one honest node serves layers 2:4 of tiny-llama, a middle span, in a StageServer that
+Over the wire: an honest node serves layers 2:4 of tiny-llama, a middle span, in a StageServer that
 records every HELLO, OPEN and FORWARD it accepts (``worker_agent.observed``). Customers' jobs reach
 it as the control plane's runner sends them: a Coordinator over a ring of three stages, with tickets
 expiring with the job's deadline. Challenges reach it as the control plane runs them
 (``worker_agent.coordinator.challenger``, the request drawn by ``verification.traffic`` from the jobs
-served so far), with trusted nodes (the other two stages, which serve the customers too) around it.
-Both kinds run interleaved at random, a few at a time, so they share the machine's load alike. A
-gradient-boosted classifier is trained on the features of every session the node saw (``FEATURES``)
-and scored out of fold: its ROC AUC must be at most 0.6. The same classifier separates the challenges
-this replaced (one-stage star sessions of Gaussian rows, as the node saw them) from the same jobs with
-an AUC near 1, so the check can fail.
+served so far), with trusted nodes (the other two stages, which serve the customers too) around it,
+or, in a second run, the verifier's own stand-ins. Both kinds run interleaved at random, a few at a
+time, so they share the machine's load alike. SESSIONS of each kind are shared among WORLDS such
+routes, each in a process of its own (one per core), each with its observed node; requests ask for a
+few tokens (1 to COMPLETION_TOKENS), as short requests of the traffic do, so that 1,000 of each kind
+take about a minute. A gradient-boosted classifier is trained on the features of every session the
+nodes saw (``FEATURES``, and which node saw it) and scored out of fold: its ROC AUC must be at most
+0.6. The same classifier separates the challenges this replaced (one-stage star sessions of Gaussian
+rows, as the node saw them) from the same jobs with an AUC near 1, so the check can fail.
+
+The stand-ins' run: the stand-in that feeds the node keeps to the times of the recent jobs
+(``challenger.Pace``), which the test records of each job as the runner would (``StepTimes``: the
+runner does not record them yet, so a deployed verifier's stand-ins keep to the jobs' mean pace
+only). What stand-ins cannot hide is not in the features (``observed.py``): their node ids and keys,
+the same at every challenge, and the verifier's address.
 
 At scale, without sockets: 1,000 customers' requests and 1,000 challenges' requests, as the node
 sees what they decide (job id, prompt activations and lengths, completion length) through the same
 tokenizing, drawing and layer code; the classifier's AUC must be at most 0.6 there too.
 
 The customers' prompts and the challenges' prompt pool are two halves of one corpus, as an operator
-writes SWARM_CHALLENGE_PROMPTS like their traffic: no text is in both. Stand-ins of the verifier's
-own (the default without trusted nodes) are the verifier's nodes at its address and keep the copied
-jobs' pace only on average: ``test_challenge_jobs.py`` runs them.
+writes SWARM_CHALLENGE_PROMPTS like their traffic: no text is in both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import multiprocessing
 import random
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -39,11 +48,19 @@ from sklearn.model_selection import StratifiedKFold, cross_val_predict
 
 from marketplace.nodes.tickets import issuer_key, issuer_public_key, job_ticket_expiry, ticket_for
 from marketplace.verification.traffic import RECENT_JOBS, TrafficShape, challenge_job_id, chat_turns, draw_request
+from tests.challenge_fixtures import django_process
 from worker_agent import model as models
 from worker_agent import wire
 from worker_agent.block import Block, WorkItem
 from worker_agent.connection import AcceptHello, Dispatch, OpenSessions
-from worker_agent.coordinator.challenger import ChallengeRoute, TrustedStage, run_challenge_job
+from worker_agent.coordinator.challenger import (
+    MIN_OWN_TIMES,
+    ChallengeRoute,
+    StandIn,
+    StepTimes,
+    TrustedStage,
+    run_challenge_job,
+)
 from worker_agent.coordinator.job import Coordinator, encode_prompt
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
@@ -60,9 +77,12 @@ pytestmark = pytest.mark.trust
 MODEL = "tiny-llama"
 SPANS = [(0, 2), (2, 4), (4, 6)]
 NODE = 1  # the observed node's position: a middle span, with a predecessor and a successor
-SESSIONS = 300  # of each kind, over the wire
-AT_ONCE = 16  # sessions in flight at a time
+SESSIONS = 1000  # of each kind, over the wire
+WORLDS = 2  # routes the sessions are shared among, each in a process of its own: one per core
+AT_ONCE = 16  # sessions in flight at a time on each route
+COMPLETION_TOKENS = 4  # the most a customer's request asks for
 WARM_UP = 2 * AT_ONCE  # jobs run before any is observed
+WARM_UP_CHALLENGES = 2 * MIN_OWN_TIMES  # and challenges, after them
 MAX_AUC = 0.6
 FOLDS = 5
 
@@ -128,7 +148,7 @@ def customer_requests(rng: random.Random, texts: list[str], count: int) -> list[
     """The customers' requests, made of ``texts``: (shape, prompt). Mostly chats of one to three
     turns, a sixth completions, a tenth further choices of an n > 1 request; each message of a drawn
     number of words, texts after one another (few prompts alike, as in real traffic); completions of
-    1 to 12 tokens."""
+    1 to COMPLETION_TOKENS tokens."""
 
     def message() -> str:
         words: list[str] = []
@@ -151,7 +171,7 @@ def customer_requests(rng: random.Random, texts: list[str], count: int) -> list[
         shape = TrafficShape(
             f"{kind}-{'0' * 32}{choice}",
             prompt_tokens=0,  # set once tokenized
-            completion_tokens=rng.randint(1, 12),
+            completion_tokens=rng.randint(1, COMPLETION_TOKENS),
             temperature=rng.choice((0.0, 0.7, 1.0)),
             speculation=rng.random() < 0.9,
             turns=chat_turns(prompt),  # what the control plane reads of its stored messages
@@ -178,8 +198,48 @@ async def _serve(stage: Stage, server_class=StageServer, **kwargs) -> tuple[asyn
     return task, f"ws://127.0.0.1:{await asyncio.wait_for(bound, 30)}"
 
 
-async def observe(seed: int) -> tuple[list[SessionView], list[SessionView]]:
-    """Run SESSIONS jobs and SESSIONS challenges through the observed node; its views of each kind."""
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """A session as one of the observed nodes saw it."""
+
+    node: int  # which of the WORLDS observed nodes
+    view: SessionView
+
+    def features(self) -> dict[str, float]:
+        """Its FEATURES, and the node that saw it (each node knows itself): OBSERVED."""
+        return {**self.view.features(), "node": float(self.node)}
+
+
+OBSERVED = (*FEATURES, "node")
+
+
+def observe(seed: int, neighbours: str) -> tuple[list[Seen], list[Seen]]:
+    """SESSIONS jobs and SESSIONS challenges as the observed nodes saw them: WORLDS routes, each with
+    an observed node of its own, each in a process of its own (``observe_world``), share them."""
+    from django.conf import settings
+
+    issuer_key()  # the ticket key, made once for every process to read
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding torch's threads
+    start = (settings.SETTINGS_MODULE, {"SWARM_TICKET_KEY_PATH": settings.SWARM_TICKET_KEY_PATH})
+    jobs: list[Seen] = []
+    challenges: list[Seen] = []
+    with ProcessPoolExecutor(WORLDS, mp_context=context, initializer=django_process, initargs=start) as pool:
+        worlds = [pool.submit(observe_world, seed + world, neighbours, SESSIONS // WORLDS) for world in range(WORLDS)]
+        for world, future in enumerate(worlds):
+            seen_jobs, seen_challenges = future.result()
+            jobs += [Seen(world, view) for view in seen_jobs]
+            challenges += [Seen(world, view) for view in seen_challenges]
+    return jobs, challenges
+
+
+def observe_world(seed: int, neighbours: str, sessions: int) -> tuple[list[SessionView], list[SessionView]]:
+    return asyncio.run(_observe_world(seed, neighbours, sessions))
+
+
+async def _observe_world(seed: int, neighbours: str, sessions: int) -> tuple[list[SessionView], list[SessionView]]:
+    """Run ``sessions`` jobs and ``sessions`` challenges through the observed node; its views of each
+    kind. The challenges' other stages are the route's other nodes (``neighbours="trusted"``) or the
+    verifier's stand-ins (``"stand-ins"``)."""
     rng = random.Random(seed)
     tokenizer = models.load_tokenizer(MODEL)
     issuer = bytes(issuer_public_key())
@@ -199,13 +259,20 @@ async def observe(seed: int) -> tuple[list[SessionView], list[SessionView]]:
     assignments = [
         StageAssignment(stage.node, stage.node_key, *span) for stage, span in zip(stages, SPANS, strict=True)
     ]
+    # The verifier's stand-ins, as challenges.challenge_route makes them: its own blocks of the
+    # spans, a key of its own for each span, the same at every challenge.
+    stand_ins = tuple(
+        StandIn(Block(models.load_block(MODEL, *span)), generate_signing_key())
+        for index, span in enumerate(SPANS)
+        if index != NODE
+    )
     speculation = SpeculationSettings()  # the settings' default, SWARM_SPECULATION=auto, for both kinds
 
     requests = []
     corpus = list(CORPUS)
     rng.shuffle(corpus)
     customers, pool = corpus[: len(corpus) // 2], corpus[len(corpus) // 2 :]
-    for shape, prompt in customer_requests(rng, customers, SESSIONS + WARM_UP):
+    for shape, prompt in customer_requests(rng, customers, sessions + WARM_UP):
         ids = tuple(encode_prompt(tokenizer, prompt, chat=shape.chat))
         requests.append((dataclasses.replace(shape, prompt_tokens=len(ids)), ids))
     done: list[TrafficShape] = []  # the jobs served so far, as the control plane records them
@@ -221,7 +288,7 @@ async def observe(seed: int) -> tuple[list[SessionView], list[SessionView]]:
             for stage, url in zip(assignments, urls, strict=True)
         ]
         audited = (NODE,) if rng.random() < 0.25 else ()
-        async with Coordinator(
+        coordinator = Coordinator(
             MODEL,
             specs,
             job=job_id,
@@ -230,23 +297,33 @@ async def observe(seed: int) -> tuple[list[SessionView], list[SessionView]]:
             audit_stages=audited,
             coordinator_key=coordinator_key,
             speculation=speculation,
-        ) as coordinator:
+        )
+        steps = StepTimes(coordinator.pipeline)
+        async with coordinator:
             sampling = SamplingParams(shape.temperature, shape.top_p)
             request = coordinator.request_ids(
                 ids, max_tokens=shape.completion_tokens, sampling=sampling, speculate=shape.speculation
             )
             async for event in coordinator.stream(request, strict=False):
                 result = event
-        # What the runner records of it (finish_job's tokens_per_s).
+        # What the runner records of it: finish_job's tokens_per_s, and when each stage put out each
+        # step (which the runner does not record yet).
         times = result.token_times
         decode = times[-1] - times[0] if len(times) > 1 else 0.0
         rate = (len(times) - 1) / decode if decode > 0 else None
-        done.append(dataclasses.replace(shape, completion_tokens=result.completion_tokens, tokens_per_s=rate))
+        # Not a warm-up job's: the first jobs of a fresh process take longer than any later one (its
+        # kernels are timed, its caches filled), which no counted job shows the node.
+        outputs = steps.outputs(result.session) if kind == "job" else ()
+        done.append(
+            dataclasses.replace(
+                shape, completion_tokens=result.completion_tokens, tokens_per_s=rate, step_outputs_s=outputs
+            )
+        )
 
-    async def challenge(draw_seed: int) -> None:
+    async def challenge(draw_seed: int, kind: str) -> None:
         encode = lambda prompt, chat: encode_prompt(tokenizer, prompt, chat=chat)  # noqa: E731
         drawn = draw_request(random.Random(draw_seed), done[-RECENT_JOBS:], pool, encode)
-        kinds[drawn.job] = "challenge"
+        kinds[drawn.job] = kind
         coordinator_key = SigningKey.generate()
         expiry: list[float] = []
 
@@ -254,11 +331,12 @@ async def observe(seed: int) -> tuple[list[SessionView], list[SessionView]]:
             expiry[:] = expiry or [job_ticket_expiry()]
             return ticket(drawn.job, a, coordinator_key, expiry[0])
 
-        # Its neighbours are trusted nodes that serve the customers' jobs too.
-        trusted = (TrustedStage(assignments[0], urls[0]), TrustedStage(assignments[2], urls[2]))
-        route = ChallengeRoute(MODEL, assignments[NODE], urls[NODE], trusted)
+        if neighbours == "trusted":  # trusted nodes that serve the customers' jobs too
+            others = tuple(TrustedStage(assignments[i], urls[i]) for i in range(len(SPANS)) if i != NODE)
+        else:
+            others = stand_ins
         await run_challenge_job(
-            route,
+            ChallengeRoute(MODEL, assignments[NODE], urls[NODE], others),
             drawn.request,
             job=drawn.job,
             tickets=tickets,
@@ -266,24 +344,27 @@ async def observe(seed: int) -> tuple[list[SessionView], list[SessionView]]:
             coordinator_key=coordinator_key,
             timeout_s=60,
             speculation=speculation,
+            pace=drawn.pace,
         )
 
-    # Warm-up jobs first, not counted: they load the coordinator's head and time its kernels, and
-    # challenges copy recent traffic (there must be some). Then the jobs and the challenges, shuffled.
-    warm_up = [("warm-up", request) for request in requests[SESSIONS:]]
-    work = [("job", request) for request in requests[:SESSIONS]] + [
-        ("challenge", rng.getrandbits(63)) for _ in range(SESSIONS)
+    # Warm-up jobs first, then warm-up challenges, not counted: they load the coordinator's head and
+    # time its kernels, challenges copy recent traffic (there must be some), and a stand-in matches
+    # its holds by its own recent times. Then the jobs and the challenges, shuffled. One stream at
+    # AT_ONCE sessions in flight throughout (the semaphore starts them in order): no burst of starts.
+    warm_up = [("warm-up", request) for request in requests[sessions:]]
+    warm_up += [("warm-up challenge", rng.getrandbits(63)) for _ in range(WARM_UP_CHALLENGES)]
+    work = [("job", request) for request in requests[:sessions]] + [
+        ("challenge", rng.getrandbits(63)) for _ in range(sessions)
     ]
     rng.shuffle(work)
     limit = asyncio.Semaphore(AT_ONCE)
 
     async def run(kind: str, what) -> None:
         async with limit:
-            await (challenge(what) if kind == "challenge" else job(*what, kind))
+            await (challenge(what, kind) if kind.endswith("challenge") else job(*what, kind))
 
     try:
-        await asyncio.gather(*(run(kind, what) for kind, what in warm_up))
-        await asyncio.gather(*(run(kind, what) for kind, what in work))
+        await asyncio.gather(*(run(kind, what) for kind, what in warm_up + work))
     finally:
         for task in tasks:
             task.cancel()
@@ -292,7 +373,7 @@ async def observe(seed: int) -> tuple[list[SessionView], list[SessionView]]:
     return [v for v in views if kinds[v.job] == "job"], [v for v in views if kinds[v.job] == "challenge"]
 
 
-def out_of_fold_auc(positives: list[dict], negatives: list[dict], features: tuple[str, ...] = FEATURES) -> float:
+def out_of_fold_auc(positives: list[dict], negatives: list[dict], features: tuple[str, ...] = OBSERVED) -> float:
     """ROC AUC of a gradient-boosted classifier's out-of-fold scores, positives against negatives."""
     x = np.array([[row[name] for name in features] for row in positives + negatives], dtype=np.float64)
     y = np.array([1] * len(positives) + [0] * len(negatives))
@@ -302,38 +383,57 @@ def out_of_fold_auc(positives: list[dict], negatives: list[dict], features: tupl
     return float(roc_auc_score(y, scores))
 
 
+def separating(positives: list[Seen], negatives: list[Seen], top: int = 6) -> str:
+    """The features that tell the two apart best on their own: each one's ROC AUC, farthest from 0.5 first."""
+    y = [1] * len(positives) + [0] * len(negatives)
+    rows = [seen.features() for seen in positives + negatives]
+    aucs = {
+        name: float(roc_auc_score(y, [row[name] for row in rows]))
+        for name in OBSERVED
+        if len({row[name] for row in rows}) > 1
+    }
+    ranked = sorted(aucs.items(), key=lambda item: -abs(item[1] - 0.5))[:top]
+    return "features alone: " + ", ".join(f"{name} {auc:.3f}" for name, auc in ranked)
+
+
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory):
+def ticket_key(tmp_path_factory):
     from django.conf import settings
 
     key_path = settings.SWARM_TICKET_KEY_PATH
     settings.SWARM_TICKET_KEY_PATH = tmp_path_factory.mktemp("tickets") / "ticket.key"
     issuer_key.cache_clear()
     try:
-        yield asyncio.run(observe(seed=33))
+        yield
     finally:
         settings.SWARM_TICKET_KEY_PATH = key_path
         issuer_key.cache_clear()
 
 
+@pytest.fixture(scope="module")
+def observed(ticket_key):
+    return observe(seed=33, neighbours="trusted")
+
+
 def test_a_classifier_of_what_the_node_observes_does_no_better_than_chance(observed):
     jobs, challenges = observed
 
-    auc = out_of_fold_auc([v.features() for v in challenges], [v.features() for v in jobs])
+    auc = out_of_fold_auc([s.features() for s in challenges], [s.features() for s in jobs])
 
     print(f"challenges vs jobs: {len(challenges)} vs {len(jobs)} sessions, out-of-fold AUC {auc:.3f}")
     assert (len(jobs), len(challenges)) == (SESSIONS, SESSIONS)
-    assert auc <= MAX_AUC
+    assert auc <= MAX_AUC, separating(challenges, jobs)
 
 
-def old_challenges(jobs: list[SessionView], count: int, rng: random.Random) -> list[SessionView]:
+def old_challenges(jobs: list[Seen], count: int, rng: random.Random) -> list[Seen]:
     """The challenges this replaced, as the node saw them: a coordinator's HELLO in star topology
     (a ticket that lived 30 s past the challenge's 30 s deadline, a proof, no successor), one session
     of 8 rows of Gaussian noise at a residual stream's scale (std 6) from the coordinator itself, a
     prefill of 5 then 3 single-row steps; timed as the jobs' steps were, so timing does not tell."""
     observer = Observer()
     coordinator_key = SigningKey.generate()
-    for index in range(count):
+    likes = [rng.choice(jobs) for _ in range(count)]
+    for index, like in enumerate(likes):
         job = challenge_job_id(f"chatcmpl-{'0' * 32}")
         now = 1_000_000.0 + 1000.0 * index
         assignment = StageAssignment("node-x", bytes(32), 2, 4)
@@ -342,26 +442,45 @@ def old_challenges(jobs: list[SessionView], count: int, rng: random.Random) -> l
         )
         observer.hello(hello, role="coordinator", now=now)
         observer.frame(wire.Open(job, ("s0",)), role="coordinator", now=now)
-        like = rng.choice(jobs)
-        at = now + like.first_forward_s
+        at = now + like.view.first_forward_s
         rows = 6.0 * torch.randn(8, 64, generator=torch.Generator().manual_seed(index))  # (tokens, hidden)
         for step, (start, count_) in enumerate(((0, 5), (5, 1), (6, 1), (7, 1))):
             payload = wire.tensor_payload(rows[start : start + count_], "f32")
             forward = wire.Forward(job, (wire.Item("s0", step, start, count_),), "f32", (count_, 64), payload)
             observer.frame(forward, role="coordinator", now=at)
-            at += rng.choice(like.gaps_s or (0.1,))
-    return observer.sessions()
+            at += rng.choice(like.view.gaps_s or (0.1,))
+    return [Seen(like.node, view) for like, view in zip(likes, observer.sessions(), strict=True)]
 
 
 def test_the_same_classifier_tells_the_challenges_this_replaced_from_jobs(observed):
     jobs, _ = observed
 
     auc = out_of_fold_auc(
-        [v.features() for v in old_challenges(jobs, SESSIONS, random.Random(5))], [v.features() for v in jobs]
+        [s.features() for s in old_challenges(jobs, SESSIONS, random.Random(5))], [s.features() for s in jobs]
     )
 
     print(f"old challenges vs jobs: out-of-fold AUC {auc:.3f}")
     assert auc >= 0.95
+
+
+@pytest.fixture(scope="module")
+def observed_with_stand_ins(ticket_key):
+    return observe(seed=34, neighbours="stand-ins")
+
+
+def test_with_the_verifiers_stand_ins_around_it_the_node_does_no_better_than_chance(observed_with_stand_ins):
+    """As ``challenges.challenge_route`` runs a challenge where no trusted node serves the other
+    spans: the verifier's own stand-ins, the one feeding the node keeping to the recent jobs' times.
+    Not in the features, and known to tell a stand-in apart (``observed.py``): its node id and key
+    (one per span, the same at every challenge) and its address (the verifier's); a node that knows
+    them knows the challenges."""
+    jobs, challenges = observed_with_stand_ins
+
+    auc = out_of_fold_auc([s.features() for s in challenges], [s.features() for s in jobs])
+
+    print(f"challenges with stand-ins vs jobs: out-of-fold AUC {auc:.3f}; {separating(challenges, jobs)}")
+    assert (len(jobs), len(challenges)) == (SESSIONS, SESSIONS)
+    assert auc <= MAX_AUC, separating(challenges, jobs)
 
 
 # What the request decides of what a node sees: its job id's shape, its prompt (length, and the

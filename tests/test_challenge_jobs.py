@@ -22,7 +22,8 @@ from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from marketplace.billing.services import grant
-from marketplace.jobs import runner, services
+from marketplace.flows import runner
+from marketplace.jobs import services
 from marketplace.jobs.models import JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.tickets import issuer_key

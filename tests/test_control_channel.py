@@ -17,12 +17,12 @@ from django.test import override_settings
 from django.utils import timezone
 
 from marketplace.asgi import router
-from marketplace.nodes import services
+from marketplace.nodes import joining, services
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
+from marketplace.placement.placing import place_model
 from marketplace.placement.selectors import servable_pipelines
-from marketplace.placement.services import place_model
 from tests.factories import GIB, MODEL, db_snapshot, join_payload
 from worker_agent.control_protocol import control_signature
 from worker_agent.keys import generate_signing_key
@@ -98,7 +98,7 @@ def pending_agent(provider, make_node):
     """A node whose agent registered its key but never connected: (node, key)."""
     key = generate_signing_key()
     node, token = make_node(provider, "gpu-1")
-    services.register_agent(**join_payload(token, key))
+    joining.register_agent(**join_payload(token, key))
     node.refresh_from_db()
     return node, key
 

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from marketplace.jobs.models import Job, JobState
 from marketplace.nodes.models import Node
-from marketplace.placement import services
+from marketplace.placement import lifecycle
 from marketplace.placement.selectors import route_request
 from marketplace.verification.failures import backoff_s, record_failure
 from marketplace.verification.models import Strike, StrikeKind
@@ -103,7 +103,7 @@ def test_a_backed_off_node_is_not_routed_until_its_time_is_up_whatever_its_heart
 
     record_failure(failed.node_id, "stage_stalled", job=job, now=now)
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_heartbeat(failed.pk, {"sessions": 0}, now=now + timedelta(seconds=10))
+        lifecycle.record_heartbeat(failed.pk, {"sessions": 0}, now=now + timedelta(seconds=10))
     backed_off = routed_nodes()
     Node.objects.filter(pk=failed.pk).update(routing_backoff_until=now - timedelta(seconds=1))  # its time is up
 

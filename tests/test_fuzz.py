@@ -17,7 +17,7 @@ from channels.testing import WebsocketCommunicator
 from django.test import override_settings
 
 from marketplace.asgi import router
-from marketplace.nodes import services
+from marketplace.nodes import joining
 from tests.factories import join_payload
 from tests.fuzzing import FrameStats, answers_ping, control_messages, fuzz_connection
 from worker_agent.control_protocol import control_signature
@@ -77,7 +77,7 @@ def test_a_thousand_fuzzed_control_messages_get_answers_and_never_a_crash(provid
     new channel authenticates after every close."""
     key = generate_signing_key()
     node, token = make_node(provider, "gpu-1")
-    node = services.register_agent(**join_payload(token, key))
+    node = joining.register_agent(**join_payload(token, key))
     messages = control_messages(SEED, [])
 
     async def channel():

@@ -8,10 +8,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from marketplace.nodes.models import Node, NodeState
-from marketplace.placement import services
+from marketplace.placement import lifecycle
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
+from marketplace.placement.placing import place_model
+from marketplace.placement.readiness import assignment_ready
 from marketplace.placement.selectors import PipelineStage, servable_pipelines
-from marketplace.placement.services import assignment_ready, place_model
 from tests.factories import MODEL, db_snapshot
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
@@ -74,7 +75,7 @@ def test_sweep_takes_a_silent_node_offline_and_releases_its_blocks(
     place_model(MODEL)  # each node holds all 30 layers: three one-stage pipelines
 
     with django_capture_on_commit_callbacks(execute=True):
-        gone = services.sweep_heartbeats(now=NOW)
+        gone = lifecycle.sweep_heartbeats(now=NOW)
 
     assert gone == [silent.node.node_id]
     states = dict(Node.objects.values_list("name", "state"))
@@ -92,7 +93,7 @@ def test_sweep_honours_the_configured_timeout(provider, make_joined_node, settin
     settings.SWARM_HEARTBEAT_TIMEOUT_S = 5.0
     node = make_joined_node(provider, last_heartbeat_at=NOW - timedelta(seconds=6)).node
 
-    gone = services.sweep_heartbeats(now=NOW)
+    gone = lifecycle.sweep_heartbeats(now=NOW)
 
     assert gone == [node.node_id]
     assert Node.objects.get(pk=node.pk).state == NodeState.OFFLINE
@@ -103,7 +104,7 @@ def test_sweep_with_nothing_silent_changes_nothing(provider, make_joined_node, s
     make_joined_node(provider, "b", last_heartbeat_at=NOW)
     before = db_snapshot()
 
-    gone = services.sweep_heartbeats(now=NOW)
+    gone = lifecycle.sweep_heartbeats(now=NOW)
 
     assert gone == []
     assert db_snapshot() == before
@@ -114,7 +115,7 @@ def test_sweep_leaves_nodes_that_are_not_serving_alone(state, provider, make_joi
     make_joined_node(provider, state=state, last_heartbeat_at=NOW - timedelta(hours=1))
     before = db_snapshot()
 
-    gone = services.sweep_heartbeats(now=NOW)
+    gone = lifecycle.sweep_heartbeats(now=NOW)
 
     assert gone == []
     assert db_snapshot() == before
@@ -123,7 +124,7 @@ def test_sweep_leaves_nodes_that_are_not_serving_alone(state, provider, make_joi
 def test_a_silent_draining_node_also_goes_offline(provider, make_joined_node, swarm_settings):
     node = make_joined_node(provider, state=NodeState.DRAINING, last_heartbeat_at=NOW - timedelta(minutes=5)).node
 
-    gone = services.sweep_heartbeats(now=NOW)
+    gone = lifecycle.sweep_heartbeats(now=NOW)
 
     assert gone == [node.node_id]
     assert (Node.objects.get(pk=node.pk).state, Node.objects.get(pk=node.pk).connected) == (NodeState.OFFLINE, False)
@@ -135,7 +136,7 @@ def test_a_heartbeat_from_an_offline_node_makes_it_active_again(
     node = make_joined_node(provider, state=NodeState.OFFLINE, connected=False, last_heartbeat_at=NOW).node
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_heartbeat(node.pk, {"sessions": 0, "uptime_s": 3.0})
+        lifecycle.record_heartbeat(node.pk, {"sessions": 0, "uptime_s": 3.0})
 
     node.refresh_from_db()
     assert (node.state, node.connected) == (NodeState.ACTIVE, True)
@@ -150,7 +151,7 @@ def test_a_heartbeat_from_an_active_node_does_not_ask_for_a_new_placement(
     node = make_joined_node(provider, last_heartbeat_at=NOW).node
 
     with django_capture_on_commit_callbacks(execute=True) as callbacks:
-        services.record_heartbeat(node.pk, {"sessions": 1})
+        lifecycle.record_heartbeat(node.pk, {"sessions": 1})
 
     # The only thing sent on commit is the dashboards' notice that the node's load changed.
     assert [callback.__qualname__ for callback in callbacks] == ["_send_on_commit.<locals>.send"]
@@ -161,7 +162,7 @@ def test_a_heartbeat_from_an_active_node_does_not_ask_for_a_new_placement(
 def test_a_heartbeat_from_a_draining_node_keeps_it_draining(provider, make_joined_node, swarm_settings):
     node = make_joined_node(provider, state=NodeState.DRAINING, last_heartbeat_at=NOW).node
 
-    services.record_heartbeat(node.pk, {})
+    lifecycle.record_heartbeat(node.pk, {})
 
     assert Node.objects.get(pk=node.pk).state == NodeState.DRAINING
 
@@ -169,7 +170,7 @@ def test_a_heartbeat_from_a_draining_node_keeps_it_draining(provider, make_joine
 def test_a_heartbeat_with_a_measured_layer_time_smooths_the_nodes_speed(provider, make_joined_node, swarm_settings):
     node = make_joined_node(provider, compute=250.0).node
 
-    services.record_heartbeat(node.pk, {"layer_ms": 2.0})  # 500 layer-tokens/s measured under traffic
+    lifecycle.record_heartbeat(node.pk, {"layer_ms": 2.0})  # 500 layer-tokens/s measured under traffic
 
     assert Node.objects.get(pk=node.pk).compute_layer_tokens_per_s == pytest.approx(0.3 * 500.0 + 0.7 * 250.0)
 
@@ -215,7 +216,7 @@ def test_after_a_node_goes_offline_the_model_is_placed_on_two_stages_of_fifteen(
     Node.objects.filter(pk=b.pk).update(last_heartbeat_at=NOW - TIMEOUT - timedelta(seconds=1))
 
     with django_capture_on_commit_callbacks(execute=True):
-        gone = services.sweep_heartbeats(now=NOW)
+        gone = lifecycle.sweep_heartbeats(now=NOW)
         placed = place_model(MODEL)
 
     assert gone == [b.node_id]

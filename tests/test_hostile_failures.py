@@ -29,7 +29,8 @@ from django.utils import timezone
 from websockets.asyncio.client import connect
 
 from marketplace.billing.services import grant
-from marketplace.jobs import runner, services
+from marketplace.flows import runner
+from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.models import Node

@@ -14,7 +14,8 @@ import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.layers import get_channel_layer
 
-from marketplace.jobs import runner, services
+from marketplace.flows import runner
+from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.tickets import issuer_key

@@ -21,7 +21,8 @@ from channels.layers import get_channel_layer
 from django.utils import timezone
 
 from marketplace.billing.services import cost, grant
-from marketplace.jobs import runner, services
+from marketplace.flows import runner
+from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.models import Node

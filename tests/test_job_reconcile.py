@@ -11,9 +11,10 @@ from django.utils import timezone
 
 from marketplace.billing import services
 from marketplace.billing.models import AccountKind, ModelPrice, Transfer
-from marketplace.jobs import settlement
+from marketplace.flows import settlement
+from marketplace.flows.settlement import reconcile_jobs
 from marketplace.jobs.models import Job, JobState
-from marketplace.jobs.services import create_api_key, finish_job, mark_running, reconcile_jobs, record_progress
+from marketplace.jobs.services import create_api_key, finish_job, mark_running, record_progress
 
 pytestmark = [pytest.mark.billing, pytest.mark.django_db]
 
@@ -122,7 +123,7 @@ def test_a_job_that_cannot_settle_does_not_block_the_others(customer, monkeypatc
             raise RuntimeError("a record that cannot be settled")
         return real_settle(job_pk)
 
-    monkeypatch.setattr("marketplace.jobs.services.settle", settle)
+    monkeypatch.setattr("marketplace.flows.settlement.settle", settle)
 
     assert reconcile_jobs() == ["chatcmpl-after"]
     stuck.refresh_from_db()
@@ -142,7 +143,7 @@ def test_a_job_that_keeps_failing_to_settle_backs_off_and_is_flagged_for_admins(
         tries.append(job_pk)
         raise KeyError("node-gone")
 
-    monkeypatch.setattr("marketplace.jobs.services.settle", settle)
+    monkeypatch.setattr("marketplace.flows.settlement.settle", settle)
     start = timezone.now()
     seen = []
     for offset in (0, 10, 29, 31, 60, 76, 200):  # due at 0, then 30 after it, then 45 (capped) after that
@@ -169,7 +170,7 @@ def test_a_flagged_settlement_shows_in_the_admin_and_settles_once_retried(custom
     settings.SWARM_SETTLE_FLAG_AFTER = 1
     stuck = running_job(customer, "chatcmpl-stuck")
     finish_job(stuck.pk, state=JobState.CANCELLED, completion_tokens=2, finish_reason="stop")
-    monkeypatch.setattr("marketplace.jobs.services.settle", lambda job_pk: 1 / 0)
+    monkeypatch.setattr("marketplace.flows.settlement.settle", lambda job_pk: 1 / 0)
     reconcile_jobs()
     monkeypatch.undo()
     admin = type(customer).objects.create_superuser(username="root", email="root@example.com", password="x")

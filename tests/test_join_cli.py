@@ -17,8 +17,8 @@ import torch
 from django.test import Client
 from django.utils import timezone
 
+from marketplace.nodes.joining import create_node
 from marketplace.nodes.models import Node
-from marketplace.nodes.services import create_node
 from tests.factories import join_payload
 from tests.live import LiveServer, free_port, wait_for
 from worker_agent.joining import TOKEN_ENV

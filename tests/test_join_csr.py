@@ -23,7 +23,8 @@ from marketplace.nodes import authority
 from marketplace.nodes.models import Node
 from marketplace.placement.errors import InvalidDataUrl
 from marketplace.placement.models import AssignmentState
-from marketplace.placement.services import place_model, report_ready
+from marketplace.placement.placing import place_model
+from marketplace.placement.readiness import report_ready
 from tests.factories import MODEL, db_snapshot, join_payload
 from worker_agent import control, tls
 from worker_agent.control import JoinError, register

@@ -22,7 +22,7 @@ import pytest
 from openai import APIError, OpenAI
 
 from marketplace.jobs.services import create_api_key
-from marketplace.nodes.services import create_node
+from marketplace.nodes.joining import create_node
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer, wait_for
 from worker_agent.joining import TOKEN_ENV

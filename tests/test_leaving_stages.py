@@ -12,7 +12,7 @@ from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import heal_job
 from marketplace.nodes.models import Node
 from marketplace.nodes.services import node_group
-from marketplace.placement import selectors, services
+from marketplace.placement import lifecycle, readiness, selectors
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.selectors import route_request
 from tests.factories import MODEL
@@ -49,7 +49,7 @@ def test_an_agent_that_says_it_is_stopping_gets_no_new_request_and_no_heal_from_
 
     # SIGTERM: e's agent says so in a heartbeat, before it refuses any job.
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_heartbeat(e.pk, {"state": "leaving"}, now=NOW)
+        lifecycle.record_heartbeat(e.pk, {"state": "leaving"}, now=NOW)
 
     assert admitted_route() == [a.node_id, b.node_id]
     assert healed_route(customer, [stage(c, 0, 16), stage(d, 16, 30)], d) == [c.node_id, b.node_id]
@@ -61,13 +61,13 @@ def test_an_agent_that_says_it_is_stopping_gets_no_new_request_and_no_heal_from_
 def test_a_restarted_agent_is_routed_again_once_it_confirms_its_block(swarm, django_capture_on_commit_callbacks):
     a, _, _, _, e = swarm
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_heartbeat(e.pk, {"state": "leaving"}, now=NOW)
-        services.node_connected(e.pk)  # the new process's control channel
+        lifecycle.record_heartbeat(e.pk, {"state": "leaving"}, now=NOW)
+        lifecycle.node_connected(e.pk)  # the new process's control channel
     block = Assignment.objects.get(node=e, state__in=[AssignmentState.ASSIGNED, AssignmentState.READY])
     assert block.state == AssignmentState.ASSIGNED
     assert e.node_id not in admitted_route()
 
-    services.assignment_ready(e.pk, block.pk, url_of(e))
+    readiness.assignment_ready(e.pk, block.pk, url_of(e))
 
     assert admitted_route() == [a.node_id, e.node_id]
 
@@ -81,5 +81,5 @@ def test_a_node_moving_to_another_model_is_routed_only_when_no_chain_avoids_it(s
     assert healed_route(customer, [stage(c, 0, 16), stage(d, 16, 30)], d) == [c.node_id, b.node_id]
 
     # With b reported failed too, nothing else holds [16:30]: the leaving block serves rather than none.
-    services.report_node_failure(b.node_id, "stage_lost: connection lost", now=NOW)
+    lifecycle.report_node_failure(b.node_id, "stage_lost: connection lost", now=NOW)
     assert admitted_route() == [a.node_id, e.node_id]

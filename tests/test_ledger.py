@@ -9,7 +9,7 @@ from django.db.models import Sum
 from marketplace.billing import services
 from marketplace.billing.errors import InsufficientCredits
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, ModelPrice, Transfer
-from marketplace.jobs import settlement
+from marketplace.flows import settlement
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import create_api_key, finish_job
 

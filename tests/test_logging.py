@@ -32,7 +32,7 @@ from marketplace import logs
 from marketplace.celery import app as celery_app
 from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.jobs.services import create_api_key
-from marketplace.nodes.services import create_node
+from marketplace.nodes.joining import create_node
 from marketplace.placement.selectors import servable_pipelines
 from tests.api_fixtures import forget_rate_counts, module_db
 from tests.live import LiveServer, wait_for

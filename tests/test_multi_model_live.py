@@ -29,7 +29,7 @@ from openai import OpenAI
 
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey, Job, JobState
-from marketplace.nodes import services as node_services
+from marketplace.nodes import joining
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.tickets import issuer_key
 from marketplace.periodic import embedded_scheduler
@@ -166,7 +166,7 @@ def test_capacity_moves_to_the_model_in_demand_while_a_stream_runs_through_the_m
 
         demand(SMOL, 20_000)
         server = LiveServer().start()
-        tokens = [node_services.create_node(owner=provider, name=f"gpu-{i}")[1] for i in range(AGENTS)]
+        tokens = [joining.create_node(owner=provider, name=f"gpu-{i}")[1] for i in range(AGENTS)]
         agents = [
             join_agent(server.url, token, tmp_path / f"a{i}.key", tmp_path / f"a{i}.log", model=TINY, max_layers=15)
             for i, token in enumerate(tokens)

@@ -17,7 +17,7 @@ from django.utils import timezone
 from marketplace.jobs.demand import recent_demand, share_nodes_by_demand
 from marketplace.jobs.models import Job
 from marketplace.nodes.models import Node
-from marketplace.placement import services
+from marketplace.placement import placing, readiness, rebalancing
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import servable_pipelines
 from worker_agent import control_protocol as protocol
@@ -74,14 +74,14 @@ def shares() -> dict[str, list[str]]:
 
 def report_ready() -> None:
     for a in Assignment.objects.filter(state=AssignmentState.ASSIGNED).order_by("pk"):
-        services.assignment_ready(a.node_id, a.pk, f"ws://127.0.0.1:{9000 + a.node_id}")
+        readiness.assignment_ready(a.node_id, a.pk, f"ws://127.0.0.1:{9000 + a.node_id}")
 
 
 def settle(capture, rounds: int = 4) -> None:
     """Run the sweep's placement and let every pushed block report ready, until nothing is dirty."""
     for _ in range(rounds):
         with capture(execute=True):
-            services.place_dirty_models()
+            placing.place_dirty_models()
             report_ready()
         if not PlacementState.objects.filter(dirty=True).exists():
             return
@@ -100,7 +100,7 @@ def test_with_no_demand_both_models_get_a_pipeline_and_the_rest_goes_by_layer_co
     make_nodes, pushed, django_capture_on_commit_callbacks
 ):
     make_nodes(a=400.0, b=300.0, c=200.0, d=100.0)
-    services.mark_dirty()
+    rebalancing.mark_dirty()
 
     settle(django_capture_on_commit_callbacks)
 
@@ -116,11 +116,11 @@ def test_demand_for_one_model_gives_it_more_nodes_and_the_other_keeps_its_floor(
     make_nodes, pushed, django_capture_on_commit_callbacks
 ):
     nodes = make_nodes(a=500.0, b=400.0, c=300.0, d=200.0, e=100.0)
-    services.mark_dirty()
+    rebalancing.mark_dirty()
     settle(django_capture_on_commit_callbacks)
     assert holders() == {SMOL: ["a", "b", "d", "e"], TINY: ["c"]}
 
-    changed = services.share_by_demand({TINY: 50_000, SMOL: 0})
+    changed = rebalancing.share_by_demand({TINY: 50_000, SMOL: 0})
     settle(django_capture_on_commit_callbacks)
 
     assert changed == [SMOL, TINY]
@@ -134,15 +134,15 @@ def test_a_moving_node_keeps_serving_its_old_model_until_that_model_is_servable_
     make_nodes, pushed, django_capture_on_commit_callbacks
 ):
     nodes = make_nodes(a=400.0, b=300.0, c=200.0, d=100.0)
-    services.mark_dirty()
+    rebalancing.mark_dirty()
     settle(django_capture_on_commit_callbacks)
     old_b, old_d = live_block(nodes["b"], SMOL), live_block(nodes["d"], SMOL)
     pushed.events.clear()
 
     # Demand moves to tiny-llama: d leaves smollm2's three-stage pipeline; a and b must hold all of it.
-    assert services.share_by_demand({TINY: 50_000, SMOL: 0}) == [SMOL, TINY]
+    assert rebalancing.share_by_demand({TINY: 50_000, SMOL: 0}) == [SMOL, TINY]
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_dirty_models()
+        placing.place_dirty_models()
 
     new_b = live_block(nodes["b"], SMOL)
     assert (new_b.layer_start, new_b.layer_end, new_b.state) == (15, 30, AssignmentState.ASSIGNED)
@@ -161,7 +161,7 @@ def test_a_moving_node_keeps_serving_its_old_model_until_that_model_is_servable_
     assert servable_pipelines(SMOL) == []  # b is loading its new span
 
     with django_capture_on_commit_callbacks(execute=True):
-        assert services.assignment_ready(nodes["b"].pk, new_b.pk, "ws://127.0.0.1:9902") is True
+        assert readiness.assignment_ready(nodes["b"].pk, new_b.pk, "ws://127.0.0.1:9902") is True
 
     # smollm2 is servable on a and b: d's block goes (the agent unloads it once its jobs end) ...
     assert [[s.node for s in p] for p in servable_pipelines(SMOL)] == [[nodes["a"].node_id, nodes["b"].node_id]]
@@ -171,7 +171,7 @@ def test_a_moving_node_keeps_serving_its_old_model_until_that_model_is_servable_
 
     # ... and tiny-llama is placed with it at the next sweep.
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_dirty_models()
+        placing.place_dirty_models()
 
     tiny_d = live_block(nodes["d"], TINY)
     assert sent(pushed, nodes["d"]) == [protocol.to_wire(tiny_d.as_message())]
@@ -183,16 +183,16 @@ def test_a_moving_node_is_let_go_at_once_when_its_old_model_keeps_another_pipeli
 ):
     nodes = make_nodes(a=500.0, b=400.0, c=300.0, d=200.0, e=100.0)
     start = timezone.now()
-    services.share_by_demand({TINY: 50_000, SMOL: 0}, now=start)
-    services.mark_dirty()
+    rebalancing.share_by_demand({TINY: 50_000, SMOL: 0}, now=start)
+    rebalancing.mark_dirty()
     settle(django_capture_on_commit_callbacks)
     assert holders() == {SMOL: ["b", "c"], TINY: ["a", "d", "e"]}  # tiny-llama: three one-node pipelines
     tiny_d, tiny_e = live_block(nodes["d"], TINY), live_block(nodes["e"], TINY)
     pushed.events.clear()
 
-    assert services.share_by_demand({SMOL: 50_000, TINY: 0}, now=start + timedelta(seconds=61)) == [SMOL, TINY]
+    assert rebalancing.share_by_demand({SMOL: 50_000, TINY: 0}, now=start + timedelta(seconds=61)) == [SMOL, TINY]
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_dirty_models()
+        placing.place_dirty_models()
 
     # tiny-llama keeps its pipeline on a: d and e are released at once, and smollm2 will take them.
     assert Assignment.objects.get(pk=tiny_d.pk).state == AssignmentState.RELEASED
@@ -211,7 +211,7 @@ def test_with_too_few_nodes_for_every_floor_the_model_with_the_most_demand_is_se
 ):
     nodes = make_nodes(a=400.0, b=300.0)  # smollm2 needs both: no node is left for tiny-llama
     start = timezone.now()
-    services.mark_dirty()
+    rebalancing.mark_dirty()
     settle(django_capture_on_commit_callbacks)
 
     # No demand: the first model of SWARM_MODELS is served.
@@ -222,7 +222,7 @@ def test_with_too_few_nodes_for_every_floor_the_model_with_the_most_demand_is_se
     old_a, old_b = live_block(nodes["a"], SMOL), live_block(nodes["b"], SMOL)
     pushed.events.clear()
 
-    services.share_by_demand({TINY: 1_000, SMOL: 0}, now=start)
+    rebalancing.share_by_demand({TINY: 1_000, SMOL: 0}, now=start)
     settle(django_capture_on_commit_callbacks)
 
     # Demand for tiny-llama only: it is served, and smollm2's blocks go (their jobs in flight end first).
@@ -238,32 +238,32 @@ def test_demand_moves_nodes_only_past_the_threshold_and_at_most_once_per_interva
     make_nodes, pushed, django_capture_on_commit_callbacks
 ):
     make_nodes(a=400.0, b=300.0, c=200.0, d=100.0)
-    services.mark_dirty()
+    rebalancing.mark_dirty()
     settle(django_capture_on_commit_callbacks)
     start = timezone.now()
     assert shares() == {SMOL: ["a", "b", "d"], TINY: ["c"]}
 
     # As many tokens of each: the work (tokens x layers) is split as with no demand, 30 to 6.
-    assert services.share_by_demand({SMOL: 1_000, TINY: 1_000}, now=start) == []
+    assert rebalancing.share_by_demand({SMOL: 1_000, TINY: 1_000}, now=start) == []
     assert list(PlacementState.objects.order_by("model").values_list("demand", "shared_at")) == [(0.0, None)] * 2
 
     # tiny-llama's fraction of the work moves from 1/6 to 0.22 (+31 %): past the threshold, but the
     # new split moves no node. The demand is kept as the reference for the next shift.
-    assert services.share_by_demand({SMOL: 1_000, TINY: 1_400}, now=start) == []
+    assert rebalancing.share_by_demand({SMOL: 1_000, TINY: 1_400}, now=start) == []
     assert shares() == {SMOL: ["a", "b", "d"], TINY: ["c"]}
     assert dict(PlacementState.objects.values_list("model", "demand")) == {SMOL: 1_000.0, TINY: 1_400.0}
 
     # Within 25 % of that reference: nothing moves, whatever the split would be.
-    assert services.share_by_demand({SMOL: 1_000, TINY: 1_700}, now=start) == []
+    assert rebalancing.share_by_demand({SMOL: 1_000, TINY: 1_700}, now=start) == []
 
     # Demand moves to tiny-llama: d follows it.
-    assert services.share_by_demand({SMOL: 100, TINY: 50_000}, now=start) == [SMOL, TINY]
+    assert rebalancing.share_by_demand({SMOL: 100, TINY: 50_000}, now=start) == [SMOL, TINY]
     assert shares() == {SMOL: ["a", "b"], TINY: ["c", "d"]}
 
     # Demand moving back within SWARM_REBALANCE_MIN_INTERVAL_S moves nothing; after it, it does.
-    assert services.share_by_demand({SMOL: 50_000, TINY: 100}, now=start + timedelta(seconds=59)) == []
+    assert rebalancing.share_by_demand({SMOL: 50_000, TINY: 100}, now=start + timedelta(seconds=59)) == []
     assert shares() == {SMOL: ["a", "b"], TINY: ["c", "d"]}
-    assert services.share_by_demand({SMOL: 50_000, TINY: 100}, now=start + timedelta(seconds=60)) == [SMOL, TINY]
+    assert rebalancing.share_by_demand({SMOL: 50_000, TINY: 100}, now=start + timedelta(seconds=60)) == [SMOL, TINY]
     assert shares() == {SMOL: ["a", "b", "d"], TINY: ["c"]}
 
 
@@ -292,8 +292,8 @@ def test_demand_is_the_tokens_of_each_models_jobs_over_the_window(customer, two_
 
 def test_the_sweep_shares_the_nodes_by_the_demand_of_its_jobs(customer, make_nodes):
     make_nodes(a=400.0, b=300.0, c=200.0, d=100.0)
-    services.mark_dirty()
-    services.place_dirty_models()
+    rebalancing.mark_dirty()
+    placing.place_dirty_models()
     Job.objects.create(public_id="chatcmpl-1", kind="chat", customer=customer, model=TINY, prompt_tokens=9_000)
 
     assert share_nodes_by_demand() == [SMOL, TINY]
@@ -307,7 +307,7 @@ def test_one_model_served_takes_every_node(provider, make_joined_node, swarm_set
     for name in ("a", "b", "c"):
         make_joined_node(provider, name, max_layers=6)
 
-    placed = services.place_model(TINY)
+    placed = placing.place_model(TINY)
 
     assert sorted(a.node.name for a in placed) == ["a", "b", "c"]
     assert PlacementState.objects.get(model=TINY).share == []  # nothing to share: no share kept
@@ -318,12 +318,12 @@ def test_a_model_added_to_a_running_swarm_takes_its_floor_from_the_first(
 ):
     two_models.SWARM_MODELS = [SMOL]
     make_nodes(a=400.0, b=300.0, c=200.0, d=100.0)
-    services.mark_dirty()
+    rebalancing.mark_dirty()
     settle(django_capture_on_commit_callbacks)
     assert holders() == {SMOL: ["a", "b", "c", "d"], TINY: []}
 
     two_models.SWARM_MODELS = [SMOL, TINY]
-    services.mark_dirty(TINY)
+    rebalancing.mark_dirty(TINY)
     settle(django_capture_on_commit_callbacks)
 
     assert holders() == {SMOL: ["a", "b", "d"], TINY: ["c"]}
@@ -336,14 +336,14 @@ def test_a_share_recorded_for_the_nodes_a_model_already_holds_places_nothing_aga
 ):
     two_models.SWARM_MODELS = [SMOL]
     make_nodes(a=400.0, b=300.0)
-    services.mark_dirty()
+    rebalancing.mark_dirty()
     settle(django_capture_on_commit_callbacks)
     generation = PlacementState.objects.get(model=SMOL).generation
     pushed.events.clear()
 
     two_models.SWARM_MODELS = [SMOL, TINY]  # too few nodes for tiny-llama's floor as well
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_dirty_models()
+        placing.place_dirty_models()
 
     assert shares() == {SMOL: ["a", "b"], TINY: []}
     assert PlacementState.objects.get(model=SMOL).generation == generation
@@ -356,12 +356,12 @@ def test_a_third_model_added_to_two_sharing_the_nodes_gets_its_floor_at_the_next
 ):
     third = "tiny-llama-seed1"  # tiny-llama's shape (6 layers): one node makes its pipeline
     make_nodes(a=400.0, b=300.0, c=200.0, d=100.0)
-    services.mark_dirty()
+    rebalancing.mark_dirty()
     settle(django_capture_on_commit_callbacks)
     assert shares() == {SMOL: ["a", "b", "d"], TINY: ["c"]}
 
     two_models.SWARM_MODELS = [SMOL, TINY, third]  # no node joined or left
-    services.mark_dirty(third)
+    rebalancing.mark_dirty(third)
     settle(django_capture_on_commit_callbacks)
 
     held = dict(Assignment.objects.filter(state__in=LIVE, model=third).values_list("node__name", "model"))

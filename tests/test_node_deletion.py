@@ -8,9 +8,11 @@ import pytest
 
 from marketplace.billing import services as billing
 from marketplace.billing.models import AccountKind
-from marketplace.jobs import settlement
+from marketplace.flows import settlement
+from marketplace.flows.settlement import reconcile_jobs
 from marketplace.jobs.models import Job, JobState
-from marketplace.jobs.services import create_api_key, finish_job, mark_running, reconcile_jobs
+from marketplace.jobs.services import create_api_key, finish_job, mark_running
+from marketplace.nodes import joining
 from marketplace.nodes import services as nodes
 from marketplace.nodes.errors import NodeNotAllowed
 from marketplace.nodes.models import Node, NodeState
@@ -169,7 +171,7 @@ def test_a_deleted_nodes_agent_cannot_reconnect(pipeline, second_provider, clien
     signature = deleted.key.sign(CONTROL_CONTEXT + nonce + deleted.node.node_id.encode()).signature.hex()
 
     with pytest.raises(NodeNotAllowed) as refused:
-        nodes.authenticate(node_id=deleted.node.node_id, nonce=nonce, signature=signature)
+        joining.authenticate(node_id=deleted.node.node_id, nonce=nonce, signature=signature)
 
     assert str(refused.value) == "this node was deleted by its owner"
 

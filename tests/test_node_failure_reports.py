@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from marketplace.nodes.models import Node, NodeState
-from marketplace.placement import services
+from marketplace.placement import lifecycle
 from marketplace.placement.models import PlacementState
 from marketplace.placement.selectors import route_request, servable_pipelines
 from tests.factories import MODEL
@@ -36,13 +36,13 @@ def test_a_reported_node_is_skipped_by_routing_at_once(swarm, django_capture_on_
     assert routed_nodes() == [swarm.a.node_id, swarm.e.node_id]
 
     with django_capture_on_commit_callbacks(execute=True):
-        reported = services.report_node_failure(swarm.e.node_id, "stalled", now=NOW)
+        reported = lifecycle.report_node_failure(swarm.e.node_id, "stalled", now=NOW)
 
     assert reported is True
     assert suspicion(swarm.e) == (NOW, "stalled")
     assert routed_nodes() == [swarm.a.node_id, swarm.b.node_id]
 
-    services.report_node_failure(swarm.b.node_id, "stalled", now=NOW)
+    lifecycle.report_node_failure(swarm.b.node_id, "stalled", now=NOW)
 
     assert routed_nodes() == [swarm.a.node_id, swarm.d.node_id]
     assert [[s.node for s in p] for p in servable_pipelines(MODEL)] == [[swarm.c.node_id, swarm.d.node_id]]
@@ -50,13 +50,13 @@ def test_a_reported_node_is_skipped_by_routing_at_once(swarm, django_capture_on_
 
 
 def test_a_heartbeat_sent_after_the_report_clears_the_suspicion(swarm, django_capture_on_commit_callbacks):
-    services.report_node_failure(swarm.b.node_id, "stalled", now=NOW)
+    lifecycle.report_node_failure(swarm.b.node_id, "stalled", now=NOW)
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_heartbeat(swarm.b.pk, {"sessions": 0}, now=NOW + INTERVAL)  # may predate the failure
+        lifecycle.record_heartbeat(swarm.b.pk, {"sessions": 0}, now=NOW + INTERVAL)  # may predate the failure
     still = suspicion(swarm.b)
     with django_capture_on_commit_callbacks(execute=True):
-        services.record_heartbeat(swarm.b.pk, {"sessions": 0}, now=NOW + INTERVAL + timedelta(milliseconds=1))
+        lifecycle.record_heartbeat(swarm.b.pk, {"sessions": 0}, now=NOW + INTERVAL + timedelta(milliseconds=1))
 
     assert still == (NOW, "stalled")
     assert suspicion(swarm.b) == (None, "")
@@ -70,10 +70,10 @@ def test_a_silent_reported_node_goes_offline_at_the_sweep_and_the_model_is_place
     later = NOW + timedelta(seconds=21)
     Node.objects.filter(pk__in=[n.pk for n in swarm]).update(last_heartbeat_at=later)
     Node.objects.filter(pk=swarm.b.pk).update(last_heartbeat_at=NOW)
-    services.report_node_failure(swarm.b.node_id, "stalled", now=NOW)
+    lifecycle.report_node_failure(swarm.b.node_id, "stalled", now=NOW)
 
     with django_capture_on_commit_callbacks(execute=True):
-        gone = services.sweep_heartbeats(now=later)
+        gone = lifecycle.sweep_heartbeats(now=later)
 
     b = Node.objects.get(pk=swarm.b.pk)
     assert gone == [swarm.b.node_id]
@@ -84,6 +84,6 @@ def test_a_silent_reported_node_goes_offline_at_the_sweep_and_the_model_is_place
 def test_a_report_about_an_unknown_or_offline_node_changes_nothing(swarm):
     Node.objects.filter(pk=swarm.b.pk).update(state=NodeState.OFFLINE)
 
-    assert services.report_node_failure("node-0000000000000000", "stalled", now=NOW) is False
-    assert services.report_node_failure(swarm.b.node_id, "stalled", now=NOW) is False
+    assert lifecycle.report_node_failure("node-0000000000000000", "stalled", now=NOW) is False
+    assert lifecycle.report_node_failure(swarm.b.node_id, "stalled", now=NOW) is False
     assert Node.objects.filter(suspected_at__isnull=False).count() == 0

@@ -23,7 +23,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from marketplace.api import ratelimit
 from marketplace.billing.models import Transfer
-from marketplace.jobs import runner
+from marketplace.flows import runner
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.nodes.models import Node

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from marketplace.placement import services
+from marketplace.placement import lifecycle, placing, readiness
 from marketplace.placement.models import Assignment, AssignmentState
 from tests.factories import MODEL
 
@@ -20,7 +20,7 @@ def b(provider, make_joined_node, measure_ring, swarm_settings):
     a = make_joined_node(provider, "a", max_layers=15).node
     b = make_joined_node(provider, "b", max_layers=15).node
     measure_ring([a, b])
-    services.place_model(MODEL)
+    placing.place_model(MODEL)
     return b
 
 
@@ -36,15 +36,15 @@ def test_a_node_whose_last_blocks_all_failed_is_left_out_until_it_reconnects(
     for failure in range(3):
         [block] = live(b)  # placed (back) onto b: the model needs both nodes
         with django_capture_on_commit_callbacks(execute=True):
-            assert services.assignment_failed(b.pk, block.pk, f"cannot serve on port 1 (failure {failure})")
-        services.place_dirty_models()
+            assert readiness.assignment_failed(b.pk, block.pk, f"cannot serve on port 1 (failure {failure})")
+        placing.place_dirty_models()
 
     assert live(b) == []  # the third failure in a row: b is left out
     assert Assignment.objects.filter(node=b, state=AssignmentState.FAILED).count() == 3
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.node_connected(b.pk)  # its agent came back
-    services.place_dirty_models()
+        lifecycle.node_connected(b.pk)  # its agent came back
+    placing.place_dirty_models()
     assert len(live(b)) == 1
 
 
@@ -53,6 +53,6 @@ def test_fewer_failures_than_the_threshold_do_not_leave_a_node_out(b, settings, 
     for _ in range(2):
         [block] = live(b)
         with django_capture_on_commit_callbacks(execute=True):
-            assert services.assignment_failed(b.pk, block.pk, "out of memory")
-        services.place_dirty_models()
+            assert readiness.assignment_failed(b.pk, block.pk, "out of memory")
+        placing.place_dirty_models()
     assert len(live(b)) == 1  # two failures of three: placed again

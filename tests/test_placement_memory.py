@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from marketplace.nodes.models import Node
-from marketplace.placement import services
+from marketplace.placement import placing, rebalancing
 from marketplace.placement.memory import ModelShape, footprint, layers_that_fit, serving_dtype
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.shares import layer_cap
@@ -83,7 +83,7 @@ def test_placement_gives_a_half_precision_node_the_layers_its_memory_holds(make_
     bf16 = make_reported_node("bf16", dtypes=("bfloat16",))
     measure_ring([f32, bf16])
 
-    services.place_model(MODEL)
+    placing.place_model(MODEL)
 
     assert live_layers() == {"f32": 13, "bf16": 17}
 
@@ -116,7 +116,7 @@ def test_a_node_too_small_for_one_layer_is_left_out_with_its_reason(make_reporte
     measure_ring([big, small])
 
     with caplog.at_level(logging.WARNING, logger="swarm.placement"):
-        services.place_model(MODEL)
+        placing.place_model(MODEL)
 
     assert live_layers() == {"big": 30}
     assert [r.getMessage() for r in caplog.records if "left out" in r.getMessage()] == [
@@ -135,8 +135,8 @@ def test_with_several_models_a_node_too_small_for_all_of_them_is_left_out_with_i
     measure_ring([a, b, crumb])
 
     with caplog.at_level(logging.WARNING, logger="swarm.placement"):
-        services.mark_dirty()
-        services.place_dirty_models()
+        rebalancing.mark_dirty()
+        placing.place_dirty_models()
 
     assert Assignment.objects.filter(node=crumb).count() == 0
     reasons = {r.getMessage() for r in caplog.records if "left out" in r.getMessage()}

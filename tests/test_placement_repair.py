@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from marketplace.nodes.models import Node
-from marketplace.placement import services
+from marketplace.placement import lifecycle, placing, rebalancing
 from marketplace.placement.models import AssignmentState, PlacementState
 from marketplace.placement.selectors import servable_pipelines
 from tests.factories import MODEL
@@ -42,9 +42,9 @@ def test_a_silent_member_is_replaced_by_the_spare_holding_its_span_and_nobody_el
     Node.objects.filter(pk=swarm.b.pk).update(last_heartbeat_at=SILENT)
 
     with django_capture_on_commit_callbacks(execute=True):
-        gone = services.sweep_heartbeats(now=NOW)
+        gone = lifecycle.sweep_heartbeats(now=NOW)
     with django_capture_on_commit_callbacks(execute=True):
-        placed = services.place_dirty_models()
+        placed = placing.place_dirty_models()
 
     assert gone == [swarm.b.node_id]
     assert placed == [MODEL]
@@ -70,9 +70,9 @@ def test_a_draining_member_is_replaced_by_the_spare_and_told_to_release_its_bloc
     before = {row[0]: row for row in layout()}
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.drain_node(swarm.d)
+        lifecycle.drain_node(swarm.d)
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_dirty_models()
+        placing.place_dirty_models()
 
     assert layout() == [
         ("a", before["a"][1], 0, 0, 0, 16, False, READY),
@@ -92,9 +92,9 @@ def test_a_departed_span_that_no_spare_holds_is_placed_afresh(swarm, django_capt
     Node.objects.filter(pk=swarm.a.pk).update(last_heartbeat_at=SILENT)
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.sweep_heartbeats(now=NOW)
+        lifecycle.sweep_heartbeats(now=NOW)
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_dirty_models()
+        placing.place_dirty_models()
 
     names = {row[0] for row in layout()}
     assert names == {"b", "c", "d", "e"}
@@ -111,9 +111,9 @@ def test_a_node_coming_back_while_a_member_is_gone_is_placed_afresh(
     newcomer = make_joined_node(provider, "f", compute=500.0, max_layers=16, last_heartbeat_at=NOW).node
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.sweep_heartbeats(now=NOW)
+        lifecycle.sweep_heartbeats(now=NOW)
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_dirty_models()
+        placing.place_dirty_models()
 
     assert "f" in {row[0] for row in layout()}
     assert Node.objects.get(pk=newcomer.pk).assignments.filter(state__in=[ASSIGNED, READY]).count() == 1
@@ -128,10 +128,10 @@ def test_a_node_joining_a_whole_placement_becomes_a_spare_and_nothing_that_serve
     settings.SWARM_REPLACE_MARGIN = 100.0
     before = layout()
     newcomer = make_joined_node(provider, "f", compute=200.0, max_layers=16, last_heartbeat_at=NOW).node
-    services.mark_dirty(MODEL)
+    rebalancing.mark_dirty(MODEL)
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_dirty_models()
+        placing.place_dirty_models()
 
     after = layout()
     assert after[: len(before)] == before  # the same rows, spans and positions: nothing reloads
@@ -146,9 +146,9 @@ def test_a_join_that_pays_is_placed_afresh(
 ):
     settings.SWARM_REPLACE_MARGIN = -1.0  # any plan pays
     make_joined_node(provider, "f", compute=200.0, max_layers=16, last_heartbeat_at=NOW)
-    services.mark_dirty(MODEL)
+    rebalancing.mark_dirty(MODEL)
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_dirty_models()
+        placing.place_dirty_models()
 
     assert ASSIGNED in {row[7] for row in layout() if row[0] != "f"}  # some serving block moved

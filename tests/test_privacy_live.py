@@ -16,12 +16,12 @@ from django.test.utils import override_settings
 from marketplace.billing.services import grant
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import Job, JobState
-from marketplace.nodes import services as node_services
+from marketplace.nodes import joining
 from marketplace.nodes.models import Node, NodeState, Privacy
 from marketplace.nodes.tickets import issuer_key
+from marketplace.placement.lifecycle import set_trusted
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.selectors import servable_pipelines
-from marketplace.placement.services import set_trusted
 from tests.live import LiveServer, wait_for
 from worker_agent.local import join_agent, stop_processes
 from worker_agent.receipts import Receipt
@@ -81,7 +81,7 @@ def test_a_trusted_only_request_runs_on_trusted_nodes_only_and_is_refused_when_n
         grant(customer, 10, memo="credits")
         _, key = jobs_services.create_api_key(customer, "carol's app")
         server = LiveServer().start()
-        made = [node_services.create_node(owner=provider, name=f"gpu-{i}") for i in range(AGENTS)]
+        made = [joining.create_node(owner=provider, name=f"gpu-{i}") for i in range(AGENTS)]
         for node, _ in made[:2]:
             set_trusted(node, True, by=admin, reason="vetted hardware in a locked cage")
         agents = [

@@ -10,6 +10,7 @@ import pytest
 from marketplace.api import request_body
 from marketplace.billing.models import Transfer
 from marketplace.billing.services import grant
+from marketplace.flows import admission
 from marketplace.jobs import services
 from marketplace.jobs.errors import InvalidRequest, NoTrustedCapacity
 from marketplace.jobs.models import ApiKey, Job
@@ -18,9 +19,11 @@ from marketplace.jobs.services import create_api_key, mark_running, set_key_priv
 from marketplace.nodes.errors import NodeNotAllowed, TrustMarkRefused
 from marketplace.nodes.models import Node, Privacy, strictest
 from marketplace.placement.allocation import NodeCapacity
+from marketplace.placement.lifecycle import set_trusted
 from marketplace.placement.models import Assignment, AssignmentState
+from marketplace.placement.placing import place_model
+from marketplace.placement.readiness import assignment_ready
 from marketplace.placement.selectors import route_request, servable_pipelines
-from marketplace.placement.services import assignment_ready, place_model, set_trusted
 from marketplace.placement.trusted import place_with_trusted
 
 pytestmark = pytest.mark.trust
@@ -58,7 +61,7 @@ def api_key(customer):
 
 def admit(api_key, privacy: str = Privacy.ANY) -> Job:
     params = RequestParams(max_tokens=4, temperature=0.0, prompt="Once upon a time", privacy=privacy)
-    (job,) = services.admit_jobs(
+    (job,) = admission.admit_jobs(
         api_key=api_key,
         kind="completion",
         model=MODEL,

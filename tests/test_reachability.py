@@ -15,8 +15,8 @@ from websockets.asyncio.server import serve
 from marketplace.nodes.models import Node, Reachability
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement.models import AssignmentState
+from marketplace.placement.placing import place_model
 from marketplace.placement.selectors import servable_pipelines
-from marketplace.placement.services import place_model
 from tests.factories import MODEL
 from tests.test_control_channel import TIMEOUT_S, authenticated
 from worker_agent.keys import public_key_bytes

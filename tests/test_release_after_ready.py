@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from marketplace.nodes.models import Node, NodeState
-from marketplace.placement import services
+from marketplace.placement import placing, readiness
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.selectors import servable_pipelines
 from tests.factories import MODEL
@@ -23,9 +23,9 @@ def two_nodes(provider, make_joined_node, measure_ring, swarm_settings):
     a = make_joined_node(provider, "a", max_layers=15).node
     b = make_joined_node(provider, "b", max_layers=15).node
     measure_ring([a, b])
-    services.place_model(MODEL)
+    placing.place_model(MODEL)
     for assignment in Assignment.objects.all():
-        services.assignment_ready(assignment.node_id, assignment.pk, f"ws://127.0.0.1:{9000 + assignment.node_id}")
+        readiness.assignment_ready(assignment.node_id, assignment.pk, f"ws://127.0.0.1:{9000 + assignment.node_id}")
     return a, b
 
 
@@ -43,7 +43,7 @@ def swap(two_nodes, measure_ring, pushed, capture) -> tuple[Assignment, Assignme
     old_a, old_b = (Assignment.objects.get(node=n, state=AssignmentState.READY) for n in (a, b))
     measure_ring([b, a])
     with capture(execute=True):
-        services.place_model(MODEL)
+        placing.place_model(MODEL)
     new_a, new_b = (Assignment.objects.get(node=n, state=AssignmentState.ASSIGNED) for n in (a, b))
     return old_a, new_a, old_b, new_b
 
@@ -73,7 +73,7 @@ def test_the_old_block_is_released_at_the_agent_once_the_new_one_is_ready(
     pushed.events.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
-        assert services.assignment_ready(a.pk, new_a.pk, "ws://127.0.0.1:9901") is True
+        assert readiness.assignment_ready(a.pk, new_a.pk, "ws://127.0.0.1:9901") is True
 
     assert sent(pushed, a) == [{"type": "release", "assignment": old_a.pk, "model": MODEL}]
     assert sent(pushed, b) == []
@@ -82,7 +82,7 @@ def test_the_old_block_is_released_at_the_agent_once_the_new_one_is_ready(
 
     # A second report of the same readiness is stale and sends nothing again.
     with django_capture_on_commit_callbacks(execute=True):
-        assert services.assignment_ready(a.pk, new_a.pk, "ws://127.0.0.1:9901") is False
+        assert readiness.assignment_ready(a.pk, new_a.pk, "ws://127.0.0.1:9901") is False
     assert len(sent(pushed, a)) == 1
 
 
@@ -94,7 +94,7 @@ def test_the_old_block_is_released_at_the_agent_when_the_new_one_fails_to_load(
     pushed.events.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
-        assert services.assignment_failed(b.pk, new_b.pk, "out of memory") is True
+        assert readiness.assignment_failed(b.pk, new_b.pk, "out of memory") is True
 
     assert sent(pushed, b) == [{"type": "release", "assignment": old_b.pk, "model": MODEL}]
     assert sent(pushed, a) == []
@@ -109,13 +109,13 @@ def test_a_block_superseded_twice_before_its_successor_is_ready_is_released_with
     # Placed back before a's new block loaded: a holds old_a and is loading new_a.
     measure_ring([a, b])
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_model(MODEL)
+        placing.place_model(MODEL)
     newest_a = Assignment.objects.get(node=a, state=AssignmentState.ASSIGNED)
     assert (newest_a.layer_start, newest_a.layer_end, newest_a.supersedes_id) == (0, 15, new_a.pk)
     pushed.events.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.assignment_ready(a.pk, newest_a.pk, "ws://127.0.0.1:9901")
+        readiness.assignment_ready(a.pk, newest_a.pk, "ws://127.0.0.1:9901")
 
     assert sent(pushed, a) == [
         {"type": "release", "assignment": new_a.pk, "model": MODEL},
@@ -132,6 +132,6 @@ def test_a_node_left_without_a_block_is_told_to_release_it_at_once(
     Node.objects.filter(pk=b.pk).update(state=NodeState.DRAINING)
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.place_model(MODEL)
+        placing.place_model(MODEL)
 
     assert {"type": "release", "assignment": old_b.pk, "model": MODEL} in sent(pushed, b)

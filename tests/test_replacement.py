@@ -15,9 +15,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from marketplace.nodes.joining import rotate_join_token
 from marketplace.nodes.models import Node
-from marketplace.nodes.services import rotate_join_token
-from marketplace.placement import services
+from marketplace.placement import lifecycle, placing, readiness, rebalancing
 from marketplace.placement.allocation import Stage, pays_to_replace, throughput
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import servable_pipelines
@@ -38,7 +38,7 @@ def four_nodes(provider, make_joined_node, measure_ring, swarm_settings):
     swarm_settings.SWARM_REPLACE_MARGIN = 0.15
     nodes = [make_joined_node(provider, name, compute=speed, max_layers=15).node for name, speed in SPEEDS.items()]
     measure_ring(nodes)
-    services.place_model(MODEL)
+    placing.place_model(MODEL)
     report_ready()
     return nodes
 
@@ -52,16 +52,16 @@ def run_sweeps(nodes: list[Node], minutes: int, speed_of) -> tuple[int, int]:
     start, fired, before = timezone.now(), 0, generation()
     for step in range(1, minutes * 60 // 5 + 1):
         for node in nodes:
-            services.record_heartbeat(node.pk, {"layer_ms": 1000.0 / speed_of(node.name, step)})
-        fired += len(services.rebalance_if_needed(now=start + step * SWEEP))
-        services.place_dirty_models()
+            lifecycle.record_heartbeat(node.pk, {"layer_ms": 1000.0 / speed_of(node.name, step)})
+        fired += len(rebalancing.rebalance_if_needed(now=start + step * SWEEP))
+        placing.place_dirty_models()
         report_ready()  # the agents load new blocks within one sweep
     return generation() - before, fired
 
 
 def report_ready() -> None:
     for assignment in Assignment.objects.filter(state=AssignmentState.ASSIGNED):
-        services.assignment_ready(assignment.node_id, assignment.pk, f"ws://127.0.0.1:{9000 + assignment.node_id}")
+        readiness.assignment_ready(assignment.node_id, assignment.pk, f"ws://127.0.0.1:{9000 + assignment.node_id}")
 
 
 def test_throughput_is_the_sum_of_each_pipelines_slowest_stage():
@@ -99,7 +99,7 @@ def test_a_control_channel_reconnect_of_an_active_node_does_not_re_place(
     four_nodes, django_capture_on_commit_callbacks
 ):
     with django_capture_on_commit_callbacks(execute=True):
-        services.node_connected(four_nodes[1].pk)
+        lifecycle.node_connected(four_nodes[1].pk)
 
     assert PlacementState.objects.get(model=MODEL).dirty is False
 
@@ -108,7 +108,7 @@ def test_a_reconnected_node_is_routed_to_again_only_once_its_agent_confirms_each
     four_nodes, django_capture_on_commit_callbacks, monkeypatch
 ):
     probes = []
-    monkeypatch.setattr(services, "request_probes", lambda model, nodes: probes.append(model))
+    monkeypatch.setattr(readiness, "request_probes", lambda model, nodes: probes.append(model))
     # The agent process restarted with the same key (a restart, an upgrade): its control channel
     # reconnects before its block is loaded again, and it serves on another port this time.
     restarted = four_nodes[1]
@@ -116,14 +116,14 @@ def test_a_reconnected_node_is_routed_to_again_only_once_its_agent_confirms_each
     assert len(servable_pipelines(MODEL)) == 2
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.node_connected(restarted.pk)
+        lifecycle.node_connected(restarted.pk)
 
     block.refresh_from_db()
     assert block.state == AssignmentState.ASSIGNED  # kept, but not routed to until confirmed
     assert all(stage.node != restarted.node_id for pipeline in servable_pipelines(MODEL) for stage in pipeline)
     assert len(servable_pipelines(MODEL)) == 1
 
-    assert services.assignment_ready(restarted.pk, block.pk, "ws://127.0.0.1:19999")
+    assert readiness.assignment_ready(restarted.pk, block.pk, "ws://127.0.0.1:19999")
     block.refresh_from_db()
     assert (block.state, block.data_url) == (AssignmentState.READY, "ws://127.0.0.1:19999")
     urls = {stage.node: stage.data_url for pipeline in servable_pipelines(MODEL) for stage in pipeline}
@@ -142,7 +142,7 @@ def test_a_node_joining_again_with_a_new_agent_leaves_no_stale_stage_to_route_to
     token = rotate_join_token(rejoining)
 
     with django_capture_on_commit_callbacks(execute=True):
-        services.register_agent(**join_payload(token, generate_signing_key()))
+        lifecycle.register_agent(**join_payload(token, generate_signing_key()))
 
     rejoining.refresh_from_db()
     assert rejoining.connected is False

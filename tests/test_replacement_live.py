@@ -25,14 +25,14 @@ from openai import AsyncOpenAI
 from marketplace.billing.services import cost, grant
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey, Job, JobState
-from marketplace.nodes import services as node_services
+from marketplace.nodes import joining
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.tickets import issuer_key
-from marketplace.placement import services as placement_services
+from marketplace.placement import placing, rebalancing
 from marketplace.placement.allocation import Placement, Stage
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
+from marketplace.placement.placing import place_dirty_models
 from marketplace.placement.selectors import servable_pipelines
-from marketplace.placement.services import place_dirty_models
 from tests.api_fixtures import stop_agents
 from tests.live import LiveServer, wait_for
 from worker_agent.local import join_agent
@@ -103,7 +103,7 @@ def test_a_replacement_during_twenty_streams_fails_none(tmp_path, monkeypatch):
         grant(customer, 50)
         api_key, key = jobs_services.create_api_key(customer, "carol's app")
         ApiKey.objects.filter(pk=api_key.pk).update(requests_per_minute=1000, tokens_per_minute=1_000_000)
-        tokens = [node_services.create_node(owner=provider, name=f"gpu-{i}")[1] for i in range(4)]
+        tokens = [joining.create_node(owner=provider, name=f"gpu-{i}")[1] for i in range(4)]
         agents = [join(server, token, tmp_path, i) for i, token in enumerate(tokens[:3])]
         wait_for(lambda: Node.objects.filter(state=NodeState.ACTIVE, connected=True).count() == 3, 180, "3 agents")
         place_dirty_models()
@@ -111,10 +111,10 @@ def test_a_replacement_during_twenty_streams_fails_none(tmp_path, monkeypatch):
         agents.append(join(server, tokens[3], tmp_path, 3))
         wait_for(lambda: Node.objects.filter(state=NodeState.ACTIVE, connected=True).count() == 4, 180, "the 4th")
         before, generation = spans(), PlacementState.objects.get(model=MODEL).generation
-        monkeypatch.setattr(placement_services, "place_with_trusted", rotated_plan(before))
-        monkeypatch.setattr(
-            placement_services, "order_pipelines", lambda model, pipelines: (list(pipelines), ["local"])
-        )
+        # Both the placement and its check that a fresh plan pays (``rebalancing.replacement_pays``) plan so.
+        monkeypatch.setattr(placing, "place_with_trusted", rotated_plan(before))
+        monkeypatch.setattr(rebalancing, "place_with_trusted", rotated_plan(before))
+        monkeypatch.setattr(placing, "order_pipelines", lambda model, pipelines: (list(pipelines), ["local"]))
 
         async def stream(client, started: list[asyncio.Event], index: int) -> dict:
             chunks = await client.chat.completions.create(

@@ -15,7 +15,7 @@ from channels_redis.core import RedisChannelLayer
 from django.utils import timezone
 
 from marketplace.api import reply
-from marketplace.jobs import runner
+from marketplace.flows import runner
 from marketplace.jobs.models import Job, JobState
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]

@@ -13,6 +13,7 @@ from openai import OpenAI
 from rest_framework.test import APIClient
 
 from marketplace.api.parsers import MAX_JSON_DEPTH
+from marketplace.flows import admission
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey, Job
 from marketplace.jobs.services import create_api_key
@@ -43,7 +44,7 @@ def api(settings, django_user_model):
 def calls(monkeypatch):
     """Records each call that reaches the tokenizer or admission (which creates the job)."""
     seen = []
-    encode, admit = jobs_services.encode_prompt, jobs_services.admit_job
+    encode, admit = jobs_services.encode_prompt, admission.admit_job
 
     def recording_encode(*args, **kwargs):
         seen.append("tokenize")
@@ -54,7 +55,7 @@ def calls(monkeypatch):
         return admit(*args, **kwargs)
 
     monkeypatch.setattr(jobs_services, "encode_prompt", recording_encode)
-    monkeypatch.setattr(jobs_services, "admit_job", recording_admit)
+    monkeypatch.setattr(admission, "admit_job", recording_admit)
     return seen
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from marketplace.jobs.coordinator_inputs import sampling_params
 from marketplace.jobs.errors import InvalidRequest
 from marketplace.jobs.params import ChatMessage, RequestParams
-from marketplace.jobs.runner import sampling_params
 from worker_agent.coordinator.sampling import SamplingParams
 
 pytestmark = [pytest.mark.api]

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 from nacl.signing import SigningKey
 
+from marketplace.flows.settlement import reverify
 from marketplace.jobs.route import route_assignments
-from marketplace.jobs.settlement import reverify
 from marketplace.verification.receipts import session_receipt
 from worker_agent.errors import ReceiptError
 from worker_agent.keys import node_id

@@ -8,7 +8,7 @@ from django.contrib.auth import get_user_model
 
 from marketplace.jobs.models import Job
 from marketplace.nodes.models import Node
-from marketplace.placement import services
+from marketplace.placement import lifecycle
 from marketplace.placement.selectors import route_request
 from marketplace.verification.models import StrikeKind, StrikeState
 from marketplace.verification.strikes import open_strike, overturn_strike, uphold_strike
@@ -34,7 +34,7 @@ def test_an_open_strike_takes_the_node_off_routing_until_every_strike_is_decided
     assert routed_nodes() == [swarm.a.node_id, swarm.e.node_id]
 
     first, second = strike(swarm.e), strike(swarm.e)
-    services.record_heartbeat(swarm.e.pk, {"sessions": 0}, now=NOW)  # signs of life do not clear a strike
+    lifecycle.record_heartbeat(swarm.e.pk, {"sessions": 0}, now=NOW)  # signs of life do not clear a strike
 
     assert Node.objects.get(pk=swarm.e.pk).under_review is True
     assert routed_nodes() == [swarm.a.node_id, swarm.b.node_id]

@@ -15,7 +15,7 @@ from marketplace.billing import services
 from marketplace.billing.errors import InsufficientCredits
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, StripeEvent, TopUp, Transfer
 from marketplace.billing.topups import start_top_up
-from marketplace.stripe_events import handle_event
+from marketplace.flows.stripe_events import handle_event
 from tests.stripe_fake import WEBHOOK_SECRET, deliver, sign
 
 pytest_plugins = ["tests.factories", "tests.stripe_fake"]

@@ -41,7 +41,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.nodes import authority
-from marketplace.nodes.services import create_node
+from marketplace.nodes.joining import create_node
 from marketplace.nodes.tickets import issuer_key
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer, wait_for

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from marketplace.jobs.runner import token_bytes
+from marketplace.flows.runner import token_bytes
 from worker_agent import model as models
 
 pytestmark = pytest.mark.api

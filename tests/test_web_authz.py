@@ -21,7 +21,7 @@ from marketplace.jobs.models import ApiKey, Job
 from marketplace.jobs.services import create_api_key
 from marketplace.nodes.live import notify_admins, notify_node_changed
 from marketplace.payouts.models import ConnectAccount, Earning, EarningState, Payout, PayoutBatch
-from marketplace.placement.services import eject_node
+from marketplace.placement.lifecycle import eject_node
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind
 from tests.factories import db_snapshot
 

@@ -18,8 +18,8 @@ from playwright.sync_api import expect
 
 from marketplace.billing.services import set_prices
 from marketplace.jobs.models import Job, JobState
+from marketplace.nodes.joining import create_node
 from marketplace.nodes.models import Node, NodeState
-from marketplace.nodes.services import create_node
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.web.landing_selectors import swarm_figures
 from tests.browser import MODEL

@@ -17,7 +17,7 @@ from django.test import Client
 from django.utils import timezone
 
 from marketplace.jobs.models import Job
-from marketplace.nodes import services as node_services
+from marketplace.nodes import joining
 from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts.models import ConnectAccount, Earning, EarningState
 from marketplace.placement.models import Assignment, AssignmentState
@@ -168,7 +168,7 @@ def test_a_token_replaced_through_the_api_is_no_longer_shown(provider):
     client = signed_in(provider)
     _, node = add_node(client)
 
-    node_services.rotate_join_token(node)
+    joining.rotate_join_token(node)
 
     assert join_commands(client.get("/provider/nodes/")) == {}
 

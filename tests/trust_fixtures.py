@@ -22,7 +22,7 @@ from marketplace.billing.models import AccountKind, LedgerAccount
 from marketplace.billing.services import grant
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import Job
-from marketplace.nodes import services as node_services
+from marketplace.nodes import joining
 from marketplace.nodes.models import Node
 from marketplace.nodes.tickets import issuer_key
 from marketplace.placement.selectors import servable_pipelines
@@ -119,7 +119,7 @@ def make_swarm(transactional_db, tmp_path, settings):
         nodes = {}
         started.append((overrides, server, agents))
         for name in PROVIDERS:
-            node, token = node_services.create_node(owner=users[name], name=f"{name}-gpu")
+            node, token = joining.create_node(owner=users[name], name=f"{name}-gpu")
             nodes[name] = node
             agents.append(
                 join_agent(

@@ -20,15 +20,17 @@ from django.utils import timezone
 from marketplace.billing.models import AccountKind, LedgerAccount
 from marketplace.billing.services import account, transfer
 from marketplace.jobs.models import Job, JobState
+from marketplace.nodes.joining import create_node
 from marketplace.nodes.models import Node, NodeState
-from marketplace.nodes.services import create_node
 from marketplace.payouts.models import Earning, EarningState
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.models import Challenge, CheckState, Strike
 from tests.browser import MODEL, PASSWORD
 from tests.challenge_fixtures import material
+from tests.factories import public_hex
 from worker_agent import model as models
+from worker_agent.keys import generate_signing_key
 
 TOKENS = 4  # per challenge
 PENDING_PAY = 123_456_789  # nano-dollars: $0.123456789
@@ -58,6 +60,7 @@ def serving_node(owner, name: str) -> Node:
     now = timezone.now()
     Node.objects.filter(pk=node.pk).update(
         node_id=f"node-{node.pk:016x}",
+        public_key=public_hex(generate_signing_key()),
         state=NodeState.ACTIVE,
         connected=True,
         connected_since=now,

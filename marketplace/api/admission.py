@@ -2,7 +2,7 @@
 first come first served, and the request at the head of the line waits for room when every route
 of its model is full.
 
-Each admission (``jobs.services.admit_jobs``) locks its model's placement row until it commits,
+Each admission (``flows.admission.admit_jobs``) locks its model's placement row until it commits,
 so that it counts the jobs admitted before it. Requests of a burst therefore take their turn here,
 in a line per model, rather than in the database; and a request waiting its turn has handed its
 pooled connection back: a line of admissions must not hold the process's connections, which the
@@ -31,7 +31,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from marketplace.db import release_connections
-from marketplace.jobs import services
+from marketplace.flows import admission
 from marketplace.jobs.errors import NoCapacity, Overloaded
 from marketplace.jobs.models import Job
 from marketplace.nodes.models import strictest
@@ -69,13 +69,13 @@ def job_ended() -> None:
 
 def _admit_jobs(**job) -> list[Job]:
     try:
-        return services.admit_jobs(**job)
+        return admission.admit_jobs(**job)
     finally:
         release_connections()
 
 
 async def admit(**job) -> list[Job]:
-    """Admit the request's jobs (``services.admit_jobs``' arguments) at its turn in its model's
+    """Admit the request's jobs (``flows.admission.admit_jobs``' arguments) at its turn in its model's
     line. When its model has no ready route but is recovering (a node died and its span is being
     healed, re-placed or reloaded), wait up to SWARM_ADMISSION_WAIT_S for one before answering 503:
     churn in the swarm is normal and a client should not see it. When every route is full, wait for
@@ -94,7 +94,7 @@ async def admit(**job) -> list[Job]:
         if not turn.done():
             raise Overloaded(
                 f"Model {job['model']!r} has more requests waiting than it can admit; retry shortly.",
-                retry_after=services.OVERLOADED_RETRY_AFTER_S,
+                retry_after=admission.OVERLOADED_RETRY_AFTER_S,
             )
         return await _at_head(gate, job, deadline, queue_deadline)
     finally:

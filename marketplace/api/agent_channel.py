@@ -27,10 +27,10 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from marketplace.nodes import reachability, services
+from marketplace.nodes import joining, reachability, services
 from marketplace.nodes.errors import InvalidHandshake, NodeError
 from marketplace.nodes.tickets import issuer_public_key
-from marketplace.placement import services as placement
+from marketplace.placement import lifecycle, readiness
 from marketplace.placement.errors import InvalidDataUrl
 from marketplace.placement.selectors import assignments_of_node
 from marketplace.verification import claims
@@ -111,7 +111,7 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
     async def _authenticate(self, auth: protocol.Auth) -> None:
         nonce, self.nonce = self.nonce, b""  # single use, even when the answer is wrong
         try:
-            node = await database_sync_to_async(services.authenticate)(
+            node = await database_sync_to_async(joining.authenticate)(
                 node_id=auth.node, nonce=nonce, signature=auth.signature
             )
         except NodeError as exc:
@@ -119,7 +119,7 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
             return
         self.node_pk, self.node_id = node.pk, node.node_id
         await self.channel_layer.group_add(services.node_group(node.node_id), self.channel_name)
-        node = await database_sync_to_async(placement.node_connected)(node.pk)
+        node = await database_sync_to_async(lifecycle.node_connected)(node.pk)
         self.connected_at = node.connected_since
         assignments = await database_sync_to_async(lambda: [a.as_message() for a in assignments_of_node(node.pk)])()
         welcome = protocol.Welcome(
@@ -136,13 +136,13 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
     async def _handle(self, message: protocol.Message) -> None:
         match message:
             case protocol.Heartbeat():
-                await database_sync_to_async(placement.record_heartbeat)(
+                await database_sync_to_async(lifecycle.record_heartbeat)(
                     self.node_pk, protocol.to_wire(message)["load"]
                 )
             case protocol.Ready(assignment=assignment, url=url):
                 await self._ready(assignment, url)
             case protocol.Failed(assignment=assignment, error=error):
-                await database_sync_to_async(placement.assignment_failed)(self.node_pk, assignment, error)
+                await database_sync_to_async(readiness.assignment_failed)(self.node_pk, assignment, error)
             case protocol.ProbeResult():
                 results = protocol.to_wire(message)["results"]
                 await database_sync_to_async(claims.record_probe_results)(self.node_pk, results)
@@ -155,7 +155,7 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
         opened from here (``reachability.reach``) before it enters placement. An unreachable one
         waits for the agent to report it again through a relay, or fails when there is none."""
         try:
-            url = await database_sync_to_async(placement.checked_data_url)(
+            url = await database_sync_to_async(readiness.checked_data_url)(
                 self.node_pk, assignment, url, seen_from=self._seen_from()
             )
         except InvalidDataUrl as exc:  # the assignment was failed with the reason
@@ -165,12 +165,12 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
         problem = await reachability.reach(url, self.node_id or "") if settings.SWARM_REACHABILITY_CHECK else None
         offer = await database_sync_to_async(services.record_reachability)(self.node_pk, url, problem)
         if problem is None:
-            await database_sync_to_async(placement.assignment_ready)(self.node_pk, assignment, url)
+            await database_sync_to_async(readiness.assignment_ready)(self.node_pk, assignment, url)
         elif offer is not None:
             await self._send(offer)
         else:
             reason = f"{problem}; no relay is configured (SWARM_RELAYS) to serve it through"
-            await database_sync_to_async(placement.assignment_failed)(
+            await database_sync_to_async(readiness.assignment_failed)(
                 self.node_pk, assignment, f"unreachable: {reason}"
             )
             await self._send(protocol.error("unreachable", reason))

@@ -17,9 +17,9 @@ from rest_framework.response import Response
 
 from marketplace.api.auth import api_key_required
 from marketplace.api.errors import renders_domain_errors
-from marketplace.api.openai import releases_db
 from marketplace.api.views import IsCustomer
 from marketplace.billing import selectors
+from marketplace.db import releases_db
 from marketplace.jobs import selectors as job_selectors
 from marketplace.jobs.errors import InvalidRequest, JobNotFound
 from marketplace.jobs.models import ApiKey, Job

@@ -5,7 +5,7 @@ reputation its nodes need, its prices) an entry, by name.
                                      "enabled"?, "prompt_price"?, "completion_price"?}
     PATCH /api/v1/catalog/<name>/   {"enabled"?, "min_reputation"?, "prompt_price"?, "completion_price"?}
 
-A registration reads, copies and hashes the checkpoint before it answers (``offerings.register``):
+A registration reads, copies and hashes the checkpoint before it answers (``flows.offerings.register``):
 seconds for a small one, minutes for tens of GB. A refusal answers 400 with the catalog's error
 code (``catalog.errors``) and the field it is about.
 """
@@ -17,11 +17,11 @@ from rest_framework import mixins, permissions, status, viewsets
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from marketplace import offerings
 from marketplace.api import serializers as s
 from marketplace.api.errors import error_response
 from marketplace.catalog.errors import CatalogError
 from marketplace.catalog.models import CatalogModel
+from marketplace.flows import offerings
 
 
 class CatalogViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

@@ -10,7 +10,6 @@ that disconnects cancels its job.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -31,9 +30,10 @@ from marketplace.api.reply import Reply, replayed
 from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
 from marketplace.catalog.selectors import served_models
-from marketplace.db import release_connections
+from marketplace.db import release_connections, releases_db
 from marketplace.errors import DomainError
-from marketplace.jobs import idempotency, runner, services, tasks
+from marketplace.flows import runner, tasks
+from marketplace.jobs import idempotency, services
 from marketplace.jobs.errors import InvalidRequest
 from marketplace.jobs.models import ApiKey
 from marketplace.jobs.params import RequestParams
@@ -72,21 +72,6 @@ CAPABILITIES = {
     "structured_output": True,
     "logprobs": True,
 }
-
-
-def releases_db(view):
-    """Async views run their ORM calls in a thread of the request's; Django's end-of-request
-    cleanup runs elsewhere and would leave that thread's connection checked out of the pool, so
-    close it here, on every way out."""
-
-    @functools.wraps(view)
-    async def wrapped(request, *args, **kwargs):
-        try:
-            return await view(request, *args, **kwargs)
-        finally:
-            await sync_to_async(release_connections)()
-
-    return wrapped
 
 
 @csrf_exempt

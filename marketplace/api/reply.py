@@ -1,11 +1,11 @@
 """A request's answer in OpenAI's shapes, read from its jobs' channel-layer groups.
 
-A request asking for ``n`` choices runs ``n`` jobs (``jobs.services.admit_jobs``); each job's events
+A request asking for ``n`` choices runs ``n`` jobs (``flows.admission.admit_jobs``); each job's events
 arrive on a channel of its own and make one choice (``Choice``). ``Reply`` puts them together: one
 response (the id of choice 0, every choice with its index, the usage summed over the choices, as
 each choice is billed as a request of its own), or one stream whose chunks carry the index of the
 choice they extend. A choice that fails fails the request: the other choices' jobs are stopped,
-and each job is charged for what it produced (``jobs.settlement``), as a single request is.
+and each job is charged for what it produced (``flows.settlement``), as a single request is.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from django.http import HttpResponseBase, JsonResponse, StreamingHttpResponse
 from marketplace.api import admission
 from marketplace.api.errors import error_body
 from marketplace.db import release_connections
-from marketplace.jobs import idempotency, runner, services, tools
+from marketplace.flows import runner
+from marketplace.jobs import idempotency, services, tools
 from marketplace.jobs.errors import JobFailed
 from marketplace.jobs.models import Job
 

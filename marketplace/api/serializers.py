@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from marketplace import offerings
 from marketplace.catalog.models import DESCRIBED_BY, CatalogModel, SourceKind
+from marketplace.flows import offerings
 from marketplace.nodes.models import Node, Privacy
 
 

@@ -14,12 +14,12 @@ from rest_framework.decorators import api_view, permission_classes
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from marketplace import stripe_events
 from marketplace.api.errors import error_response
 from marketplace.api.views import IsCustomer
 from marketplace.billing import topups
 from marketplace.billing.errors import InvalidWebhookPayload, InvalidWebhookSignature, WebhookNotConfigured
 from marketplace.errors import DomainError
+from marketplace.flows import stripe_events
 from marketplace.install.script import public_url
 
 TOP_UP_REQUEST = inline_serializer(

@@ -18,12 +18,12 @@ from marketplace.install.script import join_command
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.errors import ApiKeyLimitReached, ApiKeyNameTaken
 from marketplace.jobs.models import ApiKey
-from marketplace.nodes import services
+from marketplace.nodes import joining
 from marketplace.nodes.authority import ca_certificate
 from marketplace.nodes.errors import InvalidJoinToken, NodeError, NodeNameTaken, TooManyTokenChecks
 from marketplace.nodes.models import Node
 from marketplace.nodes.tickets import issuer_public_key
-from marketplace.placement import services as placement_services
+from marketplace.placement import lifecycle
 
 
 class IsProvider(permissions.BasePermission):
@@ -53,7 +53,7 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
         data = s.NodeCreateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         try:
-            node, token = services.create_node(owner=request.user, **data.validated_data)
+            node, token = joining.create_node(owner=request.user, **data.validated_data)
         except NodeNameTaken as exc:  # a field's refusal, in DRF's shape like the serializer's own
             raise ValidationError({exc.param: [str(exc)]}) from exc
         except NodeError as exc:
@@ -62,18 +62,18 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Destr
         return Response(body, status=status.HTTP_201_CREATED)
 
     def perform_destroy(self, instance: Node) -> None:
-        placement_services.delete_node(instance)
+        lifecycle.delete_node(instance)
 
     @extend_schema(request=None, responses=s.NodeSerializer)
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk=None) -> Response:
-        node = placement_services.drain_node(self.get_object())
+        node = lifecycle.drain_node(self.get_object())
         return Response(s.NodeSerializer(node).data)
 
     @extend_schema(request=None, responses=s.JoinTokenSerializer)
     @action(detail=True, methods=["post"], url_path="rotate-token")
     def rotate_token(self, request: Request, pk=None) -> Response:
-        token = services.rotate_join_token(self.get_object())
+        token = joining.rotate_join_token(self.get_object())
         return Response({"join_token": token, "join_command": join_command(request, token)})
 
 
@@ -87,7 +87,7 @@ def register_agent(request: Request) -> Response | JsonResponse:
     data.is_valid(raise_exception=True)
     try:
         with transaction.atomic():
-            node = placement_services.register_agent(**data.validated_data)
+            node = lifecycle.register_agent(**data.validated_data)
     except NodeError as exc:
         return error_response(exc)
     scheme = "wss" if request.is_secure() else "ws"
@@ -162,7 +162,7 @@ def check_join_token(request: Request) -> Response | JsonResponse:
     data = s.AgentTokenCheckSerializer(data=request.data)
     data.is_valid(raise_exception=True)
     try:
-        node = services.check_join_token(data.validated_data["token"], address=request.META.get("REMOTE_ADDR", ""))
+        node = joining.check_join_token(data.validated_data["token"], address=request.META.get("REMOTE_ADDR", ""))
     except NodeError as exc:
         body = error_body(exc)
         if isinstance(exc, InvalidJoinToken):

@@ -1,7 +1,7 @@
 """Ledger use cases: accounts, transfers, prices, grants.
 
 Every balance change is one immutable transfer between two accounts. A job's hold and settlement
-use these from ``marketplace.jobs.settlement``, which keeps a job's money steps in one place.
+use these from ``marketplace.flows.settlement``, which keeps a job's money steps in one place.
 """
 
 from __future__ import annotations

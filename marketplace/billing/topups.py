@@ -5,7 +5,7 @@ Session; the customer pays on Stripe's page, and Stripe sends them back to the b
 ``origin``, the address they reached this site at (or SWARM_PUBLIC_URL): never a fixed host that may
 not be this one. Leaving Checkout through its cancel link lands on ``cancel_top_up``, which marks
 the top-up cancelled at once and expires its session. Credits move only through ``HANDLERS``, one per webhook event
-type, which ``marketplace.stripe_events.handle_event`` runs once per verified event in one
+type, which ``marketplace.flows.stripe_events.handle_event`` runs once per verified event in one
 transaction; a top-up is claimed by a conditional update from pending, so two events about one
 payment credit it once.
 

@@ -9,10 +9,10 @@ from typing import Any
 from django import forms
 from django.contrib import admin
 
-from marketplace import offerings
 from marketplace.billing.admin import price_field
 from marketplace.catalog.errors import CatalogError
 from marketplace.catalog.models import DESCRIBED_BY, CatalogModel
+from marketplace.flows import offerings
 
 REGISTERED = ("name", "source_kind", "source", "source_sha256", "min_reputation", "enabled")
 READ_FROM_CHECKPOINT = (*DESCRIBED_BY, "created_at", "updated_at")

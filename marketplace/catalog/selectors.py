@@ -59,7 +59,7 @@ def min_reputation(model: str) -> float:
 
 def manifest_path(ref: str) -> str:
     """Where agents read a checkpoint's manifest, relative to the control plane's URL."""
-    return reverse("catalog-manifest", args=[ref]).lstrip("/")
+    return reverse("install:checkpoint-manifest", args=[ref]).lstrip("/")
 
 
 def assignment_source(model: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ Registration reads and copies the checkpoint (``sources.acquire``: seconds to mi
 one) before the entry's row is written, outside any transaction. An entry's name and weights are
 fixed once registered: new weights are a new entry. Enabling or disabling an entry changes what
 ``selectors.served_models`` returns; the placement sweep places a newly served model and releases
-the blocks of one no longer served. Prices are set with these from ``marketplace.offerings``.
+the blocks of one no longer served. Prices are set with these from ``marketplace.flows.offerings``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Demand per model: the tokens its jobs asked for lately, by which the swarm's nodes are shared
-among the served models (``placement.services.share_by_demand``).
+among the served models (``placement.rebalancing.share_by_demand``).
 
 It lives with the jobs because it reads them; placement sits below jobs and never imports them,
 so the periodic sweep runs ``share_nodes_by_demand`` here, which hands the figures down.
@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from marketplace.catalog.selectors import served_models
 from marketplace.jobs.models import Job
-from marketplace.placement import services as placement
+from marketplace.placement import rebalancing
 from marketplace.placement.shares import due, shared_models
 
 
@@ -40,4 +40,4 @@ def share_nodes_by_demand(now: datetime | None = None) -> list[str]:
     served and demand may move nodes now; the models whose share changed."""
     if not shared_models() or not due(now):
         return []  # nothing to share, or too soon: the jobs are not even counted
-    return placement.share_by_demand(recent_demand(now), now=now)
+    return rebalancing.share_by_demand(recent_demand(now), now=now)

@@ -1,47 +1,40 @@
-"""API keys and the job lifecycle: tokenize, admit, start, record tokens, finish, fail.
+"""API keys and a job's own lifecycle: tokenize, fit the context, start, record tokens, heal, finish.
 
 Every state change is a conditional UPDATE on the job's current state, so a job ends exactly
-once even when its coordinator, a client disconnect and a timeout race.
+once even when its coordinator, a client disconnect and a timeout race. Admitting a job (its route
+and hold) and settling it are flows across the apps (``marketplace.flows.admission``,
+``marketplace.flows.settlement``), which call these.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import secrets
-import uuid
-from collections import Counter
-from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models import Q
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from marketplace import metrics
 from marketplace.jobs import tools
+from marketplace.jobs.coordinator_inputs import json_grammar
 from marketplace.jobs.errors import (
     ApiKeyLimitReached,
     ApiKeyNameTaken,
     AuthenticationFailed,
     InvalidRequest,
-    NoCapacity,
-    NoTrustedCapacity,
-    Overloaded,
 )
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
-from marketplace.jobs.settlement import hold_terms, place_hold, settle
-from marketplace.nodes.models import Node, NodeState, Privacy, strictest
-from marketplace.placement.models import PlacementState
-from marketplace.placement.selectors import context_length, recovering, route_around, route_request
-from marketplace.placement.services import report_node_failure
+from marketplace.nodes.models import Node, NodeState, Privacy
+from marketplace.placement.lifecycle import report_node_failure
+from marketplace.placement.selectors import context_length, recovering, route_around
 from marketplace.verification.audits import choose_audit_stages
 from marketplace.verification.claims import refused_positions
 from marketplace.verification.failures import record_failure
@@ -54,7 +47,7 @@ log = logging.getLogger("swarm.jobs")
 KEY_PREFIX = "sk-sw-"
 PLAYGROUND_KEY_NAME = "Playground (dashboard)"  # kept for the key the dashboard's playground uses
 LAST_USED_RESOLUTION_S = 60  # how precisely a key's last_used_at is kept
-COORDINATOR_LOST = "coordinator_lost"  # the error code of a job ended by ``reconcile_jobs``
+COORDINATOR_LOST = "coordinator_lost"  # the error code of a job ended by ``settlement.reconcile_jobs``
 # A stage's refusal of a session longer than it holds (``worker_agent.kvcache``): a heal with it
 # measures the positions the node holds against those it reported (``verification.claims``).
 SESSION_TOO_LONG = "session_too_long"
@@ -176,16 +169,6 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
     return encode_prompt(tokenizer, messages, chat=True)
 
 
-def json_grammar(params: RequestParams) -> grammar.JsonGrammar | None:
-    """The grammar the output must follow: one call of the chosen function(s), or the request's
-    ``response_format`` (None: free text)."""
-    if params.calls_tool:
-        return grammar.JsonGrammar(json.dumps(tools.call_schema(params.tools, params.tool_choice), sort_keys=True))
-    if params.response_format is None:
-        return None
-    return grammar.JsonGrammar(params.response_format[1])
-
-
 def fit_context(model: str, prompt_tokens: int, params: RequestParams, *, max_tokens_given: bool) -> RequestParams:
     """The request within ``model``'s context length (``placement.selectors.context_length``).
 
@@ -207,111 +190,6 @@ def fit_context(model: str, prompt_tokens: int, params: RequestParams, *, max_to
         param=where,
         code="context_length_exceeded",
     )
-
-
-@transaction.atomic
-def admit_jobs(
-    *, api_key: ApiKey, kind: str, model: str, params: RequestParams, prompt_ids: Sequence[int], request_id: str = ""
-) -> list[Job]:
-    """Admit a request's ``params.n`` choices together, each a job of its own (``admit_job``)
-    with its own route, hold and receipts: all of them, or none (402 or 503 for one rolls every
-    one back). Choice 0 carries the response's id; choice i's id adds ``-i`` to it. Each records
-    ``request_id``, the HTTP request's."""
-    jobs = [
-        admit_job(api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids, request_id=request_id)
-    ]
-    for index in range(1, params.n):
-        jobs.append(
-            admit_job(
-                api_key=api_key,
-                kind=kind,
-                model=model,
-                params=params.for_choice(index),
-                prompt_ids=prompt_ids,
-                first_choice=jobs[0],
-                choice_index=index,
-                request_id=request_id,
-            )
-        )
-    return jobs
-
-
-OVERLOADED_RETRY_AFTER_S = 2  # Retry-After of a 503 overloaded
-NO_TRUSTED: dict[str, str] = {  # by privacy (a Privacy is its value: a request's privacy looks it up)
-    Privacy.TRUSTED_ONLY: (
-        "No route of trusted nodes is ready for model {model!r}; the request asked for trusted nodes only "
-        "(trusted_only) and was not sent to any other. Retry later, or drop the requirement."
-    ),
-    Privacy.TRUSTED_ENDS: (
-        "No route with trusted first and last stages is ready for model {model!r}; the request asked for "
-        "trusted ends (trusted_ends) and was not sent to any other. Retry later, or drop the requirement."
-    ),
-}
-
-
-def jobs_in_flight() -> Counter[str]:
-    """Jobs admitted and not ended, by node id: each holds a session on every stage of its route."""
-    busy: Counter[str] = Counter()
-    for route in Job.objects.filter(state__in=[JobState.QUEUED, JobState.RUNNING]).values_list("route", flat=True):
-        busy.update(stage["node"] for stage in route)
-    return busy
-
-
-@transaction.atomic(savepoint=False)  # admit_jobs' transaction is all or none already
-def admit_job(
-    *,
-    api_key: ApiKey,
-    kind: str,
-    model: str,
-    params: RequestParams,
-    prompt_ids: Sequence[int],
-    first_choice: Job | None = None,
-    choice_index: int = 0,
-    request_id: str = "",
-) -> Job:
-    """Create a queued job on the lowest-latency ready route; 503 when the model has none.
-
-    ``prompt_ids`` (from ``tokenize_prompt``) are stored with the job, so that its coordinator
-    runs exactly the tokens the hold and the rate limit counted; ``request_id`` (the HTTP
-    request's ``x-request-id``), so that an operator finds the job a customer quotes it for."""
-    # One admission at a time per model from here to the commit: each counts the jobs in flight
-    # that those before it admitted, so no stage is sent more sessions than it holds.
-    privacy = strictest(api_key.privacy, params.privacy)
-    placed = PlacementState.objects.select_for_update().filter(model=model).first() is not None
-    chosen = route_request(model, jobs_in_flight(), placed=placed, privacy=privacy)
-    if chosen is None:
-        if route_request(model, placed=placed, privacy=privacy) is not None:
-            raise Overloaded(
-                f"Model {model!r} is serving as many requests as its nodes hold; retry shortly.",
-                retry_after=OVERLOADED_RETRY_AFTER_S,
-            )
-        if privacy != Privacy.ANY and route_request(model, placed=placed) is not None:
-            raise NoTrustedCapacity(NO_TRUSTED[privacy].format(model=model))
-        raise NoCapacity(f"No capacity for model {model!r} right now: no complete pipeline is ready.")
-    region, stages, _ = chosen
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    route = route_of(stages)
-    public_id = f"{prefix}-{uuid.uuid4().hex}" if first_choice is None else f"{first_choice.public_id}-{choice_index}"
-    job = Job.objects.create(
-        public_id=public_id,
-        request_id=request_id,
-        first_choice=first_choice,
-        choice_index=choice_index,
-        kind=kind,
-        customer=api_key.user,
-        api_key=api_key,
-        model=model,
-        params=params.to_json(),
-        prompt_ids=list(prompt_ids),
-        prompt_tokens=len(prompt_ids),
-        coordinator_region=region,
-        privacy=privacy,
-        route=route,
-        audit_stages=choose_audit_stages(route, fractions={stage.node: stage.audit_fraction for stage in stages}),
-        **hold_terms(model, len(prompt_ids), params.max_tokens),
-    )
-    place_hold(job, priced=True)  # 402 here rolls the whole admission back
-    return job
 
 
 @transaction.atomic
@@ -497,13 +375,13 @@ def stopped_answering(job_pk: int, now=None) -> str | None:
     FINAL_EVENT_GRACE_S ago or more without its final event reaching the response (the event is
     sent right after the record is final, so a response that looks in between must wait for it),
     or it showed no sign of life (admission, start, a token) for SWARM_JOB_STALE_S, the rule by
-    which ``reconcile_jobs`` declares a coordinator lost."""
+    which ``flows.settlement.reconcile_jobs`` declares a coordinator lost."""
     now = now or timezone.now()
     job = Job.objects.only("state", "created_at", "started_at", "progress_at", "finished_at", "error_code").get(
         pk=job_pk
     )
     if job.state in FINAL_STATES:
-        # A job ended by ``reconcile_jobs`` lost its coordinator: no event is on the way.
+        # A job ended by ``flows.settlement.reconcile_jobs`` lost its coordinator: no event is on the way.
         on_the_way = job.finished_at is not None and job.error_code != COORDINATOR_LOST
         if on_the_way and (now - job.finished_at).total_seconds() < FINAL_EVENT_GRACE_S:
             return None
@@ -512,72 +390,3 @@ def stopped_answering(job_pk: int, now=None) -> str | None:
     if silent > settings.SWARM_JOB_STALE_S:
         return f"the job made no progress for {silent:.0f}s"
     return None
-
-
-def reconcile_jobs(now=None) -> list[str]:
-    """End jobs whose coordinator went silent (its process died) as failed, keeping the tokens their
-    record shows delivered, and settle every ended job whose hold is still open. Returns job ids.
-
-    Each job settles in its own transaction: one that raises is rolled back alone, recorded
-    (``settle_failure``) and tried again only after a backoff, so it never blocks the jobs behind
-    it nor fails in a loop; past SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins."""
-    now = now or timezone.now()
-    cutoff = now - timedelta(seconds=settings.SWARM_JOB_STALE_S)
-    stale = (
-        Job.objects.exclude(state__in=FINAL_STATES)
-        .annotate(last=Coalesce("progress_at", "started_at", "created_at"))
-        .filter(last__lt=cutoff)
-    )
-    touched = []
-    for job in stale:
-        if finish_job(
-            job.pk,
-            state=JobState.FAILED,
-            completion_tokens=job.completion_tokens,
-            error_code=COORDINATOR_LOST,
-            error_message="the job's coordinator stopped reporting",
-        ):
-            touched.append(job.public_id)
-    due = Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True).filter(
-        Q(settle_retry_at__isnull=True) | Q(settle_retry_at__lte=now)
-    )
-    for ended in due.only("pk", "public_id").order_by("pk"):
-        try:
-            settle(ended.pk)  # its own transaction: one job that cannot settle never blocks the others
-        except Exception as exc:
-            settle_failure(ended.pk, exc, now=now)
-            continue
-        if ended.public_id not in touched:
-            touched.append(ended.public_id)
-    return touched
-
-
-def settle_retry_delay_s(failures: int) -> float:
-    """How long to wait before settling a job again after ``failures`` failures in a row: doubling
-    from SWARM_SETTLE_RETRY_S, at most SWARM_SETTLE_RETRY_MAX_S."""
-    exponent = min(max(failures - 1, 0), 32)  # 2**32 times any base is past every cap
-    return min(settings.SWARM_SETTLE_RETRY_S * 2**exponent, settings.SWARM_SETTLE_RETRY_MAX_S)
-
-
-def settle_failure(job_pk: int, error: BaseException, now: datetime | None = None) -> Job:
-    """Record that settling a job raised ``error`` (the settlement itself was rolled back): count
-    it, keep the error, put the next try off, and flag the job for admins once it failed
-    SWARM_SETTLE_FLAG_AFTER times in a row."""
-    now = now or timezone.now()
-    with transaction.atomic():
-        job = Job.objects.select_for_update().get(pk=job_pk)
-        job.settle_failures += 1
-        job.settle_error = f"{type(error).__name__}: {error}"[:2000]
-        job.settle_retry_at = now + timedelta(seconds=settle_retry_delay_s(job.settle_failures))
-        job.settle_flagged = job.settle_flagged or job.settle_failures >= settings.SWARM_SETTLE_FLAG_AFTER
-        job.save(update_fields=["settle_failures", "settle_error", "settle_retry_at", "settle_flagged"])
-    log.error(
-        "job %s could not be settled (failure %d%s; next try at %s): %s",
-        job.public_id,
-        job.settle_failures,
-        ", flagged for admins" if job.settle_flagged else "",
-        job.settle_retry_at.isoformat(),
-        job.settle_error,
-        exc_info=error,
-    )
-    return job

@@ -44,7 +44,7 @@ CHALLENGE_STATES = (
 AUDIT_STATES = (CheckState.PENDING, CheckState.PASSED, CheckState.FAILED, CheckState.ERROR)
 ROLES = {False: "serving", True: "spare"}
 # The queues tasks are sent to: Celery's default, the verifiers' (verification.dispatch) and one per
-# coordinator region (jobs.tasks).
+# coordinator region (flows.tasks).
 FIXED_QUEUES = ("celery", "verify")
 
 

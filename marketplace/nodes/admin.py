@@ -8,7 +8,7 @@ from marketplace.admin_actions import with_reason
 from marketplace.nodes.errors import NodeError
 from marketplace.nodes.models import Node
 from marketplace.nodes.services import reinstate_node
-from marketplace.placement.services import eject_node, set_trusted
+from marketplace.placement.lifecycle import eject_node, set_trusted
 
 
 @admin.register(Node)

@@ -1,6 +1,6 @@
 """The join token a provider was shown on the dashboard, kept until they dismiss it.
 
-A node's token is stored only as its sha256 (``services.create_node``), so the command that holds
+A node's token is stored only as its sha256 (``joining.create_node``), so the command that holds
 it can be shown once. On the dashboard, once means "until the provider says they are done with
 it": a form error elsewhere on the page, a reload or a visit to the node's own page must not lose
 it. The token is kept here, in the cache (Redis in production, shared by every web process), per

@@ -10,7 +10,7 @@ Every step is one atomic set of balanced ledger transfers plus the rows that exp
     transfer sent              provider_payout    -> payouts             (whole cents; sub-cent rest back)
     transfer given up          provider_payout    -> provider_available  (flagged for admins)
 
-Only a job whose receipts the control plane verifies itself pays anyone (``jobs.settlement``
+Only a job whose receipts the control plane verifies itself pays anyone (``flows.settlement``
 verifies them and passes each node's layer-tokens here); an unverified one pays nobody.
 """
 
@@ -65,7 +65,7 @@ def split(pool: int, weights: dict[str, int]) -> dict[str, int]:
 def credit_earnings(
     job, layer_tokens_by_node: dict[str, int], *, worth: int | None = None, memo: str = ""
 ) -> list[Earning]:
-    """Called inside the settlement's transaction (``jobs.settlement``): pay a settled job's stages
+    """Called inside the settlement's transaction (``flows.settlement``): pay a settled job's stages
     from its charge, in proportion to the layer-tokens its verified receipts show each node served.
     ``worth``: what the work was worth when the customer was charged nothing for it (a job left
     unverified by one node's lie): the platform pays the honest stages their shares of that, from

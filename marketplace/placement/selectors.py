@@ -154,7 +154,7 @@ def share_of(model: str) -> set[str] | None:
 def leaving(model: str, assignments: Collection[Assignment]) -> set[str]:
     """The nodes of ``assignments`` (live blocks of ``model``) that are leaving it: moved to another
     model's share, their block held only until ``model`` is servable without it (make before break,
-    ``services._release_leaving``). Decided when the share moved, so routing avoids them from then."""
+    ``rebalancing.release_leaving``). Decided when the share moved, so routing avoids them from then."""
     share = share_of(model)
     if share is None:
         return set()

@@ -34,8 +34,8 @@ from marketplace.nodes.authority import coordinator_tls
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.tickets import issuer_key, issuer_public_key, job_ticket_expiry, ticket_for
+from marketplace.placement.lifecycle import record_measured_speed
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState
-from marketplace.placement.services import record_measured_speed
 from marketplace.verification.dispatch import CHALLENGE_RUN_TASK, CHALLENGE_TASK, thresholds, verify_after_commit
 from marketplace.verification.errors import NotChallengeable
 from marketplace.verification.models import Challenge, CheckState, StrikeKind
@@ -201,7 +201,7 @@ def run_challenge(challenge_pk: int) -> Challenge:
                 host=settings.SWARM_CHALLENGE_HOST,
                 tls=tls,
                 peer_tls=tls,
-                # As every job's coordinator speculates (jobs.runner.speculation_settings).
+                # As every job's coordinator speculates (jobs.coordinator_inputs.speculation_settings).
                 speculation=SpeculationSettings(
                     enabled=settings.SWARM_SPECULATION == "auto", draft_model=settings.SWARM_DRAFT_MODEL
                 ),

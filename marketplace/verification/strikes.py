@@ -15,7 +15,7 @@ from django.utils import timezone
 from marketplace.nodes.live import notify_admins
 from marketplace.nodes.models import Node
 from marketplace.payouts.services import claw_back, release_earnings
-from marketplace.placement.services import eject_node
+from marketplace.placement.lifecycle import eject_node
 from marketplace.verification.errors import StrikeDecisionRefused
 from marketplace.verification.models import Audit, CheckState, Strike, StrikeKind, StrikeState
 from marketplace.verification.standing import refresh_reputation

@@ -20,6 +20,7 @@ cut to the real prompt's length in tokens::
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import uuid
@@ -47,13 +48,17 @@ class TrafficShape:
     top_p: float = 1.0
     speculation: bool = True  # whether it let the coordinator speculate
     tokens_per_s: float | None = None  # its decoding rate after the first token; None: not measured
+    # Per stage of its route, in layer order, when it put out each step, in seconds from the job's
+    # HELLOs (``StepTimes``): the next stage's inputs as they came; () where not recorded (the runner
+    # does not record them yet, so ``recent_shapes`` leaves them empty).
+    step_outputs_s: tuple[tuple[float, ...], ...] = ()
     # A chat's messages: (role, words of its content) each, in order; () for a completion or unknown.
     turns: tuple[tuple[str, int], ...] = ()
 
     @property
     def pace(self) -> Pace | None:
-        """How fast it decoded, for a challenge's stand-ins to keep to; None where it was not measured."""
-        return Pace(per_token_s=1.0 / self.tokens_per_s) if self.tokens_per_s else None
+        """How fast it went, for a challenge's stand-ins to keep to; None where it was not measured."""
+        return _pace((self,), self)
 
     @property
     def chat(self) -> bool:
@@ -112,7 +117,24 @@ def draw_request(
         sampling=SamplingParams(temperature=decoding.temperature, top_p=decoding.top_p),
         speculate=decoding.speculation,
     )
-    return DrawnRequest(challenge_job_id(shape.job_id), shape.chat, request, decoding.pace)
+    return DrawnRequest(challenge_job_id(shape.job_id), shape.chat, request, _pace(shapes, decoding))
+
+
+def _pace(shapes: Sequence[TrafficShape], decoding: TrafficShape) -> Pace | None:
+    """The stand-ins' pace for a challenge among the recent jobs ``shapes`` copying ``decoding``'s
+    completion: each stage's first outputs and the gaps between its outputs in all of them, and the
+    copied job's mean pace; None where nothing was measured."""
+    stages = max((len(shape.step_outputs_s) for shape in shapes), default=0)
+    firsts: list[list[float]] = [[] for _ in range(stages)]
+    gaps: list[list[float]] = [[] for _ in range(stages)]
+    for shape in shapes:
+        for stage, outputs in enumerate(shape.step_outputs_s):
+            firsts[stage] += outputs[:1]
+            gaps[stage] += [later - earlier for earlier, later in itertools.pairwise(outputs)]
+    if not any(firsts) and not decoding.tokens_per_s:
+        return None
+    per_token_s = 1.0 / decoding.tokens_per_s if decoding.tokens_per_s else 0.0
+    return Pace(per_token_s, firsts_s=tuple(map(tuple, firsts)), gaps_s=tuple(map(tuple, gaps)))
 
 
 class _Words:

@@ -15,7 +15,7 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts import services as payout_services
 from marketplace.payouts.errors import PayoutRefused
 from marketplace.payouts.models import PayoutState
-from marketplace.placement import services as placement_services
+from marketplace.placement import lifecycle
 from marketplace.verification import strikes as strike_services
 from marketplace.verification.errors import StrikeDecisionRefused
 from marketplace.verification.models import StrikeState
@@ -203,7 +203,7 @@ def node_eject(request: HtmxRequest, pk: int) -> HttpResponse:
         messages.info(request, f"{node.name} was already ejected: {node.ejection_reason}")
         return _node_action(request) if request.htmx else redirect("web:swarm")
     try:
-        node = placement_services.eject_node(node, reason=form.cleaned_data["reason"], by=request.user)
+        node = lifecycle.eject_node(node, reason=form.cleaned_data["reason"], by=request.user)
     except NodeError as exc:
         raise PermissionDenied(str(exc)) from exc
     messages.success(request, f"{node.name} ejected: {node.ejection_reason}")

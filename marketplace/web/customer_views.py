@@ -20,11 +20,12 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
 from marketplace.api.errors import allow_method, error_response
-from marketplace.api.openai import complete_for_key, releases_db
+from marketplace.api.openai import complete_for_key
 from marketplace.api.parsers import loads_bounded
 from marketplace.billing import selectors as billing
 from marketplace.billing.models import TopUpState
 from marketplace.billing.topups import cancel_top_up, start_top_up
+from marketplace.db import releases_db
 from marketplace.errors import DomainError
 from marketplace.install.script import public_url
 from marketplace.jobs import selectors as job_selectors

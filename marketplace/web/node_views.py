@@ -21,7 +21,7 @@ from marketplace.install.script import join_command
 from marketplace.nodes import shown_tokens
 from marketplace.nodes.errors import NodeError, NodeNameTaken
 from marketplace.nodes.models import Node
-from marketplace.placement import services as placement_services
+from marketplace.placement import lifecycle
 from marketplace.web import node_selectors, selectors, services, trust_selectors
 from marketplace.web.forms import NodeForm
 from marketplace.web.views import HtmxRequest, provider_required
@@ -177,7 +177,7 @@ def node_join_dismiss(request: HtmxRequest, pk: int) -> HttpResponse:
 @provider_required
 @require_POST
 def node_drain(request: HtmxRequest, pk: int) -> HttpResponse:
-    node = placement_services.drain_node(_own_node(request, pk))
+    node = lifecycle.drain_node(_own_node(request, pk))
     if request.htmx:
         return render(request, "web/partials/node_status.html", {"status": selectors.node_status(node)})
     return redirect("web:node", pk=node.pk)

@@ -7,10 +7,9 @@ from django.db import transaction
 
 from marketplace.jobs.models import ApiKey
 from marketplace.jobs.services import create_playground_key
-from marketplace.nodes import services as node_services
-from marketplace.nodes import shown_tokens
+from marketplace.nodes import joining, shown_tokens
 from marketplace.nodes.models import Node
-from marketplace.placement import services as placement_services
+from marketplace.placement import lifecycle
 from marketplace.web.selectors import playground_key
 
 
@@ -32,14 +31,14 @@ def ensure_playground_key(user) -> ApiKey:
 
 def add_node(*, owner, name: str, region: str, max_layers: int | None = None) -> Node:
     """Add a node; its join command stays on its owner's pages until they dismiss it."""
-    node, token = node_services.create_node(owner=owner, name=name, region=region, max_layers=max_layers)
+    node, token = joining.create_node(owner=owner, name=name, region=region, max_layers=max_layers)
     shown_tokens.keep(node, token)
     return node
 
 
 def new_join_token(node: Node) -> None:
     """Replace the node's join token (the old one stops working); the new command is shown until dismissed."""
-    token = node_services.rotate_join_token(node)
+    token = joining.rotate_join_token(node)
     node.refresh_from_db(fields=["join_token_hash", "join_token_expires_at"])
     shown_tokens.keep(node, token)
 
@@ -51,6 +50,6 @@ def dismiss_join_command(node: Node) -> None:
 def remove_node(node: Node) -> None:
     """The owner removes a node: its agent is told to stop, its blocks are released and the swarm
     re-placed without it; a node that served keeps its row, so its jobs settle and its earnings,
-    payouts and strikes stay on record (``placement.services.delete_node``)."""
-    placement_services.delete_node(node)
+    payouts and strikes stay on record (``placement.lifecycle.delete_node``)."""
+    lifecycle.delete_node(node)
     shown_tokens.forget(node)

@@ -10,10 +10,10 @@ pass where its span is not the last, a predecessor (the stage before it) connect
 peer and FORWARDs real activations of the layers before its span, signed as every stage signs what it
 sends on; it forwards its outputs to the stage after it and taps them to the coordinator, which
 samples from the real final hidden states, drafts and speculates as it does for any request. The
-stand-in that feeds the node keeps to the pace of the real job the request copies (``Pace``), so
-the node's inputs come about as far apart as in a job. A stand-in is still the verifier's node at
-the verifier's address (``worker_agent/observed.py`` says what a node can learn from that); a trusted
-node is not::
+stand-in that feeds the node keeps to the times of the model's recent real jobs (``Pace``, recorded
+by ``StepTimes``), so the node's inputs come when they come in a job. A stand-in is still the
+verifier's node at the verifier's address (``worker_agent/observed.py`` says what a node can learn
+from that); a trusted node is not::
 
     route = ChallengeRoute("tiny-llama", node=StageAssignment(...), url="ws://...",
                            others=(StandIn(block_0_2, key_a), TrustedStage(StageAssignment(...), "wss://...")))
@@ -35,9 +35,13 @@ code ``challenge_verifier``), and says nothing about the node.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
+import random
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -90,14 +94,68 @@ class TrustedStage:
 
 @dataclass(frozen=True)
 class Pace:
-    """How fast the real job a challenge copies decoded. A stand-in is dedicated to one job and would
-    answer faster than the shared, loaded stages of real routes, so the node would see its inputs come
-    closer together than in a job. The stand-in that feeds the node (its predecessor, or the last
-    stage when the node is the first) holds each step after a session's first by what the rest of the
-    route takes short of the copied job's time per token, on average over the session's steps so far:
-    the steps come at the copied job's pace, and as unevenly as the route makes them."""
+    """How fast the model's recent real jobs went, for the stand-in that feeds the node (its
+    predecessor, or the last stage when the node is the first). A stand-in is dedicated to one job and
+    would answer faster than the shared, loaded stages of real routes, so the node would see its
+    inputs come sooner and closer together than in a job. So it holds its outputs back:
+
+    - with ``firsts_s`` and ``gaps_s`` at its position (``StepTimes`` records them for any job), to
+      times drawn from the jobs', matched to its own: a session's first output as its own time so far
+      ranks among its own first outputs of recent challenges, the same rank among the jobs' first
+      outputs (counted from the coordinator beginning to connect); each later output likewise, its
+      own gap since its last output ranked among its own recent gaps, the jobs' gap of that rank. The
+      node's inputs then come as in the jobs, however each step went (a prefill, a plain step, a
+      draft, a chunk sent back to back), as long as the stand-in is the faster;
+    - without (or before it has timed enough challenges of its own), each step after a session's
+      first by what the rest of the route takes short of ``per_token_s``, on average over the
+      session's steps so far: the steps come at the copied job's mean pace, as unevenly as the route
+      makes them.
+
+    Holds only delay: where a stand-in is slower than the jobs' stages, the node sees it slower."""
 
     per_token_s: float  # the copied job's time per token after the first: one decode step around the route
+    # Per stage of the jobs' routes, in layer order: its first output of each job's session, in seconds
+    # from the coordinator beginning to connect; and the gaps between its outputs of consecutive steps.
+    firsts_s: tuple[tuple[float, ...], ...] = ()
+    gaps_s: tuple[tuple[float, ...], ...] = ()
+
+
+class StepTimes:
+    """When each stage of a job's route put out each step of a session, as its coordinator sees it (a
+    ring stage's tap, the last stage's answer), in seconds from this watch's start. Made on the
+    coordinator's pipeline just before it connects, so that the clock starts with its HELLOs::
+
+        coordinator = Coordinator(model, specs, ...)
+        times = StepTimes(coordinator.pipeline)
+        async with coordinator:
+            ...
+        times.outputs(session)  # per stage, per step, in seconds
+
+    The outputs of the stage before a node are that node's inputs: the times of recent jobs' are
+    what a challenge's stand-in keeps to (``Pace``; ``verification.traffic`` draws them)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._started = time.monotonic()
+        self._stages = len(pipeline.links)
+        self._outputs: dict[tuple[int, str], dict[int, float]] = {}  # (stage, session) -> step -> seconds
+        on_result = pipeline.on_result
+
+        def timed_on_result(index: int, result) -> None:
+            now = time.monotonic() - self._started
+            for item in result.items:
+                self._outputs.setdefault((index, item.session), {}).setdefault(item.step, now)
+            on_result(index, result)
+
+        pipeline.on_result = timed_on_result  # type: ignore[method-assign]
+
+    def outputs(self, session: str) -> tuple[tuple[float, ...], ...]:
+        """Per stage, in route order, when it put out each step of ``session``, up to the first step
+        it did not."""
+        outputs = []
+        for stage in range(self._stages):
+            times = self._outputs.get((stage, session), {})
+            outputs.append(tuple(times[step] for step in itertools.takewhile(times.__contains__, itertools.count())))
+        return tuple(outputs)
 
 
 @dataclass(frozen=True)
@@ -128,33 +186,131 @@ class ChallengeRun:
     elapsed_s: float
 
 
-class _PacedStage(Stage):
-    """A stand-in's stage that holds each session's steps after the first to a pace (``Pace``)."""
+OWN_TIMES = 200  # a paced stand-in's own recent times its holds are matched by
+MIN_OWN_TIMES = 20  # ... and how many it needs before it matches the jobs' times
+LATE_GAIN = 0.1  # how much of an output's lateness (at most LATE_STEP_S) the next ones are released earlier
+LATE_STEP_S = 0.05
 
-    def __init__(self, *args, pace: Pace, **kwargs) -> None:
+
+class _OwnTimes:
+    """A feeding stand-in's own times over the recent challenges of its span: without holds, how long
+    from the coordinator beginning to connect to its first output being computed (``firsts``), and from
+    one output going out to the next one being computed (``gaps``); and how long before the time drawn
+    for an output it is released, for it to go out then on the whole (``first_early``, ``gap_early``:
+    sending takes time, a first output's opening the link to the node too, and an output computed
+    after its time goes out late)."""
+
+    def __init__(self) -> None:
+        self.firsts: deque[float] = deque(maxlen=OWN_TIMES)
+        self.gaps: deque[float] = deque(maxlen=OWN_TIMES)
+        self.first_early = 0.0
+        self.gap_early = 0.0
+
+    def went_out(self, step: int, late: float) -> None:
+        """An output went out ``late`` seconds after its drawn time (early where negative)."""
+        change = LATE_GAIN * max(-LATE_STEP_S, min(LATE_STEP_S, late))
+        if step == 0:
+            self.first_early += change
+        else:
+            self.gap_early += change
+
+
+_OWN: dict[tuple[str, int, int], _OwnTimes] = {}  # (model, layer_start, layer_end) -> its stand-in's times
+
+
+def _matched(own: float, mine: Sequence[float], theirs: Sequence[float], rng: random.Random) -> float | None:
+    """The value of ``theirs`` at ``own``'s rank among ``mine`` (quantile matching); None without
+    enough of either."""
+    if len(mine) < MIN_OWN_TIMES or not theirs:
+        return None
+    ranked = sorted(mine)
+    rank = (bisect.bisect_left(ranked, own) + rng.random()) / (len(ranked) + 1)
+    values = sorted(theirs)
+    return values[min(int(rank * len(values)), len(values) - 1)]
+
+
+class _PacedStage(Stage):
+    """The stand-in's stage that feeds the node, holding each session's outputs to a pace (``Pace``).
+    Holds are waited out in its compute thread, before the output goes on (and before the link to the
+    node opens, as a real stage's first output's time includes opening it); ``_PacedServer`` tells
+    it when each output went."""
+
+    def __init__(self, *args, pace: Pace, position: int, successor: bool, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.pace = pace
+        self.pace, self.successor = pace, successor
+        self.firsts = pace.firsts_s[position] if position < len(pace.firsts_s) else ()
+        self.gaps = pace.gaps_s[position] if position < len(pace.gaps_s) else ()
+        self.own = _OWN.setdefault((self.model, self.layer_start, self.layer_end), _OwnTimes())
+        self.started = time.monotonic()  # when the job's coordinator began to connect (``start``)
+        self._random = random.Random()
+        self._drawn: dict[tuple[str, str, int], float] = {}  # (job, session, step) -> when it was to go out
         self._sent: dict[tuple[str, str], float] = {}  # (job, session) -> when its last step went out
         # (job, session) -> the time the rest of the route took, summed over its steps so far, and how many
         self._route: dict[tuple[str, str], tuple[float, int]] = {}
 
+    def start(self) -> None:
+        """The job's coordinator is about to connect: the first output's time counts from now."""
+        self.started = time.monotonic()
+
     def compute(self, batch):
         started = time.monotonic()
         outputs = super().compute(batch)
-        keys = [(prepared.forward.job, item.session) for prepared in batch for item in prepared.forward.items]
-        hold = 0.0
-        for key in keys:
-            if key in self._sent:
-                total, steps = self._route.get(key, (0.0, 0))
-                total, steps = total + started - self._sent[key], steps + 1
-                self._route[key] = (total, steps)
-                hold = max(hold, self.pace.per_token_s - total / steps - (time.monotonic() - started))
+        computed = time.monotonic()
+        until = 0.0  # the monotonic time the outputs are held until
+        keys = []
+        for prepared in batch:
+            for item in prepared.forward.items:
+                key = (prepared.forward.job, item.session)
+                keys.append((*key, item.step))
+                if item.step == 0:
+                    own = computed - self.started
+                    drawn = _matched(own, self.own.firsts, self.firsts, self._random)
+                    self.own.firsts.append(own)
+                    if drawn is not None:
+                        self._drawn[(*key, item.step)] = self.started + drawn
+                        until = max(until, self.started + drawn - self.own.first_early)
+                    continue
+                if key not in self._sent:
+                    continue  # its step before has not gone out (a chunk sent back to back with it)
+                own = computed - self._sent[key]
+                drawn = _matched(own, self.own.gaps, self.gaps, self._random)
+                self.own.gaps.append(own)
+                if drawn is not None:
+                    self._drawn[(*key, item.step)] = self._sent[key] + drawn
+                    until = max(until, self._sent[key] + drawn - self.own.gap_early)
+                else:
+                    total, steps = self._route.get(key, (0.0, 0))
+                    total, steps = total + started - self._sent[key], steps + 1
+                    self._route[key] = (total, steps)
+                    until = max(until, started + self.pace.per_token_s - total / steps)
         # The compute thread of this stand-in's own server: waiting here holds up nothing else.
-        time.sleep(max(0.0, hold))
-        now = time.monotonic()
-        for key in keys:
-            self._sent[key] = now
+        time.sleep(max(0.0, until - time.monotonic()))
+        if not self.successor:  # its outputs are the coordinator's answers, not tapped: gone as good as now
+            for key in keys:
+                self.went_out(*key)
         return outputs
+
+    def went_out(self, job: str, session: str, step: int) -> None:
+        """The step's output went on (to the node, or to the coordinator) now."""
+        now = time.monotonic()
+        drawn = self._drawn.pop((job, session, step), None)
+        if drawn is not None:
+            self.own.went_out(step, now - drawn)
+        self._sent[(job, session)] = now
+
+
+class _PacedServer(StageServer):
+    """The server of the stand-in that feeds the node: tells its stage when each output went on (a
+    tap follows its output to the node; an output to the coordinator is its own answer)."""
+
+    def __init__(self, stage: _PacedStage, **kwargs) -> None:
+        super().__init__(stage, **kwargs)
+        self.paced = stage
+
+    async def send_tap(self, coordinator, tap) -> None:
+        for item in tap.items:
+            self.paced.went_out(tap.job, item.session, item.step)
+        await super().send_tap(coordinator, tap)
 
 
 class _StepClock:
@@ -205,10 +361,11 @@ async def _serve_stand_ins(
     peer_tls: ssl.SSLContext | None,
     pace: Pace | None,
     stop: asyncio.Future,
-) -> tuple[list[asyncio.Task], list[tuple[StageAssignment, str]]]:
-    """Start a server for every stand-in; returns their tasks and (assignment, url) of every other
-    stage, the trusted ones too."""
-    tasks, served = [], []
+) -> tuple[list[asyncio.Task], list[tuple[StageAssignment, str]], _PacedStage | None]:
+    """Start a server for every stand-in; returns their tasks, (assignment, url) of every other
+    stage, the trusted ones too, and the stage of the stand-in that keeps to ``pace``, if any."""
+    tasks, served, paced = [], [], None
+    spans = sorted([_span(other) for other in route.others] + [(route.node.layer_start, route.node.layer_end)])
     # The stage that feeds the node: its predecessor, or the last stage when the node is the first.
     feeder = max(
         route.others,
@@ -221,16 +378,22 @@ async def _serve_stand_ins(
             continue
         key, model, trusted = stand_in.signing_key, route.model, [issuer_key]
         if pace is not None and stand_in is feeder:
-            stage: Stage = _PacedStage(stand_in.block, pace=pace, model=model, signing_key=key, trusted_keys=trusted)
+            position = spans.index(_span(stand_in))
+            paced = _PacedStage(
+                stand_in.block, pace=pace, position=position, successor=position + 1 < len(spans), model=model,
+                signing_key=key, trusted_keys=trusted,
+            )  # fmt: skip
+            stage: Stage = paced
+            server: StageServer = _PacedServer(paced, peer_tls=peer_tls)
         else:
             stage = Stage(stand_in.block, model=model, signing_key=key, trusted_keys=trusted)
+            server = StageServer(stage, peer_tls=peer_tls)
         bound = asyncio.get_running_loop().create_future()
-        server = StageServer(stage, peer_tls=peer_tls)
         tasks.append(asyncio.create_task(server.serve(host, 0, ready=bound.set_result, stop=stop)))
         port = await asyncio.wait_for(bound, STAND_IN_START_S)
         assignment = StageAssignment(stage.node, stage.node_key, stage.layer_start, stage.layer_end)
         served.append((assignment, f"ws://{host}:{port}"))
-    return tasks, served
+    return tasks, served, paced
 
 
 def _span(stage: StandIn | TrustedStage) -> tuple[int, int]:
@@ -278,14 +441,18 @@ async def run_challenge_job(
     stop = asyncio.get_running_loop().create_future()
     tasks: list[asyncio.Task] = []
     try:
-        tasks, others = await _serve_stand_ins(route, issuer_key, host, peer_tls, pace, stop)
+        tasks, others, paced = await _serve_stand_ins(route, issuer_key, host, peer_tls, pace, stop)
         stages, challenged = _in_layer_order(route, others)
         try:
-            return await asyncio.wait_for(
-                _run(route, request, stages, challenged, job, tickets, coordinator_key, tls, speculation,
-                     stall_timeout_s),
-                timeout_s,
-            )  # fmt: skip
+            # In this task, not a task of its own (as ``asyncio.wait_for`` would run it): a job's
+            # coordinator runs in its caller's task, and on a busy event loop the node saw the first
+            # input of a job run in a task apart come some 20 ms later than a job's (measured with
+            # tests/test_challenge_indistinguishable.py's route).
+            async with asyncio.timeout(timeout_s):
+                return await _run(
+                    route, request, stages, challenged, job, tickets, coordinator_key, tls, speculation,
+                    stall_timeout_s, paced,
+                )  # fmt: skip
         except TimeoutError:
             cause = StageError("the job did not end by the challenge's deadline", code=DEADLINE, stage=challenged)
             raise NodeFailed(str(cause), cause=cause) from None
@@ -308,24 +475,28 @@ async def _run(
     tls: ssl.SSLContext | None,
     speculation: SpeculationSettings | None,
     stall_timeout_s: float,
+    paced: _PacedStage | None,
 ) -> ChallengeRun:
     assignments = [assignment for assignment, _ in stages]
     specs = [StageSpec(url, tickets(assignment), node=assignment.node) for assignment, url in stages]
     clock = _StepClock(challenged)
     result: GenerationResult | None = None
+    coordinator = Coordinator(
+        route.model,
+        specs,
+        job=job,
+        topology="ring",
+        assignments=assignments,
+        audit_stages=(challenged,),
+        stall_timeout_s=stall_timeout_s,
+        coordinator_key=coordinator_key,
+        speculation=speculation,
+        tls=tls,
+    )
+    if paced is not None:
+        paced.start()  # the copied times count from the HELLOs, as a job's StepTimes do
     try:
-        async with Coordinator(
-            route.model,
-            specs,
-            job=job,
-            topology="ring",
-            assignments=assignments,
-            audit_stages=(challenged,),
-            stall_timeout_s=stall_timeout_s,
-            coordinator_key=coordinator_key,
-            speculation=speculation,
-            tls=tls,
-        ) as coordinator:
+        async with coordinator:
             clock.watch(coordinator.pipeline)
             generation = coordinator.request_ids(
                 request.prompt_ids,

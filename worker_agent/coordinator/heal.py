@@ -8,7 +8,7 @@ where it stopped. A request heals at most ``max_heals`` times, then fails with a
 
 Two healers exist:
 
-- the control plane's (``marketplace/jobs/runner.py``): it reports the failed node, so routing
+- the control plane's (``marketplace/flows/runner.py``): it reports the failed node, so routing
   stops using it at once, and answers with a route whose dead span is held by a warm spare or
   another pipeline's stage, with tickets it signs;
 - ``SpareHealer`` here, for the CLI (``swarm-coordinator generate --spare URL``): warm spares

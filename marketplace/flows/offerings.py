@@ -20,7 +20,8 @@ from marketplace.catalog import services as catalog
 from marketplace.catalog.errors import CatalogError
 from marketplace.catalog.models import CatalogModel
 from marketplace.catalog.selectors import served_models
-from marketplace.placement.services import mark_dirty, stop_serving
+from marketplace.placement.placing import stop_serving
+from marketplace.placement.rebalancing import mark_dirty
 
 Price = Decimal | str | int | None  # dollars per million tokens; None: left as it is
 MAX_DOLLARS_PER_MILLION = Decimal(1_000_000)  # far above any price, far below the ledger's 64-bit nano-dollars

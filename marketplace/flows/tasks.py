@@ -18,9 +18,9 @@ from celery import shared_task
 from django.conf import settings
 
 from marketplace import logs
+from marketplace.flows.runner import run_job
 from marketplace.jobs import services
 from marketplace.jobs.models import Job
-from marketplace.jobs.runner import run_job
 
 _embedded_jobs: set[asyncio.Task] = set()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -46,6 +46,8 @@ def job_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+# The name it had in marketplace.jobs.tasks, kept: a job queued by a web process of the release before
+# the move still finds its task in a coordinator worker of this one, and the other way round.
 @shared_task(name="marketplace.jobs.tasks.run_job", acks_late=False)
 def run_job_task(job_pk: int, brief: dict | None = None) -> str:
     # acks_late off: a coordinator that died mid-stream must not be replayed onto a new stream.

@@ -27,27 +27,28 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.utils import timezone
-from nacl.signing import SigningKey
 
 from marketplace import logs
 from marketplace.db import release_connections
+from marketplace.flows.settlement import settle
 from marketplace.jobs import services
+from marketplace.jobs.coordinator_inputs import (
+    JobGrant,
+    coordinator_for,
+    generation_request,
+    healed_route,
+    stage_specs,
+)
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
-from marketplace.jobs.route import route_assignments
-from marketplace.jobs.settlement import settle
 from marketplace.nodes.authority import coordinator_tls, held_coordinator_tls
 from marketplace.nodes.models import Node
-from marketplace.nodes.tickets import job_ticket_expiry, ticket_for
 from marketplace.verification.audits import record_audits
 from marketplace.verification.failures import GONE_CODES, alive_through, failure_code, record_failure
 from marketplace.verification.strikes import strike_misconduct, strike_unverifiable_receipts
 from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
-from worker_agent.coordinator.pipeline import StageSpec
-from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import TokenEvent
-from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.errors import SwarmError
 from worker_agent.receipts import SessionTranscript
 
@@ -109,26 +110,6 @@ async def _stop_listening(listener: asyncio.Task, job_id: str) -> None:
         )
         _stray_listeners.add(listener)
         listener.add_done_callback(_stray_listeners.discard)
-
-
-def speculation_settings() -> SpeculationSettings:
-    """The coordinators' speculation, from the settings (SWARM_SPECULATION, SWARM_DRAFT_MODEL)."""
-    return SpeculationSettings(enabled=settings.SWARM_SPECULATION == "auto", draft_model=settings.SWARM_DRAFT_MODEL)
-
-
-def sampling_params(params: RequestParams) -> SamplingParams:
-    """The coordinator's sampling settings for a request's parameters."""
-    return SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed,
-        min_p=params.min_p,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        logit_bias=params.logit_bias,
-    )
 
 
 async def run_job(job_pk: int, brief: dict | None = None) -> str:
@@ -243,42 +224,6 @@ class Delivered:
     tokens: int = 0  # completion tokens sent to the job's group
 
 
-@dataclass(frozen=True)
-class JobGrant:
-    """What a job's tickets name: its coordinator's key (fresh per job, never stored) and its deadline."""
-
-    coordinator_key: SigningKey
-    expires_at: float  # unix seconds: the job's timeout from its start, plus TICKET_MARGIN_S
-
-    @classmethod
-    def new(cls) -> JobGrant:
-        return cls(SigningKey.generate(), job_ticket_expiry())
-
-
-async def _specs(job: Job, route: list[dict], grant: JobGrant) -> list[StageSpec]:
-    """Each stage of ``route`` with a ticket for this job, signed here (in one worker thread)."""
-
-    def tickets() -> list[bytes]:
-        return [
-            ticket_for(
-                job=job.public_id,
-                node=stage["node"],
-                model=job.model,
-                layer_start=stage["layer_start"],
-                layer_end=stage["layer_end"],
-                coordinator_key=bytes(grant.coordinator_key.verify_key),
-                expires_at=grant.expires_at,
-            )
-            for stage in route
-        ]
-
-    # Each stage's node too: over TLS the stage's certificate must name the node placed there.
-    return [
-        StageSpec(stage["url"], ticket, node=stage["node"])
-        for stage, ticket in zip(route, await in_thread(tickets), strict=True)
-    ]
-
-
 class JobHealer:
     """The control plane as a job's healer: the failed node is reported (routing stops using it at
     once) and the job moves onto a route around it (``services.heal_job``), with tickets signed
@@ -307,11 +252,7 @@ class JobHealer:
             healed = await in_thread(services.heal_job, self.job.pk, node, reason, report=False)
         self.route = healed
         audit_stages = await in_thread(lambda: Job.objects.only("audit_stages").get(pk=self.job.pk).audit_stages)
-        return HealedRoute(
-            tuple(await _specs(self.job, healed, self.grant)),
-            tuple(route_assignments(healed)),
-            tuple(audit_stages),
-        )
+        return healed_route(await in_thread(stage_specs, self.job, healed, self.grant), healed, audit_stages)
 
 
 async def _generate(
@@ -321,19 +262,12 @@ async def _generate(
     cancelled, the coordinator's transcripts by session). Its stages are opened while the job is
     marked running (``started``), and sent its prompt only once it is (else ``_NotStarted``)."""
     grant = JobGrant.new()
-    specs = await _specs(job, job.route, grant)
-    coordinator = Coordinator(
-        job.model,
+    specs = await in_thread(stage_specs, job, job.route, grant)
+    coordinator = coordinator_for(
+        job,
         specs,
-        job=job.public_id,
-        topology="ring",
-        assignments=route_assignments(job.route),
-        audit_stages=tuple(job.audit_stages),
+        grant,
         healer=JobHealer(job, grant),
-        max_heals=settings.SWARM_MAX_HEALS,
-        stall_timeout_s=settings.SWARM_STALL_TIMEOUT_S,
-        coordinator_key=grant.coordinator_key,
-        speculation=speculation_settings(),
         tls=held_coordinator_tls() or await in_thread(coordinator_tls),  # a thread only to make or renew it
     )
     try:
@@ -353,15 +287,7 @@ async def _stream(
         if not await started:
             raise _NotStarted
         log.info("job running: %s, %d prompt tokens, on %d stages", job.model, job.prompt_tokens, len(job.route))
-        request = coord.request_ids(
-            job.prompt_ids,
-            max_tokens=params.max_tokens,
-            sampling=sampling_params(params),
-            stop=params.stop,
-            speculate=params.speculation,
-            logprobs=params.logprobs,
-            grammar=services.json_grammar(params),
-        )
+        request = generation_request(coord, job, params)
         stream = coord.stream(request, strict=False)
         # Listens all along, so checking for a cancel between two tokens costs no round trip.
         cancel = asyncio.create_task(_cancel_received(layer, job.pk))

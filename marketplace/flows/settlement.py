@@ -12,6 +12,10 @@
   pays every other stage whose own receipts still prove its part (``coverage.honest_work``) what
   that part was worth, from the platform's revenue; the culprit gets nothing (and a strike, from the
   runner).
+- ``reconcile_jobs()``: the periodic sweep behind both. A job whose coordinator went silent is ended
+  as failed, and every ended job whose hold is still open is settled, each in its own transaction; one
+  whose settlement raises is tried again after a backoff (``settle_failure``), and flagged for admins
+  past SWARM_SETTLE_FLAG_AFTER failures in a row.
 - Later, a failed audit of the job refunds its whole charge (``billing.services.refund_charge``, called
   by ``verification.audits``): the customer never pays for work found bad.
 """
@@ -19,14 +23,19 @@
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from marketplace.billing.models import AccountKind
 from marketplace.billing.services import Move, accounts, cost, prices_for, transfer_many
 from marketplace.jobs.models import FINAL_STATES, Job, JobState
 from marketplace.jobs.route import route_assignments
+from marketplace.jobs.services import COORDINATOR_LOST, finish_job
 from marketplace.payouts.services import credit_earnings
 from worker_agent import model as models
 from worker_agent.coverage import JobVerification, honest_work, verify_job
@@ -155,3 +164,72 @@ def reverify(job: Job) -> JobVerification:
     receipts and transcripts as the runner stored them (each decoded once, by its codec).
     Raises a ReceiptError naming the first failure (and, where the evidence pins it, its node)."""
     return verify_job(**_verify_args(job))
+
+
+def reconcile_jobs(now=None) -> list[str]:
+    """End jobs whose coordinator went silent (its process died) as failed, keeping the tokens their
+    record shows delivered, and settle every ended job whose hold is still open. Returns job ids.
+
+    Each job settles in its own transaction: one that raises is rolled back alone, recorded
+    (``settle_failure``) and tried again only after a backoff, so it never blocks the jobs behind
+    it nor fails in a loop; past SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=settings.SWARM_JOB_STALE_S)
+    stale = (
+        Job.objects.exclude(state__in=FINAL_STATES)
+        .annotate(last=Coalesce("progress_at", "started_at", "created_at"))
+        .filter(last__lt=cutoff)
+    )
+    touched = []
+    for job in stale:
+        if finish_job(
+            job.pk,
+            state=JobState.FAILED,
+            completion_tokens=job.completion_tokens,
+            error_code=COORDINATOR_LOST,
+            error_message="the job's coordinator stopped reporting",
+        ):
+            touched.append(job.public_id)
+    due = Job.objects.filter(Q(state__in=FINAL_STATES), settled_at__isnull=True).filter(
+        Q(settle_retry_at__isnull=True) | Q(settle_retry_at__lte=now)
+    )
+    for ended in due.only("pk", "public_id").order_by("pk"):
+        try:
+            settle(ended.pk)  # its own transaction: one job that cannot settle never blocks the others
+        except Exception as exc:
+            settle_failure(ended.pk, exc, now=now)
+            continue
+        if ended.public_id not in touched:
+            touched.append(ended.public_id)
+    return touched
+
+
+def settle_retry_delay_s(failures: int) -> float:
+    """How long to wait before settling a job again after ``failures`` failures in a row: doubling
+    from SWARM_SETTLE_RETRY_S, at most SWARM_SETTLE_RETRY_MAX_S."""
+    exponent = min(max(failures - 1, 0), 32)  # 2**32 times any base is past every cap
+    return min(settings.SWARM_SETTLE_RETRY_S * 2**exponent, settings.SWARM_SETTLE_RETRY_MAX_S)
+
+
+def settle_failure(job_pk: int, error: BaseException, now: datetime | None = None) -> Job:
+    """Record that settling a job raised ``error`` (the settlement itself was rolled back): count
+    it, keep the error, put the next try off, and flag the job for admins once it failed
+    SWARM_SETTLE_FLAG_AFTER times in a row."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job_pk)
+        job.settle_failures += 1
+        job.settle_error = f"{type(error).__name__}: {error}"[:2000]
+        job.settle_retry_at = now + timedelta(seconds=settle_retry_delay_s(job.settle_failures))
+        job.settle_flagged = job.settle_flagged or job.settle_failures >= settings.SWARM_SETTLE_FLAG_AFTER
+        job.save(update_fields=["settle_failures", "settle_error", "settle_retry_at", "settle_flagged"])
+    log.error(
+        "job %s could not be settled (failure %d%s; next try at %s): %s",
+        job.public_id,
+        job.settle_failures,
+        ", flagged for admins" if job.settle_flagged else "",
+        job.settle_retry_at.isoformat(),
+        job.settle_error,
+        exc_info=error,
+    )
+    return job
