@@ -152,7 +152,7 @@ class ControlPlane:
         self.port = self.server.port
 
     def join(self, tokens: list[str]) -> None:
-        from worker_agent.local import join_agent
+        from worker_agent.dev.local import join_agent
 
         for index, token in enumerate(tokens):
             self.agents.append(
@@ -197,7 +197,7 @@ class ControlPlane:
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else "(no log)"
 
     def stop(self) -> None:
-        from worker_agent.local import stop_processes
+        from worker_agent.dev.local import stop_processes
 
         stop_processes(self.agents)
         if self.server is not None:
@@ -268,7 +268,7 @@ async def direct_stream(model: str, stages: list, index: int, max_tokens: int, t
     from worker_agent.coordinator.job import Coordinator, GenerationResult
     from worker_agent.coordinator.pipeline import StageSpec
     from worker_agent.coordinator.sampling import SamplingParams
-    from worker_agent.receipts import StageAssignment
+    from worker_agent.protocol.receipts import StageAssignment
 
     job = f"bench-direct-{index}-{secrets.token_hex(4)}"
     key = SigningKey.generate()  # this job's coordinator key, as the runner makes one per job

@@ -106,7 +106,7 @@ PRICE_PROMPT_PER_MILLION = 123_456_789
 PRICE_COMPLETION_PER_MILLION = 987_654_321
 QUICK = {"kill_tiny": 6, "kill_smollm2": 2, "freeze_tiny": 3, "freeze_smollm2": 1, "soak_s": 30.0, "soak_streams": 10}
 FAILURE_BACKOFF_S = 1.0  # a soak client waits this long after a failed request before its next one
-# A stage's refusal codes that say its block is being let go (``worker_agent.connection``): a heal
+# A stage's refusal codes that say its block is being let go (``worker_agent.protocol.connection``): a heal
 # with one of them was caused by routing a job to a leaving stage.
 LEAVING_CODES = ("stage_draining", "not_serving")
 
@@ -133,7 +133,7 @@ class Spares:
     agents started for the spans whose agents were killed or retired."""
 
     def __init__(self, model: str, spans: list[tuple[int, int]], per_span: int, threads: int, workdir: Path) -> None:
-        from worker_agent.local import LocalSwarm
+        from worker_agent.dev.local import LocalSwarm
 
         self.model, self.spans, self.per_span = model, spans, per_span
         self.local = LocalSwarm(model, spans * (1 + per_span), threads=threads, workdir=workdir)
@@ -481,7 +481,7 @@ class SoakPlane:
     def join(self, again: Joined | None = None) -> Joined:
         """A new node (its own key and join token), or ``again``'s node reconnecting with its key."""
         from marketplace.nodes.joining import create_node
-        from worker_agent.local import join_agent
+        from worker_agent.dev.local import join_agent
 
         index = self.started
         self.started += 1
@@ -578,7 +578,7 @@ class SoakPlane:
             close_old_connections()
 
     def stop(self) -> None:
-        from worker_agent.local import stop_processes
+        from worker_agent.dev.local import stop_processes
 
         self.stopping.set()  # the churn loop starts nothing more (also on Ctrl-C, mid-event)
         if self.churn_thread is not None:

@@ -40,8 +40,8 @@ from tests.fuzzing import (  # noqa: E402 - after the path is set
     fuzz_connection,
     fuzz_control_channel,
 )
-from worker_agent.keys import load_signing_key  # noqa: E402
-from worker_agent.local import LocalSwarm  # noqa: E402
+from worker_agent.dev.local import LocalSwarm  # noqa: E402
+from worker_agent.protocol.keys import load_signing_key  # noqa: E402
 
 MODEL = "tiny-llama"
 RSS_LIMIT = 1.5  # the most any process may grow to, as a multiple of its starting RSS
@@ -136,8 +136,8 @@ def serve_control_plane(port: int, setup_path: Path) -> None:
     from marketplace.embedded import EmbeddedServer
     from marketplace.jobs.services import create_api_key
     from marketplace.nodes.joining import create_node, register_agent
-    from worker_agent.control_protocol import join_signature
-    from worker_agent.keys import generate_signing_key, public_key_bytes, write_key
+    from worker_agent.protocol.control_protocol import join_signature
+    from worker_agent.protocol.keys import generate_signing_key, public_key_bytes, write_key
 
     User = get_user_model()
     provider = User.objects.create(username="fuzz-provider", email="provider@fuzz.example", is_provider=True)

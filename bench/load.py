@@ -169,7 +169,7 @@ class Topology:
         return tokens, key, customer
 
     def join(self, tokens: list[str]) -> list:
-        from worker_agent.local import join_agent
+        from worker_agent.dev.local import join_agent
 
         for i, token in enumerate(tokens):
             self.agents.append(
@@ -209,7 +209,7 @@ class Topology:
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else "(none)"
 
     def stop(self) -> None:
-        from worker_agent.local import stop_processes
+        from worker_agent.dev.local import stop_processes
 
         stop_processes(self.agents)
         if self.honcho is not None and self.honcho.poll() is None:

@@ -67,8 +67,8 @@ from report import describe_machine, load_average, write_json  # noqa: E402 - af
 from websockets.asyncio.client import connect  # noqa: E402
 
 from tests.netlab import Netlab, NetlabUnavailable, missing_netlab_reason  # noqa: E402 - after the path is set
-from worker_agent.keys import generate_signing_key, load_signing_key, node_id, public_key_bytes, write_key  # noqa: E402
-from worker_agent.relay_pass import sign_relay_pass  # noqa: E402
+from worker_agent.protocol.keys import generate_signing_key, load_signing_key, node_id, public_key_bytes, write_key  # noqa: E402
+from worker_agent.protocol.relay_pass import sign_relay_pass  # noqa: E402
 
 MODEL = "smollm2-135m"
 WAN = "rtt=50ms"
@@ -110,7 +110,7 @@ def start_relays(lab: Netlab, workdir: Path, pass_key_hex: str) -> None:
     processes = {}
     for relay_id, host_name in RELAYS.items():
         host = lab.hosts[host_name]
-        argv = [sys.executable, "-m", "worker_agent.relay", "--host", "0.0.0.0", "--port", str(RELAY_PORT)]
+        argv = [sys.executable, "-m", "worker_agent.agent.relay", "--host", "0.0.0.0", "--port", str(RELAY_PORT)]
         argv += ["--public-host", host.address, "--trust-key", pass_key_hex, "--id", relay_id, "--log-level", "warning"]
         log = (workdir / f"relay-{relay_id}.log").open("w")
         processes[relay_id] = host.popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
@@ -236,8 +236,8 @@ async def open_pipeline(spec: dict, name: str, topology: str):
     from worker_agent import model as models
     from worker_agent.coordinator.job import Coordinator
     from worker_agent.coordinator.pipeline import StageSpec
-    from worker_agent.tickets import ticket_for_stage
-    from worker_agent.wan import WanProfile
+    from worker_agent.dev.wan import WanProfile
+    from worker_agent.protocol.tickets import ticket_for_stage
 
     issuer = load_signing_key(spec["issuer_key"])
     job = f"netlab-{name}-{topology}"
@@ -250,7 +250,12 @@ async def open_pipeline(spec: dict, name: str, topology: str):
         ticket = ticket_for_stage(issuer, job, identity, coordinator_key=bytes(coordinator_key.verify_key))
         stages.append(StageSpec(agent["url"], ticket, agent["node"]))
     coordinator = Coordinator(
-        MODEL, stages, job=job, topology=topology, wan=WanProfile.parse(WAN), coordinator_key=coordinator_key
+        MODEL,
+        stages,
+        job=job,
+        topology=topology,
+        transport=WanProfile.parse(WAN).transport(),
+        coordinator_key=coordinator_key,
     )
     await coordinator.__aenter__()
     await coordinator.generate(coordinator.request(PROMPT, chat=True, max_tokens=4, speculate=False))

@@ -8,7 +8,7 @@
 Without ``--echo`` it starts ``swarm-worker serve`` on ``--host`` (the arguments after ``--`` go to
 it), waits for its READY line and, with ``--relay``, keeps a ``RelayClient`` linked to that relay
 which splices every relayed peer onto the agent's port, as a joined agent behind NAT does
-(``worker_agent/relayed.py``) but with one relay and no control plane. ``--echo`` serves a
+(``worker_agent/agent/relayed.py``) but with one relay and no control plane. ``--echo`` serves a
 WebSocket echo (no model, no WAN emulation) instead, for timing the relay's hop alone.
 
 It prints one line once it can be reached, ``READY direct=<url> relayed=<url or -> node=<node>``,
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))  # the checkout's packages, whatever the venv's ed
 
 from websockets.asyncio.server import ServerConnection, serve  # noqa: E402 - after the path is set
 
-from worker_agent.keys import load_signing_key, node_id, public_key_bytes  # noqa: E402
-from worker_agent.relay_client import RelayClient  # noqa: E402
-from worker_agent.relayed import split_address  # noqa: E402
+from worker_agent.agent.relay_client import RelayClient  # noqa: E402
+from worker_agent.agent.relayed import split_address  # noqa: E402
+from worker_agent.protocol.keys import load_signing_key, node_id, public_key_bytes  # noqa: E402
 
 READY = re.compile(r"^READY ws://(\S+):(\d+) node=(\S+)")
 START_TIMEOUT_S = 300.0  # torch's import, the block's load and its kernel timing, with other agents on the cores
@@ -45,8 +45,9 @@ log = logging.getLogger("netlab_agent")
 
 
 async def start_agent(args: argparse.Namespace, log_file) -> tuple[asyncio.subprocess.Process, int]:
-    """``swarm-worker serve`` on ``args.host``, port picked by the OS: the process and its port."""
-    command = [sys.executable, "-m", "worker_agent.cli", "serve", "--host", args.host, "--port", "0"]
+    """``swarm-worker serve`` on ``args.host``, port picked by the OS: the process and its port. Run
+    through the dev entry point, which takes ``--wan`` among the arguments after ``--``."""
+    command = [sys.executable, "-m", "worker_agent.dev.agent", "serve", "--host", args.host, "--port", "0"]
     command += ["--key", args.key, *args.serve]
     agent = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE, stderr=log_file, cwd=ROOT)
     assert agent.stdout is not None

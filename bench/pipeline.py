@@ -61,13 +61,14 @@ import torch
 from report import describe_machine, load_average, write_json
 from safetensors import safe_open
 
-from worker_agent import kernels, wire
+from worker_agent import kernels
 from worker_agent import model as models
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
 from worker_agent.coordinator.session import TokenEvent
-from worker_agent.local import LocalSwarm
-from worker_agent.wan import WanProfile
+from worker_agent.dev.local import LocalSwarm
+from worker_agent.dev.wan import WanProfile
+from worker_agent.protocol import wire
 
 MODEL = "smollm2-135m"
 SPANS = [(0, 10), (10, 20), (20, 30)]
@@ -356,7 +357,7 @@ async def run_swarm(
         specs,
         job=job,
         topology=topology,
-        wan=WanProfile.parse(swarm.wan),
+        transport=WanProfile.parse(swarm.wan).transport(),
         coordinator_key=swarm.coordinator_key(job),
     ) as coordinator:
         meter = FrameMeter(coordinator.pipeline)

@@ -5,7 +5,7 @@
 
 Three processes, as on three hosts: the agent (a websockets echo server over mTLS with a swarm
 certificate for ``<node>.swarm``, as a stage serves, and its ``RelayClient``), the relay
-(``python -m worker_agent.relay``, waited for on its READY line) and this one, the peer (as a
+(``python -m worker_agent.agent.relay``, waited for on its READY line) and this one, the peer (as a
 coordinator). The peer holds two connections to the same agent, one direct to its data port and
 one through the relay, and sends ``--message-bytes`` (default 2,304: one token's float32 hidden
 state of smollm2-135m, 576 wide) then waits for the echo. The two alternate in blocks of
@@ -38,10 +38,10 @@ from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 from websockets.asyncio.server import ServerConnection, serve  # noqa: E402
 
 from tests.test_relay import identity  # noqa: E402 - the tests' throwaway swarm CA
-from worker_agent.keys import node_id, public_key_bytes  # noqa: E402
-from worker_agent.relay_client import RelayClient  # noqa: E402
-from worker_agent.relay_pass import sign_relay_pass  # noqa: E402
-from worker_agent.tls import Identity, connect_options, node_hostname  # noqa: E402
+from worker_agent.agent.relay_client import RelayClient  # noqa: E402
+from worker_agent.protocol.keys import node_id, public_key_bytes  # noqa: E402
+from worker_agent.protocol.relay_pass import sign_relay_pass  # noqa: E402
+from worker_agent.protocol.tls import Identity, connect_options, node_hostname  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "relay_hop.json"
 LOOPBACK = "127.0.0.1"
@@ -71,7 +71,7 @@ def agent_process(relay_port: int, relay_pass: bytes, seed: bytes, server: Ident
 
 
 def start_relay(issuer: SigningKey) -> tuple[subprocess.Popen, int]:
-    command = [sys.executable, "-m", "worker_agent.relay", "--host", LOOPBACK, "--port", "0", "--id", RELAY_ID]
+    command = [sys.executable, "-m", "worker_agent.agent.relay", "--host", LOOPBACK, "--port", "0", "--id", RELAY_ID]
     command += ["--public-host", LOOPBACK, "--trust-key", public_key_bytes(issuer).hex(), "--log-level", "warning"]
     relay = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     line = relay.stdout.readline()  # READY relay=<id> port=<port>

@@ -60,8 +60,8 @@ from worker_agent.coordinator.job import Coordinator, GenerationResult  # noqa: 
 from worker_agent.coordinator.pipeline import StageSpec  # noqa: E402
 from worker_agent.coordinator.session import TokenEvent  # noqa: E402
 from worker_agent.coordinator.speculation import SpeculationSettings  # noqa: E402
-from worker_agent.local import LocalSwarm  # noqa: E402
-from worker_agent.wan import WanProfile  # noqa: E402
+from worker_agent.dev.local import LocalSwarm  # noqa: E402
+from worker_agent.dev.wan import WanProfile  # noqa: E402
 
 MODEL = "smollm2-135m"
 SPANS = [(0, 10), (10, 20), (20, 30)]
@@ -215,7 +215,7 @@ async def run_rtt(swarm: LocalSwarm, rtt: int, modes: dict[str, SpeculationSetti
                     MODEL,
                     specs,
                     job=job,
-                    wan=WanProfile.parse(ring_wan(rtt)),
+                    transport=WanProfile.parse(ring_wan(rtt)).transport(),
                     coordinator_key=swarm.coordinator_key(job),
                     speculation=settings,
                 )
@@ -334,7 +334,7 @@ def write_report(args: argparse.Namespace, rows: list[dict], load: list[float], 
         "settings": {k: v for k, v in vars(args).items() if k != "output"},
         "conditions": {
             "wan": "every link of the ring (coordinator -> A -> B -> C -> coordinator) delayed by half the round "
-            "trip, in the application (worker_agent/wan.py): one pass takes two round trips plus compute",
+            "trip, in the application (worker_agent/dev/wan.py): one pass takes two round trips plus compute",
             "drafter": "n-gram prompt lookup (ngram: matches of 2-8 tokens; ngram1: a one-token match where "
             "ngram has none); no offline draft model shares SmolLM2's tokenizer",
             "tok_s": "sum of (tokens - 1) over the streams / (latest last token - earliest first token); with one "

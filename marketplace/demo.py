@@ -53,7 +53,6 @@ os.environ.setdefault("SWARM_LOG_LEVEL", "WARNING")
 
 
 from marketplace.embedded import EmbeddedServer  # noqa: E402 - after the environment is set
-from worker_agent.local import join_agent, stop_processes  # noqa: E402
 
 
 def _setup_django() -> None:
@@ -139,8 +138,31 @@ def _join(base_url: str, tokens: list[str], agents: list[subprocess.Popen]) -> N
         key = DEMO_DIR / f"agent{index}.key"
         for stale in (key, key.with_name(key.name + ".pub"), key.with_name(key.name + ".join.json")):
             stale.unlink(missing_ok=True)  # fresh nodes each run: the tokens were just issued
-        log = DEMO_DIR / f"agent{index}.log"
-        agents.append(join_agent(base_url, token, key, log, model=MODEL, max_layers=10, drain_timeout_s=AGENT_DRAIN_S))
+        agents.append(_join_agent(base_url, token, key, DEMO_DIR / f"agent{index}.log"))
+
+
+def _join_agent(base_url: str, token: str, key: Path, log_path: Path) -> subprocess.Popen:
+    """``swarm-worker join`` as a provider runs it, as a process of its own (the agent is a program
+    apart from the control plane, which never imports it), with the join token in its environment
+    (never on its command line, where ``ps`` shows it), logging to ``log_path``."""
+    command = [sys.executable, "-m", "worker_agent.agent.cli", "join", "--control-plane", base_url, "--key", str(key)]
+    command += ["--model", MODEL, "--threads", "1", "--max-layers", "10", "--drain-timeout", str(AGENT_DRAIN_S)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWARM_JOIN_TOKEN": token}
+    with open(log_path, "w") as log:  # the child holds its own copy of the file
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _stop_agents(agents: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM every agent still running, then wait for each (killing a laggard)."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+    for agent in agents:
+        try:
+            agent.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
 
 
 def _wait_servable(agents: list[subprocess.Popen], timeout: float = 300) -> None:
@@ -294,7 +316,7 @@ def main() -> int:
         print("\nstopping ...", flush=True)
         # The Ctrl-C reached the agents too: each lets its jobs in flight end first (up to its drain
         # timeout), then exits; the SIGTERM sent here is part of the same stop, not a second one.
-        stop_processes(agents, timeout_s=AGENT_DRAIN_S + 5)
+        _stop_agents(agents, timeout_s=AGENT_DRAIN_S + 5)
         server.stop()
     return 0
 

@@ -43,7 +43,7 @@ from marketplace.nodes.tickets import issuer_key
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer
 from worker_agent import model as models
-from worker_agent.joining import TOKEN_ENV
+from worker_agent.agent.joining import TOKEN_ENV
 
 MODEL = "smollm2-135m"
 SPANS = [(0, 10), (10, 20), (20, 30)]
@@ -84,7 +84,7 @@ def join(url: str, token: str, workdir, index: int) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
-        "worker_agent.cli",
+        "worker_agent.agent.cli",
         "join",
         "--control-plane",
         url,

@@ -32,7 +32,7 @@ import pytest
 from marketplace.nodes.joining import create_node
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer, wait_for
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.dev.local import join_agent, stop_processes
 
 MODEL = "tiny-llama"  # 6 layers: agents start in seconds
 CHROMIUM_CANDIDATES = ("chromium", "chromium-browser")

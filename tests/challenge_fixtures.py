@@ -11,11 +11,11 @@ from collections.abc import Callable
 import torch
 
 from worker_agent import model as models
-from worker_agent import wire
-from worker_agent.audit import AuditMaterial
 from worker_agent.block import Block, WorkItem
 from worker_agent.coordinator.job import encode_prompt
 from worker_agent.kvcache import KVSession
+from worker_agent.protocol import wire
+from worker_agent.protocol.audit import AuditMaterial
 
 PROMPT = "Explain in two sentences why the sky is blue."
 DECODE_STEPS = 3  # single-row steps after the prefill, as a generating session sends them

@@ -11,7 +11,7 @@ import torch
 from channels.layers import channel_layers
 from django.conf import settings
 
-from worker_agent.local import LocalSwarm, even_spans
+from worker_agent.dev.local import LocalSwarm, even_spans
 
 SMOLLM2_SPANS = [(0, 10), (10, 20), (20, 30)]
 REDIS_DATABASES = 16  # Redis's default `databases`: numbers 0..15

@@ -24,8 +24,8 @@ from rest_framework.test import APIClient
 from marketplace.nodes import joining
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.placement.models import Assignment, PlacementState
-from worker_agent.control_protocol import join_signature
-from worker_agent.keys import generate_signing_key, public_key_bytes
+from worker_agent.protocol.control_protocol import join_signature
+from worker_agent.protocol.keys import generate_signing_key, public_key_bytes
 
 PASSWORD = "correct-horse-battery-staple-42"
 MODEL = "smollm2-135m"

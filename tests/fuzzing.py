@@ -27,9 +27,9 @@ from nacl.signing import SigningKey
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from worker_agent import wire
-from worker_agent.control_protocol import control_signature
-from worker_agent.tickets import prove_coordinator
+from worker_agent.protocol import wire
+from worker_agent.protocol.control_protocol import control_signature
+from worker_agent.protocol.tickets import prove_coordinator
 
 HIDDEN = 64  # tiny-llama's hidden size
 

@@ -15,7 +15,7 @@ from marketplace.nodes.tickets import issuer_key, issuer_public_key
 from marketplace.placement.selectors import PipelineStage
 from worker_agent import model as models
 from worker_agent.block import Block
-from worker_agent.keys import generate_signing_key
+from worker_agent.protocol.keys import generate_signing_key
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 

@@ -18,7 +18,7 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import mark_connected
 from tests.factories import db_snapshot, drf_datetime, join_payload
 from tests.live import wait_for
-from worker_agent.keys import generate_signing_key
+from worker_agent.protocol.keys import generate_signing_key
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]

@@ -1,4 +1,4 @@
-"""The agent trusts only the ticket-signing key it pinned at join (``worker_agent.control``).
+"""The agent trusts only the ticket-signing key it pinned at join (``worker_agent.agent.control``).
 
 The join's answer (over the join call's own HTTPS in production) names the control plane's
 ticket key; the agent saves it in its join state, and a control channel whose Welcome names
@@ -12,11 +12,11 @@ import logging
 
 import pytest
 
-from worker_agent import control
-from worker_agent import control_protocol as protocol
-from worker_agent.control import Agent, JoinError, JoinState, register
+from worker_agent.agent import control
+from worker_agent.agent.control import Agent, JoinError, JoinState, register
 from worker_agent.errors import SwarmError
-from worker_agent.keys import generate_signing_key, node_id, public_key_bytes
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol.keys import generate_signing_key, node_id, public_key_bytes
 
 PINNED = "ab" * 32
 OTHER = "cd" * 32

@@ -16,9 +16,9 @@ import pytest
 
 from tests.test_make_before_break import RecordingChannel, until
 from tests.wire_client import raw_client
-from worker_agent import control_protocol as protocol
-from worker_agent.control import Agent, JoinState
-from worker_agent.keys import generate_signing_key, node_id, public_key_bytes
+from worker_agent.agent.control import Agent, JoinState
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol.keys import generate_signing_key, node_id, public_key_bytes
 
 pytestmark = pytest.mark.dataplane
 

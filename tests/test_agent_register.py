@@ -13,8 +13,8 @@ from marketplace.nodes.joining import create_node
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.tickets import issuer_public_key
 from tests.factories import GIB, db_snapshot, join_payload, public_hex
-from worker_agent.control_protocol import join_signature
-from worker_agent.keys import generate_signing_key, public_key_bytes
+from worker_agent.protocol.control_protocol import join_signature
+from worker_agent.protocol.keys import generate_signing_key, public_key_bytes
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]

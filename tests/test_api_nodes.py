@@ -13,7 +13,7 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.placing import place_model
 from tests.factories import MODEL, PASSWORD, db_snapshot, drf_datetime, join_payload
-from worker_agent.keys import generate_signing_key
+from worker_agent.protocol.keys import generate_signing_key
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]

@@ -53,9 +53,9 @@ from worker_agent.block import Block, WorkItem
 from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.speculation import SpeculationSettings
+from worker_agent.dev.local import LocalSwarm
 from worker_agent.errors import ModelError
 from worker_agent.kvcache import KVSession
-from worker_agent.local import LocalSwarm
 
 pytestmark = pytest.mark.dataplane
 

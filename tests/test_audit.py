@@ -24,7 +24,12 @@ import torch
 from nacl.signing import SigningKey
 
 from worker_agent import model as models
-from worker_agent.audit import (
+from worker_agent.block import Block, WorkItem
+from worker_agent.coordinator.job import Coordinator, GenerationResult
+from worker_agent.coordinator.pipeline import StageSpec
+from worker_agent.errors import AuditError
+from worker_agent.kvcache import KVSession
+from worker_agent.protocol.audit import (
     AuditFailed,
     AuditMaterial,
     check_hashes,
@@ -32,17 +37,12 @@ from worker_agent.audit import (
     replay,
     verify_audit,
 )
-from worker_agent.block import Block, WorkItem
-from worker_agent.coordinator.job import Coordinator, GenerationResult
-from worker_agent.coordinator.pipeline import StageSpec
-from worker_agent.errors import AuditError
-from worker_agent.keys import generate_signing_key, node_id, public_key_bytes
-from worker_agent.kvcache import KVSession
-from worker_agent.receipts import BadSignature, Receipt, ReceiptBuilder, digest
+from worker_agent.protocol.keys import generate_signing_key, node_id, public_key_bytes
+from worker_agent.protocol.receipts import BadSignature, Receipt, ReceiptBuilder, digest
+from worker_agent.protocol.tickets import issue_ticket
+from worker_agent.protocol.wire import tensor_payload
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
-from worker_agent.tickets import issue_ticket
-from worker_agent.wire import tensor_payload
 
 pytestmark = pytest.mark.trust
 

@@ -24,15 +24,15 @@ from websockets.exceptions import ConnectionClosed
 from tests.forged import another_signature
 from tests.wire_client import RawClient, forward_header, raw_client, raw_frame
 from worker_agent import model as models
-from worker_agent import wire
 from worker_agent.block import Block, WorkItem
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.session import TokenEvent
+from worker_agent.dev.local import LocalSwarm
 from worker_agent.kvcache import SessionLimits, SessionStore
-from worker_agent.links import PEER_CONTEXT, peer_proof, proves_second_connection
-from worker_agent.local import LocalSwarm
-from worker_agent.tickets import issue_peer_pass, issue_ticket
+from worker_agent.protocol import wire
+from worker_agent.protocol.links import PEER_CONTEXT, peer_proof, proves_second_connection
+from worker_agent.protocol.tickets import issue_peer_pass, issue_ticket
 
 pytestmark = pytest.mark.dataplane
 

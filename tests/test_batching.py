@@ -15,9 +15,9 @@ from worker_agent import model as models
 from worker_agent.coordinator.head import HeadBatcher
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec, Transcript
 from worker_agent.errors import StageError
+from worker_agent.protocol.wire import DTYPES, Forward, Item, Result, tensor_payload
 from worker_agent.server import merge_outputs, one_step_per_session
 from worker_agent.stage import Output, Prepared
-from worker_agent.wire import DTYPES, Forward, Item, Result, tensor_payload
 
 pytestmark = pytest.mark.dataplane
 

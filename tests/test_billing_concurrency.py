@@ -19,7 +19,7 @@ from marketplace.jobs.services import create_api_key
 from marketplace.nodes.joining import create_node
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer, wait_for
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.dev.local import join_agent, stop_processes
 from worker_agent.model import load_tokenizer
 
 pytestmark = [pytest.mark.billing, pytest.mark.django_db(transaction=True)]

@@ -23,12 +23,12 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from tests.wire_client import forward_header, raw_client, raw_frame
-from worker_agent import control_protocol as protocol
-from worker_agent import wire
+from worker_agent.agent.probes import probe_link, probe_url
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
+from worker_agent.dev.local import LocalSwarm
 from worker_agent.errors import StageError
-from worker_agent.local import LocalSwarm
-from worker_agent.probes import probe_link, probe_url
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol import wire
 
 pytestmark = pytest.mark.dataplane
 

@@ -36,11 +36,11 @@ from marketplace.verification.models import Audit, CheckState, Strike, StrikeKin
 from marketplace.verification.strikes import release_earnings_in_good_standing
 from tests import stage_fixtures
 from tests.stage_fixtures import stage_servers
-from worker_agent import wire
-from worker_agent.cheat import Cheat
-from worker_agent.keys import generate_signing_key
-from worker_agent.links import sign_link
-from worker_agent.receipts import digest
+from worker_agent.dev.cheat import Cheat, CheatingBlock
+from worker_agent.protocol import wire
+from worker_agent.protocol.keys import generate_signing_key
+from worker_agent.protocol.links import sign_link
+from worker_agent.protocol.receipts import digest
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 
@@ -63,10 +63,8 @@ class BrokenLinkStage(Stage):
 
     garbage = False
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if self.garbage:
-            self.cheat = Cheat("garbage")
+    def __init__(self, block, **kwargs) -> None:
+        super().__init__(CheatingBlock(block, Cheat("garbage")) if self.garbage else block, **kwargs)
         self._claims: dict[bytes, bytes] = {}  # sha256 of a true output -> the changed copy's
 
     def open(self, job, sessions):

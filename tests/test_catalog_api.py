@@ -23,7 +23,7 @@ from marketplace.placement.selectors import AGENT_DEFAULT_POSITIONS
 from tests.catalog_fixtures import CHECKPOINT_FILES as FILES
 from tests.catalog_fixtures import LAYER_BYTES, content_hash_of, llama_checkpoint
 from tests.factories import drf_datetime
-from worker_agent import control_protocol as protocol
+from worker_agent.protocol import control_protocol as protocol
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures", "tests.catalog_fixtures"]

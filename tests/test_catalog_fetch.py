@@ -20,7 +20,8 @@ from marketplace.flows import offerings
 from marketplace.placement.models import PlacementState
 from tests.catalog_fixtures import llama_checkpoint, weight_map
 from tests.live import LiveServer
-from worker_agent import checkpoints, fetch
+from worker_agent import checkpoints
+from worker_agent.agent import fetch
 from worker_agent.errors import ModelError
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.django_db(transaction=True)]

@@ -44,9 +44,9 @@ from marketplace.verification.models import Audit, Challenge, CheckState
 from tests.catalog_fixtures import llama_checkpoint, weight_map
 from tests.live import LiveServer, wait_for
 from worker_agent import model as models
-from worker_agent.fetch import MANIFEST_COPY
-from worker_agent.local import join_agent, stop_processes
-from worker_agent.receipts import Receipt
+from worker_agent.agent.fetch import MANIFEST_COPY
+from worker_agent.dev.local import join_agent, stop_processes
+from worker_agent.protocol.receipts import Receipt
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
 pytest_plugins = ["tests.catalog_fixtures"]

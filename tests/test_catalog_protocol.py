@@ -8,8 +8,8 @@ import json
 import pytest
 
 from worker_agent import checkpoints
-from worker_agent import control_protocol as protocol
-from worker_agent.control_protocol import ProtocolError
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol.control_protocol import ProtocolError
 
 pytestmark = pytest.mark.dataplane
 

@@ -13,13 +13,13 @@ import torch
 from marketplace.verification.prompts import DEFAULT_POOL
 from tests.challenge_fixtures import block_outputs, material
 from worker_agent import model as models
-from worker_agent import wire
-from worker_agent.audit import recompute, recorded_outputs
 from worker_agent.block import Block, WorkItem
-from worker_agent.challenge import Comparison, compare, grade, verify_challenge
-from worker_agent.cheat import Cheat
+from worker_agent.dev.cheat import Cheat
 from worker_agent.errors import ChallengeError, ChallengeFailed
 from worker_agent.kvcache import KVSession
+from worker_agent.protocol import wire
+from worker_agent.protocol.audit import recompute, recorded_outputs
+from worker_agent.protocol.challenge import Comparison, compare, grade, verify_challenge
 
 pytestmark = pytest.mark.trust
 

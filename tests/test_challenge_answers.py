@@ -23,10 +23,10 @@ from marketplace.verification.errors import NotChallengeable
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind, StrikeState
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
 from tests.challenge_fixtures import block_outputs, material
-from worker_agent import wire
 from worker_agent.block import WorkItem
 from worker_agent.kvcache import KVSession
-from worker_agent.tickets import open_peer_pass, verify_ticket
+from worker_agent.protocol import wire
+from worker_agent.protocol.tickets import open_peer_pass, verify_ticket
 
 pytest_plugins = ["tests.factories"]
 pytestmark = [pytest.mark.trust, pytest.mark.django_db]

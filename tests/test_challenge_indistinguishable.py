@@ -1,7 +1,7 @@
 """A node cannot tell a challenge from a customer's job by anything it observes.
 
 Over the wire: an honest node serves layers 2:4 of tiny-llama, a middle span, in a StageServer that
-records every HELLO, OPEN and FORWARD it accepts (``worker_agent.observed``). Customers' jobs reach
+records every HELLO, OPEN and FORWARD it accepts (``worker_agent.dev.observed``). Customers' jobs reach
 it as the control plane's runner sends them: a Coordinator over a ring of three stages, with tickets
 expiring with the job's deadline. Challenges reach it as the control plane runs them
 (``worker_agent.coordinator.challenger``, the request drawn by ``verification.traffic`` from the jobs
@@ -50,9 +50,7 @@ from marketplace.nodes.tickets import issuer_key, issuer_public_key, job_ticket_
 from marketplace.verification.traffic import RECENT_JOBS, TrafficShape, challenge_job_id, chat_turns, draw_request
 from tests.challenge_fixtures import django_process
 from worker_agent import model as models
-from worker_agent import wire
 from worker_agent.block import Block, WorkItem
-from worker_agent.connection import AcceptHello, Dispatch, OpenSessions
 from worker_agent.coordinator.challenger import (
     MIN_OWN_TIMES,
     ChallengeRoute,
@@ -65,10 +63,12 @@ from worker_agent.coordinator.job import Coordinator, encode_prompt
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.speculation import SpeculationSettings
-from worker_agent.keys import generate_signing_key
+from worker_agent.dev.observed import FEATURES, Observer, SessionView, row_statistics
 from worker_agent.kvcache import KVSession
-from worker_agent.observed import FEATURES, Observer, SessionView, row_statistics
-from worker_agent.receipts import StageAssignment
+from worker_agent.protocol import wire
+from worker_agent.protocol.connection import AcceptHello, Dispatch, OpenSessions
+from worker_agent.protocol.keys import generate_signing_key
+from worker_agent.protocol.receipts import StageAssignment
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 

@@ -34,10 +34,9 @@ from marketplace.verification.models import Challenge, CheckState, Strike
 from marketplace.verification.strikes import release_earnings_in_good_standing, uphold_strike
 from tests import stage_fixtures
 from tests.stage_fixtures import stage_servers
-from worker_agent.cheat import Cheat
-from worker_agent.connection import AcceptHello, Dispatch
-from worker_agent.keys import generate_signing_key
-from worker_agent.server import StageServer
+from worker_agent.dev.cheat import Cheat, CheatingServer, CheatingStage
+from worker_agent.protocol.connection import AcceptHello, Dispatch
+from worker_agent.protocol.keys import generate_signing_key
 from worker_agent.stage import Stage
 
 pytestmark = [pytest.mark.trust, pytest.mark.django_db(transaction=True)]
@@ -51,16 +50,16 @@ PRICES = (5_000, 9_000)
 
 
 def cheating_stage(mode: str) -> type[Stage]:
-    class Cheating(Stage):
+    class Cheating(CheatingStage):
         def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.cheat = Cheat(mode)
+            super().__init__(*args, cheat=Cheat(mode), **kwargs)
 
     return Cheating
 
 
-class Watching(StageServer):
-    """The cheater's server, noting what each job showed it: (topology, next_url set, FORWARD roles)."""
+class Watching(CheatingServer):
+    """The cheater's server (which shows its cheat each job's route), noting what each job showed it:
+    (topology, next_url set, FORWARD roles)."""
 
     seen: dict[str, list] = {}
 

@@ -1,4 +1,5 @@
-"""Test-only cheat modes: what each one makes a stage return, and who may switch one on."""
+"""Test-only cheat modes: what each one makes a stage return, and who may switch one on (only the dev
+entry point ``python -m worker_agent.dev.agent``: the product's ``swarm-worker`` has no such option)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import pytest
 import torch
 
 from worker_agent import model as models
-from worker_agent import wire
+from worker_agent.agent import cli
 from worker_agent.block import Block, WorkItem
-from worker_agent.cheat import Cheat, cheat_from_option, impostor_weights
-from worker_agent.cli import build_parser, main
+from worker_agent.dev import agent as dev_agent
+from worker_agent.dev.cheat import Cheat, CheatingStage, cheat_from_option, impostor_weights
+from worker_agent.dev.local import LocalSwarm
 from worker_agent.errors import SwarmError
-from worker_agent.keys import generate_signing_key
 from worker_agent.kvcache import SessionLimits, SessionStore
-from worker_agent.local import LocalSwarm
+from worker_agent.protocol import wire
+from worker_agent.protocol.keys import generate_signing_key
 from worker_agent.stage import Stage
 
 from .wire_client import raw_client
@@ -31,13 +33,9 @@ def block() -> Block:
     return Block(models.load_block(MODEL, 0, 6))
 
 
-def _stage(block: Block, cheat: str | None) -> Stage:
-    return Stage(
-        block,
-        model=MODEL,
-        signing_key=generate_signing_key(),
-        insecure_open=True,
-        cheat=Cheat.parse(cheat) if cheat else None,
+def _stage(block: Block, cheat: str) -> CheatingStage:
+    return CheatingStage(
+        block, cheat=Cheat.parse(cheat), model=MODEL, signing_key=generate_signing_key(), insecure_open=True
     )
 
 
@@ -117,19 +115,26 @@ def test_the_option_is_refused_unless_the_environment_allows_cheating():
 
 
 @pytest.mark.parametrize("command", ["serve", "join"])
-def test_the_cli_option_is_hidden_from_help(command, capsys):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args([command, "--help"])
+@pytest.mark.parametrize("option", [["--cheat", "garbage"], ["--wan", "rtt=50ms"]])
+def test_the_product_command_has_no_cheat_or_wan_option(command, option, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("SWARM_ALLOW_CHEAT", "1")
+    key = tmp_path / "node.key"
+    given = {"serve": ["--layers", "0:6", "--insecure-open"], "join": ["--control-plane", "http://127.0.0.1:9"]}
 
-    assert "cheat" not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        cli.main([command, "--model", MODEL, *given[command], "--key", str(key), *option])
+
+    assert refused.value.code == 2
+    assert f"unrecognized arguments: {' '.join(option)}" in capsys.readouterr().err
+    assert not key.exists()
 
 
 def test_serve_with_a_cheat_exits_with_a_clear_error_when_not_allowed(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("SWARM_ALLOW_CHEAT", raising=False)
     key = tmp_path / "node.key"
 
-    code = main(
-        ["serve", "--model", MODEL, "--layers", "0:6", "--insecure-open", "--key", str(key), "--cheat", "garbage"]
+    code = dev_agent.main(
+        ["--cheat", "garbage", "serve", "--model", MODEL, "--layers", "0:6", "--insecure-open", "--key", str(key)]
     )
 
     assert code == 1
@@ -246,8 +251,7 @@ def test_a_cheated_session_keeps_its_positions_through_a_rollback(block):
     assert stage.store.get("job", "s").length == 6
 
 
-def test_a_served_agent_with_a_cheat_warns_and_cheats_over_the_wire(monkeypatch):
-    monkeypatch.setenv("SWARM_ALLOW_CHEAT", "1")
+def test_a_served_agent_with_a_cheat_warns_and_cheats_over_the_wire():
     rows = _hidden(3, 4)
 
     async def exchange(swarm: LocalSwarm) -> wire.Message:
@@ -260,7 +264,7 @@ def test_a_served_agent_with_a_cheat_warns_and_cheats_over_the_wire(monkeypatch)
             await client.send(wire.Forward("job", (wire.Item("s", 0, 0, 4),), "f32", (4, HIDDEN), payload))
             return await client.recv()
 
-    with LocalSwarm(MODEL, [(0, 6)], extra_args=["--cheat", "identity"]) as swarm:
+    with LocalSwarm(MODEL, [(0, 6)], cheat="identity") as swarm:
         reply = asyncio.run(exchange(swarm))
         log = swarm.agents[0].log_path.read_text()
 

@@ -1,4 +1,4 @@
-"""The per-connection rules of the data plane, driven without sockets (``worker_agent.connection``).
+"""The per-connection rules of the data plane, driven without sockets (``worker_agent.protocol.connection``).
 
 Each test feeds frames (decoded, or raw bytes) to one ``Connection`` at a fixed time and asserts the
 exact action it returns: the refusal's code, message, ref, job, session and whether it closes.
@@ -14,8 +14,9 @@ import torch
 from nacl.signing import SigningKey
 
 from tests.forged import another_signature
-from worker_agent import wire
-from worker_agent.connection import (
+from worker_agent.errors import SessionError
+from worker_agent.protocol import wire
+from worker_agent.protocol.connection import (
     AcceptHello,
     ActionKind,
     Admission,
@@ -32,10 +33,9 @@ from worker_agent.connection import (
     State,
     refused,
 )
-from worker_agent.errors import SessionError
-from worker_agent.keys import node_id
-from worker_agent.links import PEER_CONTEXT, peer_proof, proves_second_connection
-from worker_agent.tickets import ProofNonces, issue_peer_pass, issue_ticket, open_peer_pass, prove_coordinator
+from worker_agent.protocol.keys import node_id
+from worker_agent.protocol.links import PEER_CONTEXT, peer_proof, proves_second_connection
+from worker_agent.protocol.tickets import ProofNonces, issue_peer_pass, issue_ticket, open_peer_pass, prove_coordinator
 
 pytestmark = pytest.mark.dataplane
 

@@ -24,8 +24,8 @@ from marketplace.placement.models import Assignment, AssignmentState, PlacementS
 from marketplace.placement.placing import place_model
 from marketplace.placement.selectors import servable_pipelines
 from tests.factories import GIB, MODEL, db_snapshot, join_payload
-from worker_agent.control_protocol import control_signature
-from worker_agent.keys import generate_signing_key
+from worker_agent.protocol.control_protocol import control_signature
+from worker_agent.protocol.keys import generate_signing_key
 
 pytestmark = [
     pytest.mark.control,

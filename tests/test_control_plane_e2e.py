@@ -23,7 +23,7 @@ from marketplace.placement.selectors import route_request, servable_pipelines
 from tests.live import LiveServer, wait_for
 from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import StageSpec
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.dev.local import join_agent, stop_processes
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
 

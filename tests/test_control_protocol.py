@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from worker_agent import control_protocol as protocol
-from worker_agent.control_protocol import ProtocolError
 from worker_agent.errors import SwarmError
-from worker_agent.keys import generate_signing_key
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol.control_protocol import ProtocolError
+from worker_agent.protocol.keys import generate_signing_key
 
 pytestmark = pytest.mark.dataplane
 

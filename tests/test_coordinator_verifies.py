@@ -18,8 +18,8 @@ from worker_agent.block import Block
 from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.errors import StageError
-from worker_agent.keys import generate_signing_key, public_key_bytes
-from worker_agent.receipts import BrokenLink
+from worker_agent.protocol.keys import generate_signing_key, public_key_bytes
+from worker_agent.protocol.receipts import BrokenLink
 from worker_agent.server import StageServer
 from worker_agent.stage import Output, Stage
 

@@ -20,9 +20,9 @@ from marketplace.asgi import router
 from marketplace.nodes import joining
 from tests.factories import join_payload
 from tests.fuzzing import FrameStats, answers_ping, control_messages, fuzz_connection
-from worker_agent.control_protocol import control_signature
-from worker_agent.keys import generate_signing_key
-from worker_agent.local import LocalSwarm
+from worker_agent.dev.local import LocalSwarm
+from worker_agent.protocol.control_protocol import control_signature
+from worker_agent.protocol.keys import generate_signing_key
 
 pytestmark = pytest.mark.fuzz
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]

@@ -24,8 +24,8 @@ from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.speculation import SpeculationSettings
+from worker_agent.dev.local import LocalSwarm, even_spans
 from worker_agent.errors import StageError
-from worker_agent.local import LocalSwarm, even_spans
 
 pytestmark = pytest.mark.dataplane
 

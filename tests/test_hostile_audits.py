@@ -33,11 +33,10 @@ from marketplace.verification.models import Audit, CheckState, Strike
 from marketplace.verification.strikes import release_earnings_in_good_standing, uphold_strike
 from tests import stage_fixtures
 from tests.stage_fixtures import stage_servers
-from worker_agent import wire
-from worker_agent.cheat import Cheat
-from worker_agent.keys import generate_signing_key
+from worker_agent.dev.cheat import Cheat, CheatingStage
+from worker_agent.protocol import wire
+from worker_agent.protocol.keys import generate_signing_key
 from worker_agent.server import StageServer
-from worker_agent.stage import Stage
 
 pytestmark = [pytest.mark.trust, pytest.mark.django_db(transaction=True)]
 pytest_plugins = ["tests.factories"]
@@ -72,12 +71,11 @@ class FramingTaps(StageServer):
         await coordinator.send(dataclasses.replace(tap, payload=bytes([tap.payload[0] ^ 0x01]) + tap.payload[1:]))
 
 
-class WrongWidthGarbage(Stage):
+class WrongWidthGarbage(CheatingStage):
     """Claims a hidden size one too wide in HELLO, and computes garbage."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.cheat = Cheat("garbage")
+        super().__init__(*args, cheat=Cheat("garbage"), **kwargs)
 
     def info(self) -> dict:
         return {**super().info(), "hidden_size": self.block.hidden_size + 1}

@@ -40,11 +40,11 @@ from marketplace.verification.strikes import release_earnings_in_good_standing, 
 from tests import stage_fixtures
 from tests.forged import another_signature
 from tests.stage_fixtures import stage_servers
-from worker_agent import wire
-from worker_agent.connection import CloseSessions, Dispatch, Role
 from worker_agent.errors import SessionError
-from worker_agent.keys import generate_signing_key
-from worker_agent.links import PEER_CONTEXT, peer_proof
+from worker_agent.protocol import wire
+from worker_agent.protocol.connection import CloseSessions, Dispatch, Role
+from worker_agent.protocol.keys import generate_signing_key
+from worker_agent.protocol.links import PEER_CONTEXT, peer_proof
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 

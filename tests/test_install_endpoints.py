@@ -114,8 +114,8 @@ def test_the_agent_wheel_is_this_source_with_the_server_only_behind_its_extras(s
 
     with zipfile.ZipFile(served / "agent.zip") as archive:
         metadata = archive.read("swarm_marketplace-0.1.0.dist-info/METADATA").decode()
-        cli = archive.read("worker_agent/cli.py")
-    assert cli == (SETTINGS_FILE.parent.parent / "worker_agent" / "cli.py").read_bytes()
+        cli = archive.read("worker_agent/agent/cli.py")
+    assert cli == (SETTINGS_FILE.parent.parent / "worker_agent" / "agent" / "cli.py").read_bytes()
     requires = [line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist: ")]
     assert requires and all("extra ==" in requirement for requirement in requires)  # nothing without an extra
     assert 'torch==2.13.0; extra == "worker"' in requires

@@ -31,9 +31,9 @@ from marketplace.placement.models import Assignment, AssignmentState, PlacementS
 from marketplace.verification.models import Strike
 from tests import stage_fixtures
 from tests.stage_fixtures import stage_servers
-from worker_agent.connection import CloseSessions
 from worker_agent.errors import SessionError
-from worker_agent.keys import generate_signing_key
+from worker_agent.protocol.connection import CloseSessions
+from worker_agent.protocol.keys import generate_signing_key
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 

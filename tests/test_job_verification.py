@@ -22,8 +22,8 @@ from marketplace.jobs.params import RequestParams
 from marketplace.verification.models import Strike, StrikeKind
 from tests import stage_fixtures
 from tests.stage_fixtures import stage_servers
-from worker_agent.keys import generate_signing_key, public_key_bytes
-from worker_agent.receipts import digest
+from worker_agent.protocol.keys import generate_signing_key, public_key_bytes
+from worker_agent.protocol.receipts import digest
 from worker_agent.stage import Output, Stage
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db(transaction=True)]

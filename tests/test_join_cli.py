@@ -21,9 +21,9 @@ from marketplace.nodes.joining import create_node
 from marketplace.nodes.models import Node
 from tests.factories import join_payload
 from tests.live import LiveServer, free_port, wait_for
-from worker_agent.joining import TOKEN_ENV
-from worker_agent.keys import generate_signing_key
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.agent.joining import TOKEN_ENV
+from worker_agent.dev.local import join_agent, stop_processes
+from worker_agent.protocol.keys import generate_signing_key
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
 
@@ -56,7 +56,16 @@ def run_join(control_plane: str, key, *args: str, token: str | None = None) -> s
     env.pop(TOKEN_ENV, None)
     if token is not None:
         env[TOKEN_ENV] = token
-    command = [sys.executable, "-m", "worker_agent.cli", "join", "--control-plane", control_plane, "--key", str(key)]
+    command = [
+        sys.executable,
+        "-m",
+        "worker_agent.agent.cli",
+        "join",
+        "--control-plane",
+        control_plane,
+        "--key",
+        str(key),
+    ]
     return subprocess.run(
         [*command, "--model", MODEL, "--threads", "1", *args], capture_output=True, text=True, env=env, timeout=120
     )
@@ -215,7 +224,16 @@ def test_a_key_that_never_joined_needs_a_token(control_plane, tmp_path):
 def test_ctrl_c_while_the_control_plane_is_unreachable_stops_the_retries(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: "swj_" + "x" * 43}
-    command = [sys.executable, "-m", "worker_agent.cli", "join", "--control-plane", url, "--key", str(tmp_path / "k")]
+    command = [
+        sys.executable,
+        "-m",
+        "worker_agent.agent.cli",
+        "join",
+        "--control-plane",
+        url,
+        "--key",
+        str(tmp_path / "k"),
+    ]
     log = tmp_path / "join.log"
     with open(log, "w") as out:
         process = subprocess.Popen([*command, "--join-tries", "50"], stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -230,7 +248,7 @@ def test_ctrl_c_while_the_control_plane_is_unreachable_stops_the_retries(tmp_pat
 
 def health(key) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "worker_agent.cli", "health", "--key", str(key), "--max-age", "5"],
+        [sys.executable, "-m", "worker_agent.agent.cli", "health", "--key", str(key), "--max-age", "5"],
         capture_output=True,
         text=True,
         timeout=60,

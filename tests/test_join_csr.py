@@ -1,6 +1,6 @@
 """An agent that serves TLS joins with a CSR: POST /api/v1/agents/register certifies its TLS key
 with the swarm's CA (``marketplace/nodes/authority.py``), and the agent pins that CA
-(``worker_agent.control.register``).
+(``worker_agent.agent.control.register``).
 
 The CA signs only a CSR of at most 4096 characters (a longer one is refused before it is parsed)
 that parses, carries a valid self-signature, an EC P-256 or Ed25519 key and the subject CN=<node
@@ -26,10 +26,11 @@ from marketplace.placement.models import AssignmentState
 from marketplace.placement.placing import place_model
 from marketplace.placement.readiness import report_ready
 from tests.factories import MODEL, db_snapshot, join_payload
-from worker_agent import control, tls
-from worker_agent.control import JoinError, register
+from worker_agent.agent import control
+from worker_agent.agent.control import JoinError, register
 from worker_agent.errors import TlsError
-from worker_agent.keys import generate_signing_key, node_id, public_key_bytes
+from worker_agent.protocol import tls
+from worker_agent.protocol.keys import generate_signing_key, node_id, public_key_bytes
 
 pytestmark = [pytest.mark.trust, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]

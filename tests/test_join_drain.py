@@ -25,8 +25,8 @@ from marketplace.jobs.services import create_api_key
 from marketplace.nodes.joining import create_node
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer, wait_for
-from worker_agent.joining import TOKEN_ENV
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.agent.joining import TOKEN_ENV
+from worker_agent.dev.local import join_agent, stop_processes
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
 
@@ -40,7 +40,7 @@ CUT = "stopping with 1 job(s) still open"
 SUPERVISOR = textwrap.dedent(
     """
     import os, sys
-    from worker_agent.local import join_agent, stop_processes
+    from worker_agent.dev.local import join_agent, stop_processes
     url, key, log = sys.argv[1:]
     agent = join_agent(url, os.environ["SWARM_JOIN_TOKEN"], key, log, model="tiny-llama", wan="rtt=100ms")
     try:

@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from tests.test_make_before_break import until
-from worker_agent.cli import StopSignals
-from worker_agent.control import Agent, JoinState
-from worker_agent.devices import device_problem
-from worker_agent.joining import (
+from worker_agent.agent.cli import StopSignals
+from worker_agent.agent.control import Agent, JoinState
+from worker_agent.agent.joining import (
     TOKEN_ENV,
     JoinError,
     Refused,
@@ -35,7 +34,8 @@ from worker_agent.joining import (
     request_json,
     retrying,
 )
-from worker_agent.keys import generate_signing_key, node_id, public_key_bytes
+from worker_agent.devices import device_problem
+from worker_agent.protocol.keys import generate_signing_key, node_id, public_key_bytes
 
 pytestmark = pytest.mark.dataplane
 

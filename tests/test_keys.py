@@ -6,7 +6,7 @@ import pytest
 from nacl.signing import SigningKey
 
 from worker_agent.errors import SwarmError
-from worker_agent.keys import (
+from worker_agent.protocol.keys import (
     KeyFileError,
     generate_signing_key,
     load_signing_key,

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from worker_agent import model as models
-from worker_agent import wire
 from worker_agent.block import Block
 from worker_agent.errors import WireError
-from worker_agent.keys import generate_signing_key, public_key_bytes
-from worker_agent.links import BadLink, sign_link, signed_by, verify_link
-from worker_agent.receipts import digest
+from worker_agent.protocol import wire
+from worker_agent.protocol.keys import generate_signing_key, public_key_bytes
+from worker_agent.protocol.links import BadLink, sign_link, signed_by, verify_link
+from worker_agent.protocol.receipts import digest
 from worker_agent.stage import Stage
 
 pytestmark = pytest.mark.dataplane

@@ -36,7 +36,7 @@ from marketplace.nodes.joining import create_node
 from marketplace.placement.selectors import servable_pipelines
 from tests.api_fixtures import forget_rate_counts, module_db
 from tests.live import LiveServer, wait_for
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.dev.local import join_agent, stop_processes
 
 pytestmark = [pytest.mark.api]
 db = module_db

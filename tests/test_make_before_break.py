@@ -22,18 +22,18 @@ import pytest
 from nacl.signing import SigningKey
 
 from tests.wire_client import raw_client
-from worker_agent import control_protocol as protocol
 from worker_agent import model as models
-from worker_agent import wire
+from worker_agent.agent.control import Agent, JoinState
 from worker_agent.block import Block
-from worker_agent.control import Agent, JoinState
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.errors import StageError
-from worker_agent.keys import generate_signing_key, node_id, public_key_bytes
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol import wire
+from worker_agent.protocol.keys import generate_signing_key, node_id, public_key_bytes
+from worker_agent.protocol.tickets import issue_ticket
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
-from worker_agent.tickets import issue_ticket
 
 pytestmark = pytest.mark.dataplane
 

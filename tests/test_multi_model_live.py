@@ -37,7 +37,7 @@ from marketplace.placement.models import Assignment, AssignmentState, PlacementS
 from marketplace.placement.selectors import servable_pipelines
 from tests.api_fixtures import greedy_chat
 from tests.live import LiveServer, wait_for
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.dev.local import join_agent, stop_processes
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
 

@@ -20,7 +20,7 @@ from marketplace.nodes.models import Node
 from marketplace.placement import placing, readiness, rebalancing
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import servable_pipelines
-from worker_agent import control_protocol as protocol
+from worker_agent.protocol import control_protocol as protocol
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]

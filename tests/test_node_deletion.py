@@ -19,8 +19,8 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts.models import Earning
 from marketplace.placement.models import Assignment, AssignmentState
 from tests.factories import db_snapshot
-from worker_agent.control_protocol import CONTROL_CONTEXT
-from worker_agent.receipts import ReceiptBuilder, digest
+from worker_agent.protocol.control_protocol import CONTROL_CONTEXT
+from worker_agent.protocol.receipts import ReceiptBuilder, digest
 
 pytest_plugins = ["tests.factories"]
 pytestmark = [pytest.mark.billing, pytest.mark.django_db]

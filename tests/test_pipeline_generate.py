@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from worker_agent import model as models
 from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import StageSpec
-from worker_agent.receipts import Receipt, StageAssignment
+from worker_agent.protocol.receipts import Receipt, StageAssignment
 
 pytestmark = pytest.mark.dataplane
 

@@ -166,7 +166,7 @@ def test_a_node_that_reports_no_known_dtype_is_planned_in_the_agents_default():
 
 
 def test_an_agent_reports_the_dtype_it_serves_in_first_and_is_sized_by_it():
-    from worker_agent.control import hardware_report
+    from worker_agent.agent.control import hardware_report
 
     report = hardware_report("cpu", None, "bfloat16")
 

@@ -23,8 +23,8 @@ from marketplace.placement.lifecycle import set_trusted
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer, wait_for
-from worker_agent.local import join_agent, stop_processes
-from worker_agent.receipts import Receipt
+from worker_agent.dev.local import join_agent, stop_processes
+from worker_agent.protocol.receipts import Receipt
 
 pytestmark = [pytest.mark.trust, pytest.mark.django_db(transaction=True)]
 

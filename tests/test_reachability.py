@@ -19,8 +19,8 @@ from marketplace.placement.placing import place_model
 from marketplace.placement.selectors import servable_pipelines
 from tests.factories import MODEL
 from tests.test_control_channel import TIMEOUT_S, authenticated
-from worker_agent.keys import public_key_bytes
-from worker_agent.relay_pass import verify_relay_pass
+from worker_agent.protocol.keys import public_key_bytes
+from worker_agent.protocol.relay_pass import verify_relay_pass
 
 pytestmark = [
     pytest.mark.control,

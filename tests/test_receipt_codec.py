@@ -1,5 +1,5 @@
 """The stored (JSON) form of receipts, transcripts and stage assignments: one codec each, in
-``worker_agent/receipts.py``. A round trip gives back the signed receipt; every malformed field is
+``worker_agent/protocol/receipts.py``. A round trip gives back the signed receipt; every malformed field is
 refused with its code and a message naming it; oversized input is refused before it is decoded."""
 
 import json
@@ -8,8 +8,8 @@ import pytest
 from nacl.signing import SigningKey
 
 from worker_agent.errors import ReceiptError
-from worker_agent.keys import node_id
-from worker_agent.receipts import (
+from worker_agent.protocol.keys import node_id
+from worker_agent.protocol.receipts import (
     MAX_ID_CHARS,
     MAX_JSON_CHARS,
     MAX_STEPS,

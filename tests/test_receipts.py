@@ -7,11 +7,11 @@ import msgpack
 import pytest
 from nacl.signing import SigningKey
 
-from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError
-from worker_agent.keys import node_id
-from worker_agent.links import sign_link
-from worker_agent.receipts import (
+from worker_agent.protocol.coverage import JobVerification, verify_job
+from worker_agent.protocol.keys import node_id
+from worker_agent.protocol.links import sign_link
+from worker_agent.protocol.receipts import (
     CHAIN_SEED,
     SIGNING_CONTEXT,
     BadSignature,

@@ -43,12 +43,12 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from worker_agent.agent.relay import Direction, MessageReader, Relay
+from worker_agent.agent.relay_client import RelayClient
 from worker_agent.errors import RelayError, RelayLost
-from worker_agent.keys import node_id, public_key_bytes
-from worker_agent.relay import Direction, MessageReader, Relay
-from worker_agent.relay_client import RelayClient
-from worker_agent.relay_pass import register_signature, sign_relay_pass, verify_relay_pass
-from worker_agent.relay_protocol import (
+from worker_agent.protocol.keys import node_id, public_key_bytes
+from worker_agent.protocol.relay_pass import register_signature, sign_relay_pass, verify_relay_pass
+from worker_agent.protocol.relay_protocol import (
     AGENT_LINE,
     MAX_FRAME_BYTES,
     AcceptRoute,
@@ -69,8 +69,8 @@ from worker_agent.relay_protocol import (
     encode_frame,
     public_urls,
 )
-from worker_agent.tickets import issue_ticket
-from worker_agent.tls import PEM, Identity, connect_options, key_pem, node_hostname
+from worker_agent.protocol.tickets import issue_ticket
+from worker_agent.protocol.tls import PEM, Identity, connect_options, key_pem, node_hostname
 
 pytestmark = pytest.mark.dataplane
 
@@ -613,7 +613,7 @@ def test_unknown_nodes_and_malformed_prefixes_are_closed_and_the_relay_keeps_ser
 
 def test_swarm_relay_command_prints_ready_serves_and_stops_on_sigterm():
     key = SigningKey.generate()
-    command = [sys.executable, "-m", "worker_agent.relay", "--host", LOOPBACK, "--port", "0"]
+    command = [sys.executable, "-m", "worker_agent.agent.relay", "--host", LOOPBACK, "--port", "0"]
     command += ["--public-host", LOOPBACK, "--trust-key", public_key_bytes(ISSUER).hex(), "--id", RELAY_ID]
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
         try:

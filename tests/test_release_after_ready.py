@@ -11,7 +11,7 @@ from marketplace.placement import placing, readiness
 from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.selectors import servable_pipelines
 from tests.factories import MODEL
-from worker_agent import control_protocol as protocol
+from worker_agent.protocol import control_protocol as protocol
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]

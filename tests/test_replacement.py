@@ -22,7 +22,7 @@ from marketplace.placement.allocation import Stage, pays_to_replace, throughput
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
 from marketplace.placement.selectors import servable_pipelines
 from tests.factories import MODEL, join_payload
-from worker_agent.keys import generate_signing_key
+from worker_agent.protocol.keys import generate_signing_key
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures"]

@@ -35,7 +35,7 @@ from marketplace.placement.placing import place_dirty_models
 from marketplace.placement.selectors import servable_pipelines
 from tests.api_fixtures import stop_agents
 from tests.live import LiveServer, wait_for
-from worker_agent.local import join_agent
+from worker_agent.dev.local import join_agent
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
 

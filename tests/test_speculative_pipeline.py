@@ -20,12 +20,12 @@ from nacl.signing import SigningKey
 
 from tests.test_audit import SPANS, in_process_stages, stage_tickets
 from worker_agent import model as models
-from worker_agent.audit import AuditFailed, verify_audit
 from worker_agent.block import Block
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.speculation import SpeculationSettings
+from worker_agent.protocol.audit import AuditFailed, verify_audit
 
 pytestmark = pytest.mark.dataplane
 

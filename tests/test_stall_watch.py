@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker_agent import wire
 from worker_agent.coordinator.stalls import Blame, Relay, StallWatch
+from worker_agent.protocol import wire
 
 pytestmark = pytest.mark.dataplane
 

@@ -11,8 +11,8 @@ from marketplace.flows.settlement import reverify
 from marketplace.jobs.route import route_assignments
 from marketplace.verification.receipts import session_receipt
 from worker_agent.errors import ReceiptError
-from worker_agent.keys import node_id
-from worker_agent.receipts import MalformedReceipt, MissingReceipt, ReceiptBuilder, StageAssignment, digest
+from worker_agent.protocol.keys import node_id
+from worker_agent.protocol.receipts import MalformedReceipt, MissingReceipt, ReceiptBuilder, StageAssignment, digest
 
 pytestmark = pytest.mark.trust
 

@@ -5,7 +5,7 @@ import pytest
 from nacl.signing import SigningKey
 
 from worker_agent.errors import TicketError
-from worker_agent.tickets import (
+from worker_agent.protocol.tickets import (
     MAX_TICKET_BYTES,
     PEER_PASS_CONTEXT,
     PROOF_WINDOW_S,

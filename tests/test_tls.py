@@ -24,10 +24,10 @@ from worker_agent.block import Block
 from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.errors import StageError
-from worker_agent.keys import generate_signing_key, public_key_bytes
+from worker_agent.protocol.keys import generate_signing_key, public_key_bytes
+from worker_agent.protocol.tickets import issue_ticket
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
-from worker_agent.tickets import issue_ticket
 
 pytestmark = pytest.mark.dataplane
 

@@ -1,4 +1,4 @@
-"""The data plane over TLS pinned to the swarm's certificate authority (``worker_agent/tls.py``,
+"""The data plane over TLS pinned to the swarm's certificate authority (``worker_agent/protocol/tls.py``,
 ``marketplace/nodes/authority.py``).
 
 Tiny-llama stages (0:3 | 3:6) in the test's event loop serve ``wss://`` with node certificates the
@@ -46,16 +46,16 @@ from marketplace.nodes.tickets import issuer_key
 from marketplace.placement.selectors import servable_pipelines
 from tests.live import LiveServer, wait_for
 from worker_agent import model as models
-from worker_agent import tls, wire
 from worker_agent.block import Block
 from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
+from worker_agent.dev.local import join_agent, stop_processes
 from worker_agent.errors import StageError
-from worker_agent.keys import generate_signing_key, public_key_bytes
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.protocol import tls, wire
+from worker_agent.protocol.keys import generate_signing_key, public_key_bytes
+from worker_agent.protocol.tickets import issue_ticket
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
-from worker_agent.tickets import issue_ticket
 
 pytestmark = pytest.mark.dataplane
 

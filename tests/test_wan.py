@@ -1,4 +1,5 @@
-"""WAN emulation: the sans-I/O LinkSchedule, WanProfile specs and the asyncio WanLink."""
+"""WAN emulation: the sans-I/O LinkSchedule, WanProfile specs, the asyncio WanLink, and the WAN as a
+connection's transport in place of the product's DirectLink."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 
 import pytest
 
-from worker_agent.wan import MAX_RETRANSMISSIONS, LinkSchedule, WanLink, WanProfile
+from worker_agent.dev.wan import MAX_RETRANSMISSIONS, LinkSchedule, WanLink, WanProfile
+from worker_agent.protocol.transport import DirectLink
 
 pytestmark = pytest.mark.dataplane
 
@@ -514,3 +516,42 @@ def test_a_queued_mutable_buffer_is_copied():
         return sink
 
     assert asyncio.run(scenario()).frames == [b"before"]
+
+
+# --- as a transport (worker_agent/protocol/transport.py) -------------------------------------
+
+
+def test_a_profiles_transport_gives_each_connection_a_wan_link_of_that_profile():
+    profile = WanProfile(latency_ms=30, seed=4)
+    sink = Sink()
+
+    async def scenario():
+        transport = profile.transport()
+        first, second = transport(sink.send), transport(sink.send)
+        await first.aclose()
+        await second.aclose()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+
+    assert isinstance(first, WanLink) and isinstance(second, WanLink)
+    assert first is not second
+    assert (first.profile, second.profile) == (profile, profile)
+
+
+def test_the_products_direct_link_sends_straight_through_and_refuses_after_close():
+    async def scenario():
+        sink = Sink()
+        link = DirectLink(sink.send)
+        await link.send(b"one")
+        delivered = list(sink.frames)  # before any drain: nothing is queued
+        await link.drain()
+        await link.aclose()
+        with pytest.raises(RuntimeError, match="send on a closed link"):
+            await link.send(b"two")
+        return delivered, sink.frames
+
+    delivered, frames = asyncio.run(scenario())
+
+    assert delivered == [b"one"]
+    assert frames == [b"one"]

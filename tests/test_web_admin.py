@@ -24,7 +24,7 @@ from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.placement.selectors import servable_pipelines
 from tests.browser import MODEL, PASSWORD, floatformat
 from tests.live import wait_for
-from worker_agent.local import stop_processes
+from worker_agent.dev.local import stop_processes
 
 pytestmark = [pytest.mark.web, pytest.mark.django_db(transaction=True)]
 pytest_plugins = ["tests.browser"]

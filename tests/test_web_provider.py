@@ -18,7 +18,7 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.placement.models import Assignment, AssignmentState
 from tests.browser import MODEL, floatformat, sign_up
 from tests.live import wait_for
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.dev.local import join_agent, stop_processes
 
 pytestmark = [pytest.mark.web, pytest.mark.django_db(transaction=True)]
 pytest_plugins = ["tests.browser"]

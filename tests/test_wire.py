@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.wire_client import forward_header, raw_frame
-from worker_agent import wire
 from worker_agent.errors import WireError
+from worker_agent.protocol import wire
 
 pytestmark = pytest.mark.dataplane
 

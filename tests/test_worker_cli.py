@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from worker_agent.keys import load_signing_key, node_id, public_key_bytes
+from worker_agent.protocol.keys import load_signing_key, node_id, public_key_bytes
 
 pytestmark = pytest.mark.dataplane
 
 
 def swarm_worker(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "worker_agent.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "worker_agent.agent.cli", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

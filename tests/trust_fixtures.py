@@ -29,7 +29,7 @@ from marketplace.placement.selectors import servable_pipelines
 from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.models import Audit, Challenge, CheckState
 from tests.live import LiveServer, wait_for
-from worker_agent.local import join_agent, stop_processes
+from worker_agent.dev.local import join_agent, stop_processes
 
 MODEL = "tiny-llama"
 PROVIDERS = ("alice", "bob", "mallory")  # mallory runs the cheat

@@ -30,7 +30,7 @@ from tests.browser import MODEL, PASSWORD
 from tests.challenge_fixtures import material
 from tests.factories import public_hex
 from worker_agent import model as models
-from worker_agent.keys import generate_signing_key
+from worker_agent.protocol.keys import generate_signing_key
 
 TOKENS = 4  # per challenge
 PENDING_PAY = 123_456_789  # nano-dollars: $0.123456789

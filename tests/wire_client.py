@@ -15,8 +15,8 @@ import msgpack
 from nacl.signing import SigningKey
 from websockets.asyncio.client import ClientConnection, connect
 
-from worker_agent import wire
-from worker_agent.tickets import prove_coordinator
+from worker_agent.protocol import wire
+from worker_agent.protocol.tickets import prove_coordinator
 
 REPLY_TIMEOUT_S = 30.0
 

@@ -1,3 +1,4 @@
+# Over 500 lines: the model registry and partial loading share the checkpoint index and architectures.
 """Model registry and partial weight loading.
 
 A model is named by an id from ``REGISTRY``, by a local Hugging Face checkpoint directory

@@ -1,3 +1,4 @@
+# Over 500 lines: StageServer is the I/O of one connection state machine (hello, open, forward, peers), read whole.
 """The stage server: puts ``Stage`` on WebSockets (asyncio, ``websockets``).
 
 One connection per coordinator job (role ``coordinator``) plus, in ring topology, one from the
@@ -61,8 +62,10 @@ from prometheus_client import Counter
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
-from worker_agent import wire
-from worker_agent.connection import (
+from worker_agent.errors import SwarmError, WireError
+from worker_agent.metrics import AgentMetrics, BlockLoad
+from worker_agent.protocol import wire
+from worker_agent.protocol.connection import (
     AcceptHello,
     Action,
     Admission,
@@ -78,14 +81,12 @@ from worker_agent.connection import (
     StageKey,
     refused,
 )
-from worker_agent.errors import SwarmError, WireError
-from worker_agent.keys import node_id
-from worker_agent.links import peer_proof
-from worker_agent.metrics import AgentMetrics, BlockLoad
+from worker_agent.protocol.keys import node_id
+from worker_agent.protocol.links import peer_proof
+from worker_agent.protocol.tickets import ProofNonces, open_peer_pass
+from worker_agent.protocol.tls import connect_options
+from worker_agent.protocol.transport import DirectLink, LinkFactory
 from worker_agent.stage import Output, Prepared, Stage
-from worker_agent.tickets import ProofNonces, open_peer_pass
-from worker_agent.tls import connect_options
-from worker_agent.wan import WanLink, WanProfile
 
 log = logging.getLogger("swarm.worker")
 
@@ -101,18 +102,18 @@ SWEEP_INTERVAL_S = 5.0  # how often idle sessions are looked for
 
 
 class Conn:
-    """One WebSocket with its own outgoing seq counter and WAN link."""
+    """One WebSocket with its own outgoing seq counter and link (``transport.py``)."""
 
     def __init__(
         self,
         ws: ServerConnection | ClientConnection,
-        wan: WanProfile,
+        transport: LinkFactory,
         core: Connection | None = None,
         *,
         sent: Counter | None = None,
     ) -> None:
         self.ws = ws
-        self.link = WanLink(ws.send, wan)
+        self.link = transport(ws.send)
         self.seq_out = 0
         self.sent = sent  # counts the bytes of each frame sent
         self.core = core  # the rules of an incoming connection; None on one this stage opened
@@ -200,12 +201,12 @@ class StageServer:
         self,
         stage: Stage | None = None,
         *,
-        wan: WanProfile | None = None,
+        transport: LinkFactory = DirectLink,
         max_frame: int = wire.DEFAULT_MAX_FRAME,
         max_batch: int = 32,
         peer_tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.wan = wan or WanProfile()
+        self.transport = transport  # makes each connection's link: straight to the socket unless a test tool's
         # The swarm's client context a ring stage reaches its successor with (its node certificate;
         # the successor's must name the node its peer pass names). None: a wss:// successor is
         # checked against the system's store and its URL's host.
@@ -389,7 +390,7 @@ class StageServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         core = Connection(self._admissions, self._limits(), nonces=self._nonces)
-        conn = Conn(ws, self.wan, core, sent=self.metrics.bytes_out)
+        conn = Conn(ws, self.transport, core, sent=self.metrics.bytes_out)
         _cap_messages(ws, min(MAX_MESSAGE_BEFORE_HELLO, self.max_frame * 2))
         received = self.metrics.bytes_in
         try:
@@ -487,8 +488,6 @@ class StageServer:
                     slot.stage.signing_key,
                 )
                 slot.idle.clear()
-            if slot.stage.cheat is not None:  # tests only (cheat.py): a cheat may choose its jobs by their route
-                slot.stage.cheat.saw_hello(hello.job, hello.topology, hello.next_url)
         else:
             # The core admitted a peer while another is bound to the job only for a newer pass (the
             # route was healed onto a new predecessor) or the same pass and proof (its sender
@@ -658,7 +657,7 @@ class StageServer:
             ws = await asyncio.wait_for(
                 connect(next_url, max_size=wire.MAX_HEADER, compression=None, **tls), HELLO_TIMEOUT_S
             )
-            peer = Conn(ws, self.wan, sent=self.metrics.bytes_out)
+            peer = Conn(ws, self.transport, sent=self.metrics.bytes_out)
             proof = peer_proof(route.signing_key, next_ticket) if route.signing_key and next_ticket else None
             await peer.send(wire.Hello(job=job, role="peer", ticket=next_ticket, topology="ring", proof=proof))
             reply = wire.decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S), max_frame=wire.MAX_HELLO_FRAME)

@@ -11,20 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from worker_agent.block import Block, WorkItem
 from worker_agent.errors import SessionError, WireError
-from worker_agent.keys import node_id, public_key_bytes
 from worker_agent.kvcache import KVSession, SessionLimits, SessionStore
-from worker_agent.links import BadLink, sign_link, verify_link
-from worker_agent.receipts import ReceiptBuilder, digest
-from worker_agent.wire import Forward, Item, tensor_payload
-
-if TYPE_CHECKING:
-    from worker_agent.cheat import Cheat
+from worker_agent.protocol.keys import node_id, public_key_bytes
+from worker_agent.protocol.links import BadLink, sign_link, verify_link
+from worker_agent.protocol.receipts import ReceiptBuilder, digest
+from worker_agent.protocol.wire import Forward, Item, tensor_payload
 
 
 @dataclass
@@ -66,7 +62,6 @@ class Stage:
         trusted_keys: Collection[bytes] = (),
         insecure_open: bool = False,
         limits: SessionLimits | None = None,
-        cheat: Cheat | None = None,
     ) -> None:
         self.block = block
         self.model = model
@@ -75,7 +70,6 @@ class Stage:
         self.node = node_id(self.node_key)
         self.trusted_keys = frozenset(trusted_keys)
         self.insecure_open = insecure_open
-        self.cheat = cheat  # tests only: makes this stage misbehave on purpose (cheat.py)
         self.store = SessionStore(limits or SessionLimits())
         self._sessions: dict[tuple[str, str], _StageSession] = {}
         self.started = time.time()
@@ -178,9 +172,7 @@ class Stage:
         started = time.perf_counter()
         outputs: list[torch.Tensor] = [None] * len(flat)  # type: ignore[list-item]
         for members in waves:
-            items = [flat[index] for index in members]
-            cheat = self.cheat
-            results = self.block.forward(items) if cheat is None else cheat.forward(self.block, items)
+            results = self.block.forward([flat[index] for index in members])
             for member, result in zip(members, results, strict=True):
                 outputs[member] = result
         self.compute_seconds += time.perf_counter() - started

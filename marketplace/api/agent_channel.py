@@ -34,8 +34,8 @@ from marketplace.placement import lifecycle, readiness
 from marketplace.placement.errors import InvalidDataUrl
 from marketplace.placement.selectors import assignments_of_node
 from marketplace.verification import claims
-from worker_agent import control_protocol as protocol
-from worker_agent.control_protocol import FRAMING_CODES, MessageType, ProtocolError
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol.control_protocol import FRAMING_CODES, MessageType, ProtocolError
 
 log = logging.getLogger("swarm.control")
 

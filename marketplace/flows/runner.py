@@ -50,7 +50,7 @@ from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.session import TokenEvent
 from worker_agent.errors import SwarmError
-from worker_agent.receipts import SessionTranscript
+from worker_agent.protocol.receipts import SessionTranscript
 
 log = logging.getLogger("swarm.jobs")
 PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered

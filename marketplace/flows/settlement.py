@@ -38,9 +38,9 @@ from marketplace.jobs.route import route_assignments
 from marketplace.jobs.services import COORDINATOR_LOST, finish_job
 from marketplace.payouts.services import credit_earnings
 from worker_agent import model as models
-from worker_agent.coverage import JobVerification, honest_work, verify_job
 from worker_agent.errors import ReceiptError
-from worker_agent.receipts import MalformedReceipt, Receipt, SessionTranscript
+from worker_agent.protocol.coverage import JobVerification, honest_work, verify_job
+from worker_agent.protocol.receipts import MalformedReceipt, Receipt, SessionTranscript
 
 log = logging.getLogger("swarm.jobs")
 

@@ -11,7 +11,7 @@
 The first request for the wheels builds them if they are missing or stale (``services.ensure_wheels``):
 the views are async and do that in a worker thread, so that the rest of the site is not held meanwhile.
 Only an enabled catalog entry's files are served, and only under its current ref. An agent checks
-what it gets against the content hash its assignment names (``worker_agent.fetch``), so these
+what it gets against the content hash its assignment names (``worker_agent.agent.fetch``), so these
 answers need no trust of their own.
 """
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from marketplace.placement.selectors import PipelineStage
 from worker_agent.errors import ReceiptError
-from worker_agent.receipts import StageAssignment
+from worker_agent.protocol.receipts import StageAssignment
 
 
 def route_of(stages: Iterable[PipelineStage]) -> list[dict]:

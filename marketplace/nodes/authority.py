@@ -1,5 +1,5 @@
 """The swarm's certificate authority: the control plane certifies its nodes and its coordinators
-for the data plane's TLS (``worker_agent/tls.py`` says what each side then checks).
+for the data plane's TLS (``worker_agent/protocol/tls.py`` says what each side then checks).
 
 An EC P-256 key and a self-signed CA certificate, created on first use (``SWARM_CA_KEY_PATH``,
 ``SWARM_CA_CERT_PATH``, next to the ticket-signing key). The key never reaches an agent: the
@@ -40,7 +40,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from django.conf import settings
 
 from marketplace.nodes.errors import InvalidCsr
-from worker_agent.tls import PEM, Identity, describe_key, generate_key, key_pem, node_hostname, supported_key
+from worker_agent.protocol.tls import PEM, Identity, describe_key, generate_key, key_pem, node_hostname, supported_key
 
 MAX_CSR_CHARS = 4096  # a P-256 or Ed25519 CSR in PEM is under 600 characters
 CA_VALIDITY = timedelta(days=3650)

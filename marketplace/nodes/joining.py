@@ -32,8 +32,8 @@ from marketplace.nodes.errors import (
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.reports import number
-from worker_agent.control_protocol import CONTROL_CONTEXT, JOIN_CONTEXT
-from worker_agent.keys import node_id as node_id_of
+from worker_agent.protocol.control_protocol import CONTROL_CONTEXT, JOIN_CONTEXT
+from worker_agent.protocol.keys import node_id as node_id_of
 
 TOKEN_PREFIX = "swj_"
 MAX_POSITIONS = 1 << 20  # the most positions per session an agent may report holding

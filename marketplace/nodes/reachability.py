@@ -32,9 +32,9 @@ from websockets.asyncio.client import connect
 
 from marketplace.nodes.authority import coordinator_tls, held_coordinator_tls
 from marketplace.nodes.tickets import issuer_key
-from worker_agent import control_protocol as protocol
-from worker_agent.relay_pass import sign_relay_pass
-from worker_agent.tls import connect_options
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol.relay_pass import sign_relay_pass
+from worker_agent.protocol.tls import connect_options
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState, Reachability
 from marketplace.nodes.reachability import relay_of, relay_offer
 from marketplace.nodes.reports import number
-from worker_agent import control_protocol as protocol
+from worker_agent.protocol import control_protocol as protocol
 
 log = logging.getLogger("swarm.nodes")
 

@@ -12,8 +12,8 @@ from functools import cache
 from django.conf import settings
 from nacl.signing import SigningKey
 
-from worker_agent.keys import generate_signing_key, load_signing_key, public_key_bytes, write_key
-from worker_agent.tickets import issue_ticket
+from worker_agent.protocol.keys import generate_signing_key, load_signing_key, public_key_bytes, write_key
+from worker_agent.protocol.tickets import issue_ticket
 
 # A ticket outlives its job's deadline by this much: room for clock skew between the control plane
 # and the agents, and for the sessions' CLOSE once the job is stopped.

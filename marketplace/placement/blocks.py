@@ -13,7 +13,7 @@ from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node
 from marketplace.nodes.services import push
 from marketplace.placement.models import Assignment, AssignmentState
-from worker_agent import control_protocol as protocol
+from worker_agent.protocol import control_protocol as protocol
 
 
 def joined_id(node: Node) -> str:

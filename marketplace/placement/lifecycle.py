@@ -22,7 +22,7 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.services import push
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState
 from marketplace.placement.rebalancing import mark_dirty, placement_changed, replacement_pays
-from worker_agent import control_protocol as protocol
+from worker_agent.protocol import control_protocol as protocol
 
 log = logging.getLogger("swarm.placement")
 

@@ -79,7 +79,7 @@ class LayerFootprint:
 def serving_dtype(reported: Sequence[str]) -> str:
     """The dtype a node serves in, from the dtypes it reported: the agent lists the dtypes its
     device runs with the one it serves in (its ``--dtype``) first
-    (``worker_agent.control.hardware_report``), so the first of a known size counts; float32 when
+    (``worker_agent.agent.control.hardware_report``), so the first of a known size counts; float32 when
     none is known, which never gives a node more layers than it can hold."""
     return next((dtype for dtype in reported if dtype in DTYPES), AGENT_DEFAULT_DTYPE)
 

@@ -6,7 +6,7 @@ from django.db import models
 
 from marketplace.catalog.selectors import assignment_source
 from marketplace.nodes.models import Node
-from worker_agent import control_protocol as protocol
+from worker_agent.protocol import control_protocol as protocol
 
 
 class AssignmentState(models.TextChoices):

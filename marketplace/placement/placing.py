@@ -68,8 +68,8 @@ from marketplace.placement.rebalancing import (
 from marketplace.placement.selectors import link_maps, region_target, share_of
 from marketplace.placement.tour import hop_cost, place_coordinator
 from marketplace.placement.trusted import covers, has_trusted_pipeline, place_with_trusted
-from worker_agent import control_protocol as protocol
 from worker_agent import model as models
+from worker_agent.protocol import control_protocol as protocol
 
 log = logging.getLogger("swarm.placement")
 

@@ -24,7 +24,7 @@ from marketplace.placement.errors import InvalidDataUrl
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState
 from marketplace.placement.rebalancing import mark_dirty, release_leaving
 from marketplace.placement.selectors import region_target
-from worker_agent import control_protocol as protocol
+from worker_agent.protocol import control_protocol as protocol
 
 log = logging.getLogger("swarm.placement")
 

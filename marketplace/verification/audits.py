@@ -27,11 +27,11 @@ from marketplace.verification.models import Audit, CheckState, StrikeKind
 from marketplace.verification.receipts import session_receipt
 from marketplace.verification.strikes import open_strike
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
-from worker_agent.audit import AuditFailed, AuditMaterial
-from worker_agent.audit import verify_audit as replay_audit
 from worker_agent.coordinator.pipeline import AuditGap
 from worker_agent.errors import SwarmError
-from worker_agent.receipts import MissingReceipt
+from worker_agent.protocol.audit import AuditFailed, AuditMaterial
+from worker_agent.protocol.audit import verify_audit as replay_audit
+from worker_agent.protocol.receipts import MissingReceipt
 
 log = logging.getLogger("swarm.verification")
 

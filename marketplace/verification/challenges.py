@@ -43,8 +43,6 @@ from marketplace.verification.prompts import prompt_pool
 from marketplace.verification.strikes import open_strike, strike_false_capacity_claim
 from marketplace.verification.traffic import draw_request, recent_shapes
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
-from worker_agent import challenge as challenges
-from worker_agent.audit import AuditMaterial
 from worker_agent.coordinator.challenger import (
     DEADLINE,
     VERIFIER,
@@ -57,8 +55,10 @@ from worker_agent.coordinator.challenger import (
 from worker_agent.coordinator.job import encode_prompt
 from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.errors import ChallengeError
-from worker_agent.keys import node_id, public_key_bytes
-from worker_agent.receipts import StageAssignment
+from worker_agent.protocol import challenge as challenges
+from worker_agent.protocol.audit import AuditMaterial
+from worker_agent.protocol.keys import node_id, public_key_bytes
+from worker_agent.protocol.receipts import StageAssignment
 
 log = logging.getLogger("swarm.verification")
 

@@ -56,7 +56,7 @@ class Audit(models.Model):
     model = models.CharField(max_length=128)
     layer_start = models.PositiveIntegerField()
     layer_end = models.PositiveIntegerField()
-    material = models.BinaryField()  # worker_agent.audit.AuditMaterial.to_bytes()
+    material = models.BinaryField()  # worker_agent.protocol.audit.AuditMaterial.to_bytes()
     state = models.CharField(max_length=16, choices=CheckState.choices, default=CheckState.PENDING)
     metrics = models.JSONField(default=dict)
     reason = models.TextField(blank=True)

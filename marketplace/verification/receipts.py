@@ -10,7 +10,7 @@ not parse the receipts of the others.
 
 from __future__ import annotations
 
-from worker_agent.receipts import MalformedReceipt, MissingReceipt, Receipt
+from worker_agent.protocol.receipts import MalformedReceipt, MissingReceipt, Receipt
 
 
 def session_receipt(job, session: str, stage: int, node: str) -> Receipt:

@@ -164,7 +164,7 @@ def strike_unverifiable_receipts(job, node_id: str, reason: str) -> Strike | Non
 @transaction.atomic
 def strike_misconduct(job, misconduct: list) -> list[Strike]:
     """Each breach of the protocol a node of the job's route proved against itself with its own
-    signatures (``worker_agent.links.Misconduct``, checked by the job's coordinator): one strike
+    signatures (``worker_agent.protocol.links.Misconduct``, checked by the job's coordinator): one strike
     per node and kind, with the signatures as evidence; whatever became of the job."""
     route = {stage["node"] for stage in job.route}
     strikes, seen = [], set()

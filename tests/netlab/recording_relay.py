@@ -10,7 +10,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from worker_agent.relay import Direction, Relay, main
+from worker_agent.agent.relay import Direction, Relay, main
 
 TLS_CONTENT_TYPES = frozenset({20, 21, 22, 23})  # change_cipher_spec, alert, handshake, application_data
 

@@ -134,7 +134,7 @@ class CloudSwarm:
         if not out.exists():
             raise RuntimeError(f"the control plane exited:\n{self.tail('cloud')}")
         self.accounts = json.loads(out.read_text())
-        relay_module = "tests.netlab.recording_relay" if recording_relay else "worker_agent.relay"
+        relay_module = "tests.netlab.recording_relay" if recording_relay else "worker_agent.agent.relay"
         for relay_id, host in (("r1", cloud), ("r2", dc2)):
             argv = [sys.executable, "-m", relay_module, "--host", "0.0.0.0", "--port", str(RELAY_PORT)]
             argv += ["--public-host", host.address, "--trust-key", self.accounts["ticket_key"], "--id", relay_id]

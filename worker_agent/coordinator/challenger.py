@@ -1,10 +1,11 @@
+# Over 500 lines: a challenge job end to end (route, paced stand-ins, grading), one flow.
 """A challenge run as a job: the verifier drives a real job through a route in which the challenged
 node serves its own span and every other span is served by a node the verifier trusts
 (``TrustedStage``: one that serves customers' jobs too) or by a stand-in.
 
 A stand-in is an ordinary ``Stage`` on an ordinary ``StageServer``, run by the verifier on its own
 trusted copy of that span's block. So everything the challenged node sees is made by the code that
-makes it for a customer's job (``worker_agent/observed.py`` lists what that is): the job's
+makes it for a customer's job (``worker_agent/dev/observed.py`` lists what that is): the job's
 ``Coordinator`` HELLOs it in ``ring`` topology with a ticket like a job's, a successor's URL and peer
 pass where its span is not the last, a predecessor (the stage before it) connects to it as a ring
 peer and FORWARDs real activations of the layers before its span, signed as every stage signs what it
@@ -12,7 +13,7 @@ sends on; it forwards its outputs to the stage after it and taps them to the coo
 samples from the real final hidden states, drafts and speculates as it does for any request. The
 stand-in that feeds the node keeps to the times of the model's recent real jobs (``Pace``, recorded
 by ``StepTimes``), so the node's inputs come when they come in a job. A stand-in is still the
-verifier's node at the verifier's address (``worker_agent/observed.py`` says what a node can learn
+verifier's node at the verifier's address (``worker_agent/dev/observed.py`` says what a node can learn
 from that); a trusted node is not::
 
     route = ChallengeRoute("tiny-llama", node=StageAssignment(...), url="ws://...",
@@ -47,7 +48,6 @@ from dataclasses import dataclass, field
 
 from nacl.signing import SigningKey
 
-from worker_agent.audit import AuditMaterial, check_hashes
 from worker_agent.block import Block
 from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
@@ -55,7 +55,8 @@ from worker_agent.coordinator.result import GenerationResult
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.errors import AuditError, ChallengeError, ReceiptError, StageError, SwarmError
-from worker_agent.receipts import Receipt, StageAssignment
+from worker_agent.protocol.audit import AuditMaterial, check_hashes
+from worker_agent.protocol.receipts import Receipt, StageAssignment
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 

@@ -38,6 +38,7 @@ import websockets
 from nacl.signing import SigningKey
 
 from worker_agent.errors import SwarmError
+from worker_agent.protocol.transport import DirectLink, LinkFactory
 
 if TYPE_CHECKING:
     from worker_agent.coordinator.job import GenerationResult
@@ -50,8 +51,8 @@ def local_issuer(key_path: str, job: str, coordinator_key: bytes, expires_at: fl
     """A function that signs a ticket for a stage's identity (its PING info) with a local issuer
     key, naming the job's coordinator key and expiring at ``expires_at`` (unix seconds)."""
     # Imported per command: `--help` answers without loading torch.
-    from worker_agent.keys import load_signing_key
-    from worker_agent.tickets import ticket_for_stage
+    from worker_agent.protocol.keys import load_signing_key
+    from worker_agent.protocol.tickets import ticket_for_stage
 
     key = load_signing_key(key_path)
     return lambda info: ticket_for_stage(key, job, info, coordinator_key=coordinator_key, expires_at=expires_at)
@@ -77,14 +78,13 @@ async def local_tickets(urls: list[str], issue) -> list[bytes | None]:
     return tickets
 
 
-async def run_generate(args: argparse.Namespace) -> int:
+async def run_generate(args: argparse.Namespace, transport: LinkFactory = DirectLink) -> int:
     # Imported per command: `--help` answers without loading torch.
     from worker_agent.coordinator.heal import SpareHealer
     from worker_agent.coordinator.job import Coordinator, GenerationResult
     from worker_agent.coordinator.pipeline import StageSpec
     from worker_agent.coordinator.sampling import SamplingParams
     from worker_agent.coordinator.speculation import SpeculationSettings
-    from worker_agent.wan import WanProfile
 
     urls = [url.strip() for url in args.stages.split(",") if url.strip()]
     job = args.job or f"job-{uuid.uuid4().hex[:16]}"
@@ -105,7 +105,7 @@ async def run_generate(args: argparse.Namespace) -> int:
         specs,
         job=job,
         topology=args.topology,
-        wan=WanProfile.parse(args.wan),
+        transport=transport,
         audit_stages=args.audit_stage,
         healer=healer if spares else None,
         max_heals=args.max_heals,
@@ -192,9 +192,9 @@ def audit_results(model: str, results: list[GenerationResult]) -> list[list[tupl
     """Per result, each of its audits replayed on a trusted block loaded here: ("passed" or the
     failure's code, the replay's report when there was one)."""
     # Imported per command: `--help` answers without loading torch.
-    from worker_agent.audit import AuditFailed, verify_audit
     from worker_agent.block import Block
     from worker_agent.model import load_block
+    from worker_agent.protocol.audit import AuditFailed, verify_audit
 
     blocks: dict[tuple[int, int], Block] = {}
     outcomes = []
@@ -258,7 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a step may make no progress before its stage is replaced",
     )
     gen.add_argument("--job", default=None, help="job id (default: random)")
-    gen.add_argument("--wan", default="", help='emulated WAN on outgoing frames, e.g. "rtt=50ms"')
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.add_argument("--json", action="store_true", help="print text, token ids, timings and receipts as JSON")
     gen.add_argument(
@@ -291,14 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, transport: LinkFactory = DirectLink) -> int:
+    """``transport``: each stage connection's link; the product's unless a test tool's
+    (``worker_agent/dev/coordinator.py``)."""
     args = build_parser().parse_args(argv)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     try:
-        return asyncio.run(run_generate(args))
+        return asyncio.run(run_generate(args, transport))
     except (SwarmError, ValueError) as exc:
         code = getattr(exc, "code", "invalid")
         print(f"error: {exc} ({code})", file=sys.stderr)

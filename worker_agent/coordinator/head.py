@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from worker_agent.model import Head
-from worker_agent.wire import DTYPES, tensor_payload
+from worker_agent.protocol.wire import DTYPES, tensor_payload
 
 # Each event loop's batchers, by head and wire dtype; they go with their loop.
 _shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakKeyDictionary[Head, dict[str, HeadBatcher]]]

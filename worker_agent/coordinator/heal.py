@@ -26,10 +26,10 @@ from typing import Protocol
 from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
-from worker_agent import wire
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.errors import StageError, SwarmError
-from worker_agent.receipts import StageAssignment
+from worker_agent.protocol import wire
+from worker_agent.protocol.receipts import StageAssignment
 
 log = logging.getLogger("swarm.coordinator")
 

@@ -1,3 +1,4 @@
+# Over 500 lines: Coordinator connects, streams, heals and verifies over one set of sessions.
 """A coordinator job: one pipeline of stages, any number of concurrent generation sessions.
 
     key = SigningKey.generate()  # the job's coordinator key; each stage's ticket names its public half
@@ -44,11 +45,11 @@ from worker_agent.coordinator.router import PLAIN, Router, RouteTiming
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import Chunk, GenerationRequest, GenerationState, TokenEvent
 from worker_agent.coordinator.speculation import SpeculationSettings
-from worker_agent.coverage import JobVerification, verify_job
 from worker_agent.errors import ReceiptError, StageError
-from worker_agent.keys import node_id
-from worker_agent.links import Misconduct
-from worker_agent.receipts import (
+from worker_agent.protocol.coverage import JobVerification, verify_job
+from worker_agent.protocol.keys import node_id
+from worker_agent.protocol.links import Misconduct
+from worker_agent.protocol.receipts import (
     BadSignature,
     MalformedReceipt,
     MissingReceipt,
@@ -56,7 +57,7 @@ from worker_agent.receipts import (
     SessionTranscript,
     StageAssignment,
 )
-from worker_agent.wan import WanProfile
+from worker_agent.protocol.transport import DirectLink, LinkFactory
 
 log = logging.getLogger("swarm.coordinator")
 MAX_HEALS = 2  # heals one request may go through before it fails
@@ -96,7 +97,7 @@ class Coordinator:
         *,
         job: str | None = None,
         topology: str = "ring",
-        wan: WanProfile | None = None,
+        transport: LinkFactory = DirectLink,
         assignments: list[StageAssignment] | None = None,
         audit_stages: Collection[int] = (),
         healer: Healer | None = None,
@@ -117,7 +118,7 @@ class Coordinator:
         self.model_id = models.model_name(model)
         self.job = job or f"job-{uuid.uuid4().hex[:16]}"
         self.topology = topology
-        self.wan = wan
+        self.transport = transport  # makes the links of every route's stage connections, healed ones too
         self.stall_timeout_s = stall_timeout_s
         self._session_ids = itertools.count()  # shared by every route the job heals onto: ids never repeat
         self._peer_passes: dict[tuple[bytes, bytes], bytes] = {}  # likewise: a kept pair keeps its pass
@@ -150,7 +151,7 @@ class Coordinator:
             self.job,
             stages,
             topology=self.topology,
-            wan=self.wan,
+            transport=self.transport,
             audit_stages=audit_stages,
             stall_timeout_s=self.stall_timeout_s,
             session_ids=self._session_ids,

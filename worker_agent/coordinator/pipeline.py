@@ -1,3 +1,4 @@
+# Over 500 lines: StageLink and Pipeline, the coordinator's two halves of the data plane, read together.
 """The coordinator's side of the data plane: one connection per stage, ring or star routing.
 
 ``Pipeline.forward`` takes one session step (token rows of hidden states) and returns the last
@@ -21,7 +22,7 @@ again. A stage's claim that it cannot reach its successor is checked with a PING
 
 Each HELLO as coordinator carries the stage's ticket and a fresh proof, signed by the job's
 coordinator key (``coordinator_key``, the key the tickets name), that this is the job's coordinator.
-With the swarm's TLS (``tls``, ``worker_agent/tls.py``) a ``wss://`` stage is reached only once its
+With the swarm's TLS (``tls``, ``worker_agent/protocol/tls.py``) a ``wss://`` stage is reached only once its
 certificate, from the swarm CA, names the node its spec names: nothing is sent to anyone else.
 
 Hashes of exactly the bytes sent to the first stage and received from the last are kept per
@@ -48,15 +49,15 @@ import websockets
 from nacl.signing import SigningKey
 from websockets.asyncio.client import ClientConnection, connect
 
-from worker_agent import wire
-from worker_agent.audit import AuditMaterial
 from worker_agent.coordinator.stalls import Relay, StallWatch
 from worker_agent.errors import AuditError, StageError, WireError
-from worker_agent.links import Misconduct, proves_second_connection, signed_by
-from worker_agent.receipts import StageAssignment, digest
-from worker_agent.tickets import issue_peer_pass, prove_coordinator
-from worker_agent.tls import connect_options
-from worker_agent.wan import WanLink, WanProfile
+from worker_agent.protocol import wire
+from worker_agent.protocol.audit import AuditMaterial
+from worker_agent.protocol.links import Misconduct, proves_second_connection, signed_by
+from worker_agent.protocol.receipts import StageAssignment, digest
+from worker_agent.protocol.tickets import issue_peer_pass, prove_coordinator
+from worker_agent.protocol.tls import connect_options
+from worker_agent.protocol.transport import DirectLink, Link, LinkFactory
 
 CONNECT_TIMEOUT_S = 10.0
 REPLY_TIMEOUT_S = 30.0  # HELLO/OPEN/CLOSE answers
@@ -138,7 +139,7 @@ class StageLink:
         self.spec = spec
         self.pipeline = pipeline
         self.ws: ClientConnection | None = None
-        self.link: WanLink | None = None
+        self.link: Link | None = None
         self.seq = 0
         self.info: dict = {}
         self.bytes_sent = 0
@@ -160,7 +161,7 @@ class StageLink:
                 connect(self.spec.url, max_size=wire.MAX_HELLO_FRAME, compression=None, open_timeout=None, **tls),
                 CONNECT_TIMEOUT_S,
             )
-            self.link = WanLink(self.ws.send, self.pipeline.wan)
+            self.link = self.pipeline.transport(self.ws.send)
             await self.send(
                 wire.Hello(
                     job=job,
@@ -344,7 +345,7 @@ class Pipeline:
         stages: list[StageSpec],
         *,
         topology: str = "ring",
-        wan: WanProfile | None = None,
+        transport: LinkFactory = DirectLink,
         dtype: str = "f32",
         audit_stages: Collection[int] = (),
         stall_timeout_s: float = STALL_TIMEOUT_S,
@@ -367,7 +368,7 @@ class Pipeline:
                 raise ValueError(f"audit stage {index!r} is not a stage index in 0..{len(stages) - 1}")
         self.job = job
         self.topology = topology
-        self.wan = wan or WanProfile()
+        self.transport = transport  # makes each stage connection's link (``transport.py``)
         self.dtype = dtype
         self.links = [StageLink(i, spec, self) for i, spec in enumerate(stages)]
         self.transcripts: dict[str, Transcript] = {}

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker_agent.audit import AuditMaterial
 from worker_agent.coordinator.heal import HealRecord
 from worker_agent.coordinator.pipeline import AuditGap
-from worker_agent.coverage import JobVerification
-from worker_agent.receipts import Receipt
+from worker_agent.protocol.audit import AuditMaterial
+from worker_agent.protocol.coverage import JobVerification
+from worker_agent.protocol.receipts import Receipt
 
 
 @dataclass

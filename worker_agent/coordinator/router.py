@@ -1,3 +1,4 @@
+# Over 500 lines: the speculation cost model, its online fit and its planner are one model.
 """Choosing how to speculate: which drafter, how many drafts per chunk (K), how many chunks in flight (D).
 
 Speculation over a WAN pipeline trades positions the stages compute for round trips saved. A drafter

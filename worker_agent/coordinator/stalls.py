@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker_agent import wire
+from worker_agent.protocol import wire
 
 Key = tuple[str, int]  # (session, step)
 

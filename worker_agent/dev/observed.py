@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker_agent import wire
 from worker_agent.errors import TicketError
-from worker_agent.tickets import open_peer_pass, read_ticket
+from worker_agent.protocol import wire
+from worker_agent.protocol.tickets import open_peer_pass, read_ticket
 
 HELLO_FIELDS = ("ticket", "proof", "next_url", "next_ticket")  # the optional fields of a coordinator's HELLO
 _JOB_ID = re.compile(r"(?P<kind>[a-z]+)-[0-9a-f]+(?P<choice>-[0-9]+)?")

@@ -1,3 +1,4 @@
+# Over 500 lines: a relay's whole wire (routes, messages, frames, passes), one sans-I/O table.
 """A relay's wire rules, messages and passes (sans-I/O: no sockets, no asyncio).
 
 An agent that cannot accept connections (behind a home router's NAT, or a firewall that lets only
@@ -58,7 +59,7 @@ from typing import ClassVar
 import msgpack
 
 from worker_agent.errors import RelayError
-from worker_agent.tls import SWARM_DOMAIN
+from worker_agent.protocol.tls import SWARM_DOMAIN
 
 PROTOCOL_VERSION = 1
 

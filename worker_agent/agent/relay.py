@@ -39,9 +39,9 @@ from enum import StrEnum
 from functools import partial
 
 from worker_agent.errors import RelayError
-from worker_agent.keys import KeyFileError, load_verify_key
-from worker_agent.relay_pass import RelayPass, check_register_signature, verify_relay_pass
-from worker_agent.relay_protocol import (
+from worker_agent.protocol.keys import KeyFileError, load_verify_key
+from worker_agent.protocol.relay_pass import RelayPass, check_register_signature, verify_relay_pass
+from worker_agent.protocol.relay_protocol import (
     CONNECTION_ID_CHARS,
     IDLE_TIMEOUT_S,
     MAX_FRAME_BYTES,

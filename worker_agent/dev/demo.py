@@ -1,4 +1,5 @@
-"""``make demo``: three agents serving SmolLM2-135M on loopback and one request through them.
+"""The data plane alone, ``python -m worker_agent.dev.demo``: three agents serving SmolLM2-135M on
+loopback and one request through them, without the control plane (``make demo`` runs the whole marketplace).
 
 It starts three real ``swarm-worker serve`` processes (layers 0:10, 10:20, 20:30), acts as the
 ticket issuer for one job, streams a chat answer through the ring pipeline, then prints the
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
-from worker_agent.local import LocalSwarm, even_spans
+from worker_agent.dev.local import LocalSwarm, even_spans
 from worker_agent.model import load_head, load_tokenizer, n_layers, resolve_checkpoint
 
 
@@ -44,7 +45,7 @@ async def run(swarm: LocalSwarm, model: str, prompt: str, max_tokens: int, topol
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker_agent.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m worker_agent.dev.demo", description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")

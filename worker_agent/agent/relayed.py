@@ -23,10 +23,10 @@ import random
 import time
 from collections.abc import Callable
 
-from worker_agent import control_protocol as protocol
+from worker_agent.agent.joining import backoff_delay
+from worker_agent.agent.relay_client import RelayClient
 from worker_agent.errors import RelayLost
-from worker_agent.joining import backoff_delay
-from worker_agent.relay_client import RelayClient
+from worker_agent.protocol import control_protocol as protocol
 
 log = logging.getLogger("swarm.agent")
 

@@ -28,10 +28,10 @@ from typing import NoReturn
 
 from nacl.signing import SigningKey
 
+from worker_agent.agent.relay import STREAM_LIMIT, MessageReader, splice, tune
 from worker_agent.errors import RelayError, RelayLost
-from worker_agent.relay import STREAM_LIMIT, MessageReader, splice, tune
-from worker_agent.relay_pass import register_signature
-from worker_agent.relay_protocol import (
+from worker_agent.protocol.relay_pass import register_signature
+from worker_agent.protocol.relay_protocol import (
     AGENT_LINE,
     IDLE_TIMEOUT_S,
     PING_INTERVAL_S,

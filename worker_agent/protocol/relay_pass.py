@@ -24,7 +24,7 @@ from nacl.exceptions import CryptoError
 from nacl.signing import SigningKey, VerifyKey
 
 from worker_agent.errors import RelayError
-from worker_agent.relay_protocol import MAX_NAME_CHARS, MAX_PASS_BYTES, valid_node
+from worker_agent.protocol.relay_protocol import MAX_NAME_CHARS, MAX_PASS_BYTES, valid_node
 
 PASS_VERSION = 1
 RELAY_PASS_CONTEXT = b"swarm-relay-pass-v1\0"

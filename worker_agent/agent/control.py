@@ -1,3 +1,4 @@
+# Over 500 lines: Agent is one control channel's loop, whose parts share the channel's state.
 """The agent's side of the control plane: join once, then hold the control channel.
 
     SWARM_JOIN_TOKEN=swj_... swarm-worker join --control-plane http://127.0.0.1:8000
@@ -59,14 +60,16 @@ import psutil
 import websockets
 from websockets.asyncio.client import connect
 
-from worker_agent import __version__, fetch, probes, tls
-from worker_agent import control_protocol as protocol
-from worker_agent.cheat import Cheat, warning_banner
-from worker_agent.control_protocol import ProtocolError, control_signature, join_signature
+from worker_agent import __version__
+from worker_agent.agent import fetch, probes
+from worker_agent.agent.joining import JoinError, backoff_delay, request_json
+from worker_agent.agent.parts import Parts
+from worker_agent.agent.relayed import RelayKeeper
 from worker_agent.errors import SwarmError
-from worker_agent.joining import JoinError, backoff_delay, request_json
-from worker_agent.keys import node_id, public_key_bytes
-from worker_agent.relayed import RelayKeeper
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol import tls
+from worker_agent.protocol.control_protocol import ProtocolError, control_signature, join_signature
+from worker_agent.protocol.keys import node_id, public_key_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -247,8 +250,7 @@ class Agent:
         advertise_url: str | None,
         dtype: str = "float32",
         device: str = "cpu",
-        wan: str = "",
-        cheat: Cheat | None = None,
+        parts: Parts | None = None,
         max_layers: int | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         shutdown_drain_s: float = SHUTDOWN_DRAIN_S,
@@ -276,8 +278,8 @@ class Agent:
         self.port_chosen = port_chosen
         # Written at each heartbeat the control plane took: what ``swarm-worker health`` reads.
         self.status_path = status_path
-        self.dtype, self.device, self.wan = dtype, device, wan
-        self.cheat = cheat  # tests only: wrong results on purpose, on the data plane
+        self.dtype, self.device = dtype, device
+        self.parts = parts or Parts()  # what its stages are built from: the product's unless a test tool's
         self.trusted_key: bytes | None = None
         self.max_layers = max_layers  # the owner's cap on layers held at once (all blocks); None: no cap
         self.drain_timeout_s = drain_timeout_s
@@ -299,8 +301,8 @@ class Agent:
         self.hurry = asyncio.Event()  # set on a second stop signal: stop now, jobs in flight or not
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
-        if cheat is not None:
-            log.warning("\n%s", warning_banner(cheat))
+        if self.parts.warning:
+            log.warning("\n%s", self.parts.warning)
 
     @property
     def data_url(self) -> str:
@@ -516,9 +518,6 @@ class Agent:
         # Imported when a block is assigned: joining and the handshake need no torch.
         from worker_agent import model as models
         from worker_agent.block import Block
-        from worker_agent.server import StageServer
-        from worker_agent.stage import Stage
-        from worker_agent.wan import WanProfile
 
         async with self._lock:
             assignment = message.assignment
@@ -555,16 +554,14 @@ class Agent:
                 return
             if assignment in self._released:  # released while it loaded
                 return
-            stage = Stage(
+            stage = self.parts.make_stage(
                 Block(weights),
                 model=models.model_name(model),
                 signing_key=self.signing_key,
                 trusted_keys=[self.trusted_key] if self.trusted_key else [],
-                cheat=self.cheat,
             )
             if self.server is None:
-                wan = WanProfile.parse(self.wan)
-                error = await self._start_server(lambda: StageServer(stage, wan=wan, peer_tls=self.peer_tls))
+                error = await self._start_server(lambda: self.parts.make_server(stage, peer_tls=self.peer_tls))
                 if error is not None:
                     log.warning("assignment %d failed: %s", assignment, error)
                     await ws.send(protocol.encode(_failed(assignment, error)))

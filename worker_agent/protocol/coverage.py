@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker_agent.errors import ReceiptError
-from worker_agent.links import signed_by
-from worker_agent.receipts import (
+from worker_agent.protocol.links import signed_by
+from worker_agent.protocol.receipts import (
     BrokenLink,
     DuplicateReceipt,
     EndpointMismatch,

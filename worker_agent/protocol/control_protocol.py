@@ -1,3 +1,4 @@
+# Over 500 lines: the control channel's whole message vocabulary and codec, one table.
 """The control channel's messages and their JSON codec (sans-I/O: no sockets, no asyncio).
 
 Agents and the control plane talk over one WebSocket (``/ws/agent/``) in JSON text frames, each
@@ -42,7 +43,7 @@ from nacl.signing import SigningKey
 
 from worker_agent import checkpoints
 from worker_agent.errors import SwarmError
-from worker_agent.keys import public_key_bytes
+from worker_agent.protocol.keys import public_key_bytes
 
 PROTOCOL_VERSION = 1  # written as ``v`` only from version 2 on: a frame without ``v`` is version 1
 MAX_FRAME_CHARS = 8 * 1024 * 1024  # characters in one text frame
@@ -251,7 +252,7 @@ class Assign(Message):
 
     A catalog model comes with its content hash and the URL of its file manifest: the agent
     fetches the files its block needs from there and checks them against the hash
-    (``worker_agent.fetch``). A registry model comes without either: the agent builds it."""
+    (``worker_agent.agent.fetch``). A registry model comes without either: the agent builds it."""
 
     TYPE: ClassVar = MessageType.ASSIGN
     assignment: int  # the control plane's id of the assignment, echoed in Ready/Failed/Release

@@ -1,7 +1,12 @@
 """Cheat modes, for tests only: an agent that misbehaves on purpose, so tests can prove it is caught.
 
 A cheat replaces what the layer block computes on data-plane sessions (``Stage.compute``, which is
-where challenges run too: a challenge is a job)::
+where challenges run too: a challenge is a job). The product has no switch for it: a cheating stage
+is built here, by substitution, as a ``CheatingStage`` whose block (``CheatingBlock``) runs the
+honest layers through the cheat, served by a ``CheatingServer``::
+
+    stage = CheatingStage(block, cheat=Cheat.parse("garbage"), model=..., signing_key=...)
+    server = CheatingServer(stage)
 
     garbage             seeded random noise of the right shape and dtype (finite)
     identity            the input hidden states, unchanged: the layers never run
@@ -13,12 +18,12 @@ where challenges run too: a challenge is a job)::
     with-successor      garbage in the sessions of jobs that give it a ring successor, honest where
                         its outputs go straight back to the coordinator
 
-The last two learn each job's route from its coordinator's HELLO (``saw_hello``, called by the
-server), as a node that tried to tell challenges from jobs by their route would.
+The last two learn each job's route from its coordinator's HELLO (``saw_hello``, called by
+``CheatingServer``), as a node that tried to tell challenges from jobs by their route would.
 
-It is switched on only by the hidden option ``--cheat MODE`` of ``swarm-worker serve`` and
-``swarm-worker join``, which is refused unless the environment sets ``SWARM_ALLOW_CHEAT=1``;
-an agent with a cheat logs a loud warning.
+An agent process cheats only when started through the dev entry point
+``python -m worker_agent.dev.agent --cheat MODE serve|join ...``, which is refused unless the
+environment sets ``SWARM_ALLOW_CHEAT=1``; an agent with a cheat logs a loud warning.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from torch import nn
 from worker_agent.block import Block, WorkItem
 from worker_agent.errors import SwarmError
 from worker_agent.model import BlockWeights
+from worker_agent.protocol.connection import AcceptHello, Role
+from worker_agent.server import Conn, StageServer, StageSlot
+from worker_agent.stage import Stage
 
 ALLOW_ENV = "SWARM_ALLOW_CHEAT"
 MODES = ("garbage", "identity", "other-weights", "selective", "ring-only", "with-successor")
@@ -156,6 +164,38 @@ def impostor_weights(weights: BlockWeights, *, seed: int = IMPOSTOR_SEED) -> Blo
     return BlockWeights(
         weights.model, config, weights.layer_start, weights.layer_end, layers, rotary, weights.dtype, weights.device
     )
+
+
+class CheatingBlock(Block):
+    """``honest``'s layers as a node with ``cheat`` runs them."""
+
+    def __init__(self, honest: Block, cheat: Cheat) -> None:
+        super().__init__(honest.weights, max_batch=honest.max_batch)
+        self.honest = honest
+        self.cheat = cheat
+
+    def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
+        return self.cheat.forward(self.honest, items)
+
+
+class CheatingStage(Stage):
+    """A ``Stage`` whose block cheats: everything else (tickets, sessions, receipts) is the stage's own,
+    so its receipts sign the cheated outputs as an honest stage signs its true ones."""
+
+    def __init__(self, block: Block, *, cheat: Cheat, **kwargs) -> None:
+        super().__init__(CheatingBlock(block, cheat), **kwargs)
+        self.cheat = cheat
+
+
+class CheatingServer(StageServer):
+    """A ``StageServer`` that tells each cheating stage the route a coordinator's HELLO gave its job,
+    before the HELLO is answered (the route cheats pick their jobs by it)."""
+
+    async def _accept(self, conn: Conn, slot: StageSlot, action: AcceptHello) -> None:
+        stage, hello = slot.stage, action.hello
+        if isinstance(stage, CheatingStage) and action.binding.role is Role.COORDINATOR:
+            stage.cheat.saw_hello(hello.job, hello.topology, hello.next_url)
+        await super()._accept(conn, slot, action)
 
 
 def cheat_from_option(text: str | None, environ: Mapping[str, str] | None = None) -> Cheat | None:

@@ -1,4 +1,4 @@
-"""Application-level WAN emulation for outgoing WebSocket frames.
+"""Application-level WAN emulation for outgoing WebSocket frames (tests and benchmarks only).
 
 The kernel's ``netem`` qdisc is not available where this project runs, so wide-area conditions
 are emulated in the sender: every outgoing frame is held back until the moment a real link would
@@ -28,21 +28,31 @@ connection::
     await link.drain()          # waits until everything queued was handed to websocket.send
     await link.aclose()
 
-The agent's and the coordinator's command lines take the same spec, for example
-``--wan "rtt=50ms"`` or ``--wan "latency_ms=25,jitter_ms=2,bandwidth_mbps=100,drop=0.01,seed=1"``;
-an empty spec (the default) is the null profile, whose sends go straight through.
+A ``StageServer``, ``Pipeline`` or ``Coordinator`` takes it as its ``transport``
+(``worker_agent/protocol/transport.py``), in place of the product's ``DirectLink``::
+
+    StageServer(stage, transport=WanProfile.parse("rtt=50ms").transport())
+
+The agent and the coordinator take the same spec through the dev entry points, which run their
+commands with it substituted in, for example ``python -m worker_agent.dev.agent --wan "rtt=50ms"
+serve ...`` or ``python -m worker_agent.dev.coordinator --wan
+"latency_ms=25,jitter_ms=2,bandwidth_mbps=100,drop=0.01,seed=1" generate ...``; an empty spec is
+the null profile, whose sends go straight through.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import math
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
 from types import TracebackType
+
+from worker_agent.protocol.transport import LinkFactory
 
 # TCP's minimum retransmission timeout (RFC 6298 allows 1 s; Linux uses 200 ms).
 MIN_RETRANSMIT_S = 0.2
@@ -143,6 +153,10 @@ class WanProfile:
             )
         except ValueError as exc:
             raise ValueError(f"bad WAN spec {spec!r}: {exc}") from None
+
+    def transport(self) -> LinkFactory:
+        """Makes each connection's link hold its frames back by this profile (a ``WanLink`` each)."""
+        return functools.partial(WanLink, profile=self)
 
     def to_spec(self) -> str:
         """The inverse of ``parse``: only non-default fields, latency always as ``latency_ms``."""

@@ -53,12 +53,12 @@ from typing import Any
 import msgpack
 import torch
 
-from worker_agent import wire
 from worker_agent.block import Block, WorkItem
 from worker_agent.errors import AuditError
 from worker_agent.kvcache import KVSession
-from worker_agent.links import signed_by
-from worker_agent.receipts import Receipt, digest
+from worker_agent.protocol import wire
+from worker_agent.protocol.links import signed_by
+from worker_agent.protocol.receipts import Receipt, digest
 
 AUDIT_VERSION = 1
 DEFAULT_MIN_COSINE = 0.99

@@ -50,10 +50,10 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from worker_agent import wire
 from worker_agent.errors import SwarmError, TicketError, WireError
-from worker_agent.links import BadLink, check_peer_proof, second_connection_evidence
-from worker_agent.tickets import (
+from worker_agent.protocol import wire
+from worker_agent.protocol.links import BadLink, check_peer_proof, second_connection_evidence
+from worker_agent.protocol.tickets import (
     PeerPass,
     ProofNonces,
     Ticket,

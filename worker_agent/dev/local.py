@@ -1,6 +1,6 @@
 """A local swarm: agents as real ``swarm-worker serve`` processes on loopback.
 
-Used by ``make demo``, the benchmarks and the tests; also handy for trying a split by hand::
+Used by the data-plane demo, the benchmarks and the tests; also handy for trying a split by hand::
 
     with LocalSwarm("smollm2-135m", spans=[(0, 10), (10, 20), (20, 30)]) as swarm:
         print(swarm.urls)          # ws://127.0.0.1:PORT for each stage, in layer order
@@ -8,7 +8,8 @@ Used by ``make demo``, the benchmarks and the tests; also handy for trying a spl
         swarm.coordinator_key("job-1")  # the job's coordinator key, to hand to the Coordinator
 
 Each agent gets its own node key and trusts the swarm's issuer key; ports are picked by the
-OS and read back from each agent's READY line.
+OS and read back from each agent's READY line. An agent with a WAN or a cheat runs through the dev
+entry point (``python -m worker_agent.dev.agent``), any other as the product's ``swarm-worker``.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from pathlib import Path
 
 from nacl.signing import SigningKey
 
-from worker_agent.joining import TOKEN_ENV
-from worker_agent.keys import generate_signing_key, load_signing_key, node_id, public_key_bytes, write_key
-from worker_agent.tickets import ticket_for_stage
+from worker_agent.agent.joining import TOKEN_ENV
+from worker_agent.protocol.keys import generate_signing_key, load_signing_key, node_id, public_key_bytes, write_key
+from worker_agent.protocol.tickets import ticket_for_stage
 
+ALLOW_CHEAT_ENV = "SWARM_ALLOW_CHEAT"  # cheat.ALLOW_ENV, named here to keep torch out of this import
 _READY = re.compile(r"^READY (ws://\S+) node=(\S+) model=(\S+) layers=(\d+):(\d+)")
 
 
@@ -59,6 +61,7 @@ class LocalSwarm:
         *,
         threads: int = 1,
         wan: str = "",
+        cheat: str | None = None,
         extra_args: list[str] | None = None,
         workdir: str | Path | None = None,
         startup_timeout_s: float = 180.0,
@@ -67,6 +70,7 @@ class LocalSwarm:
         self.spans = spans
         self.threads = threads
         self.wan = wan
+        self.cheat = cheat  # tests only: every agent of the swarm runs this cheat mode (cheat.py)
         self.extra_args = extra_args or []
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if workdir:
@@ -121,9 +125,7 @@ class LocalSwarm:
                 write_key(key, generate_signing_key())
             log_path = self.workdir / f"agent{index}.log"
             command = [
-                sys.executable,
-                "-m",
-                "worker_agent.cli",
+                *agent_command(wan=self.wan, cheat=self.cheat),
                 "serve",
                 "--model",
                 self.model,
@@ -137,14 +139,13 @@ class LocalSwarm:
                 str(self.issuer_pub),
                 "--threads",
                 str(self.threads),
-                "--wan",
-                self.wan,
                 *self.extra_args,
             ]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            if self.cheat is not None:
+                env[ALLOW_CHEAT_ENV] = "1"
             log = open(log_path, "w")  # noqa: SIM115 - the child process owns it
-            process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-            )
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
             pending.append((process, log_path, key))
         self._started += len(spans)
         try:
@@ -216,12 +217,10 @@ def join_agent(
 ) -> subprocess.Popen:
     """Start ``swarm-worker join`` as a process that logs to ``log_path``, with ``token`` in its
     environment (never on its command line; None: reconnect as the key's node). ``cheat`` (tests
-    only) is a mode of ``worker_agent.cheat`` that the agent then runs with; ``wan`` emulates a
+    only) is a mode of ``worker_agent.dev.cheat`` that the agent then runs with; ``wan`` emulates a
     WAN on its outgoing data-plane frames (e.g. ``"rtt=50ms"``)."""
     command = [
-        sys.executable,
-        "-m",
-        "worker_agent.cli",
+        *agent_command(wan=wan, cheat=cheat),
         "join",
         "--control-plane",
         control_plane,
@@ -236,8 +235,6 @@ def join_agent(
     ]
     if max_layers is not None:
         command += ["--max-layers", str(max_layers)]
-    if wan:
-        command += ["--wan", wan]
     if drain_timeout_s is not None:
         command += ["--drain-timeout", str(drain_timeout_s)]
     command += extra_args or []
@@ -246,10 +243,22 @@ def join_agent(
     if token is not None:
         env[TOKEN_ENV] = token
     if cheat is not None:
-        command += ["--cheat", cheat]
-        env["SWARM_ALLOW_CHEAT"] = "1"  # cheat.ALLOW_ENV, named here to keep torch out of this import
+        env[ALLOW_CHEAT_ENV] = "1"
     log = open(log_path, "w")  # noqa: SIM115 - the child process owns it
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def agent_command(*, wan: str = "", cheat: str | None = None) -> list[str]:
+    """The command line that starts an agent, up to its subcommand: the product's ``swarm-worker``,
+    or the dev entry point that runs it with a WAN or a cheat substituted in."""
+    if not wan and cheat is None:
+        return [sys.executable, "-m", "worker_agent.agent.cli"]
+    command = [sys.executable, "-m", "worker_agent.dev.agent"]
+    if wan:
+        command += ["--wan", wan]
+    if cheat is not None:
+        command += ["--cheat", cheat]
+    return command
 
 
 def stop_processes(processes: list[subprocess.Popen], timeout_s: float = 15.0) -> None:

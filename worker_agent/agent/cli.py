@@ -1,3 +1,4 @@
+# Over 500 lines: swarm-worker's commands and their one argument parser, read together.
 """``swarm-worker``: the agent a GPU owner runs.
 
 swarm-worker keygen --out node.key
@@ -19,8 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from worker_agent.agent.joining import JOIN_TRIES
+from worker_agent.agent.parts import Parts
 from worker_agent.errors import SwarmError
-from worker_agent.joining import JOIN_TRIES
 
 
 def parse_span(text: str) -> tuple[int, int]:
@@ -49,7 +51,7 @@ def _set_threads(threads: int | None) -> None:
 
 def _load_or_create_key(path: Path):
     # Imported per command: `keygen` and `--help` answer without loading torch.
-    from worker_agent.keys import generate_signing_key, load_signing_key, write_key
+    from worker_agent.protocol.keys import generate_signing_key, load_signing_key, write_key
 
     if not path.exists():
         write_key(path, generate_signing_key())
@@ -59,7 +61,7 @@ def _load_or_create_key(path: Path):
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     # Imported per command: `keygen` and `--help` answer without loading torch.
-    from worker_agent.keys import generate_signing_key, node_id, public_key_bytes, write_key
+    from worker_agent.protocol.keys import generate_signing_key, node_id, public_key_bytes, write_key
 
     key = generate_signing_key()
     path = write_key(args.out, key, force=args.force)
@@ -72,11 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Imported per command: `keygen` and `--help` answer without loading torch.
     from worker_agent import model as models
     from worker_agent.block import Block
-    from worker_agent.keys import load_verify_key
     from worker_agent.kvcache import SessionLimits
-    from worker_agent.server import StageServer
-    from worker_agent.stage import Stage
-    from worker_agent.wan import WanProfile
+    from worker_agent.protocol.keys import load_verify_key
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if _refuse_device(args.device):
@@ -92,29 +91,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    cheat = _cheat(args)
-    if cheat is not None:
-        # Imported per command: `keygen` and `--help` answer without loading torch.
-        from worker_agent.cheat import warning_banner
-
-        print(warning_banner(cheat), file=sys.stderr, flush=True)
+    parts: Parts = args.parts
+    if parts.warning:
+        print(parts.warning, file=sys.stderr, flush=True)
     signing_key = _load_or_create_key(Path(args.key))
     trusted = [load_verify_key(key) for key in args.trust_key]
     start, end = args.layers
     weights = models.load_block(args.model, start, end, dtype=args.dtype, device=args.device)
     limits = SessionLimits(args.max_sessions, args.max_tokens, args.idle_timeout)
-    stage = Stage(
+    stage = parts.make_stage(
         Block(weights, max_batch=args.max_batch),
         model=models.model_name(args.model),
         signing_key=signing_key,
         trusted_keys=trusted,
         insecure_open=args.insecure_open,
         limits=limits,
-        cheat=cheat,
     )
-    server = StageServer(
-        stage, wan=WanProfile.parse(args.wan), max_frame=args.max_frame_mb * 1024 * 1024, max_batch=args.max_batch
-    )
+    server = parts.make_server(stage, max_frame=args.max_frame_mb * 1024 * 1024, max_batch=args.max_batch)
 
     tls = _tls_context(args)
     scheme = "wss" if tls is not None else "ws"
@@ -154,14 +147,6 @@ def _tls_arguments(parser: argparse.ArgumentParser) -> None:
         "--tls-cert", default=None, metavar="PEM", help="serve the data plane over TLS (wss://) with this certificate"
     )
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's private key")
-
-
-def _cheat(args: argparse.Namespace):
-    """The test-only cheat ``--cheat`` asks for; refused without SWARM_ALLOW_CHEAT=1."""
-    # Imported per command: `keygen` and `--help` answer without loading torch.
-    from worker_agent.cheat import cheat_from_option
-
-    return cheat_from_option(args.cheat)
 
 
 def _refuse_device(device: str) -> bool:
@@ -224,8 +209,9 @@ def _free_port(host: str) -> int:
 def cmd_join(args: argparse.Namespace) -> int:
     """Register with the control plane (once) and serve what it assigns, until stopped."""
     # Imported per command: `keygen` and `--help` answer without loading torch.
-    from worker_agent import joining, tls
-    from worker_agent.control import Agent, JoinState, hardware_report, measure_compute, register
+    from worker_agent.agent import joining
+    from worker_agent.agent.control import Agent, JoinState, hardware_report, measure_compute, register
+    from worker_agent.protocol import tls
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.token is not None:
@@ -235,7 +221,6 @@ def cmd_join(args: argparse.Namespace) -> int:
     if _refuse_device(args.device):
         return 2
     _set_threads(args.threads)
-    cheat = _cheat(args)  # the Agent announces it
     key_path = Path(args.key)
     signing_key = _load_or_create_key(key_path)
     state_path = key_path.with_name(key_path.name + ".join.json")
@@ -302,8 +287,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         advertise_url=args.advertise_url,
         dtype=args.dtype,
         device=args.device,
-        wan=args.wan,
-        cheat=cheat,
+        parts=args.parts,
         max_layers=args.max_layers,
         shutdown_drain_s=args.drain_timeout,
         tls=server_tls,
@@ -328,7 +312,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     """Whether the agent that joined with ``--key`` is connected (its heartbeat status is fresh)."""
     # Imported per command: `keygen` and `--help` answer without loading torch.
-    from worker_agent.control import read_health
+    from worker_agent.agent.control import read_health
 
     key_path = Path(args.key)
     problem = read_health(key_path.with_name(key_path.name + ".status.json"), max_age_s=args.max_age)
@@ -421,9 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle session is evicted")
     serve.add_argument("--max-batch", type=int, default=32, help="sessions' steps run together at most")
     serve.add_argument("--max-frame-mb", type=int, default=64)
-    serve.add_argument("--wan", default="", help='emulated WAN on outgoing frames, e.g. "rtt=50ms"')
     serve.add_argument("--log-level", default="info")
-    serve.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # tests only: see worker_agent/cheat.py
     serve.set_defaults(func=cmd_serve)
 
     join = sub.add_parser("join", help="join a control plane and serve the blocks it assigns")
@@ -482,9 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     join.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before the benchmark)")
     join.add_argument("--threads", type=int, default=None)
-    join.add_argument("--wan", default="", help='emulated WAN on outgoing data-plane frames, e.g. "rtt=50ms"')
     join.add_argument("--log-level", default="info")
-    join.add_argument("--cheat", default=None, help=argparse.SUPPRESS)  # tests only: see worker_agent/cheat.py
     join.set_defaults(func=cmd_join)
 
     health = sub.add_parser(
@@ -505,8 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, *, parts: Parts | None = None) -> int:
+    """``parts``: what the stages are built from; the product's unless a test tool's
+    (``worker_agent/dev/agent.py``)."""
+    args = build_parser().parse_args(argv, namespace=argparse.Namespace(parts=parts or Parts()))
     try:
         return args.func(args)
     except SwarmError as exc:

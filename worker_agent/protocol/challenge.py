@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_agent.audit import AuditMaterial, per_token_metrics, recompute, recorded_outputs
 from worker_agent.block import Block
 from worker_agent.errors import ChallengeError, ChallengeFailed
+from worker_agent.protocol.audit import AuditMaterial, per_token_metrics, recompute, recorded_outputs
 
 MIN_COSINE = 0.99
 MAX_REL_NORM = 0.05

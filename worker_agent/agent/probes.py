@@ -15,10 +15,10 @@ import urllib.request
 import websockets
 from websockets.asyncio.client import connect
 
-from worker_agent import control_protocol as protocol
-from worker_agent import wire
 from worker_agent.errors import SwarmError
-from worker_agent.tls import connect_options
+from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol import wire
+from worker_agent.protocol.tls import connect_options
 
 log = logging.getLogger("swarm.agent")
 

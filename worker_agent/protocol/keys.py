@@ -3,7 +3,7 @@
 A private key file holds the 32-byte seed as 64 hex characters and a newline, mode 0600; next
 to it, ``<path>.pub`` holds the 32-byte public key the same way, mode 0644::
 
-    from worker_agent.keys import generate_signing_key, write_key, load_signing_key
+    from worker_agent.protocol.keys import generate_signing_key, write_key, load_signing_key
     write_key("node.key", generate_signing_key())      # node.key + node.key.pub
     key = load_signing_key("node.key")
 
