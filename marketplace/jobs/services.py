@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import logging
 import secrets
+from collections.abc import Sequence
 from datetime import datetime
 
 from django.conf import settings
@@ -38,6 +39,7 @@ from marketplace.placement.selectors import context_length, recovering, route_ar
 from marketplace.verification.audits import choose_audit_stages
 from marketplace.verification.claims import refused_positions
 from marketplace.verification.failures import record_failure
+from marketplace.verification.traffic import kept_step_outputs
 from worker_agent import model as models
 from worker_agent.coordinator import grammar
 from worker_agent.coordinator.job import encode_prompt
@@ -322,9 +324,13 @@ def finish_job(
     error_message: str = "",
     drafted_tokens: int = 0,
     accepted_tokens: int = 0,
+    step_outputs_s: Sequence[Sequence[float]] = (),
 ) -> bool:
-    """End a job once (conditional on it not having ended); False if it had already ended."""
+    """End a job once (conditional on it not having ended); False if it had already ended.
+    ``step_outputs_s``: when each stage of its route put out each step of its session (``StepTimes``),
+    kept for a succeeded job only, as ``kept_step_outputs`` keeps them (nothing where malformed)."""
     assert state in FINAL_STATES
+    kept = kept_step_outputs(step_outputs_s) if state == JobState.SUCCEEDED else ()
     updated = (
         Job.objects.filter(pk=job_pk)
         .exclude(state__in=FINAL_STATES)
@@ -340,6 +346,7 @@ def finish_job(
             verification_error=verification_error[:2000],
             drafted_tokens=drafted_tokens,
             accepted_tokens=accepted_tokens,
+            step_outputs_s=[list(stage) for stage in kept],
             error_code=error_code,
             error_message=error_message[:2000],
             finished_at=timezone.now(),
