@@ -35,7 +35,7 @@ from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.nodes.models import Node, NodeState, Privacy
 from marketplace.placement.lifecycle import report_node_failure
-from marketplace.placement.selectors import context_length, recovering, route_around
+from marketplace.placement.selectors import context_length, hold_routes, recovering, route_around
 from marketplace.verification.audits import choose_audit_stages
 from marketplace.verification.claims import refused_positions
 from marketplace.verification.failures import record_failure
@@ -230,6 +230,9 @@ def heal_job(
     if len(job.heals) >= settings.SWARM_MAX_HEALS:
         log.warning("job %s: %s failed, but it was healed %d times already", job.public_id, failed_node, len(job.heals))
         return None
+    # From here to the commit no block of the model is released, and every release decided before
+    # is read: the new route never takes a stage being released (``hold_routes``).
+    hold_routes(job.model)
     avoid = {heal["failed_node"] for heal in job.heals} | {failed_node}
     current = [(s["node"], s["layer_start"], s["layer_end"]) for s in job.route]
     stages = route_around(job.model, current, avoid, job.coordinator_region, job.privacy)
