@@ -16,10 +16,10 @@ nodes saw (``FEATURES``, and which node saw it) and scored out of fold: its ROC 
 rows, as the node saw them) from the same jobs with an AUC near 1, so the check can fail.
 
 The stand-ins' run: the stand-in that feeds the node keeps to the times of the recent jobs
-(``challenger.Pace``), which the test records of each job as the runner would (``StepTimes``: the
-runner does not record them yet, so a deployed verifier's stand-ins keep to the jobs' mean pace
-only). What stand-ins cannot hide is not in the features (``observed.py``): their node ids and keys,
-the same at every challenge, and the verifier's address.
+(``challenger.Pace``), which the test records of each job as the runner does (``StepTimes``, kept
+with the job as ``traffic.kept_step_outputs`` keeps them, and read back by ``recent_shapes``). What
+stand-ins cannot hide is not in the features (``observed.py``): their node ids and keys, the same at
+every challenge, and the verifier's address.
 
 At scale, without sockets: 1,000 customers' requests and 1,000 challenges' requests, as the node
 sees what they decide (job id, prompt activations and lengths, completion length) through the same
@@ -47,7 +47,14 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold, cross_val_predict
 
 from marketplace.nodes.tickets import issuer_key, issuer_public_key, job_ticket_expiry, ticket_for
-from marketplace.verification.traffic import RECENT_JOBS, TrafficShape, challenge_job_id, chat_turns, draw_request
+from marketplace.verification.traffic import (
+    RECENT_JOBS,
+    TrafficShape,
+    challenge_job_id,
+    chat_turns,
+    draw_request,
+    kept_step_outputs,
+)
 from tests.challenge_fixtures import django_process
 from worker_agent import model as models
 from worker_agent.block import Block, WorkItem
@@ -307,13 +314,13 @@ async def _observe_world(seed: int, neighbours: str, sessions: int) -> tuple[lis
             async for event in coordinator.stream(request, strict=False):
                 result = event
         # What the runner records of it: finish_job's tokens_per_s, and when each stage put out each
-        # step (which the runner does not record yet).
+        # of its first steps (``step_outputs_s``, as ``recent_shapes`` reads it back).
         times = result.token_times
         decode = times[-1] - times[0] if len(times) > 1 else 0.0
         rate = (len(times) - 1) / decode if decode > 0 else None
         # Not a warm-up job's: the first jobs of a fresh process take longer than any later one (its
         # kernels are timed, its caches filled), which no counted job shows the node.
-        outputs = steps.outputs(result.session) if kind == "job" else ()
+        outputs = kept_step_outputs(steps.outputs(result.session)) if kind == "job" else ()
         done.append(
             dataclasses.replace(
                 shape, completion_tokens=result.completion_tokens, tokens_per_s=rate, step_outputs_s=outputs

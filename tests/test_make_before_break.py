@@ -23,7 +23,7 @@ from nacl.signing import SigningKey
 
 from tests.wire_client import raw_client
 from worker_agent import model as models
-from worker_agent.agent.control import Agent, JoinState
+from worker_agent.agent.control import DRAIN_TIMEOUT_S, Agent, JoinState
 from worker_agent.block import Block
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
@@ -41,6 +41,7 @@ MODEL = "tiny-llama"
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
 DEADLINE_S = 60.0
+UNTIMED_DRAIN_S = 0.2  # a released block's wait for a job without a ticket, in the test that passes it
 
 
 class RecordingChannel:
@@ -76,7 +77,7 @@ def free_port() -> int:
 class Swarm:
     """An agent under test, plain stage servers for the rest of the route, and the ticket issuer."""
 
-    def __init__(self, max_layers: int | None, late_jobs_s: float) -> None:
+    def __init__(self, max_layers: int | None, late_jobs_s: float, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         self.issuer = generate_signing_key()
         key = generate_signing_key()
         self.node = node_id(public_key_bytes(key))
@@ -91,6 +92,7 @@ class Swarm:
             advertise_url=self.url,
             max_layers=max_layers,
             late_jobs_s=late_jobs_s,
+            drain_timeout_s=drain_timeout_s,
         )
         self.agent.trusted_key = public_key_bytes(self.issuer)
         self.channel = RecordingChannel()
@@ -134,10 +136,13 @@ class Swarm:
 
 
 @contextlib.asynccontextmanager
-async def swarm(max_layers: int | None = None, late_jobs_s: float = 0.0) -> AsyncIterator[Swarm]:
+async def swarm(
+    max_layers: int | None = None, late_jobs_s: float = 0.0, drain_timeout_s: float = DRAIN_TIMEOUT_S
+) -> AsyncIterator[Swarm]:
     """The agent holding 0:3 as assignment 1 (ready), and plain stages for 0:3 and 3:6. A block it
-    lets go takes late jobs for ``late_jobs_s`` (none by default: each test says what it needs)."""
-    s = Swarm(max_layers, late_jobs_s)
+    lets go takes late jobs for ``late_jobs_s`` (none by default: each test says what it needs), and
+    waits ``drain_timeout_s`` for a job in flight without a ticket."""
+    s = Swarm(max_layers, late_jobs_s, drain_timeout_s)
     tasks = []
     for span in ((0, 3), (3, 6)):
         stage = Stage(
@@ -322,6 +327,32 @@ def test_a_second_stop_closes_the_agent_at_once_with_jobs_in_flight():
             assert s.agent.server is None
             with pytest.raises(StageError):  # the cut stage fails the request (no healer here)
                 await finish(stream)
+
+    asyncio.run(scenario())
+
+
+def test_a_released_block_serves_its_job_in_flight_past_the_untimed_drain_bound_to_its_end():
+    async def scenario() -> None:
+        async with swarm(drain_timeout_s=UNTIMED_DRAIN_S) as s:
+            reference = await unbroken_run(s)
+            async with s.coordinator("job-in-flight", agent_spans={(0, 3)}) as old:
+                stream = old.stream(old.request(PROMPT, max_tokens=MAX_TOKENS))
+                first = await anext(stream)  # its session is open on the block, mid-generation
+                assert first.token_id is not None
+
+                await s.agent._on_message(s.channel, protocol.Release(assignment=1, model=MODEL))
+                unloading = await until(lambda: s.agent.blocks[1].unloading, "the release to start draining")
+                # Far past the bound for a job without a ticket, the block still waits for this one,
+                # whose ticket runs for minutes: the job was routed here before the release.
+                done, _ = await asyncio.wait({unloading}, timeout=10 * UNTIMED_DRAIN_S)
+                assert not done
+                assert s.spans_held() == [(0, 3)]
+
+                result = await finish(stream)
+                assert result.token_ids == reference
+                assert result.verification is not None
+            await until(lambda: s.spans_held() == [], "the released block to unload once its job ended")
+            assert unloading.done()
 
     asyncio.run(scenario())
 

@@ -28,11 +28,12 @@ peer connection at a stage: a second one from the same sender is refused at its 
 
 Several stages on one port (make before break): an agent re-placed onto another span loads the
 new block while the old one finishes its jobs in flight. ``add_stage`` puts a stage on the port,
-``retire_stage`` stops it taking new jobs, and ``unload_stage`` waits (bounded) until its jobs
-have ended, then drops it and closes whatever connection is still bound to it. Stages are keyed
-by (model, layer_start, layer_end); a HELLO's ticket names the key and the connection talks to
-that stage only: its sessions, its receipts, its ring successor and its taps. The newest stage
-still taking jobs is the primary: PONG reports it, and without tickets a HELLO binds to it.
+``retire_stage`` stops it taking new jobs, and ``unload_stage`` waits until its jobs have ended
+(each at most until its ticket expires), then drops it and closes whatever connection is still
+bound to it. Stages are keyed by (model, layer_start, layer_end); a HELLO's ticket names the key
+and the connection talks to that stage only: its sessions, its receipts, its ring successor and
+its taps. The newest stage still taking jobs is the primary: PONG reports it, and without tickets a
+HELLO binds to it.
 
 Each stage has its own job table, queue and compute loop, so a batch never mixes blocks; the
 loops share one compute thread, because the blocks share one CPU or GPU and running them at
@@ -148,6 +149,9 @@ class JobRoute:
     peer: Conn | None = None
     peer_ready: asyncio.Future | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
+    # Unix seconds its coordinator's ticket expires at (its job's deadline, plus a margin): a stage
+    # being unloaded serves the job until then. None without a ticket (an insecure-open stage).
+    expires_at: float | None = None
 
 
 class CoordinatorKeys(Mapping[str, bytes | None]):
@@ -280,14 +284,23 @@ class StageServer:
         return cut
 
     async def unload_stage(self, key: StageKey, *, timeout: float) -> int:
-        """Retire the stage, wait up to ``timeout`` s for its jobs to end, then drop it and close the
-        connections still bound to it; returns how many jobs were cut off at the bound."""
+        """Retire the stage, wait for its jobs to end, then drop it and close the connections still
+        bound to it; returns how many jobs were cut off. Make before break: a job routed here before
+        the stage was let go is served to its end, so each is waited for until its ticket expires
+        (its job's deadline: past it, its coordinator has given up), one without a ticket ``timeout``
+        s; a job still open then is cut off."""
         slot = self.slots.get(key)
         if slot is None:
             return 0
         self.retire_stage(key)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(slot.idle.wait(), timeout)
+        untimed_until = time.time() + timeout
+        while not slot.idle.is_set():
+            left = max((untimed_until if r.expires_at is None else r.expires_at for r in slot.jobs.values()),
+                       default=0.0) - time.time()  # fmt: skip
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(slot.idle.wait(), left)
         cut = len(slot.jobs)
         if self.slots.get(key) is not slot:
             return cut
@@ -486,6 +499,7 @@ class StageServer:
                     hello.next_ticket,
                     action.binding.coordinator_key,
                     slot.stage.signing_key,
+                    expires_at=action.binding.expires_at,
                 )
                 slot.idle.clear()
         else:

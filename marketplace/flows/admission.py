@@ -20,8 +20,7 @@ from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.nodes.models import Privacy, strictest
-from marketplace.placement.models import PlacementState
-from marketplace.placement.selectors import route_request
+from marketplace.placement.selectors import hold_routes, route_request
 from marketplace.verification.audits import choose_audit_stages
 
 
@@ -93,7 +92,7 @@ def admit_job(
     # One admission at a time per model from here to the commit: each counts the jobs in flight
     # that those before it admitted, so no stage is sent more sessions than it holds.
     privacy = strictest(api_key.privacy, params.privacy)
-    placed = PlacementState.objects.select_for_update().filter(model=model).first() is not None
+    placed = hold_routes(model)
     chosen = route_request(model, jobs_in_flight(), placed=placed, privacy=privacy)
     if chosen is None:
         if route_request(model, placed=placed, privacy=privacy) is not None:

@@ -46,6 +46,7 @@ from marketplace.nodes.models import Node
 from marketplace.verification.audits import record_audits
 from marketplace.verification.failures import GONE_CODES, alive_through, failure_code, record_failure
 from marketplace.verification.strikes import strike_misconduct, strike_unverifiable_receipts
+from worker_agent.coordinator.challenger import StepTimes
 from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.session import TokenEvent
@@ -153,7 +154,7 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
     try:
         try:
             async with asyncio.timeout(settings.SWARM_JOB_TIMEOUT_S):
-                result, cancelled, transcripts = await _generate(job, layer, group, delivered, started)
+                result, cancelled, transcripts, step_outputs = await _generate(job, layer, group, delivered, started)
         except _NotStarted:
             return await in_thread(_state, job_pk)
         except Exception:
@@ -197,6 +198,7 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
         verification_error=result.verification_error,
         drafted_tokens=result.drafted,
         accepted_tokens=result.accepted,
+        step_outputs_s=step_outputs,
     )
     await layer.group_send(
         group,
@@ -257,9 +259,10 @@ class JobHealer:
 
 async def _generate(
     job: Job, layer, group: str, delivered: Delivered, started: asyncio.Future[bool]
-) -> tuple[GenerationResult | None, bool, dict]:
+) -> tuple[GenerationResult | None, bool, dict, tuple[tuple[float, ...], ...]]:
     """Stream the job's tokens to its group, counting them in ``delivered``; returns (result,
-    cancelled, the coordinator's transcripts by session). Its stages are opened while the job is
+    cancelled, the coordinator's transcripts by session, when each stage put out each step of the
+    result's session: ``StepTimes.outputs``). Its stages are opened while the job is
     marked running (``started``), and sent its prompt only once it is (else ``_NotStarted``)."""
     grant = JobGrant.new()
     specs = await in_thread(stage_specs, job, job.route, grant)
@@ -270,8 +273,13 @@ async def _generate(
         healer=JobHealer(job, grant),
         tls=held_coordinator_tls() or await in_thread(coordinator_tls),  # a thread only to make or renew it
     )
+    # Its clock starts as the coordinator begins to connect, as a challenge's stand-in counts (``Pace``).
+    steps = StepTimes(coordinator.pipeline)
     try:
-        return await _stream(job, coordinator, layer, group, delivered, started)
+        result, cancelled, transcripts = await _stream(job, coordinator, layer, group, delivered, started)
+        # Its session's steps on the route it began on: none where a heal moved it onto another.
+        outputs = steps.outputs(result.session) if result is not None else ()
+        return result, cancelled, transcripts, outputs
     finally:
         # However the job ended: a breach its node signed against itself is a strike regardless.
         if coordinator.misconduct:

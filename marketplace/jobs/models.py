@@ -74,6 +74,10 @@ class Job(models.Model):
     completion_tokens = models.PositiveIntegerField(default=0)  # tokens delivered to the client
     ttft_ms = models.FloatField(null=True, blank=True)
     tokens_per_s = models.FloatField(null=True, blank=True)  # decode rate, first to last token
+    # A succeeded job's pace as its stages kept it, for challenges to keep to: per stage of its route,
+    # when it put out each of its session's first steps, in seconds from the coordinator's HELLOs
+    # (``verification.traffic.kept_step_outputs``); [] for any other job, or one healed onto another route.
+    step_outputs_s = models.JSONField(default=list, blank=True)
     drafted_tokens = models.PositiveIntegerField(default=0)  # speculative drafts the pipeline verified
     accepted_tokens = models.PositiveIntegerField(default=0)  # ... of which accepted (committed as drafted)
 

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import logging
 import secrets
+from collections.abc import Sequence
 from datetime import datetime
 
 from django.conf import settings
@@ -34,10 +35,11 @@ from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.nodes.models import Node, NodeState, Privacy
 from marketplace.placement.lifecycle import report_node_failure
-from marketplace.placement.selectors import context_length, recovering, route_around
+from marketplace.placement.selectors import context_length, hold_routes, recovering, route_around
 from marketplace.verification.audits import choose_audit_stages
 from marketplace.verification.claims import refused_positions
 from marketplace.verification.failures import record_failure
+from marketplace.verification.traffic import kept_step_outputs
 from worker_agent import model as models
 from worker_agent.coordinator import grammar
 from worker_agent.coordinator.job import encode_prompt
@@ -228,6 +230,9 @@ def heal_job(
     if len(job.heals) >= settings.SWARM_MAX_HEALS:
         log.warning("job %s: %s failed, but it was healed %d times already", job.public_id, failed_node, len(job.heals))
         return None
+    # From here to the commit no block of the model is released, and every release decided before
+    # is read: the new route never takes a stage being released (``hold_routes``).
+    hold_routes(job.model)
     avoid = {heal["failed_node"] for heal in job.heals} | {failed_node}
     current = [(s["node"], s["layer_start"], s["layer_end"]) for s in job.route]
     stages = route_around(job.model, current, avoid, job.coordinator_region, job.privacy)
@@ -322,9 +327,13 @@ def finish_job(
     error_message: str = "",
     drafted_tokens: int = 0,
     accepted_tokens: int = 0,
+    step_outputs_s: Sequence[Sequence[float]] = (),
 ) -> bool:
-    """End a job once (conditional on it not having ended); False if it had already ended."""
+    """End a job once (conditional on it not having ended); False if it had already ended.
+    ``step_outputs_s``: when each stage of its route put out each step of its session (``StepTimes``),
+    kept for a succeeded job only, as ``kept_step_outputs`` keeps them (nothing where malformed)."""
     assert state in FINAL_STATES
+    kept = kept_step_outputs(step_outputs_s) if state == JobState.SUCCEEDED else ()
     updated = (
         Job.objects.filter(pk=job_pk)
         .exclude(state__in=FINAL_STATES)
@@ -340,6 +349,7 @@ def finish_job(
             verification_error=verification_error[:2000],
             drafted_tokens=drafted_tokens,
             accepted_tokens=accepted_tokens,
+            step_outputs_s=[list(stage) for stage in kept],
             error_code=error_code,
             error_message=error_message[:2000],
             finished_at=timezone.now(),

@@ -23,7 +23,7 @@ from marketplace.placement.data_urls import check_data_url
 from marketplace.placement.errors import InvalidDataUrl
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState
 from marketplace.placement.rebalancing import mark_dirty, release_leaving
-from marketplace.placement.selectors import region_target
+from marketplace.placement.selectors import hold_routes, region_target
 from worker_agent.protocol import control_protocol as protocol
 
 log = logging.getLogger("swarm.placement")
@@ -34,6 +34,12 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
     """The agent reports its block loaded and served at ``data_url``; False if it is stale.
     The block it superseded on that node is released at the agent now. Once every live block of
     the model is up, the placed nodes measure their links."""
+    model = Assignment.objects.filter(pk=assignment_pk).values_list("model", flat=True).first()
+    if model is None:
+        return False
+    # It may let go blocks of nodes leaving the model (``release_leaving``): taken before this
+    # assignment's row, in the order every release takes them.
+    hold_routes(model)
     # A block confirmed again after its node reconnected (``lifecycle.node_connected``) was ready before:
     # the links around it were measured then, and are not probed again for it.
     confirmed_again = Assignment.objects.filter(pk=assignment_pk, ready_at__isnull=False).exists()
@@ -45,7 +51,6 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
     if moved:
         # Served from another address now (through another relay, say): the links are measured again.
         notify_node_changed(node_pk)
-        model = Assignment.objects.get(pk=assignment_pk).model
         live = Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
         request_probes(model, [a.node for a in live])
         return True
@@ -55,7 +60,6 @@ def assignment_ready(node_pk: int, assignment_pk: int, data_url: str) -> bool:
     if updated:
         release_superseded(assignment_pk)
         notify_node_changed(node_pk)
-        model = Assignment.objects.get(pk=assignment_pk).model
         release_leaving(model)  # this block may be the last one the model waited for
         live = Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
         if not confirmed_again and all(a.state == AssignmentState.READY for a in live):

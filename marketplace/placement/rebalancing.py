@@ -40,7 +40,7 @@ from marketplace.placement.blocks import joined_id, release
 from marketplace.placement.candidates import candidates
 from marketplace.placement.errors import PlacementError
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState, PlacementState
-from marketplace.placement.selectors import servable_pipelines, share_of
+from marketplace.placement.selectors import hold_routes, servable_pipelines, share_of
 from marketplace.placement.trusted import place_with_trusted
 from worker_agent import model as models
 
@@ -234,6 +234,7 @@ def release_leaving(model: str) -> list[str]:
     share = share_of(model)
     if share is None:
         return []
+    hold_routes(model)  # no job is routed to these blocks from the release on (before the assignments' locks)
     live = Assignment.objects.select_for_update().filter(model=model, state__in=LIVE_STATES).select_related("node")
     leaving = [a for a in live.order_by("pk") if joined_id(a.node) not in share]
     away = {joined_id(a.node) for a in leaving}

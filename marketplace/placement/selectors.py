@@ -244,6 +244,17 @@ def last_resort_first(stages: list[Stage], last_resort: Collection[str]) -> list
     return [preferred, stages] if len(preferred) < len(stages) else [stages]
 
 
+def hold_routes(model: str) -> bool:
+    """Lock the model's placement row until the caller's transaction ends; True when the model is
+    placed. Every choice of a route for a job (admission, a heal) and every decision that releases or
+    moves a live block of the model (a placement, letting a leaving node go, a block superseding
+    another) takes it first, so they happen one after the other: a route chosen after a release
+    reads it (a block being released is never picked), and a job routed before one commits before
+    it (the block keeps serving it). Taken before any assignment row, as ``placing.place_model``
+    does, so that the locks are always taken in one order."""
+    return PlacementState.objects.select_for_update().filter(model=model).only("pk").first() is not None
+
+
 def route_request(
     model: str, busy: Mapping[str, int] | None = None, *, placed: bool = False, privacy: str = Privacy.ANY
 ):

@@ -9,8 +9,10 @@ for its prompt and another for its completion (a node that served both cannot ma
 its kind (a chat ``chatcmpl-<32 hex>`` or a completion ``cmpl-<32 hex>``, with the ``-<i>`` of a
 further choice), its prompt and completion lengths, a chat's structure (each message's role and
 length in words), its temperature and top_p, whether it speculates and how fast it went (for the
-stand-ins' ``Pace``). Only the words are the challenge's own, from the prompt pool (``prompts.py``),
-cut to the real prompt's length in tokens::
+stand-ins' ``Pace``: its decoding rate, and when each stage of its route put out each of its first
+steps, which the runner records of every job that succeeded, ``kept_step_outputs``). Only the
+words are the challenge's own, from the prompt pool (``prompts.py``), cut to the real prompt's
+length in tokens::
 
     drawn = draw_request(random.Random(seed), recent_shapes("smollm2-135m"), prompt_pool(), encoder)
     drawn.job, drawn.request.prompt_ids, drawn.request.max_tokens
@@ -21,6 +23,7 @@ cut to the real prompt's length in tokens::
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import re
 import uuid
@@ -34,6 +37,11 @@ from worker_agent.coordinator.sampling import SamplingParams
 Encode = Callable[[str | list[dict], bool], Sequence[int]]  # (prompt or messages, chat) -> token ids
 RECENT_JOBS = 200  # the recent jobs of a model a challenge's shape is drawn from
 MAX_TURNS = 16  # messages a chat of unknown structure may be given to reach its length
+# Steps per stage a job keeps the output times of: ``Pace`` matches a stand-in's first output to the
+# jobs' first outputs and each later one to the gaps between their outputs, so 64 steps give 63 gaps
+# a job, over 12,000 a stage among RECENT_JOBS jobs, while a job's row grows by about 500 bytes a stage.
+STEP_OUTPUTS_KEPT = 64
+MAX_STAGES = 256  # stages of a route whose times are kept at most: more than any model has layers
 _JOB_ID = re.compile(r"(?P<kind>[a-z]+)-[0-9a-f]{32}(?P<choice>-[0-9]+)?")
 
 
@@ -49,8 +57,9 @@ class TrafficShape:
     speculation: bool = True  # whether it let the coordinator speculate
     tokens_per_s: float | None = None  # its decoding rate after the first token; None: not measured
     # Per stage of its route, in layer order, when it put out each step, in seconds from the job's
-    # HELLOs (``StepTimes``): the next stage's inputs as they came; () where not recorded (the runner
-    # does not record them yet, so ``recent_shapes`` leaves them empty).
+    # HELLOs (``StepTimes``): the next stage's inputs as they came; the runner keeps the first
+    # STEP_OUTPUTS_KEPT of each (``kept_step_outputs``); () where not recorded (a job that ended before
+    # the runner recorded them, or was healed onto another route).
     step_outputs_s: tuple[tuple[float, ...], ...] = ()
     # A chat's messages: (role, words of its content) each, in order; () for a completion or unknown.
     turns: tuple[tuple[str, int], ...] = ()
@@ -189,6 +198,26 @@ def _longest_fit(words: int, target: int, encoded: Callable[[int], tuple[int, ..
     return encoded(low)
 
 
+def kept_step_outputs(outputs: object) -> tuple[tuple[float, ...], ...]:
+    """A job's step output times as they are stored with it and read back: per stage of its route, in
+    layer order, when it put out each of its first STEP_OUTPUTS_KEPT steps, in seconds rounded to the
+    millisecond. () unless ``outputs`` is that (1 to MAX_STAGES stages, each of at least one finite,
+    non-negative, non-decreasing time in seconds): a partial or garbled record is no job's pace."""
+    if not isinstance(outputs, list | tuple) or not 0 < len(outputs) <= MAX_STAGES:
+        return ()
+    kept = []
+    for stage in outputs:
+        if not isinstance(stage, list | tuple) or not stage:
+            return ()
+        times = stage[:STEP_OUTPUTS_KEPT]
+        if not all(isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) for t in times):
+            return ()
+        if times[0] < 0 or any(later < earlier for earlier, later in itertools.pairwise(times)):
+            return ()
+        kept.append(tuple(round(float(t), 3) for t in times))
+    return tuple(kept)
+
+
 def recent_shapes(model: str, limit: int = RECENT_JOBS) -> list[TrafficShape]:
     """The shapes of the model's most recent paid jobs (at most ``limit``), newest first."""
     rows = (
@@ -201,10 +230,13 @@ def recent_shapes(model: str, limit: int = RECENT_JOBS) -> list[TrafficShape]:
             "job__completion_tokens",
             "job__params",
             "job__tokens_per_s",
+            "job__step_outputs_s",
         )
     )
     shapes: dict[int, TrafficShape] = {}
-    for job_pk, public_id, prompt_tokens, completion_tokens, params, tokens_per_s in rows[: limit * 4].iterator():
+    for job_pk, public_id, prompt_tokens, completion_tokens, params, tokens_per_s, outputs in rows[
+        : limit * 4
+    ].iterator():
         if job_pk in shapes:
             continue  # one earning per node of the job
         params = params if isinstance(params, dict) else {}
@@ -216,6 +248,7 @@ def recent_shapes(model: str, limit: int = RECENT_JOBS) -> list[TrafficShape]:
             top_p=_number(params.get("top_p"), 1.0, 1e-6, 1.0),
             speculation=params.get("speculation") is not False,
             tokens_per_s=tokens_per_s or None,
+            step_outputs_s=kept_step_outputs(outputs),
             turns=chat_turns(params.get("messages")),
         )
         if len(shapes) == limit:

@@ -29,8 +29,9 @@ it refuses is logged and dropped.
 Re-placement is make before break. An agent assigned another block keeps serving the blocks it
 holds for the jobs in flight while it loads the new one, all on one data-plane port
 (``server.py``), as long as old and new layers together fit its cap (``--max-layers``). When they
-do not, it drains the oldest block first: no new job on it, its jobs in flight end (at most
-``DRAIN_TIMEOUT_S``), then it is unloaded and the new one loaded. A ``release`` of a block does the
+do not, it drains the oldest block first: no new job on it, its jobs in flight end (each at most
+until its ticket expires, at its job's deadline: ``StageServer.unload_stage``), then it is unloaded
+and the new one loaded. A ``release`` of a block does the
 same without a new one: no new job, unloaded once its jobs end. The control plane sends it once
 the block that supersedes it reports ready. Either way the block first takes new jobs for
 ``LATE_JOBS_S`` more: the control plane stopped routing to it before telling the agent, and a job
@@ -81,7 +82,9 @@ log = logging.getLogger("swarm.agent")
 
 HTTP_TIMEOUT_S = 30.0
 MAX_BACKOFF_S = 30.0  # the control channel's reconnect waits are drawn from at most [0, this]
-DRAIN_TIMEOUT_S = 60.0  # how long a released or displaced block waits for its jobs in flight to end
+# How long a released or displaced block waits for a job in flight that came without a ticket (an
+# insecure-open stage) to end; a ticketed job is waited for until its ticket expires.
+DRAIN_TIMEOUT_S = 60.0
 LEAVE_ANSWER_S = 5.0  # how long a stopping agent waits for the control plane to take it off routing
 # How long a block keeps taking new jobs once the control plane routes nothing more to it (it
 # released the block, or answered the agent's stop): a job routed to it just before that moment is
@@ -689,8 +692,8 @@ class Agent:
         if self.blocks.get(block.assignment) is block:
             del self.blocks[block.assignment]
         if cut:
-            log.warning("unloaded %s layers %d:%d, cutting off %d jobs still open after %.0fs",
-                        model, start, end, cut, self.drain_timeout_s)  # fmt: skip
+            log.warning("unloaded %s layers %d:%d, cutting off %d jobs still open past their deadlines",
+                        model, start, end, cut)  # fmt: skip
         else:
             log.info("unloaded %s layers %d:%d (assignment %s)", model, start, end, block.assignment)
 
