@@ -78,7 +78,7 @@ from worker_agent.connection import (
     StageKey,
     refused,
 )
-from worker_agent.errors import SwarmError, WireError
+from worker_agent.errors import SessionError, SwarmError, WireError
 from worker_agent.keys import node_id
 from worker_agent.links import peer_proof
 from worker_agent.metrics import AgentMetrics, BlockLoad
@@ -593,10 +593,11 @@ class StageServer:
                 results = await loop.run_in_executor(self._executor, stage.compute, [p for _, p in batch])
             except Exception as exc:  # a failed batch must not kill the stage
                 log.exception("compute failed")
+                # A cache the memory could not grow (``kvcache.KVMemory``) keeps its code: the
+                # coordinator tells a refusal for memory from a broken stage by it.
+                code = exc.code if isinstance(exc, SessionError) else "compute_failed"
                 for conn, prepared in batch:
-                    await self._error(
-                        conn, wire.Error("compute_failed", f"compute failed: {exc}", job=prepared.forward.job)
-                    )
+                    await self._error(conn, wire.Error(code, f"compute failed: {exc}", job=prepared.forward.job))
                 continue
             finished = []
             for (conn, prepared), outputs in zip(batch, results, strict=True):
