@@ -59,7 +59,7 @@ def test_a_node_claiming_twice_the_positions_it_holds_is_clamped_and_struck(swar
 
 
 def test_a_claim_within_the_tolerance_is_clamped_but_not_struck(swarm, customer):
-    b, _ = refused(customer, swarm, reported=2000)
+    b, _ = refused(customer, swarm, reported=1600)
 
     assert b.max_positions == 1099
     assert Strike.objects.filter(kind=StrikeKind.CAPACITY).count() == 0
