@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker_agent.errors import SessionError
 from worker_agent.control_protocol import MEMORY_FRACTION
+from worker_agent.errors import SessionError
 from worker_agent.kvcache import MIN_CAPACITY, KVLayout, KVMemory, KVSession, SessionLimits, SessionStore
 
 pytestmark = pytest.mark.dataplane

@@ -13,11 +13,8 @@ then bfloat16 before it fails). A node that cannot be reached, refuses, errs, st
 deadline, or signs a receipt that does not match the traffic fails it (``fail_challenge``);
 ``expire_challenges`` fails those left without an outcome past their deadline. A failure opens a
 strike. A failure of the verifier's own stages is an error, with no verdict on the node.
-
-A memory challenge (``open_challenge(memory=True)``; SWARM_MEMORY_CHALLENGE_SHARE of those due) asks
-the node to hold several sessions at once (``claims.memory_ask``), greedy, and grades every one of
-them; one it refused or dropped for room is judged as a capacity claim (``claims.failed_to_hold``),
-and one it passed records the memory it proved (``claims.held_memory``)."""
+A memory challenge (``open_challenge(memory=True)``, ``holding.py``) grades each of its sessions; a
+refusal for room is judged as a capacity claim (``claims.failed_to_hold``)."""
 
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ import secrets
 import threading
 from datetime import timedelta
 
-import msgpack
 from celery import current_app
 from django.conf import settings
 from django.db import connection, transaction
@@ -43,13 +39,14 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.tickets import issuer_key, issuer_public_key, job_ticket_expiry, ticket_for
 from marketplace.placement.lifecycle import record_measured_speed
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState
-from marketplace.verification.claims import MEMORY_DECODE_TOKENS, failed_to_hold, held_memory, memory_ask, open_sessions
+from marketplace.verification.claims import failed_to_hold, held_memory
 from marketplace.verification.dispatch import CHALLENGE_RUN_TASK, CHALLENGE_TASK, thresholds, verify_after_commit
 from marketplace.verification.errors import NotChallengeable
+from marketplace.verification.holding import held_requests, memory_challenge, pack_materials, unpack_materials
 from marketplace.verification.models import Challenge, CheckState, StrikeKind
 from marketplace.verification.prompts import prompt_pool
 from marketplace.verification.strikes import open_strike, strike_false_capacity_claim
-from marketplace.verification.traffic import TrafficShape, draw_request, recent_shapes
+from marketplace.verification.traffic import draw_request, recent_shapes
 from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
 from worker_agent import challenge as challenges
 from worker_agent.audit import AuditMaterial
@@ -65,7 +62,6 @@ from worker_agent.coordinator.challenger import (
     run_challenge_job,
 )
 from worker_agent.coordinator.job import encode_prompt
-from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.errors import ChallengeError
 from worker_agent.keys import node_id, public_key_bytes
@@ -89,28 +85,13 @@ def open_challenge(
     if assignment is None or not node.connected or node.state != NodeState.ACTIVE:
         raise NotChallengeable(f"node {node.node_id} serves no ready block to challenge")
     now = timezone.now()
-    if memory:
-        sessions, positions = memory_ask(node, assignment)
-        return Challenge.objects.create(
-            node=node,
-            model=assignment.model,
-            layer_start=assignment.layer_start,
-            layer_end=assignment.layer_end,
-            seed=secrets.randbits(63) if seed is None else seed,
-            tokens=MEMORY_DECODE_TOKENS,
-            sessions=sessions,
-            positions=positions,
-            metrics={"open_sessions": open_sessions(node)},
-            sent_at=now,
-            deadline_at=now + timedelta(seconds=settings.SWARM_CHALLENGE_DEADLINE_S),
-        )
     return Challenge.objects.create(
         node=node,
         model=assignment.model,
         layer_start=assignment.layer_start,
         layer_end=assignment.layer_end,
         seed=secrets.randbits(63) if seed is None else seed,
-        tokens=tokens or 0,
+        **({"tokens": tokens or 0} | (memory_challenge(node, assignment) if memory else {})),
         sent_at=now,
         deadline_at=now + timedelta(seconds=settings.SWARM_CHALLENGE_DEADLINE_S),
     )
@@ -199,7 +180,7 @@ def run_challenge(challenge_pk: int) -> Challenge:
         )
         request: ChallengeRequest | tuple[ChallengeRequest, ...] = drawn.request
         if challenge.positions:
-            request, drawn = _held_requests(challenge, tokenizer), dataclasses.replace(drawn, pace=None)
+            request, drawn = held_requests(challenge, tokenizer), dataclasses.replace(drawn, pace=None)
     except Exception as exc:  # the verifier's own failure is not the node's
         log.exception("challenge %s could not be prepared", challenge_pk)
         return _no_verdict(challenge_pk, f"verifier failed: {exc}")
@@ -258,29 +239,6 @@ def run_challenge(challenge_pk: int) -> Challenge:
         return _no_verdict(challenge_pk, f"verifier failed: {type(exc).__name__}: {exc}")
     return record_challenge_output(
         challenge_pk, run.material, elapsed_ms=run.elapsed_s * 1000.0, more=run.materials[1:]
-    )
-
-
-def _held_requests(challenge: Challenge, tokenizer) -> tuple[ChallengeRequest, ...]:
-    """A memory challenge's sessions: greedy completions of MEMORY_DECODE_TOKENS tokens over prompts
-    of texts of the prompt pool, each filling the challenge's positions (at most)."""
-    shape = TrafficShape(
-        "cmpl-memory", challenge.positions - challenge.tokens, challenge.tokens, temperature=0.0, speculation=False
-    )
-    pool = prompt_pool()
-    return tuple(
-        dataclasses.replace(
-            draw_request(
-                random.Random(challenge.seed + session),
-                [shape],
-                pool,
-                lambda prompt, chat: encode_prompt(tokenizer, prompt, chat=chat),
-                max_tokens=challenge.tokens,
-            ).request,
-            sampling=SamplingParams(temperature=0.0),
-            speculate=False,
-        )
-        for session in range(challenge.sessions)
     )
 
 
@@ -410,17 +368,11 @@ def record_challenge_output(
         return challenge
     expected = (challenge.node.node_id, challenge.model, challenge.layer_start, challenge.layer_end)
     materials = (material, *more)
-    found = next(
-        (seen for one in materials if (seen := (one.node, one.model, one.layer_start, one.layer_end)) != expected),
-        expected,
-    )
-    if found != expected or len(materials) != challenge.sessions:
+    found = {(one.node, one.model, one.layer_start, one.layer_end) for one in materials} - {expected}
+    if found or len(materials) != challenge.sessions:
         challenge.state, challenge.checked_at = CheckState.FAILED, now
-        challenge.reason = (
-            f"malformed answer: the material is of {found}, not {expected}"
-            if found != expected
-            else f"malformed answer: material of {len(materials)} sessions, not {challenge.sessions}"
-        )
+        of = f"of {min(found)}" if found else f"of {len(materials)} sessions"
+        challenge.reason = f"malformed answer: the material is {of}, not {expected}"
         challenge.save()
         open_strike(challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge))
         return challenge
@@ -511,21 +463,6 @@ def _graded(challenge: Challenge, material: AuditMaterial) -> tuple[challenges.C
     block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end, FALLBACK_DTYPE)
     fallback = challenges.grade(material, block, **thresholds())
     return (fallback, FALLBACK_DTYPE) if fallback.passed else (comparison, "float32")
-
-
-def pack_materials(materials: tuple[AuditMaterial, ...]) -> bytes:
-    """Several sessions' material as one stored answer: a msgpack list of each one's bytes."""
-    return msgpack.packb([one.to_bytes() for one in materials], use_bin_type=True)
-
-
-def unpack_materials(data: bytes, sessions: int) -> tuple[AuditMaterial, ...]:
-    """The material ``pack_materials`` stored (or one ``AuditMaterial``'s bytes, for one session)."""
-    if sessions == 1:
-        return (AuditMaterial.from_bytes(data),)
-    packed = msgpack.unpackb(data, raw=False)
-    if not isinstance(packed, list) or len(packed) != sessions:
-        raise ValueError(f"a memory challenge's answer holds {sessions} sessions' material")
-    return tuple(AuditMaterial.from_bytes(one) for one in packed)
 
 
 def expire_challenges(now=None) -> list[int]:
