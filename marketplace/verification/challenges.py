@@ -13,8 +13,7 @@ then bfloat16 before it fails). A node that cannot be reached, refuses, errs, st
 deadline, or signs a receipt that does not match the traffic fails it (``fail_challenge``);
 ``expire_challenges`` fails those left without an outcome past their deadline. A failure opens a
 strike. A failure of the verifier's own stages is an error, with no verdict on the node.
-A memory challenge (``open_challenge(memory=True)``, ``holding.py``) grades each of its sessions; a
-refusal for room is judged as a capacity claim (``claims.failed_to_hold``)."""
+A memory challenge (``holding.py``) grades each session; a refusal for room is a capacity verdict."""
 
 from __future__ import annotations
 
@@ -228,6 +227,8 @@ def run_challenge(challenge_pk: int) -> Challenge:
     except HoldRefused as exc:
         return failed_to_hold(challenge_pk, exc.asked, f"{exc} ({exc.code})")
     except NodeFailed as exc:
+        if exc.code == DEADLINE and challenge.positions:  # its length is the verifier's choice, its time the route's
+            return _no_verdict(challenge_pk, f"the memory challenge outlasted its deadline: {exc}")
         return fail_challenge(challenge_pk, f"{exc} ({exc.code})", expired=exc.code == DEADLINE)
     except ChallengeError as exc:
         if exc.code != VERIFIER:
@@ -237,9 +238,7 @@ def run_challenge(challenge_pk: int) -> Challenge:
     except Exception as exc:  # the verifier's own failure (a stand-in that would not start, a bug)
         log.exception("challenge %s: the job failed on the verifier's side", challenge_pk)
         return _no_verdict(challenge_pk, f"verifier failed: {type(exc).__name__}: {exc}")
-    return record_challenge_output(
-        challenge_pk, run.material, elapsed_ms=run.elapsed_s * 1000.0, more=run.materials[1:]
-    )
+    return record_challenge_output(challenge_pk, run.material, elapsed_ms=run.elapsed_s * 1e3, more=run.materials[1:])
 
 
 def _no_verdict(challenge_pk: int, reason: str) -> Challenge:
