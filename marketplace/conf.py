@@ -24,7 +24,7 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     return value
 
 
-def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
+def env_float(name: str, default: float, *, minimum: float | None = None, maximum: float | None = None) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -34,6 +34,8 @@ def env_float(name: str, default: float, *, minimum: float | None = None) -> flo
         raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
     if value != value or (minimum is not None and value < minimum):
         raise ImproperlyConfigured(f"{name} must be a number >= {minimum}, got {raw!r}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{name} must be a number <= {maximum}, got {raw!r}")
     return value
 
 

@@ -319,8 +319,14 @@ SWARM_RTT_CLAIM_MARGIN_MS = env_float("SWARM_RTT_CLAIM_MARGIN_MS", 50.0, minimum
 # end's claim (a single report from a busy end is inflated by its load, not by the other's lie).
 SWARM_RTT_EVIDENCE_SAMPLES = env_int("SWARM_RTT_EVIDENCE_SAMPLES", 3, minimum=1)
 # A node whose stage refuses a session for its length within the positions it reported holding is
-# clamped to less than that length; one that reported more than this many times it is struck.
-SWARM_MEMORY_CLAIM_TOLERANCE = env_float("SWARM_MEMORY_CLAIM_TOLERANCE", 2.0, minimum=1.0)
+# clamped to less than that length, and one that fails a memory challenge to the memory it showed at
+# most; one that reported more than this many times that is struck.
+SWARM_MEMORY_CLAIM_TOLERANCE = env_float("SWARM_MEMORY_CLAIM_TOLERANCE", 1.5, minimum=1.0)
+# Memory challenges (docs/trust-and-payouts.md, "Memory is held, not claimed"): this share of the
+# challenges due are memory ones, which ask a node to hold this fraction of the KV budget its blocks
+# were placed with (SWARM_KV_BUDGET_SESSIONS sessions of full length), all at once.
+SWARM_MEMORY_CHALLENGE_SHARE = env_float("SWARM_MEMORY_CHALLENGE_SHARE", 0.25, minimum=0.0, maximum=1.0)
+SWARM_MEMORY_CHALLENGE_FRACTION = env_float("SWARM_MEMORY_CHALLENGE_FRACTION", 0.75, minimum=0.01, maximum=1.0)
 # Host names an agent may advertise as its data-plane URL whatever address its control channel
 # comes from (agents behind a reverse proxy or a port forward); otherwise the URL's host must be that address.
 SWARM_AGENT_URL_HOSTS = env_list("SWARM_AGENT_URL_HOSTS", [])

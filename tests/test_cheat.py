@@ -10,6 +10,7 @@ import torch
 
 from worker_agent import model as models
 from worker_agent.agent import cli
+from worker_agent.agent.parts import Parts
 from worker_agent.block import Block, WorkItem
 from worker_agent.dev import agent as dev_agent
 from worker_agent.dev.cheat import Cheat, CheatingStage, cheat_from_option, impostor_weights
@@ -88,8 +89,11 @@ def test_parses_every_mode_and_prints_it_back(text, mode, fraction):
         (
             "honest",
             "unknown cheat mode 'honest': use one of "
-            "garbage, identity, other-weights, selective, ring-only, with-successor",
+            "garbage, identity, other-weights, selective, ring-only, with-successor, claim-memory",
         ),
+        ("claim-memory", "claim-memory needs a factor > 1, e.g. claim-memory:2, got 'claim-memory'"),
+        ("claim-memory:1", "claim-memory takes a factor in (1, 1000], and only it: got claim-memory with 1.0"),
+        ("claim-memory:nan", "claim-memory takes a factor in (1, 1000], and only it: got claim-memory with nan"),
         ("selective", "selective needs a fraction in (0, 1], e.g. selective:0.5, got 'selective'"),
         ("selective:half", "selective needs a fraction in (0, 1], e.g. selective:0.5, got 'selective:half'"),
         ("selective:0", "a cheat's fraction must be in (0, 1], got 0.0"),
@@ -102,6 +106,19 @@ def test_refuses_a_malformed_mode(text, message):
         Cheat.parse(text)
 
     assert (str(refused.value), refused.value.code) == (message, "cheat_invalid")
+
+
+def test_claim_memory_reports_more_memory_and_computes_honestly():
+    cheat = Cheat.parse("claim-memory:2")
+
+    assert (str(cheat), cheat.reported_memory(3 << 20), cheat.cheats_on("job", "s0")) == (
+        "claim-memory:2",
+        6 << 20,
+        False,
+    )
+    report = {"device": "cpu", "memory_bytes": 3 << 20}
+    assert Parts(reported=cheat.reported_hardware).report(report) == {"device": "cpu", "memory_bytes": 6 << 20}
+    assert Parts().report(report) == Cheat.parse("garbage").reported_hardware(report) == report
 
 
 def test_the_option_is_refused_unless_the_environment_allows_cheating():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from worker_agent.errors import SessionError
-from worker_agent.kvcache import MIN_CAPACITY, KVLayout, KVSession, SessionLimits, SessionStore
+from worker_agent.kvcache import MIN_CAPACITY, KVLayout, KVMemory, KVSession, SessionLimits, SessionStore
+from worker_agent.protocol.control_protocol import MEMORY_FRACTION
 
 pytestmark = pytest.mark.dataplane
 
@@ -343,3 +344,41 @@ def test_truncate_at_or_past_the_length_changes_nothing(position):
 
     assert kv.length == 8
     assert _held_keys(kv, 0) == [float(p) for p in range(8)]
+
+
+# LAYOUT costs 2 (K, V) x 2 layers x 2 heads x 4 dims x 4 bytes = 128 bytes per position.
+POSITION = 128
+
+
+def test_a_session_grows_into_the_memory_it_is_granted_and_no_further():
+    memory = KVMemory(1000 * POSITION)
+    memory.charge(200 * POSITION)  # a block's weights
+    store = SessionStore(SessionLimits(max_tokens=4096), memory=memory)
+    kv = store.open("job", "s0")
+
+    kv.reserve(500, LAYOUT)
+    kv.reserve(501, LAYOUT)  # doubling wants 1000 positions; 800 are left: exactly 501 fit
+
+    assert (kv.capacity, memory.caches, memory.free) == (501, 501 * POSITION, 299 * POSITION)
+    assert _code(kv.reserve, 801, LAYOUT) == "kv_memory_full"
+    assert kv.capacity == 501  # a refused growth keeps what the session held
+    store.close("job", "s0")
+    assert (memory.caches, memory.free) == (0, 800 * POSITION)
+
+
+def test_a_step_the_memory_cannot_hold_is_refused_before_it_runs():
+    memory = KVMemory(300 * POSITION)
+    store = SessionStore(SessionLimits(), memory=memory)
+    first, second = store.open("job", "s0"), store.open("job", "s1")
+    first.reserve(200, LAYOUT)
+
+    assert store.check_room(second, 0, 100, position_bytes=POSITION) == 100 * POSITION
+    assert _code(lambda: store.check_room(second, 0, 101, position_bytes=POSITION)) == "kv_memory_full"
+    store.evict_idle()
+    assert memory.caches == 200 * POSITION  # only closing or evicting a session gives its memory back
+
+
+def test_an_agent_holds_its_caches_in_the_planned_share_of_the_memory_it_reports():
+    assert KVMemory.of(1000, MEMORY_FRACTION).budget == int(1000 * MEMORY_FRACTION) == 800
+    with pytest.raises(ValueError):
+        KVMemory(-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import stat
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from worker_agent.agent.cli import parse_bytes
 from worker_agent.protocol.keys import load_signing_key, node_id, public_key_bytes
 
 pytestmark = pytest.mark.dataplane
@@ -103,3 +105,16 @@ def test_serve_rejects_a_malformed_span_argument(tmp_path):
 
     assert done.returncode == 2
     assert "layer span must look like 0:10, got 'zero:ten'" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("6GiB", 6 << 30), ("512MiB", 512 << 20), ("1.5 KiB", 1536), ("1048576", 1 << 20)]
+)
+def test_a_memory_size_reads_in_binary_units(text, size):
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "0", "6GB", "-1GiB", "lots", f"{1 << 63}"])
+def test_a_memory_size_out_of_range_or_unit_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)

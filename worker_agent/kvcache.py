@@ -11,10 +11,18 @@ lies past ``length``.
 Limits protect the host: a bounded number of live sessions, a bounded number of positions per
 session, and eviction after idling. Using an evicted or unknown session raises
 ``SessionError`` with a precise code.
+
+Memory: an agent that joined holds its stages' caches in the memory it reported
+(``KVMemory``: its ``--memory``, else what it measured, times ``control_protocol.MEMORY_FRACTION``, less the weights
+of the blocks it holds), shared by all its stages. A step that would need more is refused before it
+runs (``kv_memory_full``), never half computed; placement planned the node's blocks by the same
+report and fraction (``marketplace/placement/memory.py``), so an agent that told the truth holds
+every session it was placed for, and one that claimed more than it has refuses them.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -48,6 +56,66 @@ class KVLayout:
 
 
 MIN_CAPACITY = 64  # positions of a session's first allocation (unless its limit is lower)
+KV_MEMORY_FULL = "kv_memory_full"  # the SessionError code of a step the memory cannot hold
+
+
+def position_bytes(layout: KVLayout) -> int:
+    """Bytes one cached position costs a session on a block of ``layout``: K and V of every layer."""
+    return 2 * layout.layers * layout.kv_heads * layout.head_dim * layout.dtype.itemsize
+
+
+class KVMemory:
+    """The memory an agent's stages hold their caches in: ``budget`` bytes (its reported memory
+    times MEMORY_FRACTION), less its blocks' weights (``charge``) and its sessions' buffers (``grant``).
+    Thread-safe: sessions grow on the compute thread and close on the event loop."""
+
+    def __init__(self, budget: int) -> None:
+        if budget < 0:
+            raise ValueError(f"a memory budget must be >= 0 bytes, got {budget}")
+        self.budget = budget
+        self.weights = 0  # bytes of the blocks held
+        self.caches = 0  # bytes of the sessions' buffers
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, memory_bytes: int, fraction: float) -> KVMemory:
+        """The memory of an agent that reports ``memory_bytes``, of which it plans ``fraction`` for
+        blocks and caches (``control_protocol.MEMORY_FRACTION``, as placement does)."""
+        return cls(int(memory_bytes * fraction))
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.weights - self.caches
+
+    def charge(self, weights: int) -> None:
+        """A block of ``weights`` bytes is loaded (negative: unloaded). The room left may go below
+        zero: the block is there, and no session gets room until it goes."""
+        with self._lock:
+            self.weights += weights
+
+    def check(self, needed: int, session: str) -> None:
+        """Raise ``kv_memory_full`` unless ``needed`` more bytes of cache fit now."""
+        if needed > self.free:
+            raise SessionError(
+                f"session {session!r} needs {needed} more bytes of KV cache; this agent's memory holds "
+                f"{max(self.free, 0)} more ({self.budget} bytes planned, {self.weights} of weights, "
+                f"{self.caches} of caches)",
+                code=KV_MEMORY_FULL,
+            )
+
+    def grant(self, want: int, need: int, session: str) -> int:
+        """Bytes for a growing session: ``want`` if they fit, else ``need`` (raises when not even
+        that fits). An exact fit leaves nothing to the doubling growth, so a session never holds
+        room the budget of other sessions was planned on."""
+        with self._lock:
+            granted = want if want <= self.free else need
+            self.check(granted, session)
+            self.caches += granted
+            return granted
+
+    def release(self, granted: int) -> None:
+        with self._lock:
+            self.caches -= granted
 
 
 @dataclass(eq=False)
@@ -57,6 +125,8 @@ class KVSession:
     job: str
     session: str
     max_tokens: int | None = None  # capacity never grows past this (None: no bound)
+    memory: KVMemory | None = field(default=None, repr=False)  # where its buffers' bytes come from (None: anywhere)
+    granted: int = 0  # bytes of ``memory`` its buffers hold
     length: int = 0  # positions held: [0, length) of every buffer is valid
     last_used: float = 0.0  # monotonic seconds
     layout: KVLayout | None = field(default=None, repr=False)  # set by the first ``reserve``
@@ -86,6 +156,13 @@ class KVSession:
         if self.max_tokens is not None:
             capacity = min(capacity, self.max_tokens)
         capacity = max(capacity, positions)
+        if self.memory is not None:
+            size = position_bytes(layout)
+            granted = self.memory.grant(
+                (capacity - self.capacity) * size, (positions - self.capacity) * size, self.session
+            )
+            self.granted += granted
+            capacity = self.capacity + granted // size
         shape = (layout.kv_heads, capacity, layout.head_dim)
         keys, values = [], []
         for layer in range(layout.layers):
@@ -107,8 +184,11 @@ class SessionStore:
 
     _FORGET_AFTER = 4096  # how many evicted ids are remembered to tell "evicted" from "unknown"
 
-    def __init__(self, limits: SessionLimits, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, limits: SessionLimits, *, clock: Callable[[], float] = time.monotonic, memory: KVMemory | None = None
+    ) -> None:
         self.limits = limits
+        self.memory = memory
         self._clock = clock
         self._live: dict[SessionKey, KVSession] = {}
         self._evicted: OrderedDict[SessionKey, str] = OrderedDict()
@@ -127,7 +207,7 @@ class SessionStore:
             raise SessionError(
                 f"this stage already holds {self.limits.max_sessions} sessions (its limit)", code="too_many_sessions"
             )
-        kv = KVSession(job, session, max_tokens=self.limits.max_tokens, last_used=self._clock())
+        kv = KVSession(job, session, max_tokens=self.limits.max_tokens, memory=self.memory, last_used=self._clock())
         self._live[key] = kv
         return kv
 
@@ -159,9 +239,13 @@ class SessionStore:
         kv.last_used = self._clock()
         return kv
 
-    def check_room(self, kv: KVSession, start: int, count: int, *, held: int | None = None) -> None:
+    def check_room(
+        self, kv: KVSession, start: int, count: int, *, held: int | None = None, position_bytes: int = 0
+    ) -> int:
         """``held``: the positions the session will hold once the steps accepted before this one are
-        computed (a speculating coordinator sends its next chunk before the last one came back)."""
+        computed (a speculating coordinator sends its next chunk before the last one came back).
+        With ``position_bytes`` (what one position costs on this stage), also that the memory holds
+        the positions the session's buffers lack; returns those bytes."""
         held = kv.length if held is None else held
         if start > held:
             raise SessionError(
@@ -172,6 +256,10 @@ class SessionStore:
                 f"session {kv.session!r} would reach {start + count} positions (limit {self.limits.max_tokens})",
                 code="session_too_long",
             )
+        needed = max(0, start + count - kv.capacity) * position_bytes
+        if self.memory is not None and needed:
+            self.memory.check(needed, kv.session)
+        return needed
 
     def close(self, job: str, session: str) -> KVSession:
         kv = self.get(job, session)
@@ -194,7 +282,10 @@ class SessionStore:
         return evicted
 
     def _forget(self, key: SessionKey, reason: str) -> None:
-        del self._live[key]
+        kv = self._live.pop(key)
+        if kv.memory is not None:
+            kv.memory.release(kv.granted)
+            kv.granted = 0
         self._evicted[key] = reason
         while len(self._evicted) > self._FORGET_AFTER:
             self._evicted.popitem(last=False)

@@ -63,7 +63,7 @@ from prometheus_client import Counter
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
-from worker_agent.errors import SwarmError, WireError
+from worker_agent.errors import SessionError, SwarmError, WireError
 from worker_agent.metrics import AgentMetrics, BlockLoad
 from worker_agent.protocol import wire
 from worker_agent.protocol.connection import (
@@ -606,10 +606,11 @@ class StageServer:
                 results = await loop.run_in_executor(self._executor, stage.compute, [p for _, p in batch])
             except Exception as exc:  # a failed batch must not kill the stage
                 log.exception("compute failed")
+                # A cache the memory could not grow (``kvcache.KVMemory``) keeps its code: the
+                # coordinator tells a refusal for memory from a broken stage by it.
+                code = exc.code if isinstance(exc, SessionError) else "compute_failed"
                 for conn, prepared in batch:
-                    await self._error(
-                        conn, wire.Error("compute_failed", f"compute failed: {exc}", job=prepared.forward.job)
-                    )
+                    await self._error(conn, wire.Error(code, f"compute failed: {exc}", job=prepared.forward.job))
                 continue
             finished = []
             for (conn, prepared), outputs in zip(batch, results, strict=True):

@@ -16,7 +16,7 @@ import torch
 
 from worker_agent.block import Block, WorkItem
 from worker_agent.errors import SessionError, WireError
-from worker_agent.kvcache import KVSession, SessionLimits, SessionStore
+from worker_agent.kvcache import KVMemory, KVSession, SessionLimits, SessionStore, position_bytes
 from worker_agent.protocol.keys import node_id, public_key_bytes
 from worker_agent.protocol.links import BadLink, sign_link, verify_link
 from worker_agent.protocol.receipts import ReceiptBuilder, digest
@@ -62,7 +62,10 @@ class Stage:
         trusted_keys: Collection[bytes] = (),
         insecure_open: bool = False,
         limits: SessionLimits | None = None,
+        memory: KVMemory | None = None,
     ) -> None:
+        """``memory``: the agent's memory its sessions' caches are held in (``kvcache.KVMemory``);
+        None: no bound but ``limits``."""
         self.block = block
         self.model = model
         self.signing_key = signing_key
@@ -70,7 +73,7 @@ class Stage:
         self.node = node_id(self.node_key)
         self.trusted_keys = frozenset(trusted_keys)
         self.insecure_open = insecure_open
-        self.store = SessionStore(limits or SessionLimits())
+        self.store = SessionStore(limits or SessionLimits(), memory=memory)
         self._sessions: dict[tuple[str, str], _StageSession] = {}
         self.started = time.time()
         self.steps_served = 0
@@ -126,7 +129,8 @@ class Stage:
         keeps each item's signature as the evidence of what was received."""
         if forward.shape[1] != self.block.hidden_size:
             raise WireError(f"hidden size {forward.shape[1]} != {self.block.hidden_size}", code="bad_shape")
-        states = []
+        states, needed = [], 0
+        size = position_bytes(self.block.layout)
         for item in forward.items:
             self.store.get(forward.job, item.session)  # raises unknown/evicted
             state = self._sessions[(forward.job, item.session)]
@@ -135,8 +139,10 @@ class Stage:
                 raise SessionError(
                     f"session {item.session!r} expects step {state.next_step}, got {item.step}", code=code
                 )
-            self.store.check_room(state.kv, item.start, item.count, held=state.held)
+            needed += self.store.check_room(state.kv, item.start, item.count, held=state.held, position_bytes=size)
             states.append(state)
+        if self.store.memory is not None and needed:  # the frame's sessions together
+            self.store.memory.check(needed, ", ".join(sorted({item.session for item in forward.items})))
         hashes = tuple(digest(chunk) for chunk in forward.item_bytes())
         if sender_key:
             for item, item_hash in zip(forward.items, hashes, strict=True):

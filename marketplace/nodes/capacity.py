@@ -1,4 +1,11 @@
-"""What placement and routing may believe of a node's speed: measured, not claimed.
+"""What placement and routing may believe of a node's speed and memory: measured, not claimed.
+
+Memory (``credible_memory``): the node's report, no more than a failed memory challenge left
+credible (``memory_limit_bytes``, ``verification.claims``). A passed one proves a lower bound
+only, which caps nothing: a node asked to hold its blocks' budget shows nothing of the memory
+it was not asked to use.
+
+Speed:
 
 A node reports its speed itself (``swarm-worker bench`` at join, then its heartbeats' per-layer
 time under load); nothing stops it from lying. The control plane measures a lower bound of its
@@ -70,6 +77,13 @@ def assess(nodes: Iterable) -> Credence:
 def credible_speeds(nodes: Iterable) -> dict[str, float]:
     """Node id -> credible layer-tokens per second, for ``nodes`` considered together (``assess``)."""
     return assess(nodes).speeds
+
+
+def credible_memory(node) -> int:
+    """The memory placement may plan with on ``node`` (a ``Node``, or anything with
+    ``memory_bytes`` and ``memory_limit_bytes``): its report, capped by what it failed to hold."""
+    limit = node.memory_limit_bytes
+    return node.memory_bytes if limit is None else min(node.memory_bytes, limit)
 
 
 def _median_without(claims: Sequence[float], own: float) -> float | None:

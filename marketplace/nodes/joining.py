@@ -151,6 +151,7 @@ def register_agent(
     node.device = str(hardware.get("device", ""))[:16]
     node.device_name = str(hardware.get("device_name", ""))[:128]
     node.memory_bytes = int(memory)
+    node.memory_limit_bytes = node.verified_memory_bytes = None  # measured of the report this join replaces
     node.dtypes = dtypes[:8]
     node.max_layers = min((int(cap) for cap in (max_layers, node.layer_cap) if cap), default=None)
     node.max_positions = int(max_positions) if max_positions else None

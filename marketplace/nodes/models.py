@@ -61,7 +61,12 @@ class Node(models.Model):
     # Hardware and benchmark, as the agent reported them at join.
     device = models.CharField(max_length=16, blank=True)  # "cpu" or "cuda"
     device_name = models.CharField(max_length=128, blank=True)
-    memory_bytes = models.BigIntegerField(default=0)  # memory available for weights
+    memory_bytes = models.BigIntegerField(default=0)  # memory available for weights and KV caches
+    # What memory challenges measured of it (``verification.claims``), in the same unit: the most memory
+    # a passed one proved (what its blocks and the positions it held need), and the least it could
+    # have, at most, after it failed to hold the positions one asked; placement believes no more.
+    verified_memory_bytes = models.BigIntegerField(null=True, blank=True)
+    memory_limit_bytes = models.BigIntegerField(null=True, blank=True)
     dtypes = models.JSONField(default=list)
     max_layers = models.PositiveIntegerField(null=True, blank=True)  # a cap the owner set; else from memory
     # The cap its owner gave when adding it (dashboard or API): the agent's own --max-layers can only

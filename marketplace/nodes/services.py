@@ -18,7 +18,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from marketplace.nodes.errors import InvalidReport, NodeNotAllowed
@@ -168,6 +168,26 @@ def clamp_positions(node_pk: int, positions: int) -> bool:
     per session, whatever it reported (``max_positions``, which admission lets requests use). True
     when its report was higher; it stands until its agent joins again."""
     clamped = Node.objects.filter(pk=node_pk, max_positions__gt=positions).update(max_positions=max(positions, 1))
+    if clamped:
+        notify_node_changed(node_pk)
+    return bool(clamped)
+
+
+def record_verified_memory(node_pk: int, memory_bytes: int) -> bool:
+    """Memory a passed memory challenge proved the node holds; its best figure is kept. True when it
+    is its best so far."""
+    if memory_bytes < 1:
+        return False
+    best = Q(verified_memory_bytes__isnull=True) | Q(verified_memory_bytes__lt=memory_bytes)
+    return bool(Node.objects.filter(best, pk=node_pk).update(verified_memory_bytes=memory_bytes))
+
+
+def clamp_memory(node_pk: int, memory_bytes: int) -> bool:
+    """A memory challenge showed the node has at most ``memory_bytes`` (it failed to hold what more
+    would hold): its memory counts as no more (``memory_limit_bytes``), whatever it reported, until
+    its agent joins again. True when that lowers what was believed."""
+    lower = Q(memory_limit_bytes__isnull=True) | Q(memory_limit_bytes__gt=memory_bytes)
+    clamped = Node.objects.filter(lower, pk=node_pk).update(memory_limit_bytes=max(memory_bytes, 0))
     if clamped:
         notify_node_changed(node_pk)
     return bool(clamped)

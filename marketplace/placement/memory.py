@@ -20,12 +20,13 @@ config, ``bench/placement.py`` feeds them synthetic nodes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from marketplace.placement.errors import PlacementError
+from worker_agent.protocol.control_protocol import MEMORY_FRACTION  # the agent holds its caches in that share too
 
-MEMORY_FRACTION = 0.8  # of a node's reported memory, planned for weights and KV caches
 MIB = 1 << 20
 
 
@@ -75,6 +76,11 @@ class LayerFootprint:
     def total(self) -> int:
         return self.weights + self.kv
 
+    @property
+    def position(self) -> int:
+        """Bytes of KV cache one cached position costs this layer."""
+        return self.kv // (self.positions * self.sessions)
+
 
 def serving_dtype(reported: Sequence[str]) -> str:
     """The dtype a node serves in, from the dtypes it reported: the agent lists the dtypes its
@@ -104,6 +110,12 @@ def footprint(shape: ModelShape, dtype: str, *, positions: int, sessions: int) -
 def layers_that_fit(memory_bytes: int, layer: LayerFootprint) -> int:
     """How many such layers ``memory_bytes`` hold (0 when not even one)."""
     return max(0, int(memory_bytes * MEMORY_FRACTION) // layer.total)
+
+
+def memory_holding(layer: LayerFootprint, layers: int, positions: int) -> int:
+    """The memory a node must report to hold ``layers`` such layers with ``positions`` positions
+    cached over its sessions: their weights and caches, over MEMORY_FRACTION (rounded up)."""
+    return math.ceil(layers * (layer.weights + layer.position * positions) / MEMORY_FRACTION)
 
 
 def no_room(memory_bytes: int, layer: LayerFootprint) -> str:

@@ -27,7 +27,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from marketplace.catalog.selectors import min_reputation
-from marketplace.nodes.capacity import credible_speeds
+from marketplace.nodes.capacity import credible_memory, credible_speeds
 from marketplace.nodes.models import Node, NodeState
 from marketplace.placement import memory
 from marketplace.placement.models import LIVE_STATES, Assignment, PlacementState
@@ -40,15 +40,16 @@ log = logging.getLogger("swarm.placement")
 
 def layer_cap(node: Node, model: str) -> int:
     """How many layers of ``model`` a node can hold: what fits its memory (``memory``: weights in
-    the dtype it serves in plus a KV budget), and no more than its owner's cap."""
-    fits = memory.layers_that_fit(node.memory_bytes, layer_footprint(node, model))
+    the dtype it serves in plus a KV budget; its credible memory, ``nodes.capacity``), and no more
+    than its owner's cap."""
+    fits = memory.layers_that_fit(credible_memory(node), layer_footprint(node, model))
     return min(node.max_layers, fits) if node.max_layers else fits
 
 
 def no_room(node: Node, model: str) -> str | None:
     """Why ``node`` cannot hold a single layer of ``model``; None when it can."""
-    layer = layer_footprint(node, model)
-    return memory.no_room(node.memory_bytes, layer) if memory.layers_that_fit(node.memory_bytes, layer) < 1 else None
+    layer, held = layer_footprint(node, model), credible_memory(node)
+    return memory.no_room(held, layer) if memory.layers_that_fit(held, layer) < 1 else None
 
 
 def layer_footprint(node: Node, model: str) -> memory.LayerFootprint:

@@ -12,11 +12,13 @@ inputs and outputs, which its receipt signs; they are stored (``record_challenge
 then bfloat16 before it fails). A node that cannot be reached, refuses, errs, stalls past the
 deadline, or signs a receipt that does not match the traffic fails it (``fail_challenge``);
 ``expire_challenges`` fails those left without an outcome past their deadline. A failure opens a
-strike. A failure of the verifier's own stages is an error, with no verdict on the node."""
+strike. A failure of the verifier's own stages is an error, with no verdict on the node.
+A memory challenge (``holding.py``) grades each session; a refusal for room is a capacity verdict."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import random
@@ -36,8 +38,10 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.tickets import issuer_key, issuer_public_key, job_ticket_expiry, ticket_for
 from marketplace.placement.lifecycle import record_measured_speed
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState
+from marketplace.verification.claims import failed_to_hold, held_memory
 from marketplace.verification.dispatch import CHALLENGE_RUN_TASK, CHALLENGE_TASK, thresholds, verify_after_commit
 from marketplace.verification.errors import NotChallengeable
+from marketplace.verification.holding import held_requests, memory_challenge, pack_materials, unpack_materials
 from marketplace.verification.models import Challenge, CheckState, StrikeKind
 from marketplace.verification.prompts import prompt_pool
 from marketplace.verification.strikes import open_strike, strike_false_capacity_claim
@@ -46,7 +50,9 @@ from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
 from worker_agent.coordinator.challenger import (
     DEADLINE,
     VERIFIER,
+    ChallengeRequest,
     ChallengeRoute,
+    HoldRefused,
     NodeFailed,
     StandIn,
     TrustedStage,
@@ -68,9 +74,12 @@ def _ready_assignment(node: Node) -> Assignment | None:
 
 
 @transaction.atomic
-def open_challenge(node: Node, *, tokens: int | None = None, seed: int | None = None) -> Challenge:
+def open_challenge(
+    node: Node, *, tokens: int | None = None, seed: int | None = None, memory: bool = False
+) -> Challenge:
     """A new challenge of the span a node serves, not run yet; raises NotChallengeable. ``tokens``:
-    the completion tokens its request asks for (None: as many as the real job it copies)."""
+    the completion tokens its request asks for (None: as many as the real job it copies);
+    ``memory``: a memory challenge (see the module)."""
     assignment = _ready_assignment(node)
     if assignment is None or not node.connected or node.state != NodeState.ACTIVE:
         raise NotChallengeable(f"node {node.node_id} serves no ready block to challenge")
@@ -81,16 +90,18 @@ def open_challenge(node: Node, *, tokens: int | None = None, seed: int | None = 
         layer_start=assignment.layer_start,
         layer_end=assignment.layer_end,
         seed=secrets.randbits(63) if seed is None else seed,
-        tokens=tokens or 0,
+        **({"tokens": tokens or 0} | (memory_challenge(node, assignment) if memory else {})),
         sent_at=now,
         deadline_at=now + timedelta(seconds=settings.SWARM_CHALLENGE_DEADLINE_S),
     )
 
 
 @transaction.atomic
-def send_challenge(node: Node, *, tokens: int | None = None, seed: int | None = None) -> Challenge:
+def send_challenge(
+    node: Node, *, tokens: int | None = None, seed: int | None = None, memory: bool = False
+) -> Challenge:
     """Open a challenge for a node and run it once this commits; raises NotChallengeable."""
-    challenge = open_challenge(node, tokens=tokens, seed=seed)
+    challenge = open_challenge(node, tokens=tokens, seed=seed, memory=memory)
     pk = challenge.pk
     if settings.SWARM_VERIFIER == "inline" or current_app.conf.task_always_eager:
         # Its own thread: the exchange waits on the node's network for up to the deadline.
@@ -126,8 +137,9 @@ def send_due_challenges(now=None, rng: random.Random | None = None) -> list[int]
         # Memoryless: over one scheduling interval a node is due with probability rate x interval.
         if rng.random() >= per_day * settings.SWARM_TRUST_INTERVAL_S / 86400.0:
             continue
+        memory = rng.random() < settings.SWARM_MEMORY_CHALLENGE_SHARE
         try:
-            sent.append(send_challenge(node).pk)
+            sent.append(send_challenge(node, memory=memory).pk)
         except NotChallengeable:
             continue
     return sent
@@ -165,6 +177,9 @@ def run_challenge(challenge_pk: int) -> Challenge:
             lambda prompt, chat: encode_prompt(tokenizer, prompt, chat=chat),
             max_tokens=challenge.tokens or None,
         )
+        request: ChallengeRequest | tuple[ChallengeRequest, ...] = drawn.request
+        if challenge.positions:
+            request, drawn = held_requests(challenge, tokenizer), dataclasses.replace(drawn, pace=None)
     except Exception as exc:  # the verifier's own failure is not the node's
         log.exception("challenge %s could not be prepared", challenge_pk)
         return _no_verdict(challenge_pk, f"verifier failed: {exc}")
@@ -192,7 +207,7 @@ def run_challenge(challenge_pk: int) -> Challenge:
         run = asyncio.run(
             run_challenge_job(
                 route,
-                drawn.request,
+                request,
                 job=drawn.job,
                 tickets=ticket,
                 issuer_key=issuer_public_key(),
@@ -209,7 +224,11 @@ def run_challenge(challenge_pk: int) -> Challenge:
                 pace=drawn.pace,
             )
         )
+    except HoldRefused as exc:
+        return failed_to_hold(challenge_pk, exc.asked, f"{exc} ({exc.code})")
     except NodeFailed as exc:
+        if exc.code == DEADLINE and challenge.positions:  # its length is the verifier's choice, its time the route's
+            return _no_verdict(challenge_pk, f"the memory challenge outlasted its deadline: {exc}")
         return fail_challenge(challenge_pk, f"{exc} ({exc.code})", expired=exc.code == DEADLINE)
     except ChallengeError as exc:
         if exc.code != VERIFIER:
@@ -219,7 +238,7 @@ def run_challenge(challenge_pk: int) -> Challenge:
     except Exception as exc:  # the verifier's own failure (a stand-in that would not start, a bug)
         log.exception("challenge %s: the job failed on the verifier's side", challenge_pk)
         return _no_verdict(challenge_pk, f"verifier failed: {type(exc).__name__}: {exc}")
-    return record_challenge_output(challenge_pk, run.material, elapsed_ms=run.elapsed_s * 1000.0)
+    return record_challenge_output(challenge_pk, run.material, elapsed_ms=run.elapsed_s * 1e3, more=run.materials[1:])
 
 
 def _no_verdict(challenge_pk: int, reason: str) -> Challenge:
@@ -326,11 +345,14 @@ def fail_challenge(challenge_pk: int, reason: str, *, expired: bool = False) -> 
 
 
 @transaction.atomic
-def record_challenge_output(challenge_pk: int, material: AuditMaterial, *, elapsed_ms: float) -> Challenge:
+def record_challenge_output(
+    challenge_pk: int, material: AuditMaterial, *, elapsed_ms: float, more: tuple[AuditMaterial, ...] = ()
+) -> Challenge:
     """Store what the coordinator kept of the node's part of an open challenge's job (its inputs and
     outputs, step by step, checked against its receipt) and verify it once this commits; material
     of another node, model or span fails, and so does an answer past the deadline, with a strike.
-    ``elapsed_ms``: the node's own share of the job's time."""
+    ``elapsed_ms``: the node's own share of the job's time; ``more``: a memory challenge's other
+    sessions' material, one for each."""
     challenge = Challenge.objects.select_for_update().select_related("node").get(pk=challenge_pk)
     if challenge.state != CheckState.SENT:
         return challenge
@@ -344,14 +366,16 @@ def record_challenge_output(challenge_pk: int, material: AuditMaterial, *, elaps
         open_strike(challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge))
         return challenge
     expected = (challenge.node.node_id, challenge.model, challenge.layer_start, challenge.layer_end)
-    found = (material.node, material.model, material.layer_start, material.layer_end)
-    if found != expected:
+    materials = (material, *more)
+    found = {(one.node, one.model, one.layer_start, one.layer_end) for one in materials} - {expected}
+    if found or len(materials) != challenge.sessions:
         challenge.state, challenge.checked_at = CheckState.FAILED, now
-        challenge.reason = f"malformed answer: the material is of {found}, not {expected}"
+        of = f"of {min(found)}" if found else f"of {len(materials)} sessions"
+        challenge.reason = f"malformed answer: the material is {of}, not {expected}"
         challenge.save()
         open_strike(challenge.node, StrikeKind.CHALLENGE, challenge=challenge, evidence=_challenge_evidence(challenge))
         return challenge
-    challenge.output = material.to_bytes()
+    challenge.output = material.to_bytes() if not more else pack_materials(materials)
     challenge.state = CheckState.ANSWERED
     challenge.save()
     verify_after_commit(CHALLENGE_TASK, verify_challenge, challenge.pk)
@@ -385,15 +409,12 @@ def verify_challenge(challenge_pk: int) -> Challenge:
         return challenge
     try:
         assert challenge.output is not None  # an answered challenge keeps the material it was answered with
-        material = AuditMaterial.from_bytes(bytes(challenge.output))
-        block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end)
-        comparison = challenges.grade(material, block, **thresholds())
-        reference_dtype = "float32"
-        if not comparison.passed:
-            block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end, FALLBACK_DTYPE)
-            fallback = challenges.grade(material, block, **thresholds())
-            if fallback.passed:
-                comparison, reference_dtype = fallback, FALLBACK_DTYPE
+        materials = unpack_materials(bytes(challenge.output), challenge.sessions)
+        material = materials[0]
+        for material in materials:  # the first that fails decides; all passed, the last's figures stand
+            comparison, reference_dtype = _graded(challenge, material)
+            if not comparison.passed:
+                break
     except Exception as exc:  # the verifier's own failure is not the node's (its rows were checked as they came)
         log.exception("cannot recompute challenge %s", challenge_pk)
         Challenge.objects.filter(pk=challenge_pk, state=CheckState.ANSWERED).update(
@@ -413,7 +434,11 @@ def verify_challenge(challenge_pk: int) -> Challenge:
             took = (challenge.elapsed_ms or 0.0) / 1000.0
             if took > 0:
                 layers = challenge.layer_end - challenge.layer_start
-                record_measured_speed(challenge.node_id, layers * material.tokens / took)
+                tokens = sum(one.tokens for one in materials)
+                record_measured_speed(challenge.node_id, layers * tokens / took)
+            if challenge.positions:
+                proven = held_memory(challenge, sum(one.tokens for one in materials))
+                challenge.metrics["proven_memory_bytes"] = proven
         else:
             challenge.state = CheckState.FAILED
             challenge.reason = "output disagrees with the trusted recompute: " + "; ".join(comparison.failures)
@@ -426,6 +451,17 @@ def verify_challenge(challenge_pk: int) -> Challenge:
         else:
             strike_false_capacity_claim(challenge.node_id, challenge)
     return challenge
+
+
+def _graded(challenge: Challenge, material: AuditMaterial) -> tuple[challenges.Comparison, str]:
+    """One session's material replayed on the trusted block: in float32, then in bfloat16 before it fails."""
+    block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end)
+    comparison = challenges.grade(material, block, **thresholds())
+    if comparison.passed:
+        return comparison, "float32"
+    block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end, FALLBACK_DTYPE)
+    fallback = challenges.grade(material, block, **thresholds())
+    return (fallback, FALLBACK_DTYPE) if fallback.passed else (comparison, "float32")
 
 
 def expire_challenges(now=None) -> list[int]:

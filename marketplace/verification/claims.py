@@ -7,19 +7,34 @@ was measured; the strike is what makes lying cost more than it could win.
 - round trips: ``record_probe_results``, each link measured from both ends
   (``placement.round_trips``);
 - memory for the KV cache, as positions per session: ``refused_positions``, a stage that refused a
-  session for its length although it reported holding more.
+  session for its length although it reported holding more;
+- memory, in bytes: ``failed_to_hold``, a memory challenge (``memory_ask``) whose sessions the node
+  refused or dropped within the KV budget its blocks were placed with. The node holds less than the
+  positions it was asked by then (the refused step's included) plus those of the other sessions it
+  had open (its heartbeats' count when the challenge was opened or judged, the larger, each counted
+  at its full length), so its memory counts as no more than what those need
+  (``nodes.services.clamp_memory``); a report past SWARM_MEMORY_CLAIM_TOLERANCE times that is a
+  strike. A passed one records what it proved (``held_memory``).
 """
 
 from __future__ import annotations
 
+import math
+
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from marketplace.nodes.models import LinkMeasurement, Node
-from marketplace.nodes.services import clamp_positions, record_links
+from marketplace.nodes.services import clamp_memory, clamp_positions, record_links, record_verified_memory
+from marketplace.placement.memory import memory_holding
+from marketplace.placement.models import Assignment
 from marketplace.placement.round_trips import FalseRoundTrip, false_claims, liars
-from marketplace.verification.models import Strike, StrikeKind, StrikeState
+from marketplace.placement.shares import layer_footprint
+from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind, StrikeState
 from marketplace.verification.strikes import open_strike
+
+MEMORY_DECODE_TOKENS = 4  # tokens each session of a memory challenge generates over its prompt
 
 # Distinct peers whose own measurements must contradict a node's reports before it is struck: one
 # hostile peer could inflate its report of a link to frame an honest node (a trusted peer suffices).
@@ -110,6 +125,81 @@ def refused_positions(node_id: str, reached: int, *, job) -> Strike | None:
             "job": job.public_id,
         },
     )
+
+
+def memory_ask(node: Node, assignment: Assignment) -> tuple[int, int]:
+    """What a memory challenge of ``assignment`` asks ``node`` to hold at once: (sessions, positions
+    per session), SWARM_MEMORY_CHALLENGE_FRACTION of the KV budget its blocks were placed with
+    (``placement.shares.layer_footprint``), over as many sessions as the budget has."""
+    layer = layer_footprint(node, assignment.model)
+    positions = math.ceil(settings.SWARM_MEMORY_CHALLENGE_FRACTION * layer.positions)
+    return layer.sessions, max(positions, MEMORY_DECODE_TOKENS + 1)
+
+
+def held_memory(challenge: Challenge, positions: int) -> int:
+    """A passed memory challenge: the node held ``positions`` positions on its span at once. Records
+    the memory that proves (its blocks' weights and those caches) and returns it."""
+    node = challenge.node
+    proven = memory_holding(
+        layer_footprint(node, challenge.model), challenge.layer_end - challenge.layer_start, positions
+    )
+    record_verified_memory(node.pk, proven)
+    return proven
+
+
+@transaction.atomic
+def failed_to_hold(challenge_pk: int, asked: int, reason: str) -> Challenge:
+    """A memory challenge whose sessions the node refused or dropped (see the module) once it had
+    been sent ``asked`` positions: failed, the node's memory clamped, and struck past the tolerance.
+    One already decided is left as it is."""
+    challenge = Challenge.objects.select_for_update().select_related("node").get(pk=challenge_pk)
+    if challenge.state != CheckState.SENT:
+        return challenge
+    node, now = challenge.node, timezone.now()
+    layer, layers = layer_footprint(node, challenge.model), challenge.layer_end - challenge.layer_start
+    others = max(open_sessions(node), int(challenge.metrics.get("open_sessions", 0)))
+    customers = others * layer.positions
+    limit = memory_holding(layer, layers, max(asked - 1, 0) + customers)
+    challenge.state, challenge.checked_at = CheckState.FAILED, now
+    challenge.reason = (
+        f"did not hold {asked} positions over {challenge.sessions} sessions on layers "
+        f"{challenge.layer_start}:{challenge.layer_end}: {reason}"
+    )[:1000]
+    challenge.metrics = {
+        **challenge.metrics,
+        "asked_positions": asked,
+        "other_sessions": others,
+        "memory_limit_bytes": limit,
+    }
+    challenge.save()
+    clamp_memory(node.pk, limit)
+    if node.memory_bytes <= settings.SWARM_MEMORY_CLAIM_TOLERANCE * limit or _open_strike_of(node, "memory"):
+        return challenge
+    open_strike(
+        node,
+        str(StrikeKind.CAPACITY),
+        challenge=challenge,
+        evidence={
+            "kind": "memory",
+            "reason": (
+                f"reports {node.memory_bytes} bytes of memory, {node.memory_bytes / limit:.2f}x the {limit} "
+                f"that would hold the {asked} positions its memory challenge sent it on {layers} layers "
+                f"(with {customers} for the {others} other sessions it had open), which it did not hold"
+            ),
+            "claimed_memory_bytes": node.memory_bytes,
+            "memory_limit_bytes": limit,
+            "asked_positions": asked,
+            "other_sessions": others,
+            "challenge": challenge.pk,
+        },
+    )
+    return challenge
+
+
+def open_sessions(node: Node) -> int:
+    """The sessions ``node``'s agent said it had open in its last heartbeat (0 when it did not say)."""
+    sessions = (node.load or {}).get("sessions")
+    return int(sessions) if isinstance(sessions, int | float) and 0 <= sessions < 2**31 else 0
 
 
 def _open_strike_of(node: Node, claim: str) -> bool:

@@ -30,12 +30,18 @@ class Challenge(models.Model):
     layer_end = models.PositiveIntegerField()
     seed = models.BigIntegerField()  # 0 <= seed < 2**63: draws its request (traffic.py)
     tokens = models.PositiveIntegerField()  # completion tokens its request asks for (0: not drawn yet)
+    # A memory challenge's sessions, held open at once, and the positions each one fills (prompt and
+    # completion); 1 and 0 for one that checks the node's outputs only.
+    sessions = models.PositiveSmallIntegerField(default=1)
+    positions = models.PositiveIntegerField(default=0)
     state = models.CharField(max_length=16, choices=CheckState.choices, default=CheckState.SENT)
     sent_at = models.DateTimeField()
     deadline_at = models.DateTimeField()
     answered_at = models.DateTimeField(null=True, blank=True)
     elapsed_ms = models.FloatField(null=True, blank=True)  # the node's share of its job's steps, timed here
-    output = models.BinaryField(null=True, blank=True)  # the node's part of its job: AuditMaterial.to_bytes()
+    # The node's part of its job: AuditMaterial.to_bytes(); a memory challenge's, one per session
+    # (``verification.challenges.pack_materials``).
+    output = models.BinaryField(null=True, blank=True)
     metrics = models.JSONField(default=dict)  # per-token cosine and rel_norm, min/max, thresholds
     reason = models.TextField(blank=True)
     checked_at = models.DateTimeField(null=True, blank=True)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +41,22 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number of 1 or more, got {text!r}")
+    return value
+
+
+BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+MAX_MEMORY = 1 << 62  # what the control plane stores of a node's memory, at most
+
+
+def parse_bytes(text: str) -> int:
+    """A size such as ``8GiB``, ``512MiB`` or ``1048576`` (bytes), from 1 byte up to MAX_MEMORY."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"a size looks like 8GiB, 512MiB or 1048576, got {text!r}")
+    value = int(float(match.group(1)) * BYTE_UNITS[unit])
+    if not 1 <= value <= MAX_MEMORY:
+        raise argparse.ArgumentTypeError(f"a size must be from 1 byte to {MAX_MEMORY} bytes, got {text!r}")
     return value
 
 
@@ -221,6 +238,9 @@ def cmd_join(args: argparse.Namespace) -> int:
     if _refuse_device(args.device):
         return 2
     _set_threads(args.threads)
+    hardware = hardware_report(args.device, args.max_layers, args.dtype, memory_bytes=args.memory)
+    held = int(hardware["memory_bytes"])  # what the agent holds its blocks and caches in
+    hardware = args.parts.report(hardware)  # as it is, but for a test tool that lies about it
     key_path = Path(args.key)
     signing_key = _load_or_create_key(key_path)
     state_path = key_path.with_name(key_path.name + ".join.json")
@@ -252,7 +272,7 @@ def cmd_join(args: argparse.Namespace) -> int:
                     signing_key,
                     compute=compute,
                     data_url=advertise,
-                    hardware=hardware_report(args.device, args.max_layers, args.dtype),
+                    hardware=hardware,
                     tls_key=tls_key,
                 ),
                 retry,
@@ -289,6 +309,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         device=args.device,
         parts=args.parts,
         max_layers=args.max_layers,
+        memory_bytes=held,
         shutdown_drain_s=args.drain_timeout,
         tls=server_tls,
         peer_tls=peer_tls,
@@ -463,6 +484,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     join.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     join.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (checked before the benchmark)")
+    join.add_argument(
+        "--memory",
+        type=parse_bytes,
+        default=None,
+        metavar="SIZE",
+        help="memory this agent may use for blocks and KV caches, e.g. 6GiB (default: the GPU's total, or the "
+        "host's available memory at start); reported at join, and its caches never grow past it",
+    )
     join.add_argument("--threads", type=int, default=None)
     join.add_argument("--log-level", default="info")
     join.set_defaults(func=cmd_join)

@@ -75,6 +75,7 @@ from worker_agent.protocol.keys import node_id, public_key_bytes
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from worker_agent.kvcache import KVMemory
     from worker_agent.server import StageServer
     from worker_agent.stage import Stage
 
@@ -127,6 +128,7 @@ class Serving:
     assignment: int  # the control plane's id of the assignment it serves (a re-placement back onto
     # the same span hands the loaded block over to the new assignment)
     stage: Stage  # the loaded block, its sessions and its counters
+    weight_bytes: int = 0  # what its weights take of the agent's memory (``kvcache.KVMemory``)
     unloading: asyncio.Task | None = None  # set once released: drains, then unloads the block
 
     @property
@@ -138,9 +140,14 @@ class Serving:
         return self.stage.layer_end - self.stage.layer_start
 
 
-def hardware_report(device: str, max_layers: int | None, dtype: str = "float32") -> dict:
+def hardware_report(
+    device: str, max_layers: int | None, dtype: str = "float32", *, memory_bytes: int | None = None
+) -> dict:
     """What the agent tells the control plane of its machine at join. ``dtypes`` lists the dtypes
-    its device runs, the one it serves in (``dtype``) first: placement sizes its blocks by it."""
+    its device runs, the one it serves in (``dtype``) first: placement sizes its blocks by it.
+    ``memory_bytes``: the memory its owner gives it (``--memory``), reported instead of the device's
+    (its total) or the host's (what is available now); the agent holds its blocks and caches in what
+    it reports (``kvcache.KVMemory``)."""
     import torch
 
     # Both load torch, which the agent imports only when it needs it (this report, a benchmark).
@@ -163,6 +170,8 @@ def hardware_report(device: str, max_layers: int | None, dtype: str = "float32")
             "dtypes": ["float32", "bfloat16"],
         }
     report["dtypes"] = [dtype, *(d for d in report["dtypes"] if d != dtype)]
+    if memory_bytes is not None:
+        report["memory_bytes"] = int(memory_bytes)
     report["max_positions"] = SessionLimits().max_tokens  # positions a session may hold on its stages
     report["max_sessions"] = SessionLimits().max_sessions  # sessions its stages hold at once
     if max_layers:
@@ -263,7 +272,10 @@ class Agent:
         port_chosen: bool = True,
         rng: random.Random | None = None,
         status_path: Path | None = None,
+        memory_bytes: int | None = None,
     ) -> None:
+        """``memory_bytes``: the memory it holds its blocks and caches in (what it measured or was
+        given at start, not what a ``claim-memory`` cheat reports); None: no bound."""
         self.signing_key = signing_key
         self.state = state
         self.host, self.port = host, port
@@ -304,6 +316,11 @@ class Agent:
         self.hurry = asyncio.Event()  # set on a second stop signal: stop now, jobs in flight or not
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self.memory: KVMemory | None = None
+        if memory_bytes is not None:
+            from worker_agent.kvcache import KVMemory  # loads torch, which the control channel does without
+
+            self.memory = KVMemory.of(memory_bytes, protocol.MEMORY_FRACTION)
         if self.parts.warning:
             log.warning("\n%s", self.parts.warning)
 
@@ -562,16 +579,22 @@ class Agent:
                 model=models.model_name(model),
                 signing_key=self.signing_key,
                 trusted_keys=[self.trusted_key] if self.trusted_key else [],
+                memory=self.memory,
             )
+            weight_bytes = sum(t.numel() * t.element_size() for t in weights.layers.parameters())
+            if self.memory is not None:
+                self.memory.charge(weight_bytes)
             if self.server is None:
                 error = await self._start_server(lambda: self.parts.make_server(stage, peer_tls=self.peer_tls))
                 if error is not None:
                     log.warning("assignment %d failed: %s", assignment, error)
                     await ws.send(protocol.encode(_failed(assignment, error)))
+                    if self.memory is not None:
+                        self.memory.charge(-weight_bytes)
                     return
             else:
                 self.server.add_stage(stage)
-            self.blocks[assignment] = Serving(assignment=assignment, stage=stage)
+            self.blocks[assignment] = Serving(assignment=assignment, stage=stage, weight_bytes=weight_bytes)
             await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.data_url)))
             held = ", ".join(f"{b.stage.layer_start}:{b.stage.layer_end}" for b in self.blocks.values())
             log.info("serving %s layers %d:%d at %s (holding %s)", model, start, end, self.data_url, held)
@@ -691,6 +714,8 @@ class Agent:
             cut = await self.server.unload_stage(block.key, timeout=self.drain_timeout_s)
         if self.blocks.get(block.assignment) is block:
             del self.blocks[block.assignment]
+            if self.memory is not None:
+                self.memory.charge(-block.weight_bytes)
         if cut:
             log.warning("unloaded %s layers %d:%d, cutting off %d jobs still open past their deadlines",
                         model, start, end, cut)  # fmt: skip
@@ -700,6 +725,8 @@ class Agent:
     async def _stop_serving(self) -> None:
         """Close the data-plane port and forget every block."""
         stop, task = self._server_stop, self._server_task
+        if self.memory is not None:
+            self.memory.charge(-sum(block.weight_bytes for block in self.blocks.values()))
         self.blocks.clear()
         self.server, self._server_stop, self._server_task = None, None, None
         if stop is not None and not stop.done():

@@ -9,6 +9,7 @@ switched on in it::
 
     Parts()                                            # the product's
     Parts(stage=partial(CheatingStage, cheat=cheat), server=CheatingServer, warning=banner)
+    Parts(reported=cheat.reported_hardware, warning=banner)   # honest stages, a false memory report
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ class Parts:
     server: Callable[..., StageServer] | None = None  # called as StageServer is; None: StageServer
     transport: LinkFactory = DirectLink  # each data-plane connection's link (``transport.py``)
     warning: str = ""  # printed at start (serve) or logged (join), loudly: what makes these parts not the product's
+    # What the agent reports of its machine at join (``control.hardware_report``'s dict): None
+    # reports it as it is; a test tool's may lie about it (dev/cheat.py's claim-memory).
+    reported: Callable[[dict], dict] | None = None
+
+    def report(self, hardware: dict) -> dict:
+        return hardware if self.reported is None else self.reported(dict(hardware))
 
     def make_stage(self, block: Block, **kwargs: Any) -> Stage:
         if self.stage is not None:

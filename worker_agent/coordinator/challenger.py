@@ -27,6 +27,14 @@ The node's output is graded like an audited stage's: ``run.material`` is checked
 signed receipt here, and the verifier replays it on its trusted block (``audit.recompute``). Its
 inputs come from the stage before it, the verifier's or a trusted node, never from the node itself.
 
+A memory challenge is one job of several sessions (``run_challenge_job`` with several requests): it
+fills them one after the other, each one's prompt prefilled before the next session opens, so the
+node holds all of them at once; then every session decodes, each step attending over its whole
+prompt. The node's outputs of those last steps, replayed like any other, show it held every position
+it accepted: a cache it dropped, cut short or recomputed from less gives other outputs. A refusal for
+room or a session it dropped (``HOLD_CODES``) raises ``HoldRefused`` with the positions it was asked
+to hold by then, the refused step's included.
+
 Any failure raises. The node's own (``NodeFailed``, a ``StageError`` or ``ReceiptError`` naming it):
 it cannot be reached, refuses, errs, stalls, misses the deadline (``DEADLINE``), signs no receipt or
 a false one, or leaves its outputs short. Anything else is the verifier's (``ChallengeError`` with
@@ -63,6 +71,11 @@ from worker_agent.stage import Stage
 DEADLINE = "challenge_deadline"  # the StageError code of a session that did not end in time
 VERIFIER = "challenge_verifier"  # the ChallengeError code of a failure that is not the node's
 STAND_IN_START_S = 10.0  # a stand-in's server must be listening within this
+# The codes of a stage that cannot hold a session's positions: no room (worker_agent.kvcache), or a
+# session it no longer has although its coordinator is still using it.
+HOLD_CODES = frozenset(
+    {"kv_memory_full", "too_many_sessions", "session_too_long", "session_evicted", "unknown_session"}
+)
 
 
 class NodeFailed(ChallengeError):
@@ -73,6 +86,14 @@ class NodeFailed(ChallengeError):
     def __init__(self, message: str, *, cause: SwarmError) -> None:
         super().__init__(message, code=cause.code)
         self.cause = cause
+
+
+class HoldRefused(NodeFailed):
+    """The challenged node refused, or dropped, positions of a memory challenge (``HOLD_CODES``)."""
+
+    def __init__(self, message: str, *, cause: SwarmError, asked: int) -> None:
+        super().__init__(message, cause=cause)
+        self.asked = asked  # positions its sessions were sent by then, over all of them, the refused step's included
 
 
 @dataclass(frozen=True)
@@ -183,8 +204,9 @@ class ChallengeRun:
     material: AuditMaterial  # the node's inputs and outputs, step by step, as its receipt signed them
     receipt: Receipt  # the node's signed receipt for the session
     # The node's share of the job: per step, from its input leaving the stage before it (or the
-    # coordinator) to its output arriving at the coordinator; summed over the steps.
+    # coordinator) to its output arriving at the coordinator; summed over the steps (and sessions).
     elapsed_s: float
+    materials: tuple[AuditMaterial, ...] = ()  # every session's, in order (the first is ``material``)
 
 
 OWN_TIMES = 200  # a paced stand-in's own recent times its holds are matched by
@@ -324,6 +346,7 @@ class _StepClock:
         self._left: dict[tuple[str, int], float] = {}
         self._back: dict[tuple[str, int], float] = {}
         self._issued: dict[str, int] = {}  # session -> steps the coordinator issued so far
+        self.asked: dict[str, int] = {}  # session -> positions its steps so far reach
 
     def watch(self, pipeline: Pipeline) -> None:
         """Wrap the pipeline's send and receive ends of each step with this clock."""
@@ -332,6 +355,7 @@ class _StepClock:
         async def timed_forward(session: str, start: int, count: int, payload: bytes) -> bytes:
             step = self._issued.get(session, 0)
             self._issued[session] = step + 1
+            self.asked[session] = max(self.asked.get(session, 0), start + count)
             if self.challenged == 0:
                 self._left.setdefault((session, step), time.perf_counter())
             return await forward(session, start, count, payload)
@@ -419,7 +443,7 @@ def _in_layer_order(
 
 async def run_challenge_job(
     route: ChallengeRoute,
-    request: ChallengeRequest,
+    request: ChallengeRequest | tuple[ChallengeRequest, ...],
     *,
     job: str,
     tickets: Callable[[StageAssignment], bytes],
@@ -438,7 +462,8 @@ async def run_challenge_job(
     trust ``issuer_key``, which signs them), ``host`` is the address the stand-ins listen on and the
     challenged node reaches its successor at; ``tls`` is the coordinator's client context and
     ``peer_tls`` the one a stand-in reaches a ``wss://`` node with; the stand-ins keep to ``pace``.
-    The whole job, from the first connection to the receipts, must end within ``timeout_s``."""
+    The whole job, from the first connection to the receipts, must end within ``timeout_s``. Several
+    requests: a memory challenge, one session each, held at once (see the module)."""
     stop = asyncio.get_running_loop().create_future()
     tasks: list[asyncio.Task] = []
     try:
@@ -467,7 +492,7 @@ async def run_challenge_job(
 
 async def _run(
     route: ChallengeRoute,
-    request: ChallengeRequest,
+    request: ChallengeRequest | tuple[ChallengeRequest, ...],
     stages: list[tuple[StageAssignment, str]],
     challenged: int,
     job: str,
@@ -481,7 +506,7 @@ async def _run(
     assignments = [assignment for assignment, _ in stages]
     specs = [StageSpec(url, tickets(assignment), node=assignment.node) for assignment, url in stages]
     clock = _StepClock(challenged)
-    result: GenerationResult | None = None
+    requests = request if isinstance(request, tuple) else (request,)
     coordinator = Coordinator(
         route.model,
         specs,
@@ -499,21 +524,58 @@ async def _run(
     try:
         async with coordinator:
             clock.watch(coordinator.pipeline)
-            generation = coordinator.request_ids(
-                request.prompt_ids,
-                max_tokens=request.max_tokens,
-                sampling=request.sampling,
-                speculate=request.speculate,
-            )
-            async for event in coordinator.stream(generation, strict=False):
-                if isinstance(event, GenerationResult):
-                    result = event
+            streams = [
+                coordinator.stream(
+                    coordinator.request_ids(
+                        one.prompt_ids, max_tokens=one.max_tokens, sampling=one.sampling, speculate=one.speculate
+                    ),
+                    strict=False,
+                )
+                for one in requests
+            ]
+            results = await _held(streams)
     except StageError as exc:
+        if exc.stage == challenged and exc.code in HOLD_CODES and len(requests) > 1:
+            asked = sum(clock.asked.values())
+            raise HoldRefused(
+                f"the challenged stage did not hold its sessions: {exc}", cause=exc, asked=asked
+            ) from None
         if exc.stage == challenged:
             raise NodeFailed(f"the challenged stage failed: {exc}", cause=exc) from None
         raise ChallengeError(f"a stand-in or the coordinator failed: {exc} ({exc.code})", code=VERIFIER) from None
-    assert result is not None  # the stream ends with its result
-    return _graded(route, result, challenged, clock.elapsed(result.session))
+    runs = [_graded(route, result, challenged, clock.elapsed(result.session)) for result in results]
+    return ChallengeRun(
+        runs[0].material,
+        runs[0].receipt,
+        sum(run.elapsed_s for run in runs),
+        tuple(run.material for run in runs),
+    )
+
+
+async def _held(streams: list) -> list[GenerationResult]:
+    """Each stream's result. One stream is read through; several are filled one after the other, each
+    up to its first token (its prompt is then held, and no session closes before all are filled), and
+    then read through together."""
+    firsts: list[GenerationResult | None] = []
+    for stream in streams if len(streams) > 1 else []:
+        event = await anext(stream)
+        firsts.append(event if isinstance(event, GenerationResult) else None)
+    firsts += [None] * (len(streams) - len(firsts))
+
+    async def through(stream, result: GenerationResult | None) -> GenerationResult:
+        async for event in stream:
+            if isinstance(event, GenerationResult):
+                result = event
+        assert result is not None  # a stream ends with its result
+        return result
+
+    outcomes = await asyncio.gather(
+        *(through(stream, first) for stream, first in zip(streams, firsts, strict=True)), return_exceptions=True
+    )
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return [outcome for outcome in outcomes if isinstance(outcome, GenerationResult)]
 
 
 def _graded(route: ChallengeRoute, result: GenerationResult, challenged: int, elapsed_s: float) -> ChallengeRun:

@@ -34,6 +34,7 @@ def parts(cheat_option: str | None, wan: str) -> Parts:
         server=CheatingServer,
         transport=transport,
         warning=warning_banner(cheat),
+        reported=cheat.reported_hardware,
     )
 
 

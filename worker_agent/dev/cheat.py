@@ -17,6 +17,9 @@ honest layers through the cheat, served by a ``CheatingServer``::
                         challenges were until they became jobs)
     with-successor      garbage in the sessions of jobs that give it a ring successor, honest where
                         its outputs go straight back to the coordinator
+    claim-memory:FACTOR honest outputs, but the agent reports FACTOR (> 1) times the memory it holds
+                        its caches in (``kvcache.KVMemory``): placed for more than it has, it
+                        refuses the sessions past what it holds
 
 The last two learn each job's route from its coordinator's HELLO (``saw_hello``, called by
 ``CheatingServer``), as a node that tried to tell challenges from jobs by their route would.
@@ -44,29 +47,44 @@ from worker_agent.server import Conn, StageServer, StageSlot
 from worker_agent.stage import Stage
 
 ALLOW_ENV = "SWARM_ALLOW_CHEAT"
-MODES = ("garbage", "identity", "other-weights", "selective", "ring-only", "with-successor")
+MODES = ("garbage", "identity", "other-weights", "selective", "ring-only", "with-successor", "claim-memory")
 IMPOSTOR_SEED = 1  # the impostor's weights: fixed, so a failure reproduces
 MAX_ROUTES = 4096  # jobs whose route a cheat remembers; the oldest are forgotten first
+MAX_CLAIM_FACTOR = 1000.0  # claim-memory's factor at most
 
 
 class Cheat:
-    def __init__(self, mode: str, fraction: float = 1.0) -> None:
+    def __init__(self, mode: str, fraction: float = 1.0, *, factor: float = 1.0) -> None:
         if mode not in MODES:
             raise SwarmError(f"unknown cheat mode {mode!r}: use one of {', '.join(MODES)}", code="cheat_invalid")
         if not 0.0 < fraction <= 1.0:
             raise SwarmError(f"a cheat's fraction must be in (0, 1], got {fraction}", code="cheat_invalid")
         if mode != "selective" and fraction != 1.0:
             raise SwarmError(f"only selective takes a fraction, not {mode}", code="cheat_invalid")
+        if (mode == "claim-memory") != (factor != 1.0) or not 1.0 <= factor <= MAX_CLAIM_FACTOR:
+            raise SwarmError(
+                f"claim-memory takes a factor in (1, {MAX_CLAIM_FACTOR:g}], and only it: got {mode} with {factor}",
+                code="cheat_invalid",
+            )
         self.mode = mode
         self.fraction = fraction
+        self.factor = factor  # claim-memory: the reported memory over the memory held
         self._impostor: tuple[tuple, Block] | None = None  # (span key, the span with other weights)
         self._lock = threading.Lock()  # the impostor is built on the compute thread, read on any
         self._routes: dict[str, tuple[str, bool]] = {}  # job -> (topology, has a ring successor)
 
     @classmethod
     def parse(cls, text: str) -> Cheat:
-        """``garbage``, ``identity``, ``other-weights``, ``selective:FRACTION``, ``ring-only`` or ``with-successor``."""
+        """``garbage``, ``identity``, ``other-weights``, ``selective:FRACTION``, ``ring-only``,
+        ``with-successor`` or ``claim-memory:FACTOR``."""
         mode, _, fraction = text.partition(":")
+        if mode == "claim-memory":
+            try:
+                return cls(mode, factor=float(fraction))
+            except ValueError:
+                raise SwarmError(
+                    f"claim-memory needs a factor > 1, e.g. claim-memory:2, got {text!r}", code="cheat_invalid"
+                ) from None
         if mode == "selective":
             try:
                 return cls(mode, float(fraction))
@@ -79,7 +97,20 @@ class Cheat:
         return cls(mode)
 
     def __str__(self) -> str:
+        if self.mode == "claim-memory":
+            return f"claim-memory:{self.factor:g}"
         return f"selective:{self.fraction:g}" if self.mode == "selective" else self.mode
+
+    def reported_memory(self, held: int) -> int:
+        """The memory this agent reports at join when it holds ``held`` bytes."""
+        return int(held * self.factor)
+
+    def reported_hardware(self, hardware: dict) -> dict:
+        """The agent's hardware report as this cheat sends it (``Parts.reported``): claim-memory
+        multiplies its memory; every other mode reports it as it is."""
+        if self.mode == "claim-memory":
+            return {**hardware, "memory_bytes": self.reported_memory(int(hardware["memory_bytes"]))}
+        return hardware
 
     def __repr__(self) -> str:
         return f"Cheat({str(self)!r})"
@@ -102,6 +133,8 @@ class Cheat:
                 return self._routes.get(job, ("", False))[0] == "ring"
             case "with-successor":
                 return self._routes.get(job, ("", False))[1]
+            case "claim-memory":
+                return False  # its lie is its report, not its outputs
         return True
 
     def forward(self, block: Block, items: list[WorkItem]) -> list[torch.Tensor]:

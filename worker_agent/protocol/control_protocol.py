@@ -45,6 +45,10 @@ from worker_agent import checkpoints
 from worker_agent.errors import SwarmError
 from worker_agent.protocol.keys import public_key_bytes
 
+# Of the memory_bytes an agent reports at join, the share placement plans for weights and KV caches,
+# and the share the agent then holds them in (``kvcache.KVMemory``); the rest is left to activations,
+# the runtime and the allocator's slack.
+MEMORY_FRACTION = 0.8
 PROTOCOL_VERSION = 1  # written as ``v`` only from version 2 on: a frame without ``v`` is version 1
 MAX_FRAME_CHARS = 8 * 1024 * 1024  # characters in one text frame
 MAX_TEXT_CHARS = 64 * 1024  # characters of free text (an error message, a stop reason)
