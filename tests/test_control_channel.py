@@ -17,9 +17,11 @@ from django.test import override_settings
 from django.utils import timezone
 
 from marketplace.asgi import router
+from marketplace.jobs.models import Job, JobState
 from marketplace.nodes import joining, services
 from marketplace.nodes.models import LinkMeasurement, Node, NodeState
 from marketplace.nodes.tickets import issuer_public_key
+from marketplace.placement.blocks import push_release
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.placing import place_model
 from marketplace.placement.selectors import servable_pipelines
@@ -658,3 +660,72 @@ def test_a_stale_channel_closing_leaves_a_reconnected_node_connected(pending_age
     seen = asyncio.run(scenario())
 
     assert (seen.state, seen.connected) == (NodeState.ACTIVE, True)
+
+
+def test_a_release_names_the_jobs_still_open_on_the_block_as_it_is_sent(pending_agent, customer):
+    """A job routed to the block before its release may reach the agent after it: the release names
+    every such job still open (queued or running, on this node's span now), so the agent takes them
+    and no other; ended jobs, other spans and other nodes are not named."""
+    node, key = pending_agent
+    block = Assignment.objects.create(
+        node=node, model=MODEL, generation=1, pipeline=0, position=0, layer_start=0, layer_end=2,
+        state=AssignmentState.READY,
+    )  # fmt: skip
+
+    def job(public_id: str, state: str, *, on: str = node.node_id, span: tuple[int, int] = (0, 2)) -> None:
+        route = [{"node": on, "node_key": "00" * 32, "url": "ws://10.0.0.7:9100", "layer_start": span[0],
+                  "layer_end": span[1]}]  # fmt: skip
+        Job.objects.create(public_id=public_id, kind="chat", customer=customer, model=MODEL, state=state, route=route)
+
+    job("chatcmpl-queued", JobState.QUEUED)
+    job("chatcmpl-running", JobState.RUNNING)
+    job("chatcmpl-ended", JobState.SUCCEEDED)
+    job("chatcmpl-other-span", JobState.RUNNING, span=(2, 4))
+    job("chatcmpl-other-node", JobState.RUNNING, on="node-elsewhere")
+
+    def release() -> None:
+        with transaction.atomic():
+            push_release(block)
+
+    async def scenario():
+        channel, _ = await authenticated(key, node.node_id)
+        await database_sync_to_async(release)()
+        received = await channel.receive_json_from(timeout=TIMEOUT_S)
+        await channel.disconnect()
+        return received
+
+    assert asyncio.run(scenario()) == {
+        "type": "release",
+        "assignment": block.pk,
+        "model": MODEL,
+        "jobs": ["chatcmpl-running", "chatcmpl-queued"],  # the newest first
+    }
+
+
+def test_an_assignment_that_supersedes_a_held_block_names_the_jobs_still_open_on_it(pending_agent, customer):
+    """Under its layer cap the agent drains the superseded block to make room: the assignment names
+    the jobs routed to that block before, as a release would."""
+    node, key = pending_agent
+    old = Assignment.objects.create(
+        node=node, model=MODEL, generation=1, pipeline=0, position=0, layer_start=0, layer_end=2,
+        state=AssignmentState.RELEASED, released_at=timezone.now(),
+    )  # fmt: skip
+    new = Assignment.objects.create(
+        node=node, model=MODEL, generation=2, pipeline=0, position=1, layer_start=2, layer_end=4,
+        state=AssignmentState.ASSIGNED, supersedes=old,
+    )  # fmt: skip
+    route = [
+        {"node": node.node_id, "node_key": "00" * 32, "url": "ws://10.0.0.7:9100", "layer_start": 0, "layer_end": 2}
+    ]
+    Job.objects.create(public_id="chatcmpl-on-old", kind="chat", customer=customer, model=MODEL,
+                       state=JobState.RUNNING, route=route)  # fmt: skip
+    assign = {"type": "assign", "assignment": new.pk, "model": MODEL, "layer_start": 2, "layer_end": 4}
+
+    async def scenario():
+        channel, _ = await authenticated(key, node.node_id)
+        await database_sync_to_async(push_on_commit)(node.node_id, assign)
+        received = await channel.receive_json_from(timeout=TIMEOUT_S)
+        await channel.disconnect()
+        return received
+
+    assert asyncio.run(scenario()) == {**assign, "supersedes": old.pk, "jobs": ["chatcmpl-on-old"]}

@@ -77,8 +77,26 @@ MESSAGES = [
         {"type": "assign", "assignment": 7, "model": "smollm2-135m", "layer_start": 10, "layer_end": 20},
     ),
     (
+        protocol.Assign(
+            assignment=8, model="smollm2-135m", layer_start=0, layer_end=10, supersedes=7, jobs=("chatcmpl-1",)
+        ),
+        {
+            "type": "assign",
+            "assignment": 8,
+            "model": "smollm2-135m",
+            "layer_start": 0,
+            "layer_end": 10,
+            "supersedes": 7,
+            "jobs": ["chatcmpl-1"],
+        },
+    ),
+    (
         protocol.Release(assignment=7, model="smollm2-135m"),
         {"type": "release", "assignment": 7, "model": "smollm2-135m"},
+    ),
+    (
+        protocol.Release(assignment=7, model="smollm2-135m", jobs=("chatcmpl-1", "cmpl-2")),
+        {"type": "release", "assignment": 7, "model": "smollm2-135m", "jobs": ["chatcmpl-1", "cmpl-2"]},
     ),
     (protocol.Drain(), {"type": "drain"}),
     (protocol.Stop(reason="maintenance"), {"type": "stop", "reason": "maintenance"}),
@@ -268,6 +286,27 @@ def test_a_missing_field_is_refused(fields, message):
             "layer_start must be an integer in [0, 99999], got -1",
         ),
         ({"type": "stop", "reason": None}, "reason must be a string of at most 65536 characters, got None"),
+        (
+            {"type": "assign", "assignment": 8, "model": "m", "layer_start": 0, "layer_end": 2, "supersedes": 0},
+            "supersedes must be an integer in [1, 9223372036854775807], got 0",
+        ),
+        (
+            {"type": "release", "assignment": 7, "model": "m", "jobs": "chatcmpl-1"},
+            "jobs must be a list of at most 1024 job ids, got 'chatcmpl-1'",
+        ),
+        (
+            {"type": "release", "assignment": 7, "model": "m", "jobs": ["chatcmpl-1"] * 1025},
+            "jobs must be a list of at most 1024 job ids, got ['chatcmpl-1', 'chatcmpl-1', 'chatcmpl-1', 'chatcmpl-1', "
+            "'chatcmpl-1', 'chatc...",
+        ),
+        (
+            {"type": "release", "assignment": 7, "model": "m", "jobs": ["", 5]},
+            "a job id must be a non-empty string of at most 128 characters, got ''",
+        ),
+        (
+            {"type": "release", "assignment": 7, "model": "m", "jobs": ["x" * 129]},
+            "a job id must be a non-empty string of at most 128 characters, got '" + "x" * 76 + "...",
+        ),
         ({"type": "probe", "model": "m", "targets": {}}, "targets must be a list of at most 1024 entries"),
         ({"type": "probe", "model": "m", "targets": ["node-1"]}, "a probe target must be an object, got 'node-1'"),
         ({"type": "challenge", "nonce": "00ff"}, "nonce must be 64 hex characters, got '00ff'"),

@@ -23,7 +23,7 @@ from nacl.signing import SigningKey
 
 from tests.wire_client import raw_client
 from worker_agent import model as models
-from worker_agent.agent.control import DRAIN_TIMEOUT_S, Agent, JoinState
+from worker_agent.agent.control import DRAIN_TIMEOUT_S, EXPECTED_JOBS_S, Agent, JoinState
 from worker_agent.block import Block
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.pipeline import StageSpec
@@ -77,7 +77,13 @@ def free_port() -> int:
 class Swarm:
     """An agent under test, plain stage servers for the rest of the route, and the ticket issuer."""
 
-    def __init__(self, max_layers: int | None, late_jobs_s: float, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        max_layers: int | None,
+        late_jobs_s: float,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        expected_jobs_s: float = EXPECTED_JOBS_S,
+    ) -> None:
         self.issuer = generate_signing_key()
         key = generate_signing_key()
         self.node = node_id(public_key_bytes(key))
@@ -93,6 +99,7 @@ class Swarm:
             max_layers=max_layers,
             late_jobs_s=late_jobs_s,
             drain_timeout_s=drain_timeout_s,
+            expected_jobs_s=expected_jobs_s,
         )
         self.agent.trusted_key = public_key_bytes(self.issuer)
         self.channel = RecordingChannel()
@@ -137,12 +144,15 @@ class Swarm:
 
 @contextlib.asynccontextmanager
 async def swarm(
-    max_layers: int | None = None, late_jobs_s: float = 0.0, drain_timeout_s: float = DRAIN_TIMEOUT_S
+    max_layers: int | None = None,
+    late_jobs_s: float = 0.0,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
+    expected_jobs_s: float = EXPECTED_JOBS_S,
 ) -> AsyncIterator[Swarm]:
     """The agent holding 0:3 as assignment 1 (ready), and plain stages for 0:3 and 3:6. A block it
     lets go takes late jobs for ``late_jobs_s`` (none by default: each test says what it needs), and
     waits ``drain_timeout_s`` for a job in flight without a ticket."""
-    s = Swarm(max_layers, late_jobs_s, drain_timeout_s)
+    s = Swarm(max_layers, late_jobs_s, drain_timeout_s, expected_jobs_s)
     tasks = []
     for span in ((0, 3), (3, 6)):
         stage = Stage(
@@ -368,6 +378,60 @@ def test_a_released_block_still_takes_a_job_routed_to_it_just_before_the_release
             assert isinstance(hello, wire.Hello)
             assert (hello.info["layer_start"], hello.info["layer_end"]) == (0, 3)
             assert s.agent.blocks[1].unloading is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_released_block_takes_the_jobs_its_release_names_however_late_and_no_other():
+    async def scenario() -> None:
+        async with swarm() as s:  # no window for late jobs: only the release's list lets a job in
+            # Routed to the block before its release, this job's coordinator comes only afterwards.
+            release = protocol.Release(assignment=1, model=MODEL, jobs=("job-routed-before",))
+            await s.agent._on_message(s.channel, release)
+            await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the block to retire")
+
+            refused = await s.hello("job-routed-after", (0, 3))
+            assert isinstance(refused, wire.Error)
+            assert refused.code == "stage_draining"
+            assert s.spans_held() == [(0, 3)]  # still waiting for the job it named
+            assert not s.agent.blocks[1].unloading.done()
+
+            hello = await s.hello("job-routed-before", (0, 3))
+            assert isinstance(hello, wire.Hello)
+            assert (hello.info["layer_start"], hello.info["layer_end"]) == (0, 3)
+
+    asyncio.run(scenario())
+
+
+def test_a_block_drained_for_the_cap_takes_the_jobs_its_successors_assignment_names():
+    async def scenario() -> None:
+        async with swarm(max_layers=4) as s:
+            # The control plane moved this node from 0:3 to 3:6 (nothing new is routed to 0:3); a
+            # job it routed to 0:3 just before comes after the assignment, which names it.
+            move = protocol.Assign(
+                assignment=2, model=MODEL, layer_start=3, layer_end=6, supersedes=1, jobs=("job-routed-before",)
+            )
+            loading = asyncio.create_task(s.agent._on_message(s.channel, move))  # 3 + 3 layers > the cap of 4
+            await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the old block to retire")
+
+            refused = await s.hello("job-routed-after", (0, 3))
+            assert isinstance(refused, wire.Error)
+            assert refused.code == "stage_draining"
+            hello = await s.hello("job-routed-before", (0, 3))
+            assert isinstance(hello, wire.Hello)
+            assert s.channel.answered(2) is None  # the new block waits for the old one's jobs
+            loading.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_released_block_waits_for_a_named_job_only_so_long():
+    async def scenario() -> None:
+        async with swarm(expected_jobs_s=0.5) as s:
+            release = protocol.Release(assignment=1, model=MODEL, jobs=("job-that-never-comes",))
+            await s.agent._on_message(s.channel, release)
+            await until(lambda: s.spans_held() == [], "the block to unload without the job that never came")
+            assert s.agent.server is None
 
     asyncio.run(scenario())
 

@@ -53,7 +53,7 @@ import logging
 import signal
 import ssl
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -193,11 +193,22 @@ class StageSlot:
     # here, also when that peer's connection is gone: an older pass is never admitted again.
     peer_records: dict[str, PeerRecord] = field(default_factory=dict)
     accepting: bool = True  # False once retired: HELLOs only for jobs already open here
+    # Jobs routed here before the stage was let go whose coordinator has not said HELLO yet
+    # (``expect_jobs``): taken while retired; ``arrived`` is set while none is still to come.
+    expected: set[str] = field(default_factory=set)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no job is open here
     compute: asyncio.Task | None = None  # its compute loop, while the server runs
 
     def __post_init__(self) -> None:
         self.idle.set()
+        self.arrived.set()
+
+    def came(self, job: str) -> None:
+        """``job``'s coordinator said HELLO here: it is no longer to come."""
+        self.expected.discard(job)
+        if not self.expected:
+            self.arrived.set()
 
 
 class StageServer:
@@ -250,6 +261,17 @@ class StageServer:
             slot.compute = asyncio.create_task(self._compute_loop(slot))
         self._update_admissions()
 
+    def expect_jobs(self, key: StageKey, jobs: Iterable[str]) -> None:
+        """The control plane routed ``jobs`` to this stage before letting it go: it takes their
+        coordinators' HELLOs once retired too, until ``unload_stage``'s wait for them ends."""
+        slot = self.slots.get(key)
+        if slot is None:
+            return
+        slot.expected.update(job for job in jobs if job not in slot.jobs)
+        if slot.expected:
+            slot.arrived.clear()
+        self._update_admissions()
+
     def retire_stage(self, key: StageKey) -> None:
         """Take no new job on this stage; the jobs open on it go on."""
         slot = self.slots.get(key)
@@ -283,16 +305,26 @@ class StageServer:
             log.warning("stopping with %d job(s) still open", cut)
         return cut
 
-    async def unload_stage(self, key: StageKey, *, timeout: float) -> int:
+    async def unload_stage(self, key: StageKey, *, timeout: float, expected_s: float = 0.0) -> int:
         """Retire the stage, wait for its jobs to end, then drop it and close the connections still
         bound to it; returns how many jobs were cut off. Make before break: a job routed here before
-        the stage was let go is served to its end, so each is waited for until its ticket expires
-        (its job's deadline: past it, its coordinator has given up), one without a ticket ``timeout``
-        s; a job still open then is cut off."""
+        the stage was let go is served to its end. The jobs still to come (``expect_jobs``) are waited
+        for up to ``expected_s`` s (a coordinator that has not come by then is not coming), and each
+        job is waited for until its ticket expires (its job's deadline: past it, its coordinator has
+        given up), one without a ticket ``timeout`` s; a job still open then is cut off."""
         slot = self.slots.get(key)
         if slot is None:
             return 0
         self.retire_stage(key)
+        if slot.expected:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(slot.arrived.wait(), expected_s)
+            if slot.expected:
+                log.warning("%s layers %d:%d: %d job(s) routed here before its release never came",
+                            *key, len(slot.expected))  # fmt: skip
+            slot.expected.clear()
+            slot.arrived.set()
+            self._update_admissions()
         untimed_until = time.time() + timeout
         while not slot.idle.is_set():
             left = max((untimed_until if r.expires_at is None else r.expires_at for r in slot.jobs.values()),
@@ -335,6 +367,7 @@ class StageServer:
                 trusted_keys=slot.stage.trusted_keys,
                 insecure_open=slot.stage.insecure_open,
                 accepting=slot.accepting,
+                expected=frozenset(slot.expected),
                 jobs=CoordinatorKeys(slot.jobs),
                 peers=slot.peer_records,
             )
@@ -485,6 +518,9 @@ class StageServer:
         conn.slot = slot
         slot.conns.add(conn)
         if action.binding.role is Role.COORDINATOR:
+            if hello.job in slot.expected:
+                slot.came(hello.job)
+                self._update_admissions()
             old = slot.jobs.get(hello.job)
             # The core admitted a second coordinator HELLO for a live job only with the same key.
             if old is not None:  # the coordinator reconnected: keep sessions, reroute outputs

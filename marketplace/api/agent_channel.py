@@ -19,6 +19,7 @@ and not read; more than ``SWARM_CONTROL_MAX_REFUSED`` refusals in a row close th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -27,11 +28,13 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from marketplace.jobs.route import open_jobs_on
 from marketplace.nodes import joining, reachability, services
 from marketplace.nodes.errors import InvalidHandshake, NodeError
 from marketplace.nodes.tickets import issuer_public_key
 from marketplace.placement import lifecycle, readiness
 from marketplace.placement.errors import InvalidDataUrl
+from marketplace.placement.models import Assignment
 from marketplace.placement.selectors import assignments_of_node
 from marketplace.verification import claims
 from worker_agent.protocol import control_protocol as protocol
@@ -182,12 +185,24 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
 
     async def control_push(self, event: dict) -> None:
         """A message from the control plane to this agent (group_send from services): the wire
-        object of a protocol message, checked again so nothing malformed leaves."""
+        object of a protocol message, checked again so nothing malformed leaves. A release names the
+        jobs still open on the block, read as it leaves: the release committed before it was sent
+        and no route takes the block since (``placement.selectors.hold_routes``), so the list is
+        whole. An assignment that supersedes a block the agent holds names that block's, likewise."""
         try:
             message = protocol.from_wire(event["message"])
         except ProtocolError:
             log.exception("not pushing a malformed control message to %s", self.node_id)
             return
+        if isinstance(message, protocol.Release) and self.node_id is not None:
+            jobs = await database_sync_to_async(_open_jobs_on_block)(self.node_id, message.assignment)
+            message = dataclasses.replace(message, jobs=jobs)
+        elif isinstance(message, protocol.Assign) and self.node_id is not None:
+            # The block it supersedes may be drained to make room for it (the agent's layer cap).
+            superseded = await database_sync_to_async(_superseded)(message.assignment)
+            if superseded is not None:
+                jobs = await database_sync_to_async(_open_jobs_on_block)(self.node_id, superseded)
+                message = dataclasses.replace(message, supersedes=superseded, jobs=jobs)
         await self._send(message)
 
     async def disconnect(self, code: int) -> None:
@@ -207,6 +222,19 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
         await self._send(protocol.error(kind, message))
         self.closing = True
         await self.close(code=code)
+
+
+def _superseded(assignment_pk: int) -> int | None:
+    """The block of the node's that this assignment replaces, while the agent still holds it."""
+    return Assignment.objects.filter(pk=assignment_pk).values_list("supersedes_id", flat=True).first()
+
+
+def _open_jobs_on_block(node: str, assignment_pk: int) -> tuple[str, ...]:
+    """The jobs still open on ``node``'s block of that assignment (none once it is gone)."""
+    assignment = Assignment.objects.filter(pk=assignment_pk).values_list("model", "layer_start", "layer_end").first()
+    if assignment is None:
+        return ()
+    return open_jobs_on(node, *assignment, limit=protocol.MAX_ITEMS)
 
 
 class TokenBucket:

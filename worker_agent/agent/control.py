@@ -35,8 +35,10 @@ and the new one loaded. A ``release`` of a block does the
 same without a new one: no new job, unloaded once its jobs end. The control plane sends it once
 the block that supersedes it reports ready. Either way the block first takes new jobs for
 ``LATE_JOBS_S`` more: the control plane stopped routing to it before telling the agent, and a job
-routed to it just before is still on its way. Heartbeats report the primary block (the newest one
-still taking jobs).
+routed to it just before is still on its way. A ``release`` also names the jobs the control plane
+routed to the block and that had not ended: the block takes their coordinators' HELLOs however
+late they come (up to ``EXPECTED_JOBS_S``), and no other job's. Heartbeats report the primary block
+(the newest one still taking jobs).
 
 A stopping agent (SIGTERM, Ctrl-C) tells the control plane first (a heartbeat whose state is
 ``leaving``) and waits for its answer, a Drain, sent once nothing new is routed to it; then it
@@ -91,6 +93,10 @@ LEAVE_ANSWER_S = 5.0  # how long a stopping agent waits for the control plane to
 # released the block, or answered the agent's stop): a job routed to it just before that moment is
 # still on its way (admitted, its coordinator starting), and is served rather than refused.
 LATE_JOBS_S = 2.0
+# How long a released block waits for the coordinators of the jobs its Release names (routed to it
+# before the release, not yet here): a job's coordinator says HELLO within seconds of its admission,
+# or it is queued behind others or never comes; past this the block goes without it.
+EXPECTED_JOBS_S = 120.0
 SHUTDOWN_DRAIN_S = 30.0  # how long a stopping agent waits for its jobs in flight to end
 
 
@@ -267,6 +273,7 @@ class Agent:
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         shutdown_drain_s: float = SHUTDOWN_DRAIN_S,
         late_jobs_s: float = LATE_JOBS_S,
+        expected_jobs_s: float = EXPECTED_JOBS_S,
         tls: ssl.SSLContext | None = None,
         peer_tls: ssl.SSLContext | None = None,
         port_chosen: bool = True,
@@ -300,6 +307,7 @@ class Agent:
         self.drain_timeout_s = drain_timeout_s
         self.shutdown_drain_s = shutdown_drain_s
         self.late_jobs_s = late_jobs_s  # how long a block let go still takes jobs routed to it just before
+        self.expected_jobs_s = expected_jobs_s  # how long it waits for the jobs its Release names
         self.tls = tls  # the data plane's certificate (wss://); None: plain ws://
         # The node's certificate as a client (``tls.Identity.client_context``): to its ring
         # successors and the peers it measures. None: a wss:// peer is checked by the system's store.
@@ -516,8 +524,8 @@ class Agent:
         match message:
             case protocol.Assign():
                 asyncio.create_task(self._assign(ws, message))  # noqa: RUF006 - tracked via self.serving
-            case protocol.Release(assignment=assignment):
-                self._release(assignment)
+            case protocol.Release(assignment=assignment, jobs=jobs):
+                self._release(assignment, jobs or ())
             case protocol.Drain():
                 self.draining = True
                 self.drain_told.set()
@@ -560,7 +568,8 @@ class Agent:
                 return
             if same is not None and same.unloading is not None:  # unloading: a live one was handled above
                 await same.unloading  # the port serves one stage per span: let the released one go first
-            await self._make_room(end - start)
+            routed = {message.supersedes: message.jobs} if message.supersedes is not None and message.jobs else {}
+            await self._make_room(end - start, routed)
             log.info("assigned %s layers %d:%d (assignment %s)", model, start, end, assignment)
             try:
                 if message.content_hash is not None:
@@ -664,8 +673,10 @@ class Agent:
             error = f"cannot serve on port {self.port}: {task.exception()}"
         return error
 
-    async def _make_room(self, layers: int) -> None:
-        """Unload the oldest blocks, each once its jobs in flight end, until ``layers`` more fit the cap."""
+    async def _make_room(self, layers: int, routed: dict[int, tuple[str, ...]] | None = None) -> None:
+        """Unload the oldest blocks, each once its jobs in flight end, until ``layers`` more fit the cap.
+        ``routed``: by assignment, the jobs routed to a block before the control plane moved on from
+        it, which that block takes however late they come (as a release's)."""
         for block in list(self.blocks.values()):
             held = sum(b.layers for b in self.blocks.values())
             if not self.max_layers or held + layers <= self.max_layers:
@@ -678,14 +689,20 @@ class Agent:
                 block.stage.layer_start,
                 block.stage.layer_end,
             )
+            jobs = (routed or {}).get(block.assignment)
+            if jobs and self.server is not None:
+                self.server.expect_jobs(block.key, jobs)
             await self._unload(block)
 
-    def _release(self, assignment: int) -> None:
-        """Take no new job on the block, and unload it once its jobs in flight end."""
+    def _release(self, assignment: int, jobs: tuple[str, ...] = ()) -> None:
+        """Take no new job on the block but ``jobs`` (routed to it before the release), and unload
+        it once its jobs in flight end."""
         block = self.blocks.get(assignment)
         if block is None:
             self._released.add(assignment)  # perhaps loading now: it must not be served
             return
+        if jobs and self.server is not None:
+            self.server.expect_jobs(block.key, jobs)
         task = asyncio.create_task(self._close_port_when_empty(self._unload(block)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -711,7 +728,9 @@ class Agent:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.hurry.wait(), self.late_jobs_s)
         if self.server is not None:
-            cut = await self.server.unload_stage(block.key, timeout=self.drain_timeout_s)
+            cut = await self.server.unload_stage(
+                block.key, timeout=self.drain_timeout_s, expected_s=self.expected_jobs_s
+            )
         if self.blocks.get(block.assignment) is block:
             del self.blocks[block.assignment]
             if self.memory is not None:

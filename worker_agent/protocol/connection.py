@@ -116,6 +116,9 @@ class Admission:
     trusted_keys: frozenset[bytes]  # 32-byte ed25519 keys whose tickets are accepted
     insecure_open: bool = False  # development only: accept a HELLO without a ticket
     accepting: bool = True  # False while the stage is released: a HELLO must be for a job open on it
+    # While released: the jobs the control plane routed here before it let the stage go (its
+    # Release names them), whose coordinators' first HELLO may come after the release.
+    expected: frozenset[str] = frozenset()
     # Jobs whose coordinator is connected to this stage, each with that coordinator's public key
     # (None on an insecure-open stage): a live view, read here, never changed; None: the
     # connection's ``coordinated_jobs``.
@@ -353,7 +356,7 @@ class Connection:
         bound = stage.peers.get(hello.job) if stage.peers is not None else None
         if binding.peer is not None and bound is not None:
             _check_newest(hello.job, binding.peer, bound)
-        if not stage.accepting and hello.job not in jobs:
+        if not stage.accepting and hello.job not in jobs and hello.job not in stage.expected:
             raise TicketError(
                 f"{stage.model} layers [{stage.layer_start}, {stage.layer_end}) is being released here "
                 "and takes no new job",

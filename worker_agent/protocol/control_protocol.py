@@ -60,6 +60,7 @@ MAX_PASS_CHARS = 2048  # hex characters of a relay pass (a pass is about 200 byt
 MAX_RELAYS = 16  # relays offered at once
 MAX_ITEMS = 1024  # entries in a list: assignments, probe targets, probe results
 MAX_ID = 2**63 - 1  # database ids are positive 64-bit integers
+MAX_JOB_CHARS = 128  # characters of a job id, as the data plane bounds it (wire._MAX_ID)
 MAX_LAYER = 100_000  # layer indexes a span may name
 MAX_REPORT = 1e15  # largest number in a report: fits the control plane's columns
 NONCE_BYTES = 32  # bytes of the handshake nonce
@@ -166,6 +167,18 @@ def _items(owner: Any, name: str, part: type) -> None:
     object.__setattr__(owner, name, tuple(value))
 
 
+def _job_ids(owner: Any) -> None:
+    """Coerce ``owner.jobs`` to a tuple of job ids (at most MAX_ITEMS, each a non-empty string), if any."""
+    jobs = owner.jobs
+    if jobs is None:
+        return
+    if not isinstance(jobs, list | tuple) or len(jobs) > MAX_ITEMS:
+        raise ProtocolError(f"jobs must be a list of at most {MAX_ITEMS} job ids, got {_show(jobs)}", code=BAD_FIELD)
+    for job in jobs:
+        _text("a job id", job, MAX_JOB_CHARS)
+    object.__setattr__(owner, "jobs", tuple(jobs))
+
+
 # --- messages -------------------------------------------------------------------------------------
 
 
@@ -265,11 +278,19 @@ class Assign(Message):
     layer_end: int  # last decoder layer of the block, exclusive
     content_hash: str | None = None  # a catalog model's content hash: 64 lowercase hex digits
     source: str | None = None  # its manifest's URL: absolute (http/https) or relative to the control plane
+    # The node's block of the model this one replaces (nothing new is routed to it), if any, and the
+    # jobs routed to it before and still open as this is sent: should the agent drain that block to
+    # make room for this one, it takes their HELLOs first, as a release's (``Release.jobs``).
+    supersedes: int | None = None
+    jobs: tuple[str, ...] | None = None  # None: no list (sent without one, as before)
 
     def __post_init__(self) -> None:
         _int("assignment", self.assignment, 1, MAX_ID)
         _text("model", self.model, MAX_NAME_CHARS)
         _span(self.layer_start, self.layer_end)
+        if self.supersedes is not None:
+            _int("supersedes", self.supersedes, 1, MAX_ID)
+        _job_ids(self)
         if (self.content_hash is None) != (self.source is None):
             raise ProtocolError("content_hash and source come together, or not at all", code=BAD_FIELD)
         if self.content_hash is not None:
@@ -392,10 +413,15 @@ class Release(Message):
     TYPE: ClassVar = MessageType.RELEASE
     assignment: int  # the assignment to stop serving; another one is ignored
     model: str  # its model, for the agent's log
+    # The jobs the control plane routed to the block before it let the block go and that had not
+    # ended then: the block takes their coordinators' HELLOs, however late they come (within
+    # ``Agent.expected_jobs_s``), and no other job's (the newest MAX_ITEMS of them). None: no list.
+    jobs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _int("assignment", self.assignment, 1, MAX_ID)
         _text("model", self.model, MAX_NAME_CHARS)
+        _job_ids(self)
 
 
 @dataclass(frozen=True)
