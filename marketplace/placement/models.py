@@ -55,12 +55,14 @@ class Assignment(models.Model):
 
     def as_message(self) -> protocol.Assign:
         """The assignment for its agent; a catalog model's names where to fetch its files."""
+        source = assignment_source(self.model)
         return protocol.Assign(
             assignment=self.pk,
             model=self.model,
             layer_start=self.layer_start,
             layer_end=self.layer_end,
-            **assignment_source(self.model),
+            content_hash=source.get("content_hash"),
+            source=source.get("source"),
         )
 
 
