@@ -26,6 +26,7 @@ from tests.challenge_fixtures import block_outputs, material
 from worker_agent.block import WorkItem
 from worker_agent.kvcache import KVSession
 from worker_agent.protocol import wire
+from worker_agent.protocol.span import Span
 from worker_agent.protocol.tickets import open_peer_pass, verify_ticket
 
 pytest_plugins = ["tests.factories"]
@@ -332,9 +333,7 @@ def test_refused_hello_fails_the_challenge_and_the_hello_looks_like_a_job(servin
     assert (hello.role, hello.topology) == ("coordinator", "ring")
     assert re.fullmatch(r"ws://127\.0\.0\.1:[0-9]+", hello.next_url)
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", hello.job)
-    ticket = verify_ticket(
-        hello.ticket, [issuer_public_key()], node=serving.node_id, model=MODEL, layer_start=2, layer_end=4
-    )
+    ticket = verify_ticket(hello.ticket, [issuer_public_key()], node=serving.node_id, span=Span(MODEL, 2, 4))
     assert (ticket.job, ticket.issuer_key) == (hello.job, issuer_public_key())
     lifetime = ticket.expires_at - challenge.sent_at.timestamp()
     assert settings.SWARM_JOB_TIMEOUT_S < lifetime < settings.SWARM_JOB_TIMEOUT_S + TICKET_MARGIN_S + 60
