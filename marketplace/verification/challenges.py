@@ -195,9 +195,7 @@ def run_challenge(challenge_pk: int) -> Challenge:
         return ticket_for(
             job=drawn.job,
             node=stage.node,
-            model=challenge.model,
-            layer_start=stage.layer_start,
-            layer_end=stage.layer_end,
+            span=Span(challenge.model, stage.layer_start, stage.layer_end),
             coordinator_key=bytes(coordinator_key.verify_key),
             expires_at=expiry[0],
         )
