@@ -269,6 +269,7 @@ async def direct_stream(model: str, stages: list, index: int, max_tokens: int, t
     from worker_agent.coordinator.pipeline import StageSpec
     from worker_agent.coordinator.sampling import SamplingParams
     from worker_agent.protocol.receipts import StageAssignment
+    from worker_agent.protocol.span import Span
 
     job = f"bench-direct-{index}-{secrets.token_hex(4)}"
     key = SigningKey.generate()  # this job's coordinator key, as the runner makes one per job
@@ -276,7 +277,7 @@ async def direct_stream(model: str, stages: list, index: int, max_tokens: int, t
     specs = [
         StageSpec(
             s.data_url,
-            ticket_for(job=job, node=s.node, model=model, layer_start=s.layer_start, layer_end=s.layer_end, **grant),
+            ticket_for(job=job, node=s.node, span=Span(model, s.layer_start, s.layer_end), **grant),
         )
         for s in stages
     ]

@@ -53,6 +53,7 @@ os.environ.setdefault("SWARM_LOG_LEVEL", "WARNING")
 
 
 from marketplace.embedded import EmbeddedServer  # noqa: E402 - after the environment is set
+from worker_agent.protocol.span import Span  # noqa: E402 - after the environment is set
 
 
 def _setup_django() -> None:
@@ -303,7 +304,7 @@ def main() -> int:
         from marketplace.verification.verifier import trusted_block
 
         for stage in pipeline:  # the verifier's own copies, for challenges and live audits
-            trusted_block(MODEL, stage.layer_start, stage.layer_end)
+            trusted_block(Span(MODEL, stage.layer_start, stage.layer_end))
         print("verifier ready: float32 copies of the three spans for challenges and live audits")
         _stream_one(base_url, accounts["key"])
         _report(base_url, accounts)

@@ -23,6 +23,7 @@ from tests.live import LiveServer
 from worker_agent import checkpoints
 from worker_agent.agent import fetch
 from worker_agent.errors import ModelError
+from worker_agent.protocol.span import Span
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.django_db(transaction=True)]
 pytest_plugins = ["tests.catalog_fixtures"]
@@ -59,11 +60,11 @@ def shards(folder, start: int, end: int) -> set[str]:
 def test_fetches_only_the_files_the_layers_need_each_as_the_checkpoint_holds_it(served, agent_cache):
     entry, folder = served.entry, served.folder
 
-    first = fetch.ensure_block_files(served.manifest, entry.ref, entry.content_hash, 0, 2)
+    first = fetch.ensure_block_files(served.manifest, Span(entry.ref, 0, 2), entry.content_hash)
 
     assert first == agent_cache / entry.content_hash
     assert {p.name for p in first.iterdir()} == {"config.json", INDEX, fetch.MANIFEST_COPY} | shards(folder, 0, 2)
-    fetch.ensure_block_files(served.manifest, entry.ref, entry.content_hash, 2, 4)
+    fetch.ensure_block_files(served.manifest, Span(entry.ref, 2, 4), entry.content_hash)
     fetched = {p.name for p in first.iterdir()} - {fetch.MANIFEST_COPY}
     assert fetched == {"config.json", INDEX} | shards(folder, 0, 4)
     assert weight_map(folder)["model.embed_tokens.weight"] not in fetched  # the coordinator's, not a stage's
@@ -73,20 +74,20 @@ def test_fetches_only_the_files_the_layers_need_each_as_the_checkpoint_holds_it(
 
 def test_a_second_assignment_is_served_from_the_cache_without_the_control_plane(served, agent_cache):
     entry = served.entry
-    fetch.ensure_block_files(served.manifest, entry.ref, entry.content_hash, 0, 2)
+    fetch.ensure_block_files(served.manifest, Span(entry.ref, 0, 2), entry.content_hash)
     served.stop()
 
-    again = fetch.ensure_block_files(served.manifest, entry.ref, entry.content_hash, 0, 2)
+    again = fetch.ensure_block_files(served.manifest, Span(entry.ref, 0, 2), entry.content_hash)
 
     assert again == agent_cache / entry.content_hash
     with pytest.raises(ModelError) as caught:  # what is not cached yet cannot come now
-        fetch.ensure_block_files(served.manifest, entry.ref, entry.content_hash, 2, 4)
+        fetch.ensure_block_files(served.manifest, Span(entry.ref, 2, 4), entry.content_hash)
     assert caught.value.code == "checkpoint_unavailable"
 
 
 def test_a_cached_file_that_differs_from_its_digest_refuses_the_block_and_is_fetched_again(served, agent_cache):
     entry, folder = served.entry, served.folder
-    cached = fetch.ensure_block_files(served.manifest, entry.ref, entry.content_hash, 0, 2)
+    cached = fetch.ensure_block_files(served.manifest, Span(entry.ref, 0, 2), entry.content_hash)
     shard = sorted(shards(folder, 0, 2))[0]
     damaged = bytearray((cached / shard).read_bytes())
     damaged[-1] ^= 0x01
@@ -94,7 +95,7 @@ def test_a_cached_file_that_differs_from_its_digest_refuses_the_block_and_is_fet
     digest = next(f["sha256"] for f in entry.files if f["path"] == shard)
 
     with pytest.raises(ModelError) as caught:
-        fetch.ensure_block_files(served.manifest, entry.ref, entry.content_hash, 0, 2)
+        fetch.ensure_block_files(served.manifest, Span(entry.ref, 0, 2), entry.content_hash)
 
     assert caught.value.code == "checkpoint_mismatch"
     assert caught.value.message == (
@@ -102,7 +103,7 @@ def test_a_cached_file_that_differs_from_its_digest_refuses_the_block_and_is_fet
         "damaged or changed): refused, and removed so that the next assignment fetches it again"
     )
     assert not (cached / shard).exists()
-    fetch.ensure_block_files(served.manifest, entry.ref, entry.content_hash, 0, 2)
+    fetch.ensure_block_files(served.manifest, Span(entry.ref, 0, 2), entry.content_hash)
     assert (cached / shard).read_bytes() == (folder / shard).read_bytes()
 
 
@@ -111,7 +112,7 @@ def test_a_manifest_that_does_not_hash_to_the_assigned_content_hash_is_refused(s
     assigned = entry.content_hash[:16] + "0" * 48  # the ref's prefix, other weights
 
     with pytest.raises(ModelError) as caught:
-        fetch.ensure_block_files(served.manifest, entry.ref, assigned, 0, 2)
+        fetch.ensure_block_files(served.manifest, Span(entry.ref, 0, 2), assigned)
 
     assert caught.value.code == "checkpoint_mismatch"
     assert caught.value.message == (

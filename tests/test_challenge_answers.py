@@ -26,6 +26,7 @@ from tests.challenge_fixtures import block_outputs, material
 from worker_agent.block import WorkItem
 from worker_agent.kvcache import KVSession
 from worker_agent.protocol import wire
+from worker_agent.protocol.span import Span
 from worker_agent.protocol.tickets import open_peer_pass, verify_ticket
 
 pytest_plugins = ["tests.factories"]
@@ -66,7 +67,7 @@ def test_challenge_is_sent_for_the_ready_span(serving, django_capture_on_commit_
 
     assert len(callbacks) == 2  # its session runs once this commits, and the provider's page is told
 
-    assert (challenge.model, challenge.layer_start, challenge.layer_end) == (MODEL, 2, 4)
+    assert challenge.span == Span(MODEL, 2, 4)
     assert (challenge.seed, challenge.tokens, challenge.state) == (1234, 4, CheckState.SENT)
     assert challenge.deadline_at > challenge.sent_at
 
@@ -214,7 +215,8 @@ def rounded_past_the_threshold(inputs: torch.Tensor, steps) -> torch.Tensor:
 def verifier_rows(inputs: torch.Tensor, steps, dtype: str) -> torch.Tensor:
     """The verifier's own block of layers 20:30 in ``dtype`` on the inputs, in one pass as it
     recomputes contiguous steps: (tokens, hidden) float32."""
-    (rows,) = trusted_block("smollm2-135m", 20, 30, dtype).forward([WorkItem(KVSession("verifier", "s0"), 0, inputs)])
+    block = trusted_block(Span("smollm2-135m", 20, 30), dtype)
+    (rows,) = block.forward([WorkItem(KVSession("verifier", "s0"), 0, inputs)])
     return rows.to(torch.float32)
 
 
@@ -332,15 +334,13 @@ def test_refused_hello_fails_the_challenge_and_the_hello_looks_like_a_job(servin
     assert (hello.role, hello.topology) == ("coordinator", "ring")
     assert re.fullmatch(r"ws://127\.0\.0\.1:[0-9]+", hello.next_url)
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", hello.job)
-    ticket = verify_ticket(
-        hello.ticket, [issuer_public_key()], node=serving.node_id, model=MODEL, layer_start=2, layer_end=4
-    )
+    ticket = verify_ticket(hello.ticket, [issuer_public_key()], node=serving.node_id, span=Span(MODEL, 2, 4))
     assert (ticket.job, ticket.issuer_key) == (hello.job, issuer_public_key())
     lifetime = ticket.expires_at - challenge.sent_at.timestamp()
     assert settings.SWARM_JOB_TIMEOUT_S < lifetime < settings.SWARM_JOB_TIMEOUT_S + TICKET_MARGIN_S + 60
     successor = open_peer_pass(hello.next_ticket)
     assert (successor.job, successor.layer_start, successor.layer_end) == (hello.job, 4, 6)
-    assert successor.node == challenge_checks.stand_in_node(MODEL, 4, 6)
+    assert successor.node == challenge_checks.stand_in_node(Span(MODEL, 4, 6))
 
 
 def test_silent_data_plane_fails_the_challenge_at_its_deadline(serving, data_plane, settings):

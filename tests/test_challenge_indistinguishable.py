@@ -76,6 +76,7 @@ from worker_agent.protocol import wire
 from worker_agent.protocol.connection import AcceptHello, Dispatch, OpenSessions
 from worker_agent.protocol.keys import generate_signing_key
 from worker_agent.protocol.receipts import StageAssignment
+from worker_agent.protocol.span import Span
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 
@@ -191,9 +192,7 @@ def ticket(job: str, stage: StageAssignment, coordinator_key: SigningKey, expire
     return ticket_for(
         job=job,
         node=stage.node,
-        model=MODEL,
-        layer_start=stage.layer_start,
-        layer_end=stage.layer_end,
+        span=Span(MODEL, stage.layer_start, stage.layer_end),
         coordinator_key=bytes(coordinator_key.verify_key),
         expires_at=expires_at,
     )

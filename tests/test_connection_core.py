@@ -35,6 +35,7 @@ from worker_agent.protocol.connection import (
 )
 from worker_agent.protocol.keys import node_id
 from worker_agent.protocol.links import PEER_CONTEXT, peer_proof, proves_second_connection
+from worker_agent.protocol.span import Span
 from worker_agent.protocol.tickets import ProofNonces, issue_peer_pass, issue_ticket, open_peer_pass, prove_coordinator
 
 pytestmark = pytest.mark.dataplane
@@ -50,13 +51,7 @@ OTHER_NODE = node_id(bytes(SigningKey(b"\x03" * 32).verify_key))
 MODEL = "tiny-llama"
 SPAN = (2, 4)
 JOB = "job-1"
-ADMISSION = Admission(
-    node=NODE,
-    model=MODEL,
-    layer_start=SPAN[0],
-    layer_end=SPAN[1],
-    trusted_keys=frozenset({bytes(ISSUER.verify_key)}),
-)
+ADMISSION = Admission(node=NODE, span=Span(MODEL, *SPAN), trusted_keys=frozenset({bytes(ISSUER.verify_key)}))
 LIMITS = Limits(max_frame=4096, hidden_size=HIDDEN)
 
 
@@ -115,19 +110,21 @@ def test_a_valid_hello_binds_the_connection_to_the_tickets_job_node_model_and_sp
 
     action = _feed(connection, hello, 1)
 
-    binding = Binding(JOB, Role.COORDINATOR, NODE, MODEL, 2, 4, expires_at=NOW + 600, coordinator_key=COORDINATOR_PUB)
+    binding = Binding(
+        JOB, Role.COORDINATOR, NODE, Span(MODEL, 2, 4), expires_at=NOW + 600, coordinator_key=COORDINATOR_PUB
+    )
     assert action == AcceptHello(hello, binding)
     assert action.kind is ActionKind.ACCEPT_HELLO
     assert (connection.state, connection.binding, connection.role) == (State.BOUND, binding, Role.COORDINATOR)
 
 
 def test_an_insecure_open_stage_binds_a_hello_without_a_ticket_to_its_own_identity():
-    connection = _connection(admission=Admission(NODE, MODEL, 2, 4, frozenset(), insecure_open=True))
+    connection = _connection(admission=Admission(NODE, Span(MODEL, 2, 4), frozenset(), insecure_open=True))
     hello = wire.Hello(job=JOB, ticket=None)
 
     action = _feed(connection, hello, 1)
 
-    assert action == AcceptHello(hello, Binding(JOB, Role.COORDINATOR, NODE, MODEL, 2, 4, expires_at=None))
+    assert action == AcceptHello(hello, Binding(JOB, Role.COORDINATOR, NODE, Span(MODEL, 2, 4), expires_at=None))
 
 
 def test_ping_is_answered_before_hello():
@@ -275,7 +272,13 @@ def test_a_peer_hello_for_a_coordinated_job_binds_the_peer_role():
     binding = connection.binding
     assert binding is not None and binding.peer is not None
     assert binding == Binding(
-        JOB, Role.PEER, NODE, MODEL, 2, 4, expires_at=NOW + 600, coordinator_key=COORDINATOR_PUB, peer=binding.peer
+        JOB,
+        Role.PEER,
+        NODE,
+        Span(MODEL, 2, 4),
+        expires_at=NOW + 600,
+        coordinator_key=COORDINATOR_PUB,
+        peer=binding.peer,
     )
     assert binding.peer.proof == b""  # the pass names no sender: nobody to prove
 
@@ -521,11 +524,11 @@ def test_a_frame_the_stage_turns_down_is_refused_with_its_first_session_and_keep
 # Several stages behind one port: a block being replaced and its successor
 
 NEW_SPAN = (4, 6)
-NEW = Admission(NODE, MODEL, NEW_SPAN[0], NEW_SPAN[1], frozenset({bytes(ISSUER.verify_key)}), jobs={})
+NEW = Admission(NODE, Span(MODEL, *NEW_SPAN), frozenset({bytes(ISSUER.verify_key)}), jobs={})
 
 
 def _old(*, accepting: bool = True, jobs: dict[str, bytes] | None = None) -> Admission:
-    return Admission(NODE, MODEL, SPAN[0], SPAN[1], ADMISSION.trusted_keys, accepting=accepting, jobs=jobs or {})
+    return Admission(NODE, Span(MODEL, *SPAN), ADMISSION.trusted_keys, accepting=accepting, jobs=jobs or {})
 
 
 def test_the_ticket_names_which_of_several_stages_a_hello_binds_to():
@@ -535,9 +538,9 @@ def test_the_ticket_names_which_of_several_stages_a_hello_binds_to():
 
         action = _feed(connection, hello, 1)
 
-        binding = Binding(JOB, Role.COORDINATOR, NODE, MODEL, *expected, NOW + 600, COORDINATOR_PUB)
+        binding = Binding(JOB, Role.COORDINATOR, NODE, Span(MODEL, *expected), NOW + 600, COORDINATOR_PUB)
         assert action == AcceptHello(hello, binding)
-        assert connection.binding.key == (MODEL, *expected)
+        assert connection.binding.span == Span(MODEL, *expected)
 
 
 def test_a_ticket_for_a_span_no_stage_serves_is_refused_against_the_primary_stage():
@@ -575,11 +578,11 @@ def test_a_ring_peer_must_join_a_job_open_on_the_stage_its_ticket_names():
 
 
 def test_without_tickets_a_hello_binds_to_the_primary_stage():
-    stages = [Admission(NODE, MODEL, 4, 6, frozenset(), insecure_open=True), _old()]
+    stages = [Admission(NODE, Span(MODEL, 4, 6), frozenset(), insecure_open=True), _old()]
 
     action = _feed(Connection(stages, LIMITS), wire.Hello(job=JOB, ticket=None), 1)
 
-    assert action.binding == Binding(JOB, Role.COORDINATOR, NODE, MODEL, 4, 6, expires_at=None)
+    assert action.binding == Binding(JOB, Role.COORDINATOR, NODE, Span(MODEL, 4, 6), expires_at=None)
 
 
 def test_an_agent_serving_no_block_refuses_every_hello():

@@ -24,6 +24,7 @@ from tests.live import LiveServer, wait_for
 from worker_agent.coordinator.job import Coordinator
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.dev.local import join_agent, stop_processes
+from worker_agent.protocol.span import Span
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
 
@@ -61,9 +62,7 @@ def generate_through(pipeline, job: str) -> list[int]:
     specs = [
         StageSpec(
             stage.data_url,
-            ticket_for(
-                job=job, node=stage.node, model=MODEL, layer_start=stage.layer_start, layer_end=stage.layer_end, **grant
-            ),
+            ticket_for(job=job, node=stage.node, span=Span(MODEL, stage.layer_start, stage.layer_end), **grant),
         )
         for stage in pipeline
     ]

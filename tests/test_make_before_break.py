@@ -31,6 +31,7 @@ from worker_agent.errors import StageError
 from worker_agent.protocol import control_protocol as protocol
 from worker_agent.protocol import wire
 from worker_agent.protocol.keys import generate_signing_key, node_id, public_key_bytes
+from worker_agent.protocol.span import Span
 from worker_agent.protocol.tickets import issue_ticket
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
@@ -257,7 +258,7 @@ def test_with_no_room_for_both_blocks_the_agent_drains_the_old_one_before_it_loa
 
                 await s.assign(2, (3, 6))  # 3 + 3 layers > the cap of 4
                 # The old block takes no new job, and the new one waits for it to drain.
-                await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the old block to retire")
+                await until(lambda: not s.agent.server.slots[Span(MODEL, 0, 3)].accepting, "the old block to retire")
                 refused = await s.hello("job-late", (0, 3))
                 assert isinstance(refused, wire.Error)
                 assert refused.code == "stage_draining"
@@ -307,7 +308,7 @@ def test_a_stopping_agent_takes_no_new_job_and_closes_only_once_its_jobs_in_flig
 
                 s.agent.stop()  # SIGTERM
                 stopping = asyncio.create_task(s.agent.shut_down())
-                await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the block to retire")
+                await until(lambda: not s.agent.server.slots[Span(MODEL, 0, 3)].accepting, "the block to retire")
                 refused = await s.hello("job-late", (0, 3))
                 assert isinstance(refused, wire.Error)
                 assert refused.code == "stage_draining"
@@ -331,7 +332,7 @@ def test_a_second_stop_closes_the_agent_at_once_with_jobs_in_flight():
             await anext(stream)
             s.agent.stop()
             stopping = asyncio.create_task(s.agent.shut_down())
-            await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the block to retire")
+            await until(lambda: not s.agent.server.slots[Span(MODEL, 0, 3)].accepting, "the block to retire")
             s.agent.stop()  # a second Ctrl-C
             await asyncio.wait_for(stopping, DEADLINE_S)
             assert s.agent.server is None
@@ -388,7 +389,7 @@ def test_a_released_block_takes_the_jobs_its_release_names_however_late_and_no_o
             # Routed to the block before its release, this job's coordinator comes only afterwards.
             release = protocol.Release(assignment=1, model=MODEL, jobs=("job-routed-before",))
             await s.agent._on_message(s.channel, release)
-            await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the block to retire")
+            await until(lambda: not s.agent.server.slots[Span(MODEL, 0, 3)].accepting, "the block to retire")
 
             refused = await s.hello("job-routed-after", (0, 3))
             assert isinstance(refused, wire.Error)
@@ -412,7 +413,7 @@ def test_a_block_drained_for_the_cap_takes_the_jobs_its_successors_assignment_na
                 assignment=2, model=MODEL, layer_start=3, layer_end=6, supersedes=1, jobs=("job-routed-before",)
             )
             loading = asyncio.create_task(s.agent._on_message(s.channel, move))  # 3 + 3 layers > the cap of 4
-            await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the old block to retire")
+            await until(lambda: not s.agent.server.slots[Span(MODEL, 0, 3)].accepting, "the old block to retire")
 
             refused = await s.hello("job-routed-after", (0, 3))
             assert isinstance(refused, wire.Error)
@@ -458,7 +459,7 @@ def test_a_stopping_agent_tells_the_control_plane_first_and_takes_jobs_until_it_
                 await s.agent._on_message(s.channel, protocol.Drain())  # nothing new is routed here now
                 await asyncio.wait_for(leaving, DEADLINE_S)
                 stopping = asyncio.create_task(s.agent.shut_down())
-                await until(lambda: not s.agent.server.slots[(MODEL, 0, 3)].accepting, "the block to retire")
+                await until(lambda: not s.agent.server.slots[Span(MODEL, 0, 3)].accepting, "the block to retire")
                 refused = await s.hello("job-after-the-answer", (0, 3))
                 assert isinstance(refused, wire.Error)
                 assert refused.code == "stage_draining"

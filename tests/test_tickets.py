@@ -5,6 +5,7 @@ import pytest
 from nacl.signing import SigningKey
 
 from worker_agent.errors import TicketError
+from worker_agent.protocol.span import Span
 from worker_agent.protocol.tickets import (
     MAX_TICKET_BYTES,
     PEER_PASS_CONTEXT,
@@ -40,7 +41,9 @@ def _issue(**overrides) -> bytes:
 
 
 def _verify(blob, *, trusted=TRUSTED, now=NOW + 1, **agent) -> Ticket:
-    return verify_ticket(blob, trusted, **{**AGENT, **agent}, now=now)
+    stage = {**AGENT, **agent}
+    span = Span(stage["model"], stage["layer_start"], stage["layer_end"])
+    return verify_ticket(blob, trusted, node=stage["node"], span=span, now=now)
 
 
 def _signed_envelope(body_fields: dict, key: SigningKey = ISSUER) -> bytes:
@@ -459,3 +462,37 @@ def test_a_peer_pass_with_an_edited_body_is_refused():
         open_peer_pass(msgpack.packb(outer), now=NOW + 1)
     assert str(err.value) == "peer pass signature does not verify"
     assert PEER_PASS_CONTEXT != SIGNING_CONTEXT
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"model": ""}, {"layer_start": 5, "layer_end": 5}, {"layer_start": 15, "layer_end": 0}, {"layer_start": -1}],
+    ids=repr,
+)
+def test_a_signed_ticket_naming_no_stage_is_invalid(overrides):
+    with pytest.raises(TicketError) as err:
+        _verify(_signed_envelope(_valid_body(**overrides)))
+
+    assert err.value.code == "ticket_invalid"
+    assert str(err.value) == "ticket must name a model and a span 0 <= layer_start < layer_end"
+
+
+def test_a_peer_pass_naming_no_stage_is_invalid_whoever_signed_it():
+    # A pass is opened before anyone checks who signed it: its span must parse as one on its own.
+    outer = msgpack.unpackb(issue_peer_pass(COORDINATOR, _issue()))
+    body = {**msgpack.unpackb(outer["body"]), "layer_start": 15, "layer_end": 15}
+    packed = msgpack.packb(dict(sorted(body.items())))
+    outer |= {"body": packed, "sig": COORDINATOR.sign(PEER_PASS_CONTEXT + packed).signature}
+
+    with pytest.raises(TicketError) as err:
+        open_peer_pass(msgpack.packb(outer), now=NOW + 1)
+
+    assert err.value.code == "ticket_invalid"
+    assert str(err.value) == "peer pass must name a model and a span 0 <= layer_start < layer_end"
+
+
+def test_a_ticket_and_its_peer_pass_name_the_stage_as_a_span():
+    ticket = _issue(layer_start=15, layer_end=30)
+
+    assert _verify(ticket, layer_start=15, layer_end=30).span == Span("smollm2-135m", 15, 30)
+    assert open_peer_pass(issue_peer_pass(COORDINATOR, ticket), now=NOW + 1).span == Span("smollm2-135m", 15, 30)

@@ -19,6 +19,7 @@ from marketplace.placement.models import Assignment, AssignmentState
 from tests.browser import MODEL, floatformat, sign_up
 from tests.live import wait_for
 from worker_agent.dev.local import join_agent, stop_processes
+from worker_agent.protocol.span import Span
 
 pytestmark = [pytest.mark.web, pytest.mark.django_db(transaction=True)]
 pytest_plugins = ["tests.browser"]
@@ -96,7 +97,7 @@ def test_a_provider_adds_a_node_runs_the_agent_and_watches_it_join_live(web, tmp
         node.refresh_from_db()
         assert (node.state, node.connected) == (NodeState.ACTIVE, True)
         (assignment,) = Assignment.objects.filter(node=node, state=AssignmentState.READY)
-        assert (assignment.model, assignment.layer_start, assignment.layer_end) == (MODEL, 0, 6)
+        assert assignment.span == Span(MODEL, 0, 6)
         web.shot("node-live-ready")
 
         page.get_by_role("link", name="gpu-1").click()

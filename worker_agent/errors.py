@@ -4,7 +4,7 @@ Every error the agent or the coordinator raises on purpose derives from ``SwarmE
 carries a stable machine-readable ``code`` (sent in ERROR frames) next to its human message::
 
     SwarmError
-    ├── ModelError      a model or layer span cannot be loaded as asked
+    ├── ModelError      a model or layer span is malformed (``Span``) or cannot be loaded as asked
     ├── WireError       a frame is malformed, too large, of a wrong dtype/shape, non-finite, ...
     ├── SessionError    an unknown, evicted or over-limit session
     ├── TicketError     a job ticket is missing, forged, untrusted, expired or for someone else

@@ -22,6 +22,8 @@ from prometheus_client.exposition import choose_encoder
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from worker_agent.protocol.span import Span
+
 PATH = "/metrics"
 
 
@@ -29,9 +31,7 @@ PATH = "/metrics"
 class BlockLoad:
     """What one block served on the port has open now."""
 
-    model: str
-    layer_start: int
-    layer_end: int
+    span: Span  # the block: its model and layers (the series' labels)
     jobs: int  # jobs whose coordinator is connected
     sessions: int  # KV-cache sessions open
 
@@ -49,7 +49,7 @@ class _OpenNow:
             "swarm_agent_sessions_open", "KV-cache sessions open on each block served here", labels=labels
         )
         for block in self.blocks():
-            key = [block.model, str(block.layer_start), str(block.layer_end)]
+            key = [block.span.model, str(block.span.start), str(block.span.end)]
             jobs.add_metric(key, block.jobs)
             sessions.add_metric(key, block.sessions)
         return [jobs, sessions]

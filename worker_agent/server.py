@@ -30,7 +30,7 @@ Several stages on one port (make before break): an agent re-placed onto another 
 new block while the old one finishes its jobs in flight. ``add_stage`` puts a stage on the port,
 ``retire_stage`` stops it taking new jobs, and ``unload_stage`` waits until its jobs have ended
 (each at most until its ticket expires), then drops it and closes whatever connection is still
-bound to it. Stages are keyed by (model, layer_start, layer_end); a HELLO's ticket names the key
+bound to it. Stages are keyed by their ``Span`` (model and layers); a HELLO's ticket names the key
 and the connection talks to that stage only: its sessions, its receipts, its ring successor and
 its taps. The newest stage still taking jobs is the primary: PONG reports it, and without tickets a
 HELLO binds to it.
@@ -79,11 +79,11 @@ from worker_agent.protocol.connection import (
     Refuse,
     ReplyPong,
     Role,
-    StageKey,
     refused,
 )
 from worker_agent.protocol.keys import node_id
 from worker_agent.protocol.links import peer_proof
+from worker_agent.protocol.span import Span
 from worker_agent.protocol.tickets import ProofNonces, open_peer_pass
 from worker_agent.protocol.tls import connect_options
 from worker_agent.protocol.transport import DirectLink, LinkFactory
@@ -176,10 +176,6 @@ def sender_of(conn: Conn) -> str:
     return node_id(binding.sender_key) if binding is not None and binding.sender_key else "unnamed"
 
 
-def stage_key(stage: Stage) -> StageKey:
-    return (stage.model, stage.layer_start, stage.layer_end)
-
-
 @dataclass
 class StageSlot:
     """One stage on the port and what the server keeps for it."""
@@ -228,7 +224,7 @@ class StageServer:
         self.peer_tls = peer_tls
         self.max_frame = max_frame
         self.max_batch = max_batch
-        self.slots: dict[StageKey, StageSlot] = {}  # oldest first
+        self.slots: dict[Span, StageSlot] = {}  # oldest first
         # What a HELLO may bind to, the primary first: one list kept up to date in place, which
         # every connection's core reads when its HELLO comes.
         self._admissions: list[Admission] = []
@@ -252,16 +248,16 @@ class StageServer:
 
     def add_stage(self, stage: Stage) -> None:
         """Serve ``stage`` on this port too; it becomes the primary."""
-        key = stage_key(stage)
+        key = stage.span
         if key in self.slots:
-            raise SwarmError(f"{key[0]} layers {key[1]}:{key[2]} is served here already", code="stage_exists")
+            raise SwarmError(f"{key} is served here already", code="stage_exists")
         slot = StageSlot(stage)
         self.slots[key] = slot
         if self._running:
             slot.compute = asyncio.create_task(self._compute_loop(slot))
         self._update_admissions()
 
-    def expect_jobs(self, key: StageKey, jobs: Iterable[str]) -> None:
+    def expect_jobs(self, key: Span, jobs: Iterable[str]) -> None:
         """The control plane routed ``jobs`` to this stage before letting it go: it takes their
         coordinators' HELLOs once retired too, until ``unload_stage``'s wait for them ends."""
         slot = self.slots.get(key)
@@ -272,13 +268,13 @@ class StageServer:
             slot.arrived.clear()
         self._update_admissions()
 
-    def retire_stage(self, key: StageKey) -> None:
+    def retire_stage(self, key: Span) -> None:
         """Take no new job on this stage; the jobs open on it go on."""
         slot = self.slots.get(key)
         if slot is not None and slot.accepting:
             slot.accepting = False
             self._update_admissions()
-            log.info("%s layers %d:%d takes no new job (%d open)", *key, len(slot.jobs))
+            log.info("%s takes no new job (%d open)", key, len(slot.jobs))
 
     async def drain(self, *, timeout: float, hurry: asyncio.Event | None = None) -> int:
         """Take no new job on any stage and wait up to ``timeout`` s (or until ``hurry`` is set) for
@@ -305,7 +301,7 @@ class StageServer:
             log.warning("stopping with %d job(s) still open", cut)
         return cut
 
-    async def unload_stage(self, key: StageKey, *, timeout: float, expected_s: float = 0.0) -> int:
+    async def unload_stage(self, key: Span, *, timeout: float, expected_s: float = 0.0) -> int:
         """Retire the stage, wait for its jobs to end, then drop it and close the connections still
         bound to it; returns how many jobs were cut off. Make before break: a job routed here before
         the stage was let go is served to its end. The jobs still to come (``expect_jobs``) are waited
@@ -320,8 +316,8 @@ class StageServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(slot.arrived.wait(), expected_s)
             if slot.expected:
-                log.warning("%s layers %d:%d: %d job(s) routed here before its release never came",
-                            *key, len(slot.expected))  # fmt: skip
+                log.warning("%s: %d job(s) routed here before its release never came",
+                            key, len(slot.expected))  # fmt: skip
             slot.expected.clear()
             slot.arrived.set()
             self._update_admissions()
@@ -346,14 +342,11 @@ class StageServer:
             with contextlib.suppress(Exception):
                 await conn.aclose()
                 await asyncio.wait_for(conn.ws.close(1001, "stage unloaded"), 1)
-        log.info("unloaded %s layers %d:%d (%d jobs cut off)", *key, cut)
+        log.info("unloaded %s (%d jobs cut off)", key, cut)
         return cut
 
     def _block_loads(self) -> list[BlockLoad]:
-        return [
-            BlockLoad(key[0], key[1], key[2], len(slot.jobs), len(slot.stage.store))
-            for key, slot in list(self.slots.items())
-        ]
+        return [BlockLoad(key, len(slot.jobs), len(slot.stage.store)) for key, slot in list(self.slots.items())]
 
     def _update_admissions(self) -> None:
         primary = self.primary
@@ -361,9 +354,7 @@ class StageServer:
         self._admissions[:] = [
             Admission(
                 node=slot.stage.node,
-                model=slot.stage.model,
-                layer_start=slot.stage.layer_start,
-                layer_end=slot.stage.layer_end,
+                span=slot.stage.span,
                 trusted_keys=slot.stage.trusted_keys,
                 insecure_open=slot.stage.insecure_open,
                 accepting=slot.accepting,
@@ -480,7 +471,7 @@ class StageServer:
                 primary = self.primary
                 await conn.send(wire.Pong(action.nonce, primary.stage.info() if primary is not None else {}))
             case AcceptHello():
-                slot = self.slots.get(action.binding.key)
+                slot = self.slots.get(action.binding.span)
                 if slot is None:  # unloaded between the admission list and now
                     gone = wire.Error("not_serving", "that block is no longer served here", fatal=True)
                     await self._refuse(conn, gone)
@@ -495,7 +486,7 @@ class StageServer:
 
     async def _serve(self, conn: Conn, action: OpenSessions | Dispatch | CloseSessions) -> None:
         slot = conn.slot
-        if slot is None or self.slots.get(stage_key(slot.stage)) is not slot:
+        if slot is None or self.slots.get(slot.stage.span) is not slot:
             raise SwarmError("the block this connection was bound to is no longer served here", code="not_serving")
         stage = slot.stage
         match action:

@@ -20,6 +20,7 @@ from worker_agent.kvcache import KVMemory, KVSession, SessionLimits, SessionStor
 from worker_agent.protocol.keys import node_id, public_key_bytes
 from worker_agent.protocol.links import BadLink, sign_link, verify_link
 from worker_agent.protocol.receipts import ReceiptBuilder, digest
+from worker_agent.protocol.span import Span
 from worker_agent.protocol.wire import Forward, Item, tensor_payload
 
 
@@ -87,6 +88,11 @@ class Stage:
     @property
     def layer_end(self) -> int:
         return self.block.weights.layer_end
+
+    @property
+    def span(self) -> Span:
+        """Which stage this is: the model and the layers it serves (an agent's key for it)."""
+        return Span(self.model, self.layer_start, self.layer_end)
 
     def info(self) -> dict:
         """Public identity and load, sent in HELLO and PONG replies."""

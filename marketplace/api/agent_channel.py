@@ -231,10 +231,10 @@ def _superseded(assignment_pk: int) -> int | None:
 
 def _open_jobs_on_block(node: str, assignment_pk: int) -> tuple[str, ...]:
     """The jobs still open on ``node``'s block of that assignment (none once it is gone)."""
-    assignment = Assignment.objects.filter(pk=assignment_pk).values_list("model", "layer_start", "layer_end").first()
+    assignment = Assignment.objects.filter(pk=assignment_pk).only("model", "layer_start", "layer_end").first()
     if assignment is None:
         return ()
-    return open_jobs_on(node, *assignment, limit=protocol.MAX_ITEMS)
+    return open_jobs_on(node, assignment.span, limit=protocol.MAX_ITEMS)
 
 
 class TokenBucket:

@@ -34,6 +34,7 @@ from worker_agent.coordinator.job import Coordinator, GenerationRequest
 from worker_agent.coordinator.pipeline import StageSpec
 from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.speculation import SpeculationSettings
+from worker_agent.protocol.span import Span
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,7 @@ def stage_specs(job: Job, route: list[dict], grant: JobGrant) -> list[StageSpec]
             ticket_for(
                 job=job.public_id,
                 node=stage["node"],
-                model=job.model,
-                layer_start=stage["layer_start"],
-                layer_end=stage["layer_end"],
+                span=Span(job.model, stage["layer_start"], stage["layer_end"]),
                 coordinator_key=bytes(grant.coordinator_key.verify_key),
                 expires_at=grant.expires_at,
             ),

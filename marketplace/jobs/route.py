@@ -12,6 +12,7 @@ from marketplace.jobs.models import Job, JobState
 from marketplace.placement.selectors import PipelineStage
 from worker_agent.errors import ReceiptError
 from worker_agent.protocol.receipts import StageAssignment
+from worker_agent.protocol.span import Span
 
 
 def route_of(stages: Iterable[PipelineStage]) -> list[dict]:
@@ -41,16 +42,16 @@ def route_assignments(route: object) -> list[StageAssignment]:
     return assignments
 
 
-def open_jobs_on(node: str, model: str, layer_start: int, layer_end: int, *, limit: int) -> tuple[str, ...]:
-    """The public ids of the jobs admitted onto ``node``'s block of ``model`` [layer_start,
-    layer_end) (in their route now, a heal included) and not ended, the newest ``limit`` of them: the
-    jobs a released block still owes its service (``control_protocol.Release.jobs``)."""
-    open_jobs = Job.objects.filter(model=model, state__in=[JobState.QUEUED, JobState.RUNNING]).order_by("-pk")
+def open_jobs_on(node: str, span: Span, *, limit: int) -> tuple[str, ...]:
+    """The public ids of the jobs admitted onto ``node``'s block of ``span`` (in their route now, a
+    heal included) and not ended, the newest ``limit`` of them: the jobs a released block still owes
+    its service (``control_protocol.Release.jobs``)."""
+    open_jobs = Job.objects.filter(model=span.model, state__in=[JobState.QUEUED, JobState.RUNNING]).order_by("-pk")
     found = []
     for public_id, route in open_jobs.values_list("public_id", "route").iterator():
         on_block = any(
             isinstance(stage, dict)
-            and (stage.get("node"), stage.get("layer_start"), stage.get("layer_end")) == (node, layer_start, layer_end)
+            and (stage.get("node"), stage.get("layer_start"), stage.get("layer_end")) == (node, span.start, span.end)
             for stage in (route if isinstance(route, list) else ())
         )
         if on_block:

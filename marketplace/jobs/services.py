@@ -34,6 +34,7 @@ from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
 from marketplace.nodes.models import Node, NodeState, Privacy
+from marketplace.placement.allocation import Stage
 from marketplace.placement.lifecycle import report_node_failure
 from marketplace.placement.selectors import context_length, hold_routes, recovering, route_around
 from marketplace.verification.audits import choose_audit_stages
@@ -234,7 +235,7 @@ def heal_job(
     # is read: the new route never takes a stage being released (``hold_routes``).
     hold_routes(job.model)
     avoid = {heal["failed_node"] for heal in job.heals} | {failed_node}
-    current = [(s["node"], s["layer_start"], s["layer_end"]) for s in job.route]
+    current = [Stage(s["node"], s["layer_start"], s["layer_end"]) for s in job.route]
     stages = route_around(job.model, current, avoid, job.coordinator_region, job.privacy)
     if stages is None:
         # No route without every node this job saw fail: one that has since proved alive (it

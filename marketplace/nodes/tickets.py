@@ -13,6 +13,7 @@ from django.conf import settings
 from nacl.signing import SigningKey
 
 from worker_agent.protocol.keys import generate_signing_key, load_signing_key, public_key_bytes, write_key
+from worker_agent.protocol.span import Span
 from worker_agent.protocol.tickets import issue_ticket
 
 # A ticket outlives its job's deadline by this much: room for clock skew between the control plane
@@ -45,21 +46,19 @@ def ticket_for(
     *,
     job: str,
     node: str,
-    model: str,
-    layer_start: int,
-    layer_end: int,
+    span: Span,
     coordinator_key: bytes,
     expires_at: float,
 ) -> bytes:
-    """A ticket for ``node`` to serve that span of ``job`` to the coordinator holding
+    """A ticket for ``node`` to serve ``span`` of ``job`` to the coordinator holding
     ``coordinator_key`` (its public half), until ``expires_at`` (unix seconds: the job's deadline)."""
     return issue_ticket(
         issuer_key(),
         job=job,
         node=node,
-        model=model,
-        layer_start=layer_start,
-        layer_end=layer_end,
+        model=span.model,
+        layer_start=span.start,
+        layer_end=span.end,
         coordinator_key=coordinator_key,
         expires_at=expires_at,
     )

@@ -7,6 +7,7 @@ from django.db import models
 from marketplace.catalog.selectors import assignment_source
 from marketplace.nodes.models import Node
 from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol.span import Span
 
 
 class AssignmentState(models.TextChoices):
@@ -52,6 +53,10 @@ class Assignment(models.Model):
                 name="one_live_assignment_per_node_and_model",
             ),
         ]
+
+    @property
+    def span(self) -> Span:
+        return Span(self.model, self.layer_start, self.layer_end)
 
     def as_message(self) -> protocol.Assign:
         """The assignment for its agent; a catalog model's names where to fetch its files."""

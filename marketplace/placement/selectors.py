@@ -44,6 +44,11 @@ class PipelineStage:
     # that admission draws the job's audits without reading the nodes again.
     audit_fraction: float | None = field(default=None, compare=False)
 
+    @property
+    def stage(self) -> Stage:
+        """The node and span, as placement's routing takes and returns them."""
+        return Stage(self.node, self.layer_start, self.layer_end)
+
 
 def live_assignments(model: str):
     return (
@@ -282,9 +287,7 @@ def route_request(
     stages = [_pipeline_stage(a) for a in usable]
     rows = list({a.node.node_id: a.node for a in usable}.values())
     rtt, layer_ms, in_doubt = _costs(sorted(node.node_id for node in rows), rows)
-    tiers = last_resort_first(
-        [Stage(s.node, s.layer_start, s.layer_end) for s in stages], in_doubt | leaving(model, usable)
-    )
+    tiers = last_resort_first([s.stage for s in stages], in_doubt | leaving(model, usable))
     best = None
     for candidates in tiers:
         for region in settings.SWARM_COORDINATOR_REGIONS:
@@ -299,21 +302,20 @@ def route_request(
     if best is None:
         return None  # no chain of routable stages covers every layer
     region, chosen = best
-    by_key = {(s.node, s.layer_start, s.layer_end): s for s in stages}
-    return region, [by_key[(s.node, s.layer_start, s.layer_end)] for s in chosen.stages], chosen.cost_ms
+    by_stage = {s.stage: s for s in stages}
+    return region, [by_stage[s] for s in chosen.stages], chosen.cost_ms
 
 
 def route_around(
     model: str,
-    current: list[tuple[str, int, int]],
+    current: list[Stage],
     avoid: Collection[str],
     region: str,
     privacy: str = Privacy.ANY,
 ) -> list[PipelineStage] | None:
-    """A replacement route for a request in flight on ``current`` (its stages as (node, layer_start,
-    layer_end) in order) that passes through none of the ``avoid`` nodes, from the coordinator
-    ``region`` where it runs, and only through stages its ``privacy`` allows (``allowed_for``); None
-    when no such route exists.
+    """A replacement route for a request in flight on ``current`` (its stages in order) that passes
+    through none of the ``avoid`` nodes, from the coordinator ``region`` where it runs, and only
+    through stages its ``privacy`` allows (``allowed_for``); None when no such route exists.
 
     Stages are every routable block of the model, on pipelines and warm spares alike (a stage's
     pipeline need not be whole: the request only needs a chain). The route keeps the request's
@@ -330,23 +332,22 @@ def route_around(
         for a in live_assignments(model)
         if _routable(a) and a.node.node_id not in avoid and allowed_for(a, privacy, n_layers)
     ]
-    stages = {(a.node.node_id, a.layer_start, a.layer_end): _pipeline_stage(a) for a in usable}
+    stages = {ps.stage: ps for ps in map(_pipeline_stage, usable)}
     if not stages:
         return None
-    rtt, layer_ms, in_doubt = _costs(sorted({node for node, _, _ in stages}))
+    rtt, layer_ms, in_doubt = _costs(sorted({stage.node for stage in stages}))
     last_resort = in_doubt | leaving(model, usable)
     survivors = [stage for stage in current if stage in stages]
-    taken = [(start, end) for _, start, end in survivors]
     in_gaps = [
-        key
-        for key in stages
-        if not any(key[1] < end and start < key[2] for start, end in taken)  # overlaps no survivor
-    ]
-    for keys in (survivors + in_gaps, list(stages)):
-        for candidates in last_resort_first([Stage(*key) for key in keys], last_resort):
+        stage
+        for stage in stages
+        if not any(stage.layer_start < kept.layer_end and kept.layer_start < stage.layer_end for kept in survivors)
+    ]  # each overlaps no survivor
+    for tried in (survivors + in_gaps, list(stages)):
+        for candidates in last_resort_first(tried, last_resort):
             try:
                 chosen = route(candidates, n_layers, rtt, layer_ms, source=region_target(region))
             except PlacementError:
                 continue
-            return [stages[(s.node, s.layer_start, s.layer_end)] for s in chosen.stages]
+            return [stages[s] for s in chosen.stages]
     return None

@@ -129,7 +129,7 @@ def verify_audit(audit_pk: int) -> Audit:
     except SwarmError as exc:
         return _finish_audit(audit_pk, CheckState.ERROR, f"stored material or receipts unreadable: {exc}", {})
     try:
-        block = trusted_block(audit.model, audit.layer_start, audit.layer_end)
+        block = trusted_block(audit.span)
     except Exception as exc:
         log.exception("cannot load the trusted block for audit %s", audit_pk)
         return _finish_audit(audit_pk, CheckState.ERROR, f"verifier failed: {exc}", {})
@@ -140,7 +140,7 @@ def verify_audit(audit_pk: int) -> Audit:
         except AuditFailed as exc:
             if exc.code != "audit_mismatch":
                 raise
-            fallback = trusted_block(audit.model, audit.layer_start, audit.layer_end, FALLBACK_DTYPE)
+            fallback = trusted_block(audit.span, FALLBACK_DTYPE)
             try:
                 report = replay_audit(material, receipt, fallback, upstream=upstream, **thresholds())
             except AuditFailed:

@@ -65,6 +65,7 @@ from worker_agent.protocol import challenge as challenges
 from worker_agent.protocol.audit import AuditMaterial
 from worker_agent.protocol.keys import node_id, public_key_bytes
 from worker_agent.protocol.receipts import StageAssignment
+from worker_agent.protocol.span import Span
 
 log = logging.getLogger("swarm.verification")
 
@@ -194,9 +195,7 @@ def run_challenge(challenge_pk: int) -> Challenge:
         return ticket_for(
             job=drawn.job,
             node=stage.node,
-            model=challenge.model,
-            layer_start=stage.layer_start,
-            layer_end=stage.layer_end,
+            span=Span(challenge.model, stage.layer_start, stage.layer_end),
             coordinator_key=bytes(coordinator_key.verify_key),
             expires_at=expiry[0],
         )
@@ -248,16 +247,20 @@ def _no_verdict(challenge_pk: int, reason: str) -> Challenge:
     return Challenge.objects.get(pk=challenge_pk)
 
 
-def stand_in_key(model: str, layer_start: int, layer_end: int) -> SigningKey:
+def stand_in_key(span: Span) -> SigningKey:
     """The node key of the verifier's stand-in for a span: the same one at every challenge (a stage
     of a real route is a node the swarm knows, not a new one each time), derived from the ticket key."""
-    seed = hashlib.sha256(b"swarm-stand-in-v1\0" + bytes(issuer_key()) + f"{model}\0{layer_start}:{layer_end}".encode())
-    return SigningKey(seed.digest())
+    named = f"{span.model}\0{span.start}:{span.end}".encode()
+    return SigningKey(hashlib.sha256(b"swarm-stand-in-v1\0" + bytes(issuer_key()) + named).digest())
 
 
-def stand_in_node(model: str, layer_start: int, layer_end: int) -> str:
+def stand_in_node(span: Span) -> str:
     """The node id the verifier's stand-in for a span goes by."""
-    return node_id(public_key_bytes(stand_in_key(model, layer_start, layer_end)))
+    return node_id(public_key_bytes(stand_in_key(span)))
+
+
+def _stand_in(span: Span) -> StandIn:
+    return StandIn(trusted_block(span), stand_in_key(span))
 
 
 def _stage_assignment(node: Node, layer_start: int, layer_end: int) -> StageAssignment:
@@ -299,11 +302,7 @@ def challenge_route(challenge: Challenge, assignment: Assignment) -> ChallengeRo
         challenge.model,
         _stage_assignment(node, challenge.layer_start, challenge.layer_end),
         assignment.data_url,
-        tuple(
-            trusted.get((start, end))
-            or StandIn(trusted_block(challenge.model, start, end), stand_in_key(challenge.model, start, end))
-            for start, end in spans
-        ),
+        tuple(trusted.get((start, end)) or _stand_in(Span(challenge.model, start, end)) for start, end in spans),
     )
 
 
@@ -455,11 +454,11 @@ def verify_challenge(challenge_pk: int) -> Challenge:
 
 def _graded(challenge: Challenge, material: AuditMaterial) -> tuple[challenges.Comparison, str]:
     """One session's material replayed on the trusted block: in float32, then in bfloat16 before it fails."""
-    block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end)
+    block = trusted_block(challenge.span)
     comparison = challenges.grade(material, block, **thresholds())
     if comparison.passed:
         return comparison, "float32"
-    block = trusted_block(challenge.model, challenge.layer_start, challenge.layer_end, FALLBACK_DTYPE)
+    block = trusted_block(challenge.span, FALLBACK_DTYPE)
     fallback = challenges.grade(material, block, **thresholds())
     return (fallback, FALLBACK_DTYPE) if fallback.passed else (comparison, "float32")
 

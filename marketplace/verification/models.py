@@ -12,6 +12,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
+from worker_agent.protocol.span import Span
+
 
 class CheckState(models.TextChoices):
     SENT = "sent", "sent"  # challenge opened, its session not finished yet
@@ -50,6 +52,10 @@ class Challenge(models.Model):
         ordering = ["-sent_at"]
         indexes = [models.Index(fields=["node", "sent_at"]), models.Index(fields=["state", "deadline_at"])]
 
+    @property
+    def span(self) -> Span:
+        return Span(self.model, self.layer_start, self.layer_end)
+
     def __str__(self) -> str:
         return f"challenge {self.pk} of {self.node_id} ({self.state})"
 
@@ -72,6 +78,10 @@ class Audit(models.Model):
     class Meta:
         ordering = ["-created_at"]
         constraints = [models.UniqueConstraint(fields=["job", "session", "stage"], name="one_audit_per_stage")]
+
+    @property
+    def span(self) -> Span:
+        return Span(self.model, self.layer_start, self.layer_end)
 
     def __str__(self) -> str:
         return f"audit {self.pk} of {self.node_id} in job {self.job_id} ({self.state})"

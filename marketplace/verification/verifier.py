@@ -16,20 +16,21 @@ from collections import OrderedDict
 
 from worker_agent import model as models
 from worker_agent.block import Block
+from worker_agent.protocol.span import Span
 
 MAX_BLOCKS = 8
 FALLBACK_DTYPE = "bfloat16"
 
-_blocks: OrderedDict[tuple[str, int, int, str], Block] = OrderedDict()
+_blocks: OrderedDict[tuple[Span, str], Block] = OrderedDict()
 _lock = threading.Lock()
 
 
-def trusted_block(model: str, layer_start: int, layer_end: int, dtype: str = "float32") -> Block:
-    key = (model, layer_start, layer_end, dtype)
+def trusted_block(span: Span, dtype: str = "float32") -> Block:
+    key = (span, dtype)
     with _lock:
         block = _blocks.get(key)
         if block is None:
-            block = Block(models.load_block(model, layer_start, layer_end, dtype=dtype, device="cpu"))
+            block = Block(models.load_block(span.model, span.start, span.end, dtype=dtype, device="cpu"))
             _blocks[key] = block
             while len(_blocks) > MAX_BLOCKS:
                 _blocks.popitem(last=False)

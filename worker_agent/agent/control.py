@@ -73,6 +73,7 @@ from worker_agent.protocol import control_protocol as protocol
 from worker_agent.protocol import tls
 from worker_agent.protocol.control_protocol import ProtocolError, control_signature, join_signature
 from worker_agent.protocol.keys import node_id, public_key_bytes
+from worker_agent.protocol.span import Span
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -138,12 +139,12 @@ class Serving:
     unloading: asyncio.Task | None = None  # set once released: drains, then unloads the block
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.stage.model, self.stage.layer_start, self.stage.layer_end)
+    def key(self) -> Span:
+        return self.stage.span
 
     @property
     def layers(self) -> int:
-        return self.stage.layer_end - self.stage.layer_start
+        return self.stage.span.layers
 
 
 def hardware_report(
@@ -505,7 +506,7 @@ class Agent:
                 layer_ms = None
                 if last[0] is stage and stage.tokens_served > last[2]:
                     # Measured speed under real load, for the control plane's rebalancing.
-                    layer_tokens = (stage.tokens_served - last[2]) * (stage.layer_end - stage.layer_start)
+                    layer_tokens = (stage.tokens_served - last[2]) * stage.span.layers
                     layer_ms = 1000 * (stage.compute_seconds - last[1]) / layer_tokens
                 load = protocol.Load(
                     state=state,
@@ -549,14 +550,14 @@ class Agent:
 
         async with self._lock:
             assignment = message.assignment
-            model, start, end = message.model, message.layer_start, message.layer_end
+            model = message.model
             ready = protocol.encode(protocol.Ready(assignment=assignment, url=self.data_url))
             if assignment in self.blocks:  # the channel reconnected and the assignment came again
                 await ws.send(ready)
                 return
             if assignment in self._released:
                 return
-            key = (models.model_name(model), start, end)
+            key = Span(models.model_name(model), message.layer_start, message.layer_end)
             same = next((block for block in self.blocks.values() if block.key == key), None)
             if same is not None and same.unloading is None:
                 # Placed back onto a span still held (its release had not come yet): no reload.
@@ -564,18 +565,18 @@ class Agent:
                 same.assignment = assignment
                 self.blocks[assignment] = same
                 await ws.send(ready)
-                log.info("serving %s layers %d:%d again, as assignment %s", model, start, end, assignment)
+                log.info("serving %s again, as assignment %s", key, assignment)
                 return
             if same is not None and same.unloading is not None:  # unloading: a live one was handled above
                 await same.unloading  # the port serves one stage per span: let the released one go first
             routed = {message.supersedes: message.jobs} if message.supersedes is not None and message.jobs else {}
-            await self._make_room(end - start, routed)
-            log.info("assigned %s layers %d:%d (assignment %s)", model, start, end, assignment)
+            await self._make_room(key.layers, routed)
+            log.info("assigned %s (assignment %s)", key, assignment)
             try:
                 if message.content_hash is not None:
                     await asyncio.to_thread(self._fetch, message)
                 weights = await asyncio.to_thread(
-                    models.load_block, model, start, end, dtype=self.dtype, device=self.device
+                    models.load_block, model, key.start, key.end, dtype=self.dtype, device=self.device
                 )
             except SwarmError as exc:
                 log.warning("assignment %d refused: %s (%s)", assignment, exc, exc.code)
@@ -606,7 +607,7 @@ class Agent:
             self.blocks[assignment] = Serving(assignment=assignment, stage=stage, weight_bytes=weight_bytes)
             await ws.send(protocol.encode(protocol.Ready(assignment=assignment, url=self.data_url)))
             held = ", ".join(f"{b.stage.layer_start}:{b.stage.layer_end}" for b in self.blocks.values())
-            log.info("serving %s layers %d:%d at %s (holding %s)", model, start, end, self.data_url, held)
+            log.info("serving %s at %s (holding %s)", key, self.data_url, held)
 
     def _use_relay(self, offer: protocol.UseRelay) -> None:
         """The control plane could not reach this agent's data URL: serve through a relay."""
@@ -653,7 +654,7 @@ class Agent:
         """The files a catalog model's block needs, fetched from the control plane or found in the
         cache, each checked against the assigned content hash (``fetch.ensure_block_files``)."""
         url = fetch.manifest_url(self.state.control_plane, message.source or "")
-        fetch.ensure_block_files(url, message.model, message.content_hash or "", message.layer_start, message.layer_end)
+        fetch.ensure_block_files(url, message.span, message.content_hash or "")
 
     async def _start_server(self, make_server: Callable[[], StageServer]) -> str | None:
         """Serve the data plane on ``self.port``; the reason when it cannot. A port picked free at
@@ -721,7 +722,6 @@ class Agent:
         return block.unloading
 
     async def _drain_and_unload(self, block: Serving) -> None:
-        model, start, end = block.key
         cut = 0
         # The control plane released the block before telling this agent: a job it routed here just
         # before is on its way, and is taken (unless the agent is told to stop at once).
@@ -736,10 +736,9 @@ class Agent:
             if self.memory is not None:
                 self.memory.charge(-block.weight_bytes)
         if cut:
-            log.warning("unloaded %s layers %d:%d, cutting off %d jobs still open past their deadlines",
-                        model, start, end, cut)  # fmt: skip
+            log.warning("unloaded %s, cutting off %d jobs still open past their deadlines", block.key, cut)
         else:
-            log.info("unloaded %s layers %d:%d (assignment %s)", model, start, end, block.assignment)
+            log.info("unloaded %s (assignment %s)", block.key, block.assignment)
 
     async def _stop_serving(self) -> None:
         """Close the data-plane port and forget every block."""

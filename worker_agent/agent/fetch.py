@@ -37,6 +37,7 @@ from urllib.parse import quote, urljoin
 from worker_agent import checkpoints
 from worker_agent.checkpoints import INDEX_FILE, SINGLE_FILE, FileEntry
 from worker_agent.errors import ModelError
+from worker_agent.protocol.span import Span
 
 HTTP_TIMEOUT_S = 30.0  # per connect and per read of a chunk, not per file: a large shard takes its time
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
@@ -155,12 +156,13 @@ def _ensure(url: str, folder: Path, entry: FileEntry, ref: str) -> None:
         _download(urljoin(url, quote(entry.path)), path, entry, ref)
 
 
-def _needed(folder: Path, files: dict[str, FileEntry], ref: str, layer_start: int, layer_end: int) -> list[str]:
-    """The weight files holding the layers ``[layer_start, layer_end)`` (the index is in place)."""
+def _needed(folder: Path, files: dict[str, FileEntry], span: Span) -> list[str]:
+    """The weight files holding the layers of ``span`` (the index is in place)."""
+    ref = span.model
     if INDEX_FILE in files:
         try:
             weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
-            shards = checkpoints.shards_for_layers(weight_map, layer_start, layer_end)
+            shards = checkpoints.shards_for_layers(weight_map, span.start, span.end)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ModelError(f"the safetensors index of {ref} has no weight_map", code=MISMATCH) from None
     elif SINGLE_FILE in files:
@@ -170,16 +172,17 @@ def _needed(folder: Path, files: dict[str, FileEntry], ref: str, layer_start: in
     missing = [shard for shard in shards if shard not in files]
     if not shards or missing:
         raise ModelError(
-            f"the checkpoint {ref} does not list the weights of layers {layer_start}:{layer_end} "
+            f"the checkpoint {ref} does not list the weights of layers {span.start}:{span.end} "
             f"(missing {missing[:3] or 'every shard'})",
             code=MISMATCH,
         )
     return shards
 
 
-def ensure_block_files(url: str, ref: str, content_hash: str, layer_start: int, layer_end: int) -> Path:
-    """The folder holding what layers ``[layer_start, layer_end)`` of checkpoint ``ref`` need,
-    every file of it checked against the manifest at ``url`` (see the module docstring)."""
+def ensure_block_files(url: str, span: Span, content_hash: str) -> Path:
+    """The folder holding what the layers of ``span`` (its model a checkpoint ref) need, every file
+    of it checked against the manifest at ``url`` (see the module docstring)."""
+    ref = span.model
     if not checkpoints.ref_matches(ref, content_hash):
         raise ModelError(f"{ref} does not name content hash {content_hash}", code=MISMATCH)
     folder = checkpoints.cache_store() / content_hash
@@ -190,6 +193,6 @@ def ensure_block_files(url: str, ref: str, content_hash: str, layer_start: int, 
         _ensure(url, folder, files["config.json"], ref)
         if INDEX_FILE in files:
             _ensure(url, folder, files[INDEX_FILE], ref)
-        for shard in _needed(folder, files, ref, layer_start, layer_end):
+        for shard in _needed(folder, files, span):
             _ensure(url, folder, files[shard], ref)
     return folder

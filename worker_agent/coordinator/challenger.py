@@ -65,6 +65,7 @@ from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.errors import AuditError, ChallengeError, ReceiptError, StageError, SwarmError
 from worker_agent.protocol.audit import AuditMaterial, check_hashes
 from worker_agent.protocol.receipts import Receipt, StageAssignment
+from worker_agent.protocol.span import Span
 from worker_agent.server import StageServer
 from worker_agent.stage import Stage
 
@@ -238,7 +239,7 @@ class _OwnTimes:
             self.gap_early += change
 
 
-_OWN: dict[tuple[str, int, int], _OwnTimes] = {}  # (model, layer_start, layer_end) -> its stand-in's times
+_OWN: dict[Span, _OwnTimes] = {}  # a stand-in's stage -> its times
 
 
 def _matched(own: float, mine: Sequence[float], theirs: Sequence[float], rng: random.Random) -> float | None:
@@ -263,7 +264,7 @@ class _PacedStage(Stage):
         self.pace, self.successor = pace, successor
         self.firsts = pace.firsts_s[position] if position < len(pace.firsts_s) else ()
         self.gaps = pace.gaps_s[position] if position < len(pace.gaps_s) else ()
-        self.own = _OWN.setdefault((self.model, self.layer_start, self.layer_end), _OwnTimes())
+        self.own = _OWN.setdefault(self.span, _OwnTimes())
         self.started = time.monotonic()  # when the job's coordinator began to connect (``start``)
         self._random = random.Random()
         self._drawn: dict[tuple[str, str, int], float] = {}  # (job, session, step) -> when it was to go out

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from worker_agent.errors import SwarmError, TicketError, WireError
 from worker_agent.protocol import wire
 from worker_agent.protocol.links import BadLink, check_peer_proof, second_connection_evidence
+from worker_agent.protocol.span import Span
 from worker_agent.protocol.tickets import (
     PeerPass,
     ProofNonces,
@@ -62,8 +63,6 @@ from worker_agent.protocol.tickets import (
     open_peer_pass,
     open_ticket,
 )
-
-StageKey = tuple[str, int, int]  # (model, layer_start, layer_end): which of an agent's stages
 
 
 @dataclass(frozen=True)
@@ -110,9 +109,7 @@ class Admission:
     """This stage's identity, against which a HELLO's ticket is verified."""
 
     node: str  # this node's id (``keys.node_id`` of its public key)
-    model: str  # the model id this stage has loaded
-    layer_start: int  # first layer this stage serves (inclusive, 0-based)
-    layer_end: int  # end of the span this stage serves (exclusive)
+    span: Span  # the model this stage has loaded and the layers it serves: which of the agent's stages
     trusted_keys: frozenset[bytes]  # 32-byte ed25519 keys whose tickets are accepted
     insecure_open: bool = False  # development only: accept a HELLO without a ticket
     accepting: bool = True  # False while the stage is released: a HELLO must be for a job open on it
@@ -127,10 +124,6 @@ class Admission:
     # view, read here, never changed; None: no peer was admitted for any job.
     peers: Mapping[str, PeerRecord] | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def key(self) -> StageKey:
-        return (self.model, self.layer_start, self.layer_end)
-
 
 @dataclass(frozen=True)
 class Binding:
@@ -139,19 +132,12 @@ class Binding:
     job: str  # the only job whose frames this connection may send
     role: Role  # what the connection may do with that job
     node: str  # the node the ticket names (this one)
-    model: str  # the model the ticket names (this stage's)
-    layer_start: int  # the span the ticket names (this stage's), inclusive
-    layer_end: int  # end of that span, exclusive
+    span: Span  # the model and layers the ticket names (this stage's): the stage the connection is bound to
     expires_at: float | None  # unix seconds the ticket (or peer pass) expires at; None on an insecure-open stage
     coordinator_key: bytes | None = None  # the job's coordinator key the ticket or pass names; None if insecure-open
     # A peer: the node key its pass names, which must sign every item it forwards (links.py); empty: none named.
     sender_key: bytes = b""
     peer: PeerRecord | None = None  # a peer: its pass and proof, remembered by the stage once admitted
-
-    @property
-    def key(self) -> StageKey:
-        """The stage the connection is bound to."""
-        return (self.model, self.layer_start, self.layer_end)
 
 
 class ActionKind(enum.StrEnum):
@@ -358,7 +344,7 @@ class Connection:
             _check_newest(hello.job, binding.peer, bound)
         if not stage.accepting and hello.job not in jobs and hello.job not in stage.expected:
             raise TicketError(
-                f"{stage.model} layers [{stage.layer_start}, {stage.layer_end}) is being released here "
+                f"{stage.span.model} layers [{stage.span.start}, {stage.span.end}) is being released here "
                 "and takes no new job",
                 code="stage_draining",
             )
@@ -373,7 +359,7 @@ class Connection:
         primary = stages[0]
         if primary.insecure_open:
             us = primary
-            return Binding(hello.job, Role(hello.role), us.node, us.model, us.layer_start, us.layer_end, None), us
+            return Binding(hello.job, Role(hello.role), us.node, us.span, None), us
         if hello.ticket is None:
             raise TicketError(
                 "HELLO carries no job ticket and this agent is not --insecure-open", code="ticket_missing"
@@ -382,18 +368,16 @@ class Connection:
         if hello.role == Role.PEER:
             grant = open_peer_pass(hello.ticket, now=now)
             # A pass is signed by the job's coordinator, not an issuer: the stage is the one it names.
-            named = (grant.model, grant.layer_start, grant.layer_end)
-            us = next((s for s in stages if s.key == named), primary)
+            us = next((s for s in stages if s.span == grant.span), primary)
         else:
             ticket = open_ticket(hello.ticket, frozenset().union(*(s.trusted_keys for s in stages)), now=now)
             grant = ticket
-            named = (ticket.model, ticket.layer_start, ticket.layer_end)
             # The stage the ticket names, trusting its issuer; else the primary, which refuses it below.
-            us = next((s for s in stages if s.key == named and ticket.issuer_key in s.trusted_keys), primary)
+            us = next((s for s in stages if s.span == ticket.span and ticket.issuer_key in s.trusted_keys), primary)
             if ticket.issuer_key not in us.trusted_keys:
                 untrusted = ticket.issuer_key.hex()
                 raise TicketError(f"ticket is signed by an untrusted key {untrusted}", code="ticket_untrusted")
-        check_ticket_target(grant, node=us.node, model=us.model, layer_start=us.layer_start, layer_end=us.layer_end)
+        check_ticket_target(grant, node=us.node, span=us.span)
         if grant.job != hello.job:
             raise TicketError(f"ticket is for job {grant.job!r}, HELLO says {hello.job!r}", code="ticket_mismatch")
         peer: PeerRecord | None = None
@@ -415,9 +399,7 @@ class Connection:
             grant.job,
             Role(hello.role),
             grant.node,
-            grant.model,
-            grant.layer_start,
-            grant.layer_end,
+            grant.span,
             grant.expires_at,
             grant.coordinator_key,
             grant.sender_key if isinstance(grant, PeerPass) else b"",

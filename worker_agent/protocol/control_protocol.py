@@ -44,6 +44,7 @@ from nacl.signing import SigningKey
 from worker_agent import checkpoints
 from worker_agent.errors import SwarmError
 from worker_agent.protocol.keys import public_key_bytes
+from worker_agent.protocol.span import Span
 
 # Of the memory_bytes an agent reports at join, the share placement plans for weights and KV caches,
 # and the share the agent then holds them in (``kvcache.KVMemory``); the rest is left to activations,
@@ -301,6 +302,11 @@ class Assign(Message):
                     f"{_show(self.model)} names (name@<its first 16>), got {_show(self.content_hash)}",
                     code=BAD_FIELD,
                 )
+
+    @property
+    def span(self) -> Span:
+        """The block to load: the model as sent (a registry id or catalog ref) and its layers."""
+        return Span(self.model, self.layer_start, self.layer_end)
 
 
 @dataclass(frozen=True)

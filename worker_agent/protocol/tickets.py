@@ -36,6 +36,7 @@ from nacl.exceptions import CryptoError
 from nacl.signing import SigningKey, VerifyKey
 
 from worker_agent.errors import TicketError
+from worker_agent.protocol.span import Span
 
 TICKET_VERSION = 2
 # 2: names the sender's node key, whose signatures the successor checks (links.py); 3: and its
@@ -71,6 +72,11 @@ class Ticket:
     coordinator_key: bytes  # the job's coordinator's 32-byte ed25519 public key
     issuer_key: bytes  # the signer's 32-byte ed25519 public key
 
+    @property
+    def span(self) -> Span:
+        """The stage the ticket is for."""
+        return Span(self.model, self.layer_start, self.layer_end)
+
 
 @dataclass(frozen=True)
 class PeerPass:
@@ -89,6 +95,11 @@ class PeerPass:
     # successor admits a peer whose pass is older than the newest it has admitted for the job
     # never again, so a predecessor the route was healed away from cannot push its replacement out.
     order: int = 0
+
+    @property
+    def span(self) -> Span:
+        """The successor's stage the pass is for."""
+        return Span(self.model, self.layer_start, self.layer_end)
 
 
 def _invalid(message: str) -> TicketError:
@@ -227,6 +238,9 @@ def _parse_fields(body: bytes, keys: frozenset[str], version: int, what: str) ->
     for name in _INT_FIELDS:
         if not _is_int(fields[name]):
             raise _invalid(f"{what} {name} must be an integer")
+    if not fields["model"] or not 0 <= fields["layer_start"] < fields["layer_end"]:
+        # What the issuer checks (``issue_ticket``): a signed stage that names no stage is malformed.
+        raise _invalid(f"{what} must name a model and a span 0 <= layer_start < layer_end")
     if not _is_time(fields["expires_at"]):
         raise _invalid(f"{what} expires_at must be a finite number")
     return fields
@@ -265,18 +279,16 @@ def verify_ticket(
     trusted_keys: Collection[bytes],
     *,
     node: str,
-    model: str,
-    layer_start: int,
-    layer_end: int,
+    span: Span,
     now: float | None = None,
 ) -> Ticket:
     """Return the ticket in ``blob`` if it is well formed, signed by a trusted key, unexpired,
-    and for this agent's node, model and span; otherwise raise ``TicketError``.
+    and for this agent's node and stage (model and layer span); otherwise raise ``TicketError``.
 
     Any input whatsoever yields either a ``Ticket`` or a ``TicketError``, never another error.
     """
     ticket = open_ticket(blob, trusted_keys, now=now)
-    check_ticket_target(ticket, node=node, model=model, layer_start=layer_start, layer_end=layer_end)
+    check_ticket_target(ticket, node=node, span=span)
     return ticket
 
 
@@ -293,15 +305,15 @@ def open_ticket(blob: bytes, trusted_keys: Collection[bytes], *, now: float | No
     return ticket
 
 
-def check_ticket_target(ticket: Ticket | PeerPass, *, node: str, model: str, layer_start: int, layer_end: int) -> None:
-    """Raise ``TicketError`` unless ``ticket`` (or a peer pass) is for this node, model and span."""
-    for name, theirs, ours in (("node", ticket.node, node), ("model", ticket.model, model)):
+def check_ticket_target(ticket: Ticket | PeerPass, *, node: str, span: Span) -> None:
+    """Raise ``TicketError`` unless ``ticket`` (or a peer pass) is for this node and stage (model and span)."""
+    for name, theirs, ours in (("node", ticket.node, node), ("model", ticket.model, span.model)):
         if theirs != ours:
             raise TicketError(f"ticket is for {name} {theirs!r}, this agent is {ours!r}", code="ticket_mismatch")
-    if (ticket.layer_start, ticket.layer_end) != (layer_start, layer_end):
+    if (ticket.layer_start, ticket.layer_end) != (span.start, span.end):
         raise TicketError(
             f"ticket is for layers [{ticket.layer_start}, {ticket.layer_end}), "
-            f"this agent serves [{layer_start}, {layer_end})",
+            f"this agent serves [{span.start}, {span.end})",
             code="ticket_mismatch",
         )
 
