@@ -47,6 +47,10 @@ os.environ.setdefault("DJANGO_ALLOWED_HOSTS", ",".join(dict.fromkeys([HOST, "127
 # Challenges run here as anywhere (the embedded scheduler sends them), but at the production floor of
 # 24 a day a node would see about one in an hour of the demo: one in four minutes shows them.
 os.environ.setdefault("SWARM_CHALLENGES_MIN_PER_DAY", "360")
+# A memory challenge fills every session of a node's KV budget at once (8 sessions of about 3,000
+# positions of smollm2-135m, through every span and the verifier's replay): minutes of both cores of a
+# laptop, which the demo's requests would wait behind. Here it holds a tenth of each session.
+os.environ.setdefault("SWARM_MEMORY_CHALLENGE_FRACTION", "0.1")
 # The demo prints its own account of the job; the control plane's INFO lines (this same process)
 # would interleave with the streamed answer. SWARM_LOG_LEVEL=INFO shows them.
 os.environ.setdefault("SWARM_LOG_LEVEL", "WARNING")
