@@ -46,7 +46,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/mkdocs build --strict --site-dir $(VENV)/site
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 3 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python bench/placement.py
