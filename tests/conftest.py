@@ -72,10 +72,10 @@ def _give_this_worker_its_own_redis() -> None:
 
 
 def _one_thread_per_worker() -> None:
-    """Under pytest-xdist, each worker is one of about as many processes as the machine has cores:
-    torch's and OpenMP's teams of threads in every one of them (and in the agents, Celery workers and
-    process pools they start, which inherit OMP_NUM_THREADS) would spin against each other, which
-    slows a busy-waiting team tenfold rather than twofold."""
+    """Under pytest-xdist, each worker is one of several processes on a machine of few cores (make
+    test runs three on two): torch's and OpenMP's teams of threads in every one of them (and in the
+    agents, Celery workers and process pools they start, which inherit OMP_NUM_THREADS) would spin
+    against each other, which slows a busy-waiting team tenfold rather than twofold."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     os.environ["OMP_NUM_THREADS"] = "1"
