@@ -28,7 +28,6 @@ from marketplace.jobs.models import JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.tickets import issuer_key
 from marketplace.payouts.models import Earning, EarningState
-from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.models import Challenge, CheckState, Strike
 from marketplace.verification.strikes import release_earnings_in_good_standing, uphold_strike
@@ -87,16 +86,6 @@ def control_plane(settings, tmp_path):
     issuer_key.cache_clear()
 
 
-def _place(nodes, route) -> None:
-    """The nodes as one pipeline over SPANS, ready at the route's URLs (placement is bypassed)."""
-    for position, (node, stage) in enumerate(zip(nodes, route, strict=True)):
-        Assignment.objects.create(
-            node=node, model=stage_fixtures.MODEL, generation=1, pipeline=0, position=position,
-            layer_start=stage.layer_start, layer_end=stage.layer_end, state=AssignmentState.READY,
-            data_url=stage.data_url, ready_at=timezone.now(),
-        )  # fmt: skip
-
-
 @pytest.mark.parametrize("mode", ["ring-only", "with-successor"])
 def test_a_node_that_cheats_only_where_old_challenges_never_looked_is_caught_and_unpaid(
     mode, control_plane, customer, provider, make_joined_node, monkeypatch, admin
@@ -113,7 +102,7 @@ def test_a_node_that_cheats_only_where_old_challenges_never_looked_is_caught_and
         async with stage_servers(
             SPANS, rogue=CHEATER, keys=keys, rogue_class=cheating_stage(mode), rogue_server=Watching
         ) as route:
-            await sync_to_async(_place)(nodes, route)
+            await sync_to_async(stage_fixtures.place_route)(nodes, route)
             for _ in range(JOBS):
                 job = await sync_to_async(stage_fixtures.admit)(api_key, route, params, monkeypatch)
                 jobs.append((job.pk, await runner.run_job(job.pk)))

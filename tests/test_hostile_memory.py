@@ -16,11 +16,9 @@ import asyncio
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.utils import timezone
 
 from marketplace.nodes.models import Node
 from marketplace.placement import memory
-from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.shares import layer_cap, layer_footprint
 from marketplace.verification import challenges as challenge_checks
 from marketplace.verification.models import Challenge, CheckState, Strike, StrikeKind
@@ -68,16 +66,6 @@ def control_plane(settings, tmp_path):
         yield plane
 
 
-def _place(nodes, route) -> None:
-    """The nodes as one pipeline over SPANS, ready at the route's URLs (placement is bypassed)."""
-    for position, (node, stage) in enumerate(zip(nodes, route, strict=True)):
-        Assignment.objects.create(
-            node=node, model=stage_fixtures.MODEL, generation=1, pipeline=0, position=position,
-            layer_start=stage.layer_start, layer_end=stage.layer_end, state=AssignmentState.READY,
-            data_url=stage.data_url, ready_at=timezone.now(),
-        )  # fmt: skip
-
-
 def _decided(challenge_pk: int) -> Challenge:
     challenge_checks.run_challenge(challenge_pk)
     return Challenge.objects.get(pk=challenge_pk)
@@ -106,7 +94,7 @@ def test_a_node_claiming_twice_its_memory_is_clamped_and_struck_and_an_honest_on
             rogue=LIAR,
             rogue_class=holding_stage(claimed // 2),
         ) as route:
-            await sync_to_async(_place)([honest, liar], route)
+            await sync_to_async(stage_fixtures.place_route)([honest, liar], route)
             decided = []
             for node in (honest, liar):
                 challenge = await sync_to_async(challenge_checks.open_challenge)(node, memory=True)
