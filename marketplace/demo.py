@@ -328,7 +328,14 @@ def main() -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
     except KeyboardInterrupt:  # before the web app and the agents started: nothing to stop
         print("\ninterrupted", flush=True)
-        sys.exit(130)
+        code = 130
+    # The agents are stopped and the web app with them, but the control plane's daemon threads (the
+    # embedded scheduler, a verifier replaying a job's audit) may still be inside torch: finalizing
+    # the interpreter under them aborts the process ("terminate called without an active
+    # exception"). Everything the demo keeps is committed by now, so it leaves without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
