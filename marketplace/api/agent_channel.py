@@ -194,15 +194,8 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
         except ProtocolError:
             log.exception("not pushing a malformed control message to %s", self.node_id)
             return
-        if isinstance(message, protocol.Release) and self.node_id is not None:
-            jobs = await database_sync_to_async(_open_jobs_on_block)(self.node_id, message.assignment)
-            message = dataclasses.replace(message, jobs=jobs)
-        elif isinstance(message, protocol.Assign) and self.node_id is not None:
-            # The block it supersedes may be drained to make room for it (the agent's layer cap).
-            superseded = await database_sync_to_async(_superseded)(message.assignment)
-            if superseded is not None:
-                jobs = await database_sync_to_async(_open_jobs_on_block)(self.node_id, superseded)
-                message = dataclasses.replace(message, supersedes=superseded, jobs=jobs)
+        if isinstance(message, protocol.Release | protocol.Assign) and self.node_id is not None:
+            message = await database_sync_to_async(_with_open_jobs)(self.node_id, message)
         await self._send(message)
 
     async def disconnect(self, code: int) -> None:
@@ -224,9 +217,15 @@ class AgentControlConsumer(AsyncWebsocketConsumer):
         await self.close(code=code)
 
 
-def _superseded(assignment_pk: int) -> int | None:
-    """The block of the node's that this assignment replaces, while the agent still holds it."""
-    return Assignment.objects.filter(pk=assignment_pk).values_list("supersedes_id", flat=True).first()
+def _with_open_jobs(node: str, message: protocol.Release | protocol.Assign) -> protocol.Message:
+    """``message`` naming the jobs still open on the block it lets go: a release's own block, or the
+    block an assignment supersedes (which the agent's layer cap may drain to make room for it)."""
+    if isinstance(message, protocol.Release):
+        return dataclasses.replace(message, jobs=_open_jobs_on_block(node, message.assignment))
+    superseded = Assignment.objects.filter(pk=message.assignment).values_list("supersedes_id", flat=True).first()
+    if superseded is None:
+        return message
+    return dataclasses.replace(message, supersedes=superseded, jobs=_open_jobs_on_block(node, superseded))
 
 
 def _open_jobs_on_block(node: str, assignment_pk: int) -> tuple[str, ...]:
