@@ -386,6 +386,11 @@ SWARM_COORDINATOR_DB_THREADS = env_int("SWARM_COORDINATOR_DB_THREADS", 16, minim
 SWARM_TORCH_THREADS = env_int("SWARM_TORCH_THREADS", 1, minimum=0)
 if SWARM_COORDINATOR_LAUNCH not in ("inprocess", "celery"):
     raise ImproperlyConfigured("SWARM_COORDINATOR_LAUNCH must be 'inprocess' or 'celery'")
+# How a job's activations travel: ``ring`` (each stage forwards to the next, taps to the
+# coordinator) or ``star`` (every stage's output comes back to the coordinator, which sends it on).
+SWARM_TOPOLOGY = env_str("SWARM_TOPOLOGY", "ring")
+if SWARM_TOPOLOGY not in ("ring", "star"):
+    raise ImproperlyConfigured("SWARM_TOPOLOGY must be 'ring' or 'star'")
 SWARM_JOB_TIMEOUT_S = env_float("SWARM_JOB_TIMEOUT_S", 300.0, minimum=1.0)
 # How many times one request may have its route healed (a stage died or stalled) before it fails.
 SWARM_MAX_HEALS = env_int("SWARM_MAX_HEALS", 2, minimum=0)
@@ -410,9 +415,12 @@ SWARM_SPECULATION = env_str("SWARM_SPECULATION", "auto")
 if SWARM_SPECULATION not in ("auto", "off"):
     raise ImproperlyConfigured("SWARM_SPECULATION must be 'auto' or 'off'")
 SWARM_DRAFT_MODEL = env_str("SWARM_DRAFT_MODEL", "") or None
-# A heal that finds no route around a failed stage waits this long for one while the model is
-# recovering (a node holds or is loading a block of it), then the request ends.
+# A heal that finds no route around a failed stage has a node load its span (a spare of another
+# span, an idle node) and waits for it while the model is recovering (a node holds or is loading a
+# block of it): SWARM_HEAL_WAIT_S, plus SWARM_HEAL_WAIT_S_PER_GIB per GiB of the span's float32
+# weights (what the loading node fetches and reads); then the request ends with what it delivered.
 SWARM_HEAL_WAIT_S = env_float("SWARM_HEAL_WAIT_S", 30.0, minimum=0.0)
+SWARM_HEAL_WAIT_S_PER_GIB = env_float("SWARM_HEAL_WAIT_S_PER_GIB", 60.0, minimum=0.0)
 # A request admitted when its model has no ready route waits this long for one while the model is
 # recovering, then answers 503; a model no node serves answers 503 at once.
 SWARM_ADMISSION_WAIT_S = env_float("SWARM_ADMISSION_WAIT_S", 30.0, minimum=0.0)

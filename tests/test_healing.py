@@ -54,7 +54,12 @@ class Swarm:
         return SpareHealer(urls, ticket=lambda info: self.local.ticket(job, info))
 
     def coordinator(
-        self, job: str, healer: SpareHealer, topology: str = "ring", speculation: SpeculationSettings | None = None
+        self,
+        job: str,
+        healer: SpareHealer,
+        topology: str = "ring",
+        speculation: SpeculationSettings | None = None,
+        stall_timeout_s: float = STALL_S,
     ) -> Coordinator:
         """A coordinator for ``job`` on the current route, healing with ``healer``."""
         return Coordinator(
@@ -63,7 +68,7 @@ class Swarm:
             job=job,
             topology=topology,
             healer=healer,
-            stall_timeout_s=STALL_S,
+            stall_timeout_s=stall_timeout_s,
             coordinator_key=self.local.coordinator_key(job),
             speculation=speculation,
         )
@@ -122,6 +127,7 @@ def broken_run(
     freeze: bool = False,
     sampling=None,
     speculation: SpeculationSettings | None = None,
+    stall_timeout_s: float = STALL_S,
 ) -> GenerationResult:
     """Generate with the agent at route position p SIGKILLed (or SIGSTOPped, resumed afterwards)
     right after the client received token t, for each {t: p} in ``victims``."""
@@ -140,7 +146,7 @@ def broken_run(
             process.wait()
 
     async def main():
-        async with swarm.coordinator(job, swarm.healer(job), topology, speculation) as coordinator:
+        async with swarm.coordinator(job, swarm.healer(job), topology, speculation, stall_timeout_s) as coordinator:
             request = coordinator.request(PROMPT, max_tokens=MAX_TOKENS, sampling=sampling)
             return await _run(coordinator, request, on_token)
 
@@ -186,6 +192,22 @@ def test_a_frozen_stage_is_healed_after_the_stall_timeout(swarm):
     pause = result.heals[0].resumed - result.token_times[3]
     assert pause >= STALL_S  # it waited the stall timeout, no less; how long past it is not asserted
     swarm.replaced(0, result)
+
+
+@pytest.mark.parametrize("topology", ["ring", "star"])
+def test_a_frozen_stage_is_found_by_its_unanswered_ping_long_before_a_long_stall_timeout(swarm, topology):
+    expected = reference(swarm)
+    long_stall_s = 120.0
+
+    result = broken_run(
+        swarm, f"job-frozen-{topology}", topology=topology, victims={4: 1}, freeze=True, stall_timeout_s=long_stall_s
+    )
+
+    _check_healed(swarm, result, expected, [1])
+    assert result.heals[0].code == "stage_stalled"
+    assert "did not answer PING" in result.heals[0].message  # found by its silence, not by the timeout
+    assert result.heals[0].detected - result.token_times[3] < long_stall_s / 2
+    swarm.replaced(1, result)
 
 
 def test_seeded_sampling_goes_on_from_the_same_generator_state(swarm):

@@ -9,11 +9,14 @@ from datetime import timedelta
 import pytest
 
 from marketplace.jobs.models import Job, JobState
-from marketplace.jobs.services import heal_job, heal_may_wait
+from marketplace.jobs.services import heal_job, heal_may_wait, load_replacement
 from marketplace.nodes.models import Node, NodeState
+from marketplace.placement import readiness
+from marketplace.placement.healing import heal_wait_s
 from marketplace.placement.models import Assignment, AssignmentState
 from tests.factories import MODEL
 from tests.heal_fixtures import NOW, report_ready, stage
+from worker_agent.protocol.span import Span
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db]
 pytest_plugins = ["tests.factories", "tests.control_fixtures", "tests.heal_fixtures"]
@@ -179,3 +182,80 @@ def test_with_no_other_holder_a_stalled_node_that_proved_alive_takes_its_span_ag
 
     assert route == [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)]
     assert [h["failed_node"] for h in stored(job)[1]] == [swarm.b.node_id]
+
+
+def spare_of_another_span(node: Node, start: int, end: int) -> Assignment:
+    """Make ``node``'s live block a ready spare of [start:end) (another span than the one that dies)."""
+    Assignment.objects.filter(node=node, state__in=[AssignmentState.ASSIGNED, AssignmentState.READY]).update(
+        layer_start=start, layer_end=end, is_spare=True
+    )
+    return Assignment.objects.get(node=node, state=AssignmentState.READY)
+
+
+def test_with_no_holder_of_the_dead_span_a_spare_of_another_span_loads_it_make_before_break(swarm, customer):
+    # b dies; d (the other holder of [16:30)) is gone, and e is a spare of [0:14), not of [16:30).
+    Node.objects.filter(pk=swarm.d.pk).update(state=NodeState.OFFLINE)
+    old = spare_of_another_span(swarm.e, 0, 14)
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+    assert heal_job(job.pk, swarm.b.node_id, "stage_lost: connection closed", now=NOW) is None
+
+    assert load_replacement(job.pk, swarm.b.node_id)
+
+    loading = Assignment.objects.get(node=swarm.e, state=AssignmentState.ASSIGNED)
+    assert (loading.layer_start, loading.layer_end, loading.is_spare, loading.supersedes_id) == (16, 30, True, old.pk)
+    old.refresh_from_db()
+    assert (
+        old.state == AssignmentState.RELEASED
+    )  # nothing new goes to it; its agent keeps it until the new one is ready
+    assert load_replacement(job.pk, swarm.b.node_id)  # asked again: the block loading is waited for, not doubled
+    assert Assignment.objects.filter(node=swarm.e, layer_start=16, layer_end=30).count() == 1
+
+    report_ready()  # e loaded it
+    route = heal_job(job.pk, swarm.b.node_id, "stage_lost: connection closed", now=NOW, report=False)
+    assert route == [stage(swarm.a, 0, 16), stage(swarm.e, 16, 30)]
+    loading.refresh_from_db()
+    assert loading.supersedes_id is None  # the old block was let go at its agent once this one was ready
+
+
+def test_no_node_loads_the_dead_span_when_none_can_hold_it_or_may_take_it(swarm, customer):
+    # e is a spare of [0:14) but holds at most 15 layers: [0:16) is more than it can hold; c serves a
+    # pipeline whose other member is gone, so no other pipeline stays whole without it: nobody loads.
+    Node.objects.filter(pk=swarm.b.pk).update(state=NodeState.OFFLINE)
+    spare_of_another_span(swarm.e, 16, 30)
+    job = job_on(customer, [stage(swarm.c, 0, 16), stage(swarm.d, 16, 30)])
+    Node.objects.filter(pk=swarm.a.pk).update(state=NodeState.OFFLINE)
+    assert heal_job(job.pk, swarm.c.node_id, "stage_lost: connection closed", now=NOW) is None
+
+    assert not load_replacement(job.pk, swarm.c.node_id)
+    assert not Assignment.objects.filter(state=AssignmentState.ASSIGNED).exists()
+
+
+def test_the_wait_for_a_loaded_span_grows_with_its_bytes(settings):
+    settings.SWARM_HEAL_WAIT_S, settings.SWARM_HEAL_WAIT_S_PER_GIB = 30.0, 60.0
+    one, all_layers = heal_wait_s(Span(MODEL, 0, 1)), heal_wait_s(Span(MODEL, 0, 30))
+    assert 30.0 < one < all_layers
+    assert all_layers - 30.0 == pytest.approx(30 * (one - 30.0))
+
+
+def test_a_stage_behind_a_relay_found_down_blames_the_relay_and_waits_for_its_agents_next_relay(
+    swarm, customer, settings
+):
+    settings.SWARM_RELAYS = ["r1=10.9.0.1:7700", "r2=10.9.0.2:7700"]
+    Node.objects.filter(pk__in=[swarm.d.pk, swarm.e.pk]).update(state=NodeState.OFFLINE)
+    at_r1 = "wss://10.9.0.1:7700"
+    Assignment.objects.filter(node=swarm.b, state=AssignmentState.READY).update(data_url=at_r1)
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+
+    assert heal_job(job.pk, swarm.b.node_id, "stage_lost: closed", now=NOW, relay_down="10.9.0.1:7700") is None
+
+    b = Node.objects.get(pk=swarm.b.pk)
+    assert (b.suspected_at, b.routing_backoff_until, b.failures_total) == (None, None, 0)  # the relay failed, not b
+    block = Assignment.objects.get(node=swarm.b, state__in=[AssignmentState.ASSIGNED, AssignmentState.READY])
+    assert block.state == AssignmentState.ASSIGNED  # off routing at its dead relay's URL
+    assert Assignment.objects.get(node=swarm.a, state=AssignmentState.READY)  # a block served directly stays
+
+    # b's agent reports its block again through r2: the job goes on with it.
+    readiness.assignment_ready(swarm.b.pk, block.pk, "wss://10.9.0.2:7700")
+    route = heal_job(job.pk, swarm.b.node_id, "stage_lost: closed", now=NOW, report=False)
+    assert [s["node"] for s in route] == [swarm.a.node_id, swarm.b.node_id]
+    assert route[1]["url"] == "wss://10.9.0.2:7700"

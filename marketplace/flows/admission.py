@@ -9,16 +9,16 @@ ready or every one is full, 402 when the credits do not cover the hold, and noth
 from __future__ import annotations
 
 import uuid
-from collections import Counter
 from collections.abc import Sequence
 
 from django.db import transaction
 
 from marketplace.flows.settlement import hold_terms, place_hold
 from marketplace.jobs.errors import NoCapacity, NoTrustedCapacity, Overloaded
-from marketplace.jobs.models import ApiKey, Job, JobState
+from marketplace.jobs.models import ApiKey, Job
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
+from marketplace.jobs.selectors import jobs_in_flight
 from marketplace.nodes.models import Privacy, strictest
 from marketplace.placement.selectors import hold_routes, route_request
 from marketplace.verification.audits import choose_audit_stages
@@ -62,14 +62,6 @@ NO_TRUSTED: dict[str, str] = {  # by privacy (a Privacy is its value: a request'
         "trusted ends (trusted_ends) and was not sent to any other. Retry later, or drop the requirement."
     ),
 }
-
-
-def jobs_in_flight() -> Counter[str]:
-    """Jobs admitted and not ended, by node id: each holds a session on every stage of its route."""
-    busy: Counter[str] = Counter()
-    for route in Job.objects.filter(state__in=[JobState.QUEUED, JobState.RUNNING]).values_list("route", flat=True):
-        busy.update(stage["node"] for stage in route)
-    return busy
 
 
 @transaction.atomic(savepoint=False)  # admit_jobs' transaction is all or none already

@@ -22,6 +22,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
@@ -43,6 +44,7 @@ from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.nodes.authority import coordinator_tls, held_coordinator_tls
 from marketplace.nodes.models import Node
+from marketplace.nodes.reachability import relay_down
 from marketplace.verification.audits import record_audits
 from marketplace.verification.failures import GONE_CODES, alive_through, failure_code, record_failure
 from marketplace.verification.strikes import strike_misconduct, strike_unverifiable_receipts
@@ -55,7 +57,10 @@ from worker_agent.protocol.receipts import SessionTranscript
 
 log = logging.getLogger("swarm.jobs")
 PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered
-HEAL_POLL_S = 0.25  # how often a heal waiting for a route asks again
+HEAL_POLL_S = 0.025  # how often a heal waiting for a route checks whether a block of its model came up
+HEAL_RECHECK_S = 0.5  # and how often it looks for a route whatever happened
+HEAL_LOAD_RETRY_S = 2.0  # how often it asks again for a node to load the failed span, while none is
+RELAY_PROBE_S = 2.0  # a relay a failed stage was reached through must accept a connection within this
 CANCEL_LISTENER_STOP_S = 1.0  # how long a job's end waits for its cancel listener to stop
 _stray_listeners: set[asyncio.Task] = set()  # cancel listeners still stopping after their job ended
 
@@ -229,7 +234,13 @@ class Delivered:
 class JobHealer:
     """The control plane as a job's healer: the failed node is reported (routing stops using it at
     once) and the job moves onto a route around it (``services.heal_job``), with tickets signed
-    here and the control plane's own assignments, never the stages' word."""
+    here and the control plane's own assignments, never the stages' word.
+
+    When no ready block holds the failed span, a node loads it for the job (``services.load_replacement``:
+    a spare of another span, an idle node) while the job waits, up to ``services.heal_wait_s`` (by
+    the span's bytes) and while the model is recovering; past that the job ends with what it
+    delivered. A stage reached through a relay that is found down is the relay's failure, not its
+    node's (``heal_job``'s ``relay_down``)."""
 
     def __init__(self, job: Job, grant: JobGrant) -> None:
         self.job = job
@@ -243,18 +254,51 @@ class JobHealer:
         # The node is the one this control plane put at that position, whatever its HELLO said.
         node = self.route[failure.stage]["node"]
         reason = f"{failure.code}: {failure.message}"
-        # No route around it now (its span's other holders are loading, restarting, or reported
-        # too): wait up to SWARM_HEAL_WAIT_S for one while the model is recovering, then give up.
-        deadline = time.monotonic() + settings.SWARM_HEAL_WAIT_S
-        healed = await in_thread(services.heal_job, self.job.pk, node, reason)
-        while healed is None:
-            if time.monotonic() >= deadline or not await in_thread(services.heal_may_wait, self.job.pk):
+        detected = timezone.now()
+        relay = None
+        if failure.code in GONE_CODES:
+            relay = await relay_down(self.route[failure.stage]["url"], RELAY_PROBE_S)
+        relay_address = relay.address if relay is not None else None
+        healed = await in_thread(
+            services.heal_job, self.job.pk, node, reason, relay_down=relay_address, detected_at=detected
+        )
+        if healed is None:
+            healed = await self._wait(node, reason, detected)
+            if healed is None:
                 return None
-            await asyncio.sleep(HEAL_POLL_S)
-            healed = await in_thread(services.heal_job, self.job.pk, node, reason, report=False)
         self.route = healed
         audit_stages = await in_thread(lambda: Job.objects.only("audit_stages").get(pk=self.job.pk).audit_stages)
         return healed_route(await in_thread(stage_specs, self.job, healed, self.grant), healed, audit_stages)
+
+    async def _wait(self, node: str, reason: str, detected: datetime) -> list[dict] | None:
+        """No route around ``node`` now: have a node load its span, and wait for a route (one line
+        in the log when the wait starts, one when it ends). A route is looked for again as soon as a
+        block of the model reports ready (a cheap check, every HEAL_POLL_S), and every
+        HEAL_RECHECK_S whatever happened (a suspicion cleared, a back-off ran out)."""
+        started = time.monotonic()
+        wait_s = await in_thread(services.heal_wait_s, self.job.pk, node)
+        log.warning("job %s: waiting up to %.0fs for a replacement of %s", self.job.public_id, wait_s, node)
+        next_load = next_check = started
+        since = timezone.now()
+        while True:
+            now = time.monotonic()
+            if now >= next_check:
+                if now >= started + wait_s or not await in_thread(services.heal_may_wait, self.job.pk):
+                    log.warning("job %s: no replacement of %s came in %.1fs", self.job.public_id, node, now - started)
+                    return None
+                if now >= next_load:  # again now and then: a node that can load it may have come up
+                    await in_thread(services.load_replacement, self.job.pk, node)
+                    next_load = now + HEAL_LOAD_RETRY_S
+            await asyncio.sleep(HEAL_POLL_S)
+            if time.monotonic() < next_check and not await in_thread(services.block_ready_since, self.job.model, since):
+                continue
+            since, next_check = timezone.now(), time.monotonic() + HEAL_RECHECK_S
+            healed = await in_thread(services.heal_job, self.job.pk, node, reason, report=False, detected_at=detected)
+            if healed is not None:
+                log.info(
+                    "job %s: a replacement of %s came in %.1fs", self.job.public_id, node, time.monotonic() - started
+                )
+                return healed
 
 
 async def _generate(

@@ -78,7 +78,7 @@ def coordinator_for(
         job.model,
         specs,
         job=job.public_id,
-        topology="ring",
+        topology=settings.SWARM_TOPOLOGY,
         assignments=route_assignments(job.route),
         audit_stages=tuple(job.audit_stages),
         healer=healer,

@@ -1,7 +1,9 @@
-"""Read queries over jobs: a customer's usage by day, model or key, and their requests one by one."""
+"""Read queries over jobs: a customer's usage by day, model or key, their requests one by one, and
+the jobs in flight on each node."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -99,3 +101,11 @@ def request_rows(firsts: Iterable[Job]) -> list[RequestRow]:
             )
         )
     return rows
+
+
+def jobs_in_flight() -> Counter[str]:
+    """Jobs admitted and not ended, by node id: each holds a session on every stage of its route."""
+    busy: Counter[str] = Counter()
+    for route in Job.objects.filter(state__in=[JobState.QUEUED, JobState.RUNNING]).values_list("route", flat=True):
+        busy.update(stage["node"] for stage in route)
+    return busy

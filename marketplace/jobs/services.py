@@ -33,9 +33,12 @@ from marketplace.jobs.errors import (
 from marketplace.jobs.models import FINAL_STATES, ApiKey, Job, JobState
 from marketplace.jobs.params import RequestParams
 from marketplace.jobs.route import route_of
+from marketplace.jobs.selectors import jobs_in_flight
 from marketplace.nodes.models import Node, NodeState, Privacy
+from marketplace.placement import healing
 from marketplace.placement.allocation import Stage
-from marketplace.placement.lifecycle import report_node_failure
+from marketplace.placement.lifecycle import relay_lost, report_node_failure
+from marketplace.placement.models import Assignment, AssignmentState
 from marketplace.placement.selectors import context_length, hold_routes, recovering, route_around
 from marketplace.verification.audits import choose_audit_stages
 from marketplace.verification.claims import refused_positions
@@ -44,6 +47,7 @@ from marketplace.verification.traffic import kept_step_outputs
 from worker_agent import model as models
 from worker_agent.coordinator import grammar
 from worker_agent.coordinator.job import encode_prompt
+from worker_agent.protocol.span import Span
 
 log = logging.getLogger("swarm.jobs")
 
@@ -197,7 +201,14 @@ def fit_context(model: str, prompt_tokens: int, params: RequestParams, *, max_to
 
 @transaction.atomic
 def heal_job(
-    job_pk: int, failed_node: str, reason: str, now: datetime | None = None, *, report: bool = True
+    job_pk: int,
+    failed_node: str,
+    reason: str,
+    now: datetime | None = None,
+    *,
+    report: bool = True,
+    relay_down: str | None = None,
+    detected_at: datetime | None = None,
 ) -> list[dict] | None:
     """A running job's coordinator saw ``failed_node``'s stage die or stall: report the node
     (``report_node_failure``: no request is routed to it any more), count the failure against it
@@ -217,12 +228,20 @@ def heal_job(
     Refused (None, the job unchanged): the job is not running, ``failed_node`` is not on its route,
     it was healed SWARM_MAX_HEALS times already (the node is still reported: the failure is real),
     or no route avoids the failed nodes (likewise; ``heal_may_wait`` says whether one may come).
-    ``report=False`` asks again without reporting the node again (a healer waiting for a route)."""
+    ``report=False`` asks again without reporting the node again (a healer waiting for a route).
+
+    ``relay_down``: the address of the relay the failed stage was reached through, which the
+    job's coordinator found down itself (a connection to it refused or unanswered). The relay is the
+    culprit, not the node: nothing is counted against the node, and every block served through that
+    relay is off routing until its agent reports it through another (``lifecycle.relay_lost``).
+    ``detected_at``: when the coordinator saw the failure, kept on the heal beside when its route came."""
     now = now or timezone.now()
     job = Job.objects.select_for_update().filter(pk=job_pk).first()
     if job is None or job.state != JobState.RUNNING or failed_node not in {s["node"] for s in job.route}:
         return None
-    if report:
+    if report and relay_down is not None:
+        relay_lost(relay_down, reason)
+    elif report:
         report_node_failure(failed_node, reason, now=now)
         record_failure(failed_node, reason, job=job, now=now)
         if str(reason).startswith(f"{SESSION_TOO_LONG}:"):  # it holds fewer positions than it reported
@@ -250,10 +269,15 @@ def heal_job(
         if still_failed != avoid:
             stages = route_around(job.model, current, still_failed, job.coordinator_region, job.privacy)
     if stages is None:
-        log.warning("job %s: %s failed and no route avoids %s", job.public_id, failed_node, ", ".join(sorted(avoid)))
+        if report:  # once: a healer waiting for a route asks again without a word each time
+            log.warning(
+                "job %s: %s failed and no route avoids %s", job.public_id, failed_node, ", ".join(sorted(avoid))
+            )
         return None
     route = route_of(stages)
     heal = {"at": now.isoformat(), "failed_node": failed_node, "reason": str(reason)[:500], "route_before": job.route}
+    if detected_at is not None:
+        heal["detected_at"] = detected_at.isoformat()
     job.audit_stages = job.audit_stages if len(route) == len(job.route) else choose_audit_stages(route)
     job.heals = [*job.heals, heal]
     job.route = route
@@ -266,6 +290,45 @@ def heal_job(
         " -> ".join(f"{s['node']}[{s['layer_start']}:{s['layer_end']}]" for s in route),
     )
     return route
+
+
+def failed_span(job: Job, failed_node: str) -> Span | None:
+    """The span ``failed_node`` serves on ``job``'s route; None when it is not on it."""
+    stage = next((s for s in job.route if s["node"] == failed_node), None)
+    return Span(job.model, stage["layer_start"], stage["layer_end"]) if stage is not None else None
+
+
+def heal_wait_s(job_pk: int, failed_node: str) -> float:
+    """How long a heal of ``failed_node``'s stage on the job may wait for a replacement: by the bytes
+    a node loads for its span (``placement.healing.heal_wait_s``)."""
+    job = Job.objects.only("model", "route").get(pk=job_pk)
+    span = failed_span(job, failed_node)
+    return healing.heal_wait_s(span) if span is not None else settings.SWARM_HEAL_WAIT_S
+
+
+@transaction.atomic
+def load_replacement(job_pk: int, failed_node: str) -> bool:
+    """A heal of ``failed_node``'s stage found no route: have a node load its span for it
+    (``placement.healing.load_for_heal``: a spare of another span, an idle node, a member of an idle
+    pipeline). True when a block of the span is loading for it (started now or before)."""
+    job = Job.objects.filter(pk=job_pk, state=JobState.RUNNING).first()
+    span = failed_span(job, failed_node) if job is not None else None
+    if job is None or span is None or not hold_routes(job.model):
+        return False
+    route = [s["node"] for s in job.route]
+    at = route.index(failed_node)
+    neighbours = (route[at - 1] if at > 0 else None, route[at + 1] if at + 1 < len(route) else None)
+    avoid = {heal["failed_node"] for heal in job.heals} | {failed_node}
+    loading = healing.load_for_heal(
+        span, route=route, neighbours=neighbours, avoid=avoid, open_jobs=jobs_in_flight(), privacy=job.privacy
+    )
+    return loading is not None
+
+
+def block_ready_since(model: str, since: datetime) -> bool:
+    """Whether a block of ``model`` reported ready after ``since``: a heal waiting for a route looks
+    again then (one indexed query, cheap enough to ask often)."""
+    return Assignment.objects.filter(model=model, state=AssignmentState.READY, ready_at__gt=since).exists()
 
 
 def heal_may_wait(job_pk: int, now: datetime | None = None) -> bool:

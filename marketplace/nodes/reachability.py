@@ -22,6 +22,7 @@ without TLS; ``relay_of`` recognises both, and only for the node they name.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -126,3 +127,20 @@ async def reach(url: str, node: str) -> str | None:
         return f"{url} answered, but not as an agent's data plane: {exc}"
     except websockets.WebSocketException as exc:
         return f"{url} failed the WebSocket handshake: {exc}"
+
+
+async def relay_down(url: str, timeout: float) -> Relay | None:
+    """The configured relay ``url`` is at, when a TCP connection to it is refused or not answered
+    within ``timeout`` (its process or host is gone); None when ``url`` is no relay's or it answers.
+    A relay that accepts connections but lost one agent says nothing against the others."""
+    relay = relay_at(url)
+    if relay is None:
+        return None
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(relay.host, relay.port), timeout)
+    except (OSError, TimeoutError):
+        return relay
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None

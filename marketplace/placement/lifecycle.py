@@ -19,6 +19,7 @@ from marketplace.nodes import joining, trust_marks
 from marketplace.nodes import services as nodes
 from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node, NodeState
+from marketplace.nodes.reachability import relay_at
 from marketplace.nodes.services import push
 from marketplace.placement.models import LIVE_STATES, Assignment, AssignmentState
 from marketplace.placement.rebalancing import mark_dirty, placement_changed, replacement_pays
@@ -88,6 +89,29 @@ def report_node_failure(node_id: str, reason: str, now: datetime | None = None) 
     sent after the report clears the suspicion. The report alone changes no capacity, so it asks
     for no new placement. False when no active or draining node has that id."""
     return nodes.mark_suspected(node_id, reason, now=now)
+
+
+@transaction.atomic
+def relay_lost(address: str, reason: str) -> list[str]:
+    """A job's coordinator found the relay at ``address`` (``host:port``) down: every block served
+    through it is to be confirmed again before a request is routed to it (ready -> assigned), as
+    after a reconnect, until its agent reports it at its next relay's URL (``readiness``); nothing
+    is counted against the nodes. Returns their ids."""
+    served = Assignment.objects.select_for_update().filter(
+        state=AssignmentState.READY, data_url__contains=f"//{address}"
+    )
+    moved = [a for a in served.select_related("node") if (relay := relay_at(a.data_url)) and relay.address == address]
+    Assignment.objects.filter(pk__in=[a.pk for a in moved]).update(state=AssignmentState.ASSIGNED)
+    for assignment in moved:
+        notify_node_changed(assignment.node_id)
+    nodes_behind = sorted({a.node.node_id or "" for a in moved})
+    log.warning(
+        "relay at %s is down (%s): the blocks of %s are off routing until their agents report them through another",
+        address,
+        reason,
+        ", ".join(nodes_behind) or "no node",
+    )
+    return nodes_behind
 
 
 @transaction.atomic

@@ -62,7 +62,7 @@ def assignments_of_node(node_pk: int):
     return Assignment.objects.filter(node_id=node_pk, state__in=[AssignmentState.ASSIGNED, AssignmentState.READY])
 
 
-def _routable(assignment: Assignment) -> bool:
+def routable(assignment: Assignment) -> bool:
     """A stage a request may pass through now: its block is ready on an active node that no job's
     coordinator has reported failed since its last sign of life, that no open strike holds
     under review (a failed check takes it off routing at once), and whose failures do not keep it
@@ -110,7 +110,7 @@ def servable_pipelines(model: str) -> list[list[PipelineStage]]:
         pipelines.setdefault(assignment.pipeline, []).append(assignment)
     servable = []
     for stages in pipelines.values():
-        if not all(_routable(a) for a in stages):
+        if not all(routable(a) for a in stages):
             continue
         position = 0
         for a in stages:
@@ -134,7 +134,7 @@ def context_length(model: str) -> int | None:
     limit, and no more than any routable stage's node holds per session, since a request's route,
     or the route a heal moves it to, may pass through any of them. A node that reported no limit
     counts with the agent's default. None when no stage is routable."""
-    limits = [a.node.max_positions or AGENT_DEFAULT_POSITIONS for a in live_assignments(model) if _routable(a)]
+    limits = [a.node.max_positions or AGENT_DEFAULT_POSITIONS for a in live_assignments(model) if routable(a)]
     if not limits:
         return None
     own = model_positions(model)
@@ -230,7 +230,7 @@ def link_rtts(node_ids: list[str]) -> dict[tuple[str, str], float]:
     )
 
 
-def _costs(
+def stage_costs(
     nodes: list[str], rows: list[Node] | None = None
 ) -> tuple[dict[tuple[str, str], float], dict[str, float], frozenset[str]]:
     """Measured round trips between ``nodes`` (and the regions), each node's time per layer (ms)
@@ -280,13 +280,13 @@ def route_request(
     usable = [
         a
         for a in live_assignments(model)
-        if _routable(a) and busy.get(a.node.node_id, 0) < session_room(a.node) and allowed_for(a, privacy, n_layers)
+        if routable(a) and busy.get(a.node.node_id, 0) < session_room(a.node) and allowed_for(a, privacy, n_layers)
     ]
     if not usable:
         return None
     stages = [_pipeline_stage(a) for a in usable]
     rows = list({a.node.node_id: a.node for a in usable}.values())
-    rtt, layer_ms, in_doubt = _costs(sorted(node.node_id for node in rows), rows)
+    rtt, layer_ms, in_doubt = stage_costs(sorted(node.node_id for node in rows), rows)
     tiers = last_resort_first([s.stage for s in stages], in_doubt | leaving(model, usable))
     best = None
     for candidates in tiers:
@@ -330,12 +330,12 @@ def route_around(
     usable = [
         a
         for a in live_assignments(model)
-        if _routable(a) and a.node.node_id not in avoid and allowed_for(a, privacy, n_layers)
+        if routable(a) and a.node.node_id not in avoid and allowed_for(a, privacy, n_layers)
     ]
     stages = {ps.stage: ps for ps in map(_pipeline_stage, usable)}
     if not stages:
         return None
-    rtt, layer_ms, in_doubt = _costs(sorted({stage.node for stage in stages}))
+    rtt, layer_ms, in_doubt = stage_costs(sorted({stage.node for stage in stages}))
     last_resort = in_doubt | leaving(model, usable)
     survivors = [stage for stage in current if stage in stages]
     in_gaps = [

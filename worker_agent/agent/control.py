@@ -569,7 +569,7 @@ class Agent:
                 return
             if same is not None and same.unloading is not None:  # unloading: a live one was handled above
                 await same.unloading  # the port serves one stage per span: let the released one go first
-            routed = {message.supersedes: message.jobs} if message.supersedes is not None and message.jobs else {}
+            routed = {message.supersedes: message.jobs} if message.supersedes is not None else {}
             await self._make_room(key.layers, routed)
             log.info("assigned %s (assignment %s)", key, assignment)
             try:
@@ -677,7 +677,10 @@ class Agent:
     async def _make_room(self, layers: int, routed: dict[int, tuple[str, ...]] | None = None) -> None:
         """Unload the oldest blocks, each once its jobs in flight end, until ``layers`` more fit the cap.
         ``routed``: by assignment, the jobs routed to a block before the control plane moved on from
-        it, which that block takes however late they come (as a release's)."""
+        it, which that block takes however late they come (as a release's). The control plane names
+        every such job (it routes and supersedes a block under one lock), so a block named there is
+        drained at once rather than after ``late_jobs_s``: a heal waiting for the new block waits
+        no longer than the load."""
         for block in list(self.blocks.values()):
             held = sum(b.layers for b in self.blocks.values())
             if not self.max_layers or held + layers <= self.max_layers:
@@ -693,7 +696,7 @@ class Agent:
             jobs = (routed or {}).get(block.assignment)
             if jobs and self.server is not None:
                 self.server.expect_jobs(block.key, jobs)
-            await self._unload(block)
+            await self._unload(block, late_s=0.0 if jobs is not None else None)
 
     def _release(self, assignment: int, jobs: tuple[str, ...] = ()) -> None:
         """Take no new job on the block but ``jobs`` (routed to it before the release), and unload
@@ -714,19 +717,22 @@ class Agent:
             if not self.blocks:  # nothing left to serve: the port closes, as before any assignment
                 await self._stop_serving()
 
-    def _unload(self, block: Serving) -> asyncio.Task:
+    def _unload(self, block: Serving, *, late_s: float | None = None) -> asyncio.Task:
         """The task that drains and unloads ``block``, started on the first call: the block takes
-        the jobs still on their way for ``late_jobs_s``, then no new job, and goes once its jobs end."""
+        the jobs still on their way for ``late_s`` (``late_jobs_s`` by default), then no new job,
+        and goes once its jobs end."""
         if block.unloading is None:
-            block.unloading = asyncio.create_task(self._drain_and_unload(block))
+            late = self.late_jobs_s if late_s is None else late_s
+            block.unloading = asyncio.create_task(self._drain_and_unload(block, late))
         return block.unloading
 
-    async def _drain_and_unload(self, block: Serving) -> None:
+    async def _drain_and_unload(self, block: Serving, late_s: float) -> None:
         cut = 0
         # The control plane released the block before telling this agent: a job it routed here just
         # before is on its way, and is taken (unless the agent is told to stop at once).
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.hurry.wait(), self.late_jobs_s)
+        if late_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.hurry.wait(), late_s)
         if self.server is not None:
             cut = await self.server.unload_stage(
                 block.key, timeout=self.drain_timeout_s, expected_s=self.expected_jobs_s

@@ -68,6 +68,10 @@ STALL_PER_ROW_S = 0.02  # and this much more per token row of the step (a long p
 # tap still in flight behind a slow send.
 TAP_GRACE_S = 2.0
 PROBE_TIMEOUT_S = 5.0  # a stage said to be unreachable must answer the coordinator's PING within this
+# A step that made no progress this long has the stage it waits on PINGed over the coordinator's own
+# link: one that does not answer within FREEZE_PROBE_S is frozen (stalled), long before the stall timeout.
+FREEZE_SUSPECT_S = 1.5
+FREEZE_PROBE_S = 3.0
 CLOSE_TOO_LARGE = 1009  # WebSocket close code: a message over the size limit
 OFF_LOOP_DECODE_BYTES = 1024 * 1024  # a stage's frames at least this large are decoded in a thread
 
@@ -382,6 +386,7 @@ class Pipeline:
         # How far each step in flight got through the stages, and what to do when one stalls.
         self._stalls = StallWatch(job, len(stages), ring=topology == "ring")
         self._tasks: set[asyncio.Task] = set()
+        self._probes: dict[int, asyncio.Task[bool]] = {}  # stage index -> its liveness PING in flight
         self.audit_stages = tuple(sorted(set(audit_stages)))  # stage indices whose traffic is kept
         # Who is assigned each span of this route, as the coordinator knows it (from the control
         # plane, or from the stages' HELLO without one): its sessions' receipts are verified against it.
@@ -520,7 +525,12 @@ class Pipeline:
         it) raises a StageError (``stage_stalled``) blaming the first stage that did not answer. In
         ring that stage is first handed its predecessor's output by the coordinator itself
         (``stalls.py``) and blamed only if it then puts out nothing for another stall timeout: a
-        predecessor that taps an output but withholds it from its successor cannot frame it."""
+        predecessor that taps an output but withholds it from its successor cannot frame it.
+
+        A frozen stage is found sooner: once the step made no progress for FREEZE_SUSPECT_S, the
+        stage it waits on is PINGed over the coordinator's own link (``_liveness``), and one that
+        does not answer within FREEZE_PROBE_S while the step still made no progress is blamed
+        (``stage_stalled``). A stage that answers is busy, and has the whole stall timeout."""
         step = self._steps[session]
         self._steps[session] = step + 1
         future = asyncio.get_running_loop().create_future()
@@ -537,39 +547,80 @@ class Pipeline:
             asyncio.get_running_loop().call_soon(lambda: self._spawn(self._flush()))
         stall = self.stall_timeout_s + STALL_PER_ROW_S * count
         key, loop = (session, step), asyncio.get_running_loop()
+        probe: asyncio.Task[bool] | None = None
+        probed: float | None = None  # the progress (``moved_at``) whose silence was probed
         try:
             while True:
                 # The stall is counted from the step's last progress (a stage putting its part out).
-                left = self._stalls.moved_at(key) + stall - loop.time()
-                try:
-                    return await asyncio.wait_for(asyncio.shield(future), max(left, 0.0))
-                except TimeoutError:
-                    if loop.time() - self._stalls.moved_at(key) < stall:
-                        continue  # a stage put its part out meanwhile: slow, not stalled
-                    verdict = self._stalls.stalled(key, loop.time())
-                    if isinstance(verdict, Relay):
-                        log.warning(
-                            "job %s session %s step %d: stage %d put out nothing; handing it stage %d's output",
-                            self.job,
-                            session,
-                            step,
-                            verdict.stage,
-                            verdict.stage - 1,
+                moved = self._stalls.moved_at(key)
+                wake = moved + stall
+                if probe is None and probed != moved:
+                    wake = min(wake, moved + FREEZE_SUSPECT_S)
+                waiting = {future} if probe is None else {future, probe}
+                await asyncio.wait(waiting, timeout=max(wake - loop.time(), 0.0), return_when=asyncio.FIRST_COMPLETED)
+                if future.done():
+                    return future.result()
+                if probe is not None and probe.done():
+                    answered, probe = probe.result(), None
+                    if not answered and self._stalls.moved_at(key) == probed:
+                        frozen = self._stalls.waiting_on(key)
+                        raise StageError(
+                            f"session {session} step {step}: stage {frozen} (node {self.node_at(frozen)}) made no "
+                            f"progress in {loop.time() - moved:.1f}s and did not answer PING in {FREEZE_PROBE_S:g}s",
+                            code="stage_stalled",
+                            stage=frozen,
                         )
-                        await self._relay(verdict.stage, verdict.forward)
-                        continue
-                    blamed = verdict.stage
-                    raise StageError(
-                        f"session {session} step {step}: stage {blamed} (node {self.node_at(blamed)}) made no "
-                        f"progress in {stall:.1f}s",
-                        code="stage_stalled",
-                        stage=blamed,
-                    ) from None
+                    continue  # it answered (busy, not frozen), or the step moved meanwhile
+                idle = loop.time() - self._stalls.moved_at(key)
+                if idle < stall:
+                    if probe is None and idle >= FREEZE_SUSPECT_S and probed != self._stalls.moved_at(key):
+                        # No progress for a while: is the stage it waits on alive at all?
+                        probed = self._stalls.moved_at(key)
+                        probe = self._liveness(self._stalls.waiting_on(key))
+                    continue  # a stage put its part out meanwhile, or the probe is out: slow, not stalled
+                verdict = self._stalls.stalled(key, loop.time())
+                if isinstance(verdict, Relay):
+                    log.warning(
+                        "job %s session %s step %d: stage %d put out nothing; handing it stage %d's output",
+                        self.job,
+                        session,
+                        step,
+                        verdict.stage,
+                        verdict.stage - 1,
+                    )
+                    await self._relay(verdict.stage, verdict.forward)
+                    continue
+                blamed = verdict.stage
+                raise StageError(
+                    f"session {session} step {step}: stage {blamed} (node {self.node_at(blamed)}) made no "
+                    f"progress in {stall:.1f}s",
+                    code="stage_stalled",
+                    stage=blamed,
+                ) from None
         finally:
             self._waiting.pop((session, step), None)
             self._stalls.end((session, step))
             if not future.done():
                 future.cancel()
+
+    def _liveness(self, index: int) -> asyncio.Task[bool]:
+        """Whether stage ``index`` answers a PING within FREEZE_PROBE_S: one probe at a time per stage,
+        shared by every step waiting on it. A stage computes off its event loop, so a busy one
+        answers; a frozen process, or a host gone silent, does not."""
+        running = self._probes.get(index)
+        if running is None or running.done():
+
+            async def ping() -> bool:
+                try:
+                    await self.links[index].ping(FREEZE_PROBE_S)
+                except StageError:
+                    return False
+                return True
+
+            running = self._probes[index] = asyncio.ensure_future(ping())
+            self._tasks.add(running)
+            running.add_done_callback(self._tasks.discard)
+        return running
 
     def node_at(self, index: int) -> str | None:
         """The node at route position ``index``: the control plane's assignment, else its HELLO's word."""

@@ -76,6 +76,10 @@ class StallWatch:
         """When the step, started and not ended, last made progress."""
         return self._steps[key].moved_at
 
+    def waiting_on(self, key: Key) -> int:
+        """The stage the step, started and not ended, waits on: the first that put out nothing for it."""
+        return min(self._steps[key].reached, self.stages - 1)
+
     def output(self, index: int, item: wire.Item, dtype: str, chunk: bytes, now: float) -> Relay | None:
         """Stage ``index`` put out a usable ``chunk`` (one item's bytes, ``dtype``) for a step, at
         ``now``: progress. Returns the relay to make now when its successor is disputed."""
