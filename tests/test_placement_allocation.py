@@ -20,7 +20,9 @@ from marketplace.placement.allocation import (
     per_layer_load,
     place,
     repair,
+    span_needs,
     spans_for,
+    warm_spares,
     water_fill,
 )
 from marketplace.placement.covering import lpt, lpt_used
@@ -231,7 +233,8 @@ def test_place_spreads_spares_over_stages_before_doubling_up():
     placement = place(nodes, 12)
 
     assert placement.pipelines == ((Stage("b", 0, 8), Stage("a", 8, 12)),)
-    assert placement.spares == (Stage("p", 8, 12), Stage("q", 0, 8))
+    # Equal loss rates: the longer span is the costlier loss, so the first spare takes it.
+    assert placement.spares == (Stage("p", 0, 8), Stage("q", 8, 12))
 
 
 def test_place_gives_a_spare_the_span_with_the_fewest_replicas_over_all_pipelines():
@@ -247,6 +250,63 @@ def test_place_gives_a_spare_the_span_with_the_fewest_replicas_over_all_pipeline
         (Stage("d", 0, 6), Stage("y", 6, 12)),
     )
     assert placement.spares == (Stage("s", 10, 12),)
+
+
+def test_a_span_needs_a_spare_by_its_holders_loss_rates_times_its_layers():
+    stages = [Stage("a", 0, 6), Stage("b", 6, 12), Stage("c", 0, 6)]
+
+    need = span_needs(stages, {"a": 0.5, "b": 0.25, "c": 0.125})
+
+    assert need == {(0, 6): 6 * 0.625, (6, 12): 6 * 0.25}
+    with pytest.raises(PlacementError, match="d: no loss rate"):
+        span_needs([*stages, Stage("d", 12, 14)], {"a": 0.5, "b": 0.25, "c": 0.125})
+
+
+def test_a_failing_holder_draws_the_spare_to_its_span_over_an_equally_held_span_of_a_reliable_one():
+    # [0, 6) comes first in the stages' order (the most loaded): the old rule gave it the spare.
+    stages = [Stage("reliable", 0, 6), Stage("failing", 6, 12)]
+
+    spares = warm_spares([NodeCapacity("s", 1.0, 6)], stages, {"reliable": 0.01, "failing": 0.5})
+
+    assert spares == (Stage("s", 6, 12),)
+
+
+def test_a_longer_span_draws_the_spare_at_equal_loss_rates():
+    stages = [Stage("a", 8, 12), Stage("b", 0, 8)]  # the short span first: the old rule gave it the spare
+
+    spares = warm_spares([NodeCapacity("s", 1.0, 8), NodeCapacity("t", 1.0, 8)], stages, {"a": 0.1, "b": 0.1})
+
+    assert spares == (Stage("s", 0, 8), Stage("t", 8, 12))
+
+
+def test_fewer_replicas_come_before_a_greater_need():
+    # Two pipelines hold [0, 6), one of them on a node failing every hour; [6, 12) is held once.
+    stages = [Stage("flaky", 0, 6), Stage("a", 0, 6), Stage("b", 6, 12)]
+    rates = {"flaky": 1.0, "a": 0.01, "b": 0.01}
+
+    spares = warm_spares([NodeCapacity("s", 1.0, 6), NodeCapacity("t", 1.0, 6)], stages, rates)
+
+    # t: [0, 6) now 2 against [6, 12)'s 2 (b and s): the greater need decides.
+    assert spares == (Stage("s", 6, 12), Stage("t", 0, 6))
+
+
+def test_place_gives_the_spare_the_span_of_the_node_likeliest_to_fail():
+    nodes = [
+        NodeCapacity("a", 1.0, 6, loss_rate=0.01),
+        NodeCapacity("b", 1.0, 6, loss_rate=0.2),
+        NodeCapacity("s", 1.0, 6, reputation=0.1),
+    ]
+
+    placement = place(nodes, 12, spares_per_pipeline=1)
+
+    assert placement.pipelines == ((Stage("a", 0, 6), Stage("b", 6, 12)),)
+    assert placement.spares == (Stage("s", 6, 12),)
+
+
+def test_loss_rate_must_be_finite_and_not_negative():
+    for rate in (-0.1, math.inf, math.nan):
+        with pytest.raises(PlacementError, match="loss_rate must be finite and >= 0"):
+            NodeCapacity("a", 1.0, 6, loss_rate=rate)
 
 
 def test_spares_follow_the_stage_they_copy_when_the_ring_order_re_spans_a_pipeline():

@@ -34,6 +34,7 @@ from marketplace.placement.allocation import (
     pays_to_replace,
     per_layer_load,
     repair,
+    span_needs,
     throughput,
 )
 from marketplace.placement.blocks import joined_id, release
@@ -147,6 +148,11 @@ def wanted_of(pipelines: Sequence[Sequence[Stage]], spares: Sequence[Stage]) -> 
     return wanted
 
 
+def wanted_now(live: dict[str, Assignment]) -> Wanted:
+    """What each node holds now: the live placement as ``Wanted``, for changes that keep it."""
+    return {node: (a.pipeline, a.position, a.layer_start, a.layer_end, a.is_spare) for node, a in live.items()}
+
+
 def repair_by_spares(
     live: dict[str, Assignment], capacities: list[NodeCapacity], n_layers: int, regions: list[str]
 ) -> tuple[Wanted, list[str]] | None:
@@ -181,8 +187,10 @@ def join_as_spares(
     model: str, live: dict[str, Assignment], capacities: list[NodeCapacity], n_layers: int
 ) -> Wanted | None:
     """The live placement kept as it is, with each node that joined (or came back) since as a warm
-    spare of the span it can hold with the fewest replicas; None when something else changed (a
-    member left, a pipeline is not whole) or a fresh plan would pay by the margin."""
+    spare of the span it can hold with the fewest replicas, then the greatest need
+    (``allocation.span_needs``: its holders' loss rates times its layers), then the most layers;
+    None when something else changed (a member left, a pipeline is not whole) or a fresh plan
+    would pay by the margin."""
     placeable = {c.node: c for c in capacities}
     newcomers = [placeable[node] for node in placeable if node not in live]
     if not newcomers or any(node not in placeable for node in live):
@@ -196,15 +204,15 @@ def join_as_spares(
     if not members or replacement_pays(model, list(live.values())):
         return None
     replicas = Counter((a.layer_start, a.layer_end) for a in live.values())
-    wanted: Wanted = {
-        node: (a.pipeline, a.position, a.layer_start, a.layer_end, a.is_spare) for node, a in live.items()
-    }
+    stages = [Stage(node, a.layer_start, a.layer_end) for node, a in live.items() if not a.is_spare]
+    need = span_needs(stages, {node: c.loss_rate for node, c in placeable.items()})
+    wanted = wanted_now(live)
     spare_pipeline = max(a.pipeline for a in live.values()) + 1
     for newcomer in sorted(newcomers, key=lambda c: c.node):
         fits = [span for span in sorted(replicas) if span[1] - span[0] <= newcomer.max_layers]
         if not fits:
             continue  # holds no span of this placement: it stays idle until a placement that pays
-        span = min(fits, key=lambda span: (replicas[span], -(span[1] - span[0]), span))
+        span = min(fits, key=lambda span: (replicas[span], -need.get(span, 0.0), -(span[1] - span[0]), span))
         replicas[span] += 1
         wanted[newcomer.node] = (spare_pipeline, 0, span[0], span[1], True)
     return wanted
