@@ -12,6 +12,7 @@ import pytest
 from marketplace.placement.allocation import (
     NodeCapacity,
     Repair,
+    SpareMove,
     Stage,
     carry_spares,
     choose_pipeline_count,
@@ -22,6 +23,7 @@ from marketplace.placement.allocation import (
     repair,
     span_needs,
     spans_for,
+    spare_moves,
     warm_spares,
     water_fill,
 )
@@ -307,6 +309,49 @@ def test_loss_rate_must_be_finite_and_not_negative():
     for rate in (-0.1, math.inf, math.nan):
         with pytest.raises(PlacementError, match="loss_rate must be finite and >= 0"):
             NodeCapacity("a", 1.0, 6, loss_rate=rate)
+
+
+def test_a_spare_moves_from_a_span_held_three_times_onto_the_lone_span_of_the_greatest_need():
+    stages = [Stage("a", 0, 15), Stage("c", 0, 15), Stage("e", 0, 10), Stage("f", 10, 20), Stage("g", 20, 30)]
+    spares = [Stage("s", 0, 15)]  # [0, 15): a, c and s; the three spans of e, f and g: one stage each
+    rates = {"a": 0.04, "c": 0.04, "e": 0.04, "f": 0.3, "g": 0.04}
+
+    moves = spare_moves(stages, spares, {"s": 15}, rates)
+
+    assert moves == [
+        SpareMove(Stage("s", 0, 15), Stage("s", 10, 20)),  # f fails the most
+        SpareMove(Stage("s", 0, 15), Stage("s", 0, 10)),  # then by span
+        SpareMove(Stage("s", 0, 15), Stage("s", 20, 30)),
+    ]
+
+
+def test_spares_move_from_the_span_with_the_most_replicas_and_only_onto_spans_they_hold():
+    stages = [Stage("a", 0, 15), Stage("c", 0, 15), Stage("b", 15, 30), Stage("d", 15, 30), Stage("e", 0, 20)]
+    stages.append(Stage("f", 20, 30))
+    spares = [Stage("s", 0, 15), Stage("t", 15, 30), Stage("u", 15, 30)]  # [15, 30) held 4 times
+    rates = dict.fromkeys("abcdef", 0.04)
+
+    moves = spare_moves(stages, spares, {"s": 20, "t": 10, "u": 20}, rates)
+
+    # [0, 20) (need 20 * 0.04) before [20, 30); t is too small for [0, 20).
+    assert moves == [
+        SpareMove(Stage("u", 15, 30), Stage("u", 0, 20)),
+        SpareMove(Stage("s", 0, 15), Stage("s", 0, 20)),
+        SpareMove(Stage("t", 15, 30), Stage("t", 20, 30)),
+        SpareMove(Stage("u", 15, 30), Stage("u", 20, 30)),
+        SpareMove(Stage("s", 0, 15), Stage("s", 20, 30)),
+    ]
+
+
+def test_a_spare_of_a_span_held_once_besides_it_never_swaps_onto_another_lone_span():
+    # Moving s would only make [0, 15) the lone span, and the next sweep would move it back.
+    stages = [Stage("a", 0, 15), Stage("b", 15, 30)]
+
+    assert spare_moves(stages, [Stage("s", 0, 15)], {"s": 15}, {"a": 0.01, "b": 1.0}) == []
+    assert spare_moves(stages, [Stage("s", 0, 15), Stage("t", 0, 15)], {"s": 15, "t": 15}, {"a": 0.01, "b": 1.0}) == [
+        SpareMove(Stage("s", 0, 15), Stage("s", 15, 30)),
+        SpareMove(Stage("t", 0, 15), Stage("t", 15, 30)),
+    ]
 
 
 def test_spares_follow_the_stage_they_copy_when_the_ring_order_re_spans_a_pipeline():

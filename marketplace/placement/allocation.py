@@ -15,7 +15,9 @@ stages cover ``[0, L)``. Three decisions, after Parallax:
 Spares (nodes no pipeline needs) keep a warm copy of a loaded stage's block, ready for healing;
 when a pipeline member leaves, :func:`repair` puts a spare holding its span in its place. With
 fewer spares than spans, they go where a loss is likeliest and costliest (:func:`span_needs`:
-the holders' failure rates times the layers a heal would otherwise load).
+the holders' failure rates times the layers a heal would otherwise load), and
+:func:`spare_moves` says which spare to move once churn has left a span held once with no spare
+while another is held more often than it needs.
 """
 
 from __future__ import annotations
@@ -363,6 +365,59 @@ def warm_spares(
             start = stages[0].layer_start
             spares.append(Stage(node.node, start, start + node.max_layers))
     return tuple(spares)
+
+
+@dataclass(frozen=True)
+class SpareMove:
+    """A warm spare loading another span: ``before`` is its block now, ``after`` the one it loads."""
+
+    before: Stage
+    after: Stage  # same node
+
+
+def spare_moves(
+    stages: Sequence[Stage],
+    spares: Sequence[Stage],
+    max_layers: Mapping[str, int],
+    loss_rates: Mapping[str, float],
+) -> list[SpareMove]:
+    """The moves of one spare that spread the spares where they help most, best first.
+
+    A lone span is a span of ``stages`` held by one stage and no spare. A spare may move onto a
+    lone span it can hold (``layers <= max_layers``; a spare whose node is not in ``max_layers``
+    stays) when its own span, even without it, has strictly more replicas than the lone span
+    (two or more: a job on it can route to another holder). Lone spans come by need
+    (:func:`span_needs`, highest first), then by span; for each, the spares of the spans with the
+    most replicas first, then of the least need, then by node id.
+
+    A spare on a span held only by it and one stage never moves: the move would only swap which
+    span is lone, and the next sweep would swap it back. Every move thus turns a lone span into a
+    span with a spare and leaves its old span with two replicas or more, never a lone one: the
+    number of lone spans falls with each, so moves end, and none undoes another."""
+    replicas: dict[Span, int] = {}
+    for block in [*stages, *spares]:
+        span = (block.layer_start, block.layer_end)
+        replicas[span] = replicas.get(span, 0) + 1
+    need = span_needs(stages, loss_rates)  # its keys: the spans a stage holds
+    lone = sorted((span for span in need if replicas[span] == 1), key=lambda span: (-need[span], span))
+    moves = []
+    for start, end in lone:
+        movers = [
+            spare
+            for spare in spares
+            if spare.node in max_layers
+            and end - start <= max_layers[spare.node]
+            and replicas[(spare.layer_start, spare.layer_end)] - 1 > replicas[(start, end)]
+        ]
+        movers.sort(
+            key=lambda s: (
+                -replicas[(s.layer_start, s.layer_end)],
+                need.get((s.layer_start, s.layer_end), 0.0),
+                s.node,
+            )
+        )
+        moves += [SpareMove(before=spare, after=Stage(spare.node, start, end)) for spare in movers]
+    return moves
 
 
 def carry_spares(

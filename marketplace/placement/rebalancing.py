@@ -6,6 +6,8 @@
 - ``repair_by_spares`` and ``join_as_spares``: the placements that keep every serving block where it
   is (spares take the departed members' spans; newcomers become spares), when a fresh plan would not
   pay by SWARM_REPLACE_MARGIN (``replacement_pays``).
+- ``spare_moves_of``: once churn has left a span held once and without a spare while another holds
+  more than it needs, the ready spare to move onto it (``placing.respread_spares`` moves it).
 - ``leaving_nodes``, ``release_leaving``, ``let_go``: a node moving to another model's share keeps its
   block of the old one until that model is servable without it (make before break across models).
 """
@@ -29,12 +31,14 @@ from marketplace.nodes.models import NodeState
 from marketplace.placement import shares
 from marketplace.placement.allocation import (
     NodeCapacity,
+    SpareMove,
     Stage,
     needs_rebalance,
     pays_to_replace,
     per_layer_load,
     repair,
     span_needs,
+    spare_moves,
     throughput,
 )
 from marketplace.placement.blocks import joined_id, release
@@ -216,6 +220,34 @@ def join_as_spares(
         replicas[span] += 1
         wanted[newcomer.node] = (spare_pipeline, 0, span[0], span[1], True)
     return wanted
+
+
+def spare_moves_of(live: dict[str, Assignment], capacities: list[NodeCapacity]) -> list[SpareMove]:
+    """The moves of a ready spare of this live placement onto a span held once and by no spare,
+    best first (``allocation.spare_moves``: from a span that keeps more replicas without it, onto
+    the lone span of the greatest need). Nothing while the placement is unsettled: a block still
+    loading (a placement, or the last move, not done yet) or a live node that placement cannot use
+    now (departed, moving to another model: the next placement handles those)."""
+    placeable = {c.node: c for c in capacities}
+    if any(a.state != AssignmentState.READY for a in live.values()) or any(node not in placeable for node in live):
+        return []
+    stages = [Stage(node, a.layer_start, a.layer_end) for node, a in live.items() if not a.is_spare]
+    spares = [Stage(node, a.layer_start, a.layer_end) for node, a in live.items() if a.is_spare]
+    max_layers = {node: c.max_layers for node, c in placeable.items()}
+    return spare_moves(stages, spares, max_layers, {node: c.loss_rate for node, c in placeable.items()})
+
+
+def may_move_spares(live: dict[str, Assignment]) -> bool:
+    """Whether ``spare_moves_of`` may find a move, from the live blocks alone (no node read, no
+    lock): every block ready, a span held by one stage and nothing else, and a spare whose span
+    keeps two replicas or more without it. The sweep asks this first: a model with nothing to
+    move costs it one query."""
+    replicas = Counter((a.layer_start, a.layer_end) for a in live.values())
+    return (
+        all(a.state == AssignmentState.READY for a in live.values())
+        and any(replicas[(a.layer_start, a.layer_end)] == 1 for a in live.values() if not a.is_spare)
+        and any(replicas[(a.layer_start, a.layer_end)] - 1 > 1 for a in live.values() if a.is_spare)
+    )
 
 
 def leaving_nodes(model: str, live: dict[str, Assignment]) -> set[str]:
