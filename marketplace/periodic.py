@@ -35,11 +35,14 @@ class PeriodicWork:
 
 PERIODIC_WORK: tuple[PeriodicWork, ...] = (
     # Take silent nodes offline (their blocks are released), share the nodes among the models by
-    # demand, look for unbalanced load, re-place what needs it, and end jobs whose coordinator was lost.
+    # demand, look for unbalanced load, re-place what needs it, move spares where they help most,
+    # and end jobs whose coordinator was lost.
     PeriodicWork("heartbeats", "marketplace.placement.lifecycle.sweep_heartbeats", "SWARM_SWEEP_INTERVAL_S"),
     PeriodicWork("shares", "marketplace.jobs.demand.share_nodes_by_demand", "SWARM_SWEEP_INTERVAL_S"),
     PeriodicWork("rebalance", "marketplace.placement.rebalancing.rebalance_if_needed", "SWARM_SWEEP_INTERVAL_S"),
     PeriodicWork("placement", "marketplace.placement.placing.place_dirty_models", "SWARM_SWEEP_INTERVAL_S"),
+    # Move a spare that churn left on a span held often enough onto one held once, without a spare.
+    PeriodicWork("spares", "marketplace.jobs.spares.respread_spares", "SWARM_SWEEP_INTERVAL_S"),
     PeriodicWork("jobs", "marketplace.flows.settlement.reconcile_jobs", "SWARM_SWEEP_INTERVAL_S"),
     # Forget Idempotency-Keys (and the answers kept for their retries) past their time.
     PeriodicWork("idempotency", "marketplace.jobs.idempotency.forget_expired", "SWARM_TRUST_INTERVAL_S"),

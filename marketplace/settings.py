@@ -274,6 +274,13 @@ SWARM_TRUST_INTERVAL_S = env_float("SWARM_TRUST_INTERVAL_S", 10.0, minimum=0.1)
 # Nodes kept off the serving path with a warm block, per pipeline, when there are more nodes
 # than the pipelines need (0: every node serves).
 SWARM_SPARES_PER_PIPELINE = env_int("SWARM_SPARES_PER_PIPELINE", 1, minimum=0)
+# Spares go to the spans whose loss is likeliest and costliest: a node's failures per hour are its
+# attributed failures over its hours online, from a prior of SWARM_LOSS_PRIOR_FAILURES in
+# SWARM_LOSS_PRIOR_HOURS, times SWARM_LOSS_DISTRESS_FACTOR while it is suspected or backed off
+# routing (marketplace/placement/candidates.py, ``loss_rate``).
+SWARM_LOSS_PRIOR_FAILURES = env_float("SWARM_LOSS_PRIOR_FAILURES", 1.0, minimum=0.0)
+SWARM_LOSS_PRIOR_HOURS = env_float("SWARM_LOSS_PRIOR_HOURS", 24.0, minimum=0.01)
+SWARM_LOSS_DISTRESS_FACTOR = env_float("SWARM_LOSS_DISTRESS_FACTOR", 4.0, minimum=1.0)
 # A node is given the layers whose weights, plus a KV cache for this many sessions of its full
 # position limit on every layer, fit in its reported memory (marketplace/placement/memory.py); no
 # more sessions than the node said it holds at once.

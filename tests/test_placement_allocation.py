@@ -12,6 +12,7 @@ import pytest
 from marketplace.placement.allocation import (
     NodeCapacity,
     Repair,
+    SpareMove,
     Stage,
     carry_spares,
     choose_pipeline_count,
@@ -20,7 +21,10 @@ from marketplace.placement.allocation import (
     per_layer_load,
     place,
     repair,
+    span_needs,
     spans_for,
+    spare_moves,
+    warm_spares,
     water_fill,
 )
 from marketplace.placement.covering import lpt, lpt_used
@@ -231,7 +235,8 @@ def test_place_spreads_spares_over_stages_before_doubling_up():
     placement = place(nodes, 12)
 
     assert placement.pipelines == ((Stage("b", 0, 8), Stage("a", 8, 12)),)
-    assert placement.spares == (Stage("p", 8, 12), Stage("q", 0, 8))
+    # Equal loss rates: the longer span is the costlier loss, so the first spare takes it.
+    assert placement.spares == (Stage("p", 0, 8), Stage("q", 8, 12))
 
 
 def test_place_gives_a_spare_the_span_with_the_fewest_replicas_over_all_pipelines():
@@ -247,6 +252,106 @@ def test_place_gives_a_spare_the_span_with_the_fewest_replicas_over_all_pipeline
         (Stage("d", 0, 6), Stage("y", 6, 12)),
     )
     assert placement.spares == (Stage("s", 10, 12),)
+
+
+def test_a_span_needs_a_spare_by_its_holders_loss_rates_times_its_layers():
+    stages = [Stage("a", 0, 6), Stage("b", 6, 12), Stage("c", 0, 6)]
+
+    need = span_needs(stages, {"a": 0.5, "b": 0.25, "c": 0.125})
+
+    assert need == {(0, 6): 6 * 0.625, (6, 12): 6 * 0.25}
+    with pytest.raises(PlacementError, match="d: no loss rate"):
+        span_needs([*stages, Stage("d", 12, 14)], {"a": 0.5, "b": 0.25, "c": 0.125})
+
+
+def test_a_failing_holder_draws_the_spare_to_its_span_over_an_equally_held_span_of_a_reliable_one():
+    # [0, 6) comes first in the stages' order (the most loaded): the old rule gave it the spare.
+    stages = [Stage("reliable", 0, 6), Stage("failing", 6, 12)]
+
+    spares = warm_spares([NodeCapacity("s", 1.0, 6)], stages, {"reliable": 0.01, "failing": 0.5})
+
+    assert spares == (Stage("s", 6, 12),)
+
+
+def test_a_longer_span_draws_the_spare_at_equal_loss_rates():
+    stages = [Stage("a", 8, 12), Stage("b", 0, 8)]  # the short span first: the old rule gave it the spare
+
+    spares = warm_spares([NodeCapacity("s", 1.0, 8), NodeCapacity("t", 1.0, 8)], stages, {"a": 0.1, "b": 0.1})
+
+    assert spares == (Stage("s", 0, 8), Stage("t", 8, 12))
+
+
+def test_fewer_replicas_come_before_a_greater_need():
+    # Two pipelines hold [0, 6), one of them on a node failing every hour; [6, 12) is held once.
+    stages = [Stage("flaky", 0, 6), Stage("a", 0, 6), Stage("b", 6, 12)]
+    rates = {"flaky": 1.0, "a": 0.01, "b": 0.01}
+
+    spares = warm_spares([NodeCapacity("s", 1.0, 6), NodeCapacity("t", 1.0, 6)], stages, rates)
+
+    # t: [0, 6) now 2 against [6, 12)'s 2 (b and s): the greater need decides.
+    assert spares == (Stage("s", 6, 12), Stage("t", 0, 6))
+
+
+def test_place_gives_the_spare_the_span_of_the_node_likeliest_to_fail():
+    nodes = [
+        NodeCapacity("a", 1.0, 6, loss_rate=0.01),
+        NodeCapacity("b", 1.0, 6, loss_rate=0.2),
+        NodeCapacity("s", 1.0, 6, reputation=0.1),
+    ]
+
+    placement = place(nodes, 12, spares_per_pipeline=1)
+
+    assert placement.pipelines == ((Stage("a", 0, 6), Stage("b", 6, 12)),)
+    assert placement.spares == (Stage("s", 6, 12),)
+
+
+def test_loss_rate_must_be_finite_and_not_negative():
+    for rate in (-0.1, math.inf, math.nan):
+        with pytest.raises(PlacementError, match="loss_rate must be finite and >= 0"):
+            NodeCapacity("a", 1.0, 6, loss_rate=rate)
+
+
+def test_a_spare_moves_from_a_span_held_three_times_onto_the_lone_span_of_the_greatest_need():
+    stages = [Stage("a", 0, 15), Stage("c", 0, 15), Stage("e", 0, 10), Stage("f", 10, 20), Stage("g", 20, 30)]
+    spares = [Stage("s", 0, 15)]  # [0, 15): a, c and s; the three spans of e, f and g: one stage each
+    rates = {"a": 0.04, "c": 0.04, "e": 0.04, "f": 0.3, "g": 0.04}
+
+    moves = spare_moves(stages, spares, {"s": 15}, rates)
+
+    assert moves == [
+        SpareMove(Stage("s", 0, 15), Stage("s", 10, 20)),  # f fails the most
+        SpareMove(Stage("s", 0, 15), Stage("s", 0, 10)),  # then by span
+        SpareMove(Stage("s", 0, 15), Stage("s", 20, 30)),
+    ]
+
+
+def test_spares_move_from_the_span_with_the_most_replicas_and_only_onto_spans_they_hold():
+    stages = [Stage("a", 0, 15), Stage("c", 0, 15), Stage("b", 15, 30), Stage("d", 15, 30), Stage("e", 0, 20)]
+    stages.append(Stage("f", 20, 30))
+    spares = [Stage("s", 0, 15), Stage("t", 15, 30), Stage("u", 15, 30)]  # [15, 30) held 4 times
+    rates = dict.fromkeys("abcdef", 0.04)
+
+    moves = spare_moves(stages, spares, {"s": 20, "t": 10, "u": 20}, rates)
+
+    # [0, 20) (need 20 * 0.04) before [20, 30); t is too small for [0, 20).
+    assert moves == [
+        SpareMove(Stage("u", 15, 30), Stage("u", 0, 20)),
+        SpareMove(Stage("s", 0, 15), Stage("s", 0, 20)),
+        SpareMove(Stage("t", 15, 30), Stage("t", 20, 30)),
+        SpareMove(Stage("u", 15, 30), Stage("u", 20, 30)),
+        SpareMove(Stage("s", 0, 15), Stage("s", 20, 30)),
+    ]
+
+
+def test_a_spare_of_a_span_held_once_besides_it_never_swaps_onto_another_lone_span():
+    # Moving s would only make [0, 15) the lone span, and the next sweep would move it back.
+    stages = [Stage("a", 0, 15), Stage("b", 15, 30)]
+
+    assert spare_moves(stages, [Stage("s", 0, 15)], {"s": 15}, {"a": 0.01, "b": 1.0}) == []
+    assert spare_moves(stages, [Stage("s", 0, 15), Stage("t", 0, 15)], {"s": 15, "t": 15}, {"a": 0.01, "b": 1.0}) == [
+        SpareMove(Stage("s", 0, 15), Stage("s", 15, 30)),
+        SpareMove(Stage("t", 0, 15), Stage("t", 15, 30)),
+    ]
 
 
 def test_spares_follow_the_stage_they_copy_when_the_ring_order_re_spans_a_pipeline():

@@ -1,3 +1,4 @@
+# Over 500 lines: the planner's pure rules over its value types (NodeCapacity, Stage), which place() composes.
 """Layer allocation: how many pipelines, which nodes in each, and which layers each node hosts.
 
 A model of ``L`` decoder layers is served by ``k`` disjoint pipelines; each pipeline is a chain of
@@ -12,7 +13,11 @@ stages cover ``[0, L)``. Three decisions, after Parallax:
 3. when to redo it (:func:`needs_rebalance`): the coefficient of variation of per-layer load.
 
 Spares (nodes no pipeline needs) keep a warm copy of a loaded stage's block, ready for healing;
-when a pipeline member leaves, :func:`repair` puts a spare holding its span in its place.
+when a pipeline member leaves, :func:`repair` puts a spare holding its span in its place. With
+fewer spares than spans, they go where a loss is likeliest and costliest (:func:`span_needs`:
+the holders' failure rates times the layers a heal would otherwise load), and
+:func:`spare_moves` says which spare to move once churn has left a span held once with no spare
+while another is held more often than it needs.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ from marketplace.placement.errors import PlacementError
 # covers every instance of 16 nodes or fewer (and larger ones whose capacities repeat).
 EXACT_STATES = 1 << 16
 DEFAULT_MIN_REPUTATION = 0.5
+# Failures per hour of a node with no record: what ``candidates.loss_rate`` gives a new node under
+# the default prior (SWARM_LOSS_PRIOR_FAILURES = 1 in SWARM_LOSS_PRIOR_HOURS = 24, one a day).
+UNKNOWN_LOSS_RATE = 1.0 / 24.0
+
+Span = tuple[int, int]  # (layer_start, layer_end) of a block, end exclusive
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,9 @@ class NodeCapacity:
     # Its unmeasured speed claim is far past the others' (``nodes.capacity``): kept off pipelines
     # like a node under the reputation threshold, until a challenge measures it.
     in_doubt: bool = False
+    # Failures per hour expected of it (``candidates.loss_rate``): how likely its stage is to be
+    # lost, which draws a warm spare to the span it holds (``span_needs``); finite, >= 0.
+    loss_rate: float = UNKNOWN_LOSS_RATE
 
     def __post_init__(self) -> None:
         if not isinstance(self.node, str) or not self.node:
@@ -54,6 +67,8 @@ class NodeCapacity:
             raise PlacementError(f"{self.node}: max_layers must be an int >= 1, got {self.max_layers!r}")
         if not math.isfinite(self.reputation):
             raise PlacementError(f"{self.node}: reputation must be finite, got {self.reputation!r}")
+        if not (math.isfinite(self.loss_rate) and self.loss_rate >= 0):
+            raise PlacementError(f"{self.node}: loss_rate must be finite and >= 0, got {self.loss_rate!r}")
 
 
 @dataclass(frozen=True)
@@ -246,11 +261,11 @@ def place(
     4. A spare keeps a warm copy of a stage's span: among the spans it can hold (``layers <=
        max_layers``) the one with the fewest replicas so far (the pipeline stages holding exactly
        that span plus the spares given it: a span that two pipelines hold is less in need than
-       one held once), then the most loaded (layers / compute of its slowest holder), then the
-       earliest pipeline and layer. While every span is held once this is "the most loaded stage
-       it can hold"; further spares spread over the spans instead of piling on one. A spare too
-       small for any stage holds the first ``max_layers`` layers of the most loaded stage, a
-       partial block that still shortens a heal.
+       one held once), then the greatest need (:func:`span_needs`: the holders' ``loss_rate``
+       times the span's layers, the likeliest and costliest loss), then the most loaded (layers /
+       compute of its slowest holder), then the earliest pipeline and layer. Spares spread over
+       the spans instead of piling on one. A spare too small for any stage holds the first
+       ``max_layers`` layers of the most loaded stage, a partial block that still shortens a heal.
     Spares are taken trusted first, each by capacity (largest first), compute, then id.
     """
     _check_layers(n_layers)
@@ -296,31 +311,113 @@ def place(
         ((p, stage) for p, pipeline in enumerate(pipelines) for stage in pipeline),
         key=lambda ps: (-ps[1].layers / by_id[ps[1].node].compute, ps[0], ps[1].layer_start),
     )
-    spares = warm_spares(idle, [stage for _, stage in loaded])  # spans in the order of their most loaded holder
+    loss_rates = {n.node: n.loss_rate for n in nodes}
+    # Spans in the order of their most loaded holder, the last tie-break.
+    spares = warm_spares(idle, [stage for _, stage in loaded], loss_rates)
     return Placement(n_layers=n_layers, plan=plan, pipelines=tuple(pipelines), spares=spares)
 
 
-def warm_spares(nodes: Sequence[NodeCapacity], stages: Sequence[Stage]) -> tuple[Stage, ...]:
+def span_needs(stages: Sequence[Stage], loss_rates: Mapping[str, float]) -> dict[Span, float]:
+    """How much each span of ``stages`` is in need of a warm spare: how likely it is to lose a
+    holder (failures per hour, summed over the stages holding exactly it: ``loss_rates`` gives each
+    node's ``NodeCapacity.loss_rate``) times what that loss costs, the time a heal waits for a
+    node to load the span, which grows with its layers:
+
+        need(span) = layers(span) * sum_{stages s holding exactly span} loss_rate(s.node)
+
+    Spares are not holders here: a spare's loss fails no request. Sums are exact (``math.fsum``),
+    so that two spans whose holders' rates are equal tie exactly. Raises PlacementError for a
+    stage whose node has no loss rate."""
+    rates: dict[Span, list[float]] = {}
+    for stage in stages:
+        if stage.node not in loss_rates:
+            raise PlacementError(f"{stage.node}: no loss rate for its stage")
+        rates.setdefault((stage.layer_start, stage.layer_end), []).append(loss_rates[stage.node])
+    return {(start, end): (end - start) * math.fsum(held) for (start, end), held in rates.items()}
+
+
+def warm_spares(
+    nodes: Sequence[NodeCapacity], stages: Sequence[Stage], loss_rates: Mapping[str, float]
+) -> tuple[Stage, ...]:
     """Warm blocks for ``nodes``, in their order: each copies the span of ``stages`` it can hold
     (``layers <= max_layers``) with the fewest replicas so far (the stages and spares holding
-    exactly it), the earliest in ``stages``' order on a tie; a node too small for any holds the
-    first ``max_layers`` layers of the first stage, a partial block that still shortens a heal."""
-    replicas: dict[tuple[int, int], int] = {}  # span -> stages and spares holding exactly it
+    exactly it), then the greatest need (:func:`span_needs`, from each stage's node's
+    ``loss_rates``), the earliest in ``stages``' order on a tie; a node too small for any holds
+    the first ``max_layers`` layers of the first stage, a partial block that still shortens a heal.
+
+    Replicas come first: a job on a span held twice can route to the other holder, and a spare of
+    a span held once is what spares a heal the load. Among spans held alike, the need puts a spare
+    where a loss is likeliest and its heal longest."""
+    replicas: dict[Span, int] = {}  # span -> stages and spares holding exactly it
     for stage in stages:
         span = (stage.layer_start, stage.layer_end)
         replicas[span] = replicas.get(span, 0) + 1
+    need = span_needs(stages, loss_rates)
     spans = list(replicas)
     spares = []
     for node in nodes:
         fits = [i for i, (start, end) in enumerate(spans) if end - start <= node.max_layers]
         if fits:
-            i = min(fits, key=lambda i: (replicas[spans[i]], i))
+            i = min(fits, key=lambda i: (replicas[spans[i]], -need[spans[i]], i))
             replicas[spans[i]] += 1
             spares.append(Stage(node.node, *spans[i]))
         else:
             start = stages[0].layer_start
             spares.append(Stage(node.node, start, start + node.max_layers))
     return tuple(spares)
+
+
+@dataclass(frozen=True)
+class SpareMove:
+    """A warm spare loading another span: ``before`` is its block now, ``after`` the one it loads."""
+
+    before: Stage
+    after: Stage  # same node
+
+
+def spare_moves(
+    stages: Sequence[Stage],
+    spares: Sequence[Stage],
+    max_layers: Mapping[str, int],
+    loss_rates: Mapping[str, float],
+) -> list[SpareMove]:
+    """The moves of one spare that spread the spares where they help most, best first.
+
+    A lone span is a span of ``stages`` held by one stage and no spare. A spare may move onto a
+    lone span it can hold (``layers <= max_layers``; a spare whose node is not in ``max_layers``
+    stays) when its own span, even without it, has strictly more replicas than the lone span
+    (two or more: a job on it can route to another holder). Lone spans come by need
+    (:func:`span_needs`, highest first), then by span; for each, the spares of the spans with the
+    most replicas first, then of the least need, then by node id.
+
+    A spare on a span held only by it and one stage never moves: the move would only swap which
+    span is lone, and the next sweep would swap it back. Every move thus turns a lone span into a
+    span with a spare and leaves its old span with two replicas or more, never a lone one: the
+    number of lone spans falls with each, so moves end, and none undoes another."""
+    replicas: dict[Span, int] = {}
+    for block in [*stages, *spares]:
+        span = (block.layer_start, block.layer_end)
+        replicas[span] = replicas.get(span, 0) + 1
+    need = span_needs(stages, loss_rates)  # its keys: the spans a stage holds
+    lone = sorted((span for span in need if replicas[span] == 1), key=lambda span: (-need[span], span))
+    moves = []
+    for start, end in lone:
+        movers = [
+            spare
+            for spare in spares
+            if spare.node in max_layers
+            and end - start <= max_layers[spare.node]
+            and replicas[(spare.layer_start, spare.layer_end)] - 1 > replicas[(start, end)]
+        ]
+        movers.sort(
+            key=lambda s: (
+                -replicas[(s.layer_start, s.layer_end)],
+                need.get((s.layer_start, s.layer_end), 0.0),
+                s.node,
+            )
+        )
+        moves += [SpareMove(before=spare, after=Stage(spare.node, start, end)) for spare in movers]
+    return moves
 
 
 def carry_spares(

@@ -2,15 +2,17 @@
 
 The active, connected nodes of the model's share (every active node when one model is served) of
 the standing its catalog entry asks for, less those busy with another model's block and those whose
-last blocks of it all failed; each with its credible speed (``nodes.capacity``) and the layers it
-can hold (``shares.layer_cap``).
+last blocks of it all failed; each with its credible speed (``nodes.capacity``), the layers it
+can hold (``shares.layer_cap``) and the failures per hour expected of it (``loss_rate``).
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 
 from django.conf import settings
+from django.utils import timezone
 
 from marketplace.catalog.selectors import min_reputation
 from marketplace.nodes.capacity import assess
@@ -43,6 +45,7 @@ def candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacity
     nodes = [n for n in nodes if n.pk not in failing]
     credence = assess(nodes)
     caps = {n.pk: shares.layer_cap(n, model) for n in nodes}
+    now = timezone.now()
     capacities = [
         NodeCapacity(
             node=joined_id(n),
@@ -50,6 +53,7 @@ def candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacity
             max_layers=caps[n.pk],
             reputation=n.reputation,
             in_doubt=n.node_id in credence.in_doubt,
+            loss_rate=loss_rate(n, now),
         )
         for n in nodes
         if caps[n.pk] >= 1
@@ -60,6 +64,28 @@ def candidates(model: str, *, lock: bool) -> tuple[list[Node], list[NodeCapacity
         if (reason := shares.no_room(node, model)) is not None:
             log.warning("%s: left out of %s placements: %s", node.node_id, model, reason)
     return nodes, capacities
+
+
+def loss_rate(node: Node, now: datetime) -> float:
+    """Failures per hour expected of ``node``: the failures attributed to it since it was added
+    (``failures_total``, one per incident: ``verification.failures``) over the hours it spent
+    heartbeating (``online_s``: it can fail a job only while up), smoothed by a prior of
+    SWARM_LOSS_PRIOR_FAILURES failures in SWARM_LOSS_PRIOR_HOURS hours, so that a new node is
+    neither spotless nor condemned by one early failure; and SWARM_LOSS_DISTRESS_FACTOR times that
+    while a coordinator's report suspects it (no heartbeat since) or its last failure keeps it off
+    routing (``routing_backoff_until``), when losing it is likeliest:
+
+        rate = (failures_total + PRIOR_FAILURES) / (online_s / 3600 + PRIOR_HOURS)  [* DISTRESS_FACTOR]
+
+    A new node under the defaults (1 in 24 h, 4x) has 1/24 a hour (``allocation.UNKNOWN_LOSS_RATE``);
+    one with 5 failures in 100 h online 6/124, about 0.048; suspected, four times that."""
+    rate = (node.failures_total + settings.SWARM_LOSS_PRIOR_FAILURES) / (
+        node.online_s / 3600.0 + settings.SWARM_LOSS_PRIOR_HOURS
+    )
+    backed_off = node.routing_backoff_until is not None and node.routing_backoff_until > now
+    if node.suspected_at is not None or backed_off:
+        rate *= settings.SWARM_LOSS_DISTRESS_FACTOR
+    return rate
 
 
 def _failing(nodes: list[Node], model: str) -> set[int]:

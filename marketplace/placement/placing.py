@@ -34,12 +34,19 @@ last used. A node moving from model A to model B is handed over make before brea
 
 A model the nodes cannot serve alongside the others (its share is empty) has its blocks released
 at once: its jobs in flight still end on them, and its new requests find no route.
+
+Churn can leave a span held by one stage and no spare while a spare sits on a span that keeps two
+replicas without it (a spare promoted into a departed member's place now holds that span alone,
+while a spare placed once every span had one sits on a span two pipelines hold): at each sweep
+``respread_spares`` moves at most one ready spare per model, carrying no open job, onto such a
+lone span, the one of greatest need first (``allocation.spare_moves``), make before break like
+any other move.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from django.conf import settings
 from django.db import transaction
@@ -60,16 +67,20 @@ from marketplace.placement.rebalancing import (
     join_as_spares,
     leaving_nodes,
     let_go,
+    may_move_spares,
     placement_changed,
     release_leaving,
     repair_by_spares,
+    spare_moves_of,
+    wanted_now,
     wanted_of,
 )
-from marketplace.placement.selectors import link_maps, region_target, share_of
+from marketplace.placement.selectors import hold_routes, link_maps, region_target, share_of
 from marketplace.placement.tour import hop_cost, place_coordinator
 from marketplace.placement.trusted import covers, has_trusted_pipeline, place_with_trusted
 from worker_agent import model as models
 from worker_agent.protocol import control_protocol as protocol
+from worker_agent.protocol.span import Span
 
 log = logging.getLogger("swarm.placement")
 
@@ -169,6 +180,66 @@ def place_model(model: str) -> list[Assignment]:
         ", ".join(f"{a.node.node_id}[{a.layer_start}:{a.layer_end}]" for a in result),
     )
     return result
+
+
+def respread_spares(carries_jobs: Callable[[str, Span], bool]) -> list[str]:
+    """The sweep's step that puts spares back where they help most: for each placed model, the
+    first move of ``rebalancing.spare_moves_of`` whose spare carries no open job (``carries_jobs``:
+    whether jobs not ended were routed onto that node's block of that span) is made, at most one
+    per model and sweep; returns the models where a spare moved.
+
+    The common case, nothing to move, is decided from the live blocks alone and without a lock
+    (``rebalancing.may_move_spares``), so admissions of the model never wait on it; a move is
+    decided under the locks ``place_model`` takes (the placement row, the nodes, then the
+    assignments), and the spare's open jobs are read only then, when no new job can be routed onto
+    its block until the move commits. Make before break: the spare's old block is released in the
+    database and its agent keeps it until the new one is ready (``_apply``)."""
+    moved = []
+    placed = PlacementState.objects.filter(dirty=False, placed_at__isnull=False, model__in=served_models())
+    for model in placed.order_by("pk").values_list("model", flat=True):
+        live = {
+            joined_id(a.node): a
+            for a in Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
+        }
+        if may_move_spares(live) and _move_a_spare(model, carries_jobs) is not None:
+            moved.append(model)
+    return moved
+
+
+@transaction.atomic
+def _move_a_spare(model: str, carries_jobs: Callable[[str, Span], bool]) -> Assignment | None:
+    """Move one ready spare of ``model`` that carries no open job as ``spare_moves_of`` says, under
+    the placement's locks; its new block, or None when none may move now."""
+    if not hold_routes(model):  # the placement row first, as place_model takes it
+        return None
+    state = PlacementState.objects.get(model=model)
+    if state.dirty:
+        return None  # a placement is coming, which places the spares afresh
+    nodes, capacities = candidates(model, lock=True)
+    live = {
+        joined_id(a.node): a
+        for a in Assignment.objects.select_for_update()
+        .filter(model=model, state__in=LIVE_STATES)
+        .select_related("node")
+    }
+    for move in spare_moves_of(live, capacities):
+        spare = live[move.before.node]
+        if carries_jobs(move.before.node, spare.span):
+            continue
+        wanted = wanted_now(live)
+        wanted[move.after.node] = (spare.pipeline, spare.position, move.after.layer_start, move.after.layer_end, True)
+        result = _apply(model, state.generation, wanted, live, {joined_id(n): n for n in nodes}, timezone.now())
+        log.info(
+            "%s: moved the spare %s from [%d:%d] to [%d:%d], held once and by no spare",
+            model,
+            move.before.node,
+            move.before.layer_start,
+            move.before.layer_end,
+            move.after.layer_start,
+            move.after.layer_end,
+        )
+        return next(a for a in result if a.supersedes_id == spare.pk)
+    return None
 
 
 def _apply(

@@ -6,6 +6,8 @@
 - ``repair_by_spares`` and ``join_as_spares``: the placements that keep every serving block where it
   is (spares take the departed members' spans; newcomers become spares), when a fresh plan would not
   pay by SWARM_REPLACE_MARGIN (``replacement_pays``).
+- ``spare_moves_of``: once churn has left a span held once and without a spare while another holds
+  more than it needs, the ready spare to move onto it (``placing.respread_spares`` moves it).
 - ``leaving_nodes``, ``release_leaving``, ``let_go``: a node moving to another model's share keeps its
   block of the old one until that model is servable without it (make before break across models).
 """
@@ -29,11 +31,14 @@ from marketplace.nodes.models import NodeState
 from marketplace.placement import shares
 from marketplace.placement.allocation import (
     NodeCapacity,
+    SpareMove,
     Stage,
     needs_rebalance,
     pays_to_replace,
     per_layer_load,
     repair,
+    span_needs,
+    spare_moves,
     throughput,
 )
 from marketplace.placement.blocks import joined_id, release
@@ -147,6 +152,11 @@ def wanted_of(pipelines: Sequence[Sequence[Stage]], spares: Sequence[Stage]) -> 
     return wanted
 
 
+def wanted_now(live: dict[str, Assignment]) -> Wanted:
+    """What each node holds now: the live placement as ``Wanted``, for changes that keep it."""
+    return {node: (a.pipeline, a.position, a.layer_start, a.layer_end, a.is_spare) for node, a in live.items()}
+
+
 def repair_by_spares(
     live: dict[str, Assignment], capacities: list[NodeCapacity], n_layers: int, regions: list[str]
 ) -> tuple[Wanted, list[str]] | None:
@@ -181,8 +191,10 @@ def join_as_spares(
     model: str, live: dict[str, Assignment], capacities: list[NodeCapacity], n_layers: int
 ) -> Wanted | None:
     """The live placement kept as it is, with each node that joined (or came back) since as a warm
-    spare of the span it can hold with the fewest replicas; None when something else changed (a
-    member left, a pipeline is not whole) or a fresh plan would pay by the margin."""
+    spare of the span it can hold with the fewest replicas, then the greatest need
+    (``allocation.span_needs``: its holders' loss rates times its layers), then the most layers;
+    None when something else changed (a member left, a pipeline is not whole) or a fresh plan
+    would pay by the margin."""
     placeable = {c.node: c for c in capacities}
     newcomers = [placeable[node] for node in placeable if node not in live]
     if not newcomers or any(node not in placeable for node in live):
@@ -196,18 +208,46 @@ def join_as_spares(
     if not members or replacement_pays(model, list(live.values())):
         return None
     replicas = Counter((a.layer_start, a.layer_end) for a in live.values())
-    wanted: Wanted = {
-        node: (a.pipeline, a.position, a.layer_start, a.layer_end, a.is_spare) for node, a in live.items()
-    }
+    stages = [Stage(node, a.layer_start, a.layer_end) for node, a in live.items() if not a.is_spare]
+    need = span_needs(stages, {node: c.loss_rate for node, c in placeable.items()})
+    wanted = wanted_now(live)
     spare_pipeline = max(a.pipeline for a in live.values()) + 1
     for newcomer in sorted(newcomers, key=lambda c: c.node):
         fits = [span for span in sorted(replicas) if span[1] - span[0] <= newcomer.max_layers]
         if not fits:
             continue  # holds no span of this placement: it stays idle until a placement that pays
-        span = min(fits, key=lambda span: (replicas[span], -(span[1] - span[0]), span))
+        span = min(fits, key=lambda span: (replicas[span], -need.get(span, 0.0), -(span[1] - span[0]), span))
         replicas[span] += 1
         wanted[newcomer.node] = (spare_pipeline, 0, span[0], span[1], True)
     return wanted
+
+
+def spare_moves_of(live: dict[str, Assignment], capacities: list[NodeCapacity]) -> list[SpareMove]:
+    """The moves of a ready spare of this live placement onto a span held once and by no spare,
+    best first (``allocation.spare_moves``: from a span that keeps more replicas without it, onto
+    the lone span of the greatest need). Nothing while the placement is unsettled: a block still
+    loading (a placement, or the last move, not done yet) or a live node that placement cannot use
+    now (departed, moving to another model: the next placement handles those)."""
+    placeable = {c.node: c for c in capacities}
+    if any(a.state != AssignmentState.READY for a in live.values()) or any(node not in placeable for node in live):
+        return []
+    stages = [Stage(node, a.layer_start, a.layer_end) for node, a in live.items() if not a.is_spare]
+    spares = [Stage(node, a.layer_start, a.layer_end) for node, a in live.items() if a.is_spare]
+    max_layers = {node: c.max_layers for node, c in placeable.items()}
+    return spare_moves(stages, spares, max_layers, {node: c.loss_rate for node, c in placeable.items()})
+
+
+def may_move_spares(live: dict[str, Assignment]) -> bool:
+    """Whether ``spare_moves_of`` may find a move, from the live blocks alone (no node read, no
+    lock): every block ready, a span held by one stage and nothing else, and a spare whose span
+    keeps two replicas or more without it. The sweep asks this first: a model with nothing to
+    move costs it one query."""
+    replicas = Counter((a.layer_start, a.layer_end) for a in live.values())
+    return (
+        all(a.state == AssignmentState.READY for a in live.values())
+        and any(replicas[(a.layer_start, a.layer_end)] == 1 for a in live.values() if not a.is_spare)
+        and any(replicas[(a.layer_start, a.layer_end)] - 1 > 1 for a in live.values() if a.is_spare)
+    )
 
 
 def leaving_nodes(model: str, live: dict[str, Assignment]) -> set[str]:

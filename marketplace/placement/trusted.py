@@ -33,15 +33,18 @@ def place_with_trusted(
     try:
         second = place(others, n_layers, spares_per_pipeline=spares_per_pipeline)
     except PlacementError:
-        return replace(first, spares=first.spares + spares_for(others, first.pipelines))
+        loss_rates = {c.node: c.loss_rate for c in ours}
+        return replace(first, spares=first.spares + spares_for(others, first.pipelines, loss_rates))
     return replace(first, pipelines=first.pipelines + second.pipelines, spares=first.spares + second.spares)
 
 
-def spares_for(nodes: Sequence[NodeCapacity], pipelines: Sequence[Sequence[Stage]]) -> tuple[Stage, ...]:
+def spares_for(
+    nodes: Sequence[NodeCapacity], pipelines: Sequence[Sequence[Stage]], loss_rates: Mapping[str, float]
+) -> tuple[Stage, ...]:
     """Warm blocks for ``nodes`` that serve on no pipeline, largest first (``allocation.warm_spares``
-    over the pipelines' stages in order)."""
+    over the pipelines' stages in order, whose nodes' failure rates ``loss_rates`` gives)."""
     ordered = sorted(nodes, key=lambda n: (-n.max_layers, -n.compute, n.node))
-    return warm_spares(ordered, [stage for pipeline in pipelines for stage in pipeline])
+    return warm_spares(ordered, [stage for pipeline in pipelines for stage in pipeline], loss_rates)
 
 
 def has_trusted_pipeline(wanted: Mapping[str, tuple[int, int, int, int, bool]], trusted: Collection[str]) -> bool:
