@@ -259,3 +259,28 @@ def test_a_stage_behind_a_relay_found_down_blames_the_relay_and_waits_for_its_ag
     route = heal_job(job.pk, swarm.b.node_id, "stage_lost: closed", now=NOW, report=False)
     assert [s["node"] for s in route] == [swarm.a.node_id, swarm.b.node_id]
     assert route[1]["url"] == "wss://10.9.0.2:7700"
+
+
+def test_an_idle_pipeline_member_whose_span_another_block_holds_loads_the_dead_span(swarm, customer):
+    # b dies; d and e are gone: no other block of [16:30). c serves [0:16) on the other pipeline,
+    # carries no job, and a holds [0:16) too: c may give its span up for the heal. a is on the route.
+    Node.objects.filter(pk__in=[swarm.d.pk, swarm.e.pk]).update(state=NodeState.OFFLINE)
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+    assert heal_job(job.pk, swarm.b.node_id, "stage_lost: connection closed", now=NOW) is None
+
+    assert load_replacement(job.pk, swarm.b.node_id)
+
+    loading = Assignment.objects.get(node=swarm.c, state=AssignmentState.ASSIGNED)
+    assert (loading.layer_start, loading.layer_end, loading.is_spare) == (16, 30, True)
+    assert loading.supersedes.layer_start == 0 and not loading.supersedes.is_spare  # its pipeline block
+
+
+def test_a_pipeline_member_carrying_a_job_is_not_taken(swarm, customer):
+    Node.objects.filter(pk__in=[swarm.d.pk, swarm.e.pk]).update(state=NodeState.OFFLINE)
+    other = job_on(customer, [stage(swarm.c, 0, 16), stage(swarm.d, 16, 30)])
+    Job.objects.filter(pk=other.pk).update(public_id="chatcmpl-other")  # another job in flight on c
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+    assert heal_job(job.pk, swarm.b.node_id, "stage_lost: connection closed", now=NOW) is None
+
+    assert not load_replacement(job.pk, swarm.b.node_id)
+    assert not Assignment.objects.filter(state=AssignmentState.ASSIGNED).exists()
