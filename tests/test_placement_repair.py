@@ -152,3 +152,34 @@ def test_a_join_that_pays_is_placed_afresh(
         placing.place_dirty_models()
 
     assert ASSIGNED in {row[7] for row in layout() if row[0] != "f"}  # some serving block moved
+
+
+def test_a_repair_that_uses_up_the_last_spare_gives_way_to_a_plan_that_keeps_one(
+    provider, make_joined_node, measure_ring, swarm_settings, django_capture_on_commit_callbacks
+):
+    # Five nodes of 10 layers for 30: one pipeline of four stages and one spare. A member whose span
+    # the spare holds goes: promoting the spare would leave four stages and no spare, though three
+    # nodes hold the model: the placement that follows lays out three stages and keeps a spare.
+    swarm_settings.SWARM_SPARES_PER_PIPELINE = 1
+    nodes = [
+        make_joined_node(provider, name, compute=100.0, max_layers=10, last_heartbeat_at=NOW).node
+        for name in ("p", "q", "r", "s", "t")
+    ]
+    measure_ring(nodes)
+    placing.place_model(MODEL)
+    before = layout()
+    assert sum(1 for row in before if row[6]) == 1 and len(before) == 5
+    spare = next(row for row in before if row[6])
+    member = next(row for row in before if not row[6] and row[4:6] == spare[4:6])
+    Node.objects.filter(pk__in=[n.pk for n in nodes]).update(last_heartbeat_at=NOW)
+    Node.objects.filter(name=member[0]).update(last_heartbeat_at=SILENT)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        lifecycle.sweep_heartbeats(now=NOW)
+    with django_capture_on_commit_callbacks(execute=True):
+        placing.place_dirty_models()
+
+    after = layout()
+    assert len(after) == 4 and member[0] not in {row[0] for row in after}
+    assert [row[6] for row in after].count(True) == 1  # a spare again
+    assert sorted(row[4:6] for row in after if not row[6]) == [(0, 10), (10, 20), (20, 30)]

@@ -138,6 +138,8 @@ def place_model(model: str) -> list[Assignment]:
         and not has_trusted_pipeline(kept, trusted_ids)
     ):
         repaired = joined = None  # trusted nodes that can form a pipeline of their own get one: plan afresh
+    if repaired is not None and _spares_ran_out(repaired[0], capacities, trusted_ids, n_layers):
+        repaired = None  # the repair used the last spares up: a plan that keeps one is laid out instead
     if repaired is not None:
         wanted, state.coordinator_regions = repaired
         how = "repaired"
@@ -240,6 +242,25 @@ def _move_a_spare(model: str, carries_jobs: Callable[[str, Span], bool]) -> Assi
         )
         return next(a for a in result if a.supersedes_id == spare.pk)
     return None
+
+
+def _spares_ran_out(wanted: Wanted, capacities, trusted_ids: set[str], n_layers: int) -> bool:
+    """Whether a repair leaves fewer warm spares than SWARM_SPARES_PER_PIPELINE asks, where a fresh
+    plan over the same nodes keeps more: a spare used up (promoted into a departed member's place) is
+    then replaced at once, though serving blocks move for it (make before break), since without one
+    the next failure has nothing to heal from. A repair short of spares that no plan can do better
+    than (no node to spare) stands."""
+    spares = sum(1 for target in wanted.values() if target[4])
+    pipelines = {target[0] for target in wanted.values() if not target[4]}
+    if spares >= settings.SWARM_SPARES_PER_PIPELINE * len(pipelines):
+        return False
+    try:
+        plan = place_with_trusted(
+            capacities, trusted_ids, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE
+        )
+    except PlacementError:
+        return False
+    return len(plan.spares) > spares
 
 
 def _apply(
