@@ -277,7 +277,12 @@ class JobHealer:
         HEAL_RECHECK_S whatever happened (a suspicion cleared, a back-off ran out)."""
         started = time.monotonic()
         wait_s = await in_thread(services.heal_wait_s, self.job.pk, node)
-        log.warning("job %s: waiting up to %.0fs for a replacement of %s", self.job.public_id, wait_s, node)
+        log.warning(
+            "job %s: no ready block can replace %s; waiting up to %.0fs for one to load",
+            self.job.public_id,
+            node,
+            wait_s,
+        )
         next_load = next_check = started
         since = timezone.now()
         while True:

@@ -270,9 +270,7 @@ def heal_job(
             stages = route_around(job.model, current, still_failed, job.coordinator_region, job.privacy)
     if stages is None:
         if report:  # once: a healer waiting for a route asks again without a word each time
-            log.warning(
-                "job %s: %s failed and no route avoids %s", job.public_id, failed_node, ", ".join(sorted(avoid))
-            )
+            log.info("job %s: %s failed and no route avoids %s", job.public_id, failed_node, ", ".join(sorted(avoid)))
         return None
     route = route_of(stages)
     heal = {"at": now.isoformat(), "failed_node": failed_node, "reason": str(reason)[:500], "route_before": job.route}
