@@ -569,7 +569,9 @@ class Agent:
                 return
             if same is not None and same.unloading is not None:  # unloading: a live one was handled above
                 await same.unloading  # the port serves one stage per span: let the released one go first
-            routed = {message.supersedes: message.jobs} if message.supersedes is not None else {}
+            routed: dict[int, tuple[str, ...]] = {}
+            if message.supersedes is not None and message.jobs is not None:
+                routed[message.supersedes] = message.jobs
             await self._make_room(key.layers, routed)
             log.info("assigned %s (assignment %s)", key, assignment)
             try:
