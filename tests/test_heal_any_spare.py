@@ -2,9 +2,9 @@
 another is SIGSTOPped, mid-stream, and each request completes with the unbroken run's text.
 
 A live control plane (uvicorn in a thread, the test database, coordinators in process, the periodic
-sweep on) places ``tiny-llama`` (6 layers) over five ``swarm-worker join`` agents capped at 2 layers:
-one pipeline of three stages (0:2, 2:4, 4:6) and two warm spares, each of another span, so one span
-has no spare. Each agent delays its outgoing data-plane frames (an emulated 30 ms round trip) so
+sweep on) places ``smollm2-135m`` (30 layers) over five ``swarm-worker join`` agents capped at 10
+layers: one pipeline of three stages (0:10, 10:20, 20:30) and two warm spares, each of another span,
+so one span has no spare. Each agent delays its outgoing data-plane frames (an emulated 30 ms round trip) so
 that a stream lasts seconds. In ring and in star (``SWARM_TOPOLOGY``):
 
 1. **Kill.** The node serving the span without a spare is SIGKILLed after the fifth token. The
@@ -49,9 +49,12 @@ from worker_agent.dev.local import join_agent
 
 pytestmark = [pytest.mark.control, pytest.mark.django_db(transaction=True)]
 
-MODEL = "tiny-llama"
+MODEL = "smollm2-135m"
 AGENTS = 5
-PROMPT = "Once upon a time, in a swarm of small machines,"
+PROMPT = (
+    "The lighthouse keeper climbed the spiral stairs as the storm rolled in from the sea, counting the steps "
+    "as he always did, and thinking of the ships that would need the light tonight. Once upon a time,"
+)
 MAX_TOKENS = 40
 AT_TOKEN = 5  # the failure comes right after this many chunks reached the client
 STALL_TIMEOUT_S = 10.0
@@ -174,7 +177,7 @@ def test_a_span_without_a_spare_heals_from_a_spare_of_another_span_after_a_kill_
         for i, token in enumerate(tokens):
             log = tmp_path / f"agent{i}.log"
             processes.append(
-                join_agent(server.url, token, tmp_path / f"a{i}.key", log, model=MODEL, max_layers=2, wan="rtt=30ms")
+                join_agent(server.url, token, tmp_path / f"a{i}.key", log, model=MODEL, max_layers=10, wan="rtt=30ms")
             )
         wait_for(lambda: Node.objects.filter(state=NodeState.ACTIVE, connected=True).count() == AGENTS, 240, "agents")
         blocks = wait_for(lambda: settled(3, 2), 240, "three stages and two spares ready")

@@ -84,9 +84,9 @@ class Swarm:
 
 @pytest.fixture(scope="module")
 def swarm():
-    # The route, then three spares per span, and five more for the middle span: the known-spare test
-    # uses three, the speculative heals two.
-    spans = SPANS * 4 + [SPANS[1]] * 5
+    # The route, then three spares per span, and seven more for the middle span: the known-spare test
+    # uses three, the speculative heals two, the frozen stages found by their PING two.
+    spans = SPANS * 4 + [SPANS[1]] * 7
     with LocalSwarm(MODEL, spans, threads=1) as local:
         yield Swarm(local)
 

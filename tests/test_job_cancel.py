@@ -122,7 +122,10 @@ def test_a_cancel_reaches_a_runner_on_another_event_loop_through_redis(redis_lay
 
     job = Job.objects.get(pk=job_pk)
     assert state == JobState.CANCELLED
-    assert (job.state, job.completion_tokens, job.error_code) == (JobState.CANCELLED, 1, "client_disconnected")
+    assert (job.state, job.error_code) == (JobState.CANCELLED, "client_disconnected")
+    # The runner starts listening as the stream starts: over Redis the cancel's receive may take a
+    # round trip longer than a loaded machine's first token or two, never the whole request.
+    assert 1 <= job.completion_tokens < MAX_TOKENS
 
 
 def test_a_job_nobody_cancels_runs_to_its_end(in_memory_layer, api_key, monkeypatch):

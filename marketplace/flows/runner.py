@@ -45,6 +45,7 @@ from marketplace.jobs.params import RequestParams
 from marketplace.nodes.authority import coordinator_tls, held_coordinator_tls
 from marketplace.nodes.models import Node
 from marketplace.nodes.reachability import relay_down
+from marketplace.placement.healing import heal_wait_s
 from marketplace.verification.audits import record_audits
 from marketplace.verification.failures import GONE_CODES, alive_through, failure_code, record_failure
 from marketplace.verification.strikes import strike_misconduct, strike_unverifiable_receipts
@@ -54,6 +55,7 @@ from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.session import TokenEvent
 from worker_agent.errors import SwarmError
 from worker_agent.protocol.receipts import SessionTranscript
+from worker_agent.protocol.span import Span
 
 log = logging.getLogger("swarm.jobs")
 PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered
@@ -263,28 +265,30 @@ class JobHealer:
             services.heal_job, self.job.pk, node, reason, relay_down=relay_address, detected_at=detected
         )
         if healed is None:
-            healed = await self._wait(node, reason, detected)
+            stage = self.route[failure.stage]
+            wait_s = heal_wait_s(Span(self.job.model, stage["layer_start"], stage["layer_end"]))
+            healed = await self._wait(node, reason, detected, wait_s)
             if healed is None:
                 return None
         self.route = healed
         audit_stages = await in_thread(lambda: Job.objects.only("audit_stages").get(pk=self.job.pk).audit_stages)
         return healed_route(await in_thread(stage_specs, self.job, healed, self.grant), healed, audit_stages)
 
-    async def _wait(self, node: str, reason: str, detected: datetime) -> list[dict] | None:
-        """No route around ``node`` now: have a node load its span, and wait for a route (one line
-        in the log when the wait starts, one when it ends). A route is looked for again as soon as a
-        block of the model reports ready (a cheap check, every HEAL_POLL_S), and every
-        HEAL_RECHECK_S whatever happened (a suspicion cleared, a back-off ran out)."""
+    async def _wait(self, node: str, reason: str, detected: datetime, wait_s: float) -> list[dict] | None:
+        """No route around ``node`` now (``heal_job`` set a node loading its span): wait up to
+        ``wait_s`` for a route (one line in the log when the wait starts, one when it ends). A route
+        is looked for again as soon as a block of the model reports ready (a cheap check, every
+        HEAL_POLL_S), and every HEAL_RECHECK_S whatever happened (a suspicion cleared, a back-off
+        ran out); a node is asked to load the span again every HEAL_LOAD_RETRY_S while none does."""
         started = time.monotonic()
-        wait_s = await in_thread(services.heal_wait_s, self.job.pk, node)
         log.warning(
             "job %s: no ready block can replace %s; waiting up to %.0fs for one to load",
             self.job.public_id,
             node,
             wait_s,
         )
-        next_load = next_check = started
-        since = timezone.now()
+        next_check, next_load = started + HEAL_RECHECK_S, started + HEAL_LOAD_RETRY_S
+        since = detected
         while True:
             now = time.monotonic()
             if now >= next_check:

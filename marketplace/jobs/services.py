@@ -227,7 +227,8 @@ def heal_job(
 
     Refused (None, the job unchanged): the job is not running, ``failed_node`` is not on its route,
     it was healed SWARM_MAX_HEALS times already (the node is still reported: the failure is real),
-    or no route avoids the failed nodes (likewise; ``heal_may_wait`` says whether one may come).
+    or no route avoids the failed nodes (likewise; ``heal_may_wait`` says whether one may come);
+    then a node is set loading the failed span for the job at once (``load_replacement``).
     ``report=False`` asks again without reporting the node again (a healer waiting for a route).
 
     ``relay_down``: the address of the relay the failed stage was reached through, which the
@@ -271,6 +272,7 @@ def heal_job(
     if stages is None:
         if report:  # once: a healer waiting for a route asks again without a word each time
             log.info("job %s: %s failed and no route avoids %s", job.public_id, failed_node, ", ".join(sorted(avoid)))
+            _load_replacement(job, failed_node)  # at once, in this transaction: the wait is the load's
         return None
     route = route_of(stages)
     heal = {"at": now.isoformat(), "failed_node": failed_node, "reason": str(reason)[:500], "route_before": job.route}
@@ -296,22 +298,21 @@ def failed_span(job: Job, failed_node: str) -> Span | None:
     return Span(job.model, stage["layer_start"], stage["layer_end"]) if stage is not None else None
 
 
-def heal_wait_s(job_pk: int, failed_node: str) -> float:
-    """How long a heal of ``failed_node``'s stage on the job may wait for a replacement: by the bytes
-    a node loads for its span (``placement.healing.heal_wait_s``)."""
-    job = Job.objects.only("model", "route").get(pk=job_pk)
-    span = failed_span(job, failed_node)
-    return healing.heal_wait_s(span) if span is not None else settings.SWARM_HEAL_WAIT_S
-
-
 @transaction.atomic
 def load_replacement(job_pk: int, failed_node: str) -> bool:
     """A heal of ``failed_node``'s stage found no route: have a node load its span for it
     (``placement.healing.load_for_heal``: a spare of another span, an idle node, a member of an idle
     pipeline). True when a block of the span is loading for it (started now or before)."""
     job = Job.objects.filter(pk=job_pk, state=JobState.RUNNING).first()
-    span = failed_span(job, failed_node) if job is not None else None
-    if job is None or span is None or not hold_routes(job.model):
+    if job is None or not hold_routes(job.model):
+        return False
+    return _load_replacement(job, failed_node)
+
+
+def _load_replacement(job: Job, failed_node: str) -> bool:
+    """``load_replacement`` for a running job whose model's placement row the caller holds."""
+    span = failed_span(job, failed_node)
+    if span is None:
         return False
     route = [s["node"] for s in job.route]
     at = route.index(failed_node)
