@@ -1,7 +1,8 @@
 """Churn: stages killed and frozen mid-request, and a control plane serving through a churning swarm.
 
-    .venv/bin/python bench/churn.py            # the full run (``make bench``), about 15 minutes
-    .venv/bin/python bench/churn.py --quick    # a smoke run of the same code paths, about 3 minutes
+    .venv/bin/python bench/churn.py                   # the full run (``make bench``), about 30 minutes
+    .venv/bin/python bench/churn.py --quick           # a smoke run of the same code paths, about 10 minutes
+    .venv/bin/python bench/churn.py --only nospare    # one part alone (trials, nospare or soak)
 
 In one run, on real agent processes on loopback:
 
@@ -23,6 +24,24 @@ In one run, on real agent processes on loopback:
    one replaced by a new one, while a seeded churn loop kills an agent (SIGKILL) and joins a new
    node, restarts one (SIGTERM, then the same key rejoins), freezes one (SIGSTOP for a few seconds,
    then SIGCONT) or joins one more, waiting for the swarm to be whole again before the next event.
+4. **No-spare heals**: the control plane heals a span that no warm spare holds by having a spare of
+   another span (or an idle node) load it while the job waits (``jobs.services.load_replacement``).
+   For each of ``--nospare-models`` (``tiny-llama`` capped at 2 layers, ``smollm2-135m`` at 10, so
+   three spans each) and ``--nospare-topologies`` (``SWARM_TOPOLOGY`` ring and star), an embedded
+   control plane as the soak's, in a child process of its own, with five ``swarm-worker join``
+   agents and ``SWARM_SPARES_PER_PIPELINE=2``: three stages and two warm spares of two spans, so one
+   span has none. Each agent holds its outgoing data-plane frames back for ``--nospare-rtt-ms`` (an
+   emulated round trip), so that a failure lands mid-stream. ``--nospare-kills`` then
+   ``--nospare-freezes`` streamed greedy completions through the API (``openai`` client; a chat
+   model's prompt put through its chat template), each with the one node holding the span that no
+   other node holds SIGKILLed (or SIGSTOPped, and SIGCONTed once the request is over) right after
+   the client received chunk t, drawn by a seeded ``random.Random`` in [2, n - 2] (n: the chunks of
+   the unbroken run of the prompt). After a kill a fresh node joins. Before each trial the placement settles
+   (``nospare_settled``): every killed node swept offline (its departure re-places the model: not
+   during a trial), five ready blocks on five nodes in good standing (a frozen node is backed off
+   for ``SWARM_FAILURE_BACKOFF_S``, 30 s), one span held by one block only: three stages and two
+   spares of two spans, or the same with a stage's place left to a spare of its span, which a heal
+   that had an idle pipeline member load the failed span leaves until a node comes or goes.
 
 Per kill/freeze trial: completed (a result, no error), token-identical to the unbroken run of the
 same prompt, the pause (time of the first token after the failure - time of the last token
@@ -34,6 +53,18 @@ stall timeout in effect for the trial's one-token step). A kill is seen as a los
 before its stall timeout, so every row also checks the heal's own time, with no allowance:
 (pause - detection) p95 <= 2 x re-prefill p95, detection being the time from the last token to the
 coordinator seeing the failure (for a kill, mostly the OS closing the dead process's sockets).
+
+No-spare trial: completed (the job succeeded and the stream ended with a finish reason),
+token-identical (the text equals the unbroken run's), the pause (the longest gap between two chunks
+from the last chunk before the signal on), the detection (the heal's ``detected_at``, when the
+coordinator reported the failure, - that last chunk), the load (the heal's replacement block of the
+span: ``ready_at`` - ``created_at`` of its ``Assignment``; 0 where the replacement held the span
+already) and the re-prefill (time to first token, through the API, of the prompt followed by the
+text streamed before the failure: an over-estimate of the pass the heal re-ran, as it includes
+admission). Reported per model, topology and fault: completed %, identical %, each of the four
+p50/p95, and the check pause p95 <= detection p95 + load p95 + 2 x re-prefill p95. A freeze is found
+by its unanswered PING (``pipeline.FREEZE_SUSPECT_S`` without progress, then ``FREEZE_PROBE_S``),
+not by the stall timeout, so its detection is seconds where a kill's is milliseconds.
 
 Soak: requests completed / failed (each failure's error text kept), heals (sum of
 ``len(Job.heals)``), heals caused by routing to a stage being released (the stage refused the job
@@ -58,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -68,7 +100,10 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,11 +139,31 @@ TOPICS = ["the sky", "rivers", "bread", "the moon", "bicycles", "volcanoes", "li
 # Non-round prices (nano-dollars per million tokens), so that a rounding slip shows in the ledger check.
 PRICE_PROMPT_PER_MILLION = 123_456_789
 PRICE_COMPLETION_PER_MILLION = 987_654_321
-QUICK = {"kill_tiny": 6, "kill_smollm2": 2, "freeze_tiny": 3, "freeze_smollm2": 1, "soak_s": 30.0, "soak_streams": 10}
+QUICK = {
+    "kill_tiny": 6,
+    "kill_smollm2": 2,
+    "freeze_tiny": 3,
+    "freeze_smollm2": 1,
+    "nospare_kills": 1,
+    "nospare_freezes": 1,
+    "soak_s": 30.0,
+    "soak_streams": 10,
+}
+PARTS = ("trials", "nospare", "soak")  # --only's choices
 FAILURE_BACKOFF_S = 1.0  # a soak client waits this long after a failed request before its next one
 # A stage's refusal codes that say its block is being let go (``worker_agent.protocol.connection``): a heal
 # with one of them was caused by routing a job to a leaving stage.
 LEAVING_CODES = ("stage_draining", "not_serving")
+# No-spare trials: five agents, each capped so that its model splits into three spans (three stages)
+# and two warm spares (SWARM_SPARES_PER_PIPELINE=2) of two spans, so one span has none.
+NOSPARE_CAPS = {"tiny-llama": 2, "smollm2-135m": 10}  # layers an agent may hold
+NOSPARE_AGENTS = 5
+NOSPARE_SPARES = 2
+NOSPARE_HEARTBEAT_TIMEOUT_S = 20.0  # a frozen node is healed around long before it is swept offline
+NOSPARE_STALL_S = 10.0  # SWARM_STALL_TIMEOUT_S: a freeze is found by its unanswered PING long before
+NOSPARE_START_S = 600.0  # the most the first trial waits for the agents to start and settle
+NOSPARE_SETTLE_S = 300.0  # the most a later trial waits for the placement to settle again
+CHILD_FLAGS = ("--soak-child", "--nospare-child")  # a child's part: not passed on to the child's own args
 
 
 def summary(values: list[float]) -> dict:
@@ -433,12 +488,27 @@ class Joined:
     log: Path
 
 
-class SoakPlane:
-    def __init__(self, workdir: Path, threads: int, seed: int) -> None:
+class EmbeddedPlane:
+    """An embedded control plane in this process and its ``swarm-worker join`` agents of ``model``,
+    each capped at ``max_layers`` layers, its outgoing data-plane frames held back as ``wan`` says:
+    the soak's, and the no-spare trials'."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        threads: int,
+        seed: int,
+        *,
+        model: str = SOAK_MODEL,
+        max_layers: int = SOAK_MAX_LAYERS,
+        wan: str = "",
+    ) -> None:
         self.workdir, self.threads = workdir, threads
+        self.model, self.max_layers, self.wan = model, max_layers, wan
         self.rng = random.Random(f"{seed}-soak")
         self.server = None
         self.agents: list[Joined] = []  # running ones
+        self.gone: list[int] = []  # the nodes (pks) of agents killed for good
         self.every: list[subprocess.Popen] = []  # every process started, for the cleanup
         self.events: list[dict] = []
         self.started = 0
@@ -466,7 +536,7 @@ class SoakPlane:
         ApiKey.objects.filter(pk=api_key.pk).update(requests_per_minute=1_000_000, tokens_per_minute=1_000_000_000)
         grant(self.customer, 1000, memo="benchmark credits")
         ModelPrice.objects.create(
-            model=SOAK_MODEL,
+            model=self.model,
             prompt_per_million=PRICE_PROMPT_PER_MILLION,
             completion_per_million=PRICE_COMPLETION_PER_MILLION,
             effective_from=timezone.now() - timezone.timedelta(minutes=1),
@@ -493,7 +563,14 @@ class SoakPlane:
             name, key, node_pk, token = again.name, again.key, again.node_pk, ""
         log = self.workdir / f"agent{index}.log"
         process = join_agent(
-            self.base_url, token, key, log, model=SOAK_MODEL, max_layers=SOAK_MAX_LAYERS, threads=self.threads
+            self.base_url,
+            token,
+            key,
+            log,
+            model=self.model,
+            max_layers=self.max_layers,
+            threads=self.threads,
+            wan=self.wan,
         )
         self.every.append(process)
         agent = Joined(name, key, node_pk, process, log)
@@ -511,8 +588,8 @@ class SoakPlane:
             return False
         if gone is not None and Node.objects.filter(pk=gone).exclude(state=NodeState.OFFLINE).exists():
             return False
-        loading = Assignment.objects.filter(model=SOAK_MODEL, state=AssignmentState.ASSIGNED).exists()
-        return not loading and bool(servable_pipelines(SOAK_MODEL))
+        loading = Assignment.objects.filter(model=self.model, state=AssignmentState.ASSIGNED).exists()
+        return not loading and bool(servable_pipelines(self.model))
 
     def wait_whole(self, node_pk: int | None = None, gone: int | None = None, timeout: float = 180.0) -> float | None:
         """Seconds until the swarm is whole again; None past the timeout."""
@@ -624,7 +701,7 @@ async def soak_stream(api, text: str, max_tokens: int) -> dict:
     return record
 
 
-async def soak_load(plane: SoakPlane, key: str, args) -> list[dict]:
+async def soak_load(plane: EmbeddedPlane, key: str, args) -> list[dict]:
     from openai import AsyncOpenAI
 
     started = time.monotonic()
@@ -747,11 +824,11 @@ def count_by(values: list[str]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
-def placement_now() -> list[str]:
+def placement_now(model: str = SOAK_MODEL) -> list[str]:
     """The model's live assignments: node[span] by pipeline and position, spares last."""
     from marketplace.placement.models import LIVE_STATES, Assignment
 
-    live = Assignment.objects.filter(model=SOAK_MODEL, state__in=LIVE_STATES).select_related("node")
+    live = Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node")
     return [
         f"{'spare' if a.is_spare else f'p{a.pipeline}.{a.position}'} {a.node.name}[{a.layer_start}:{a.layer_end}] "
         f"{a.state}"
@@ -774,7 +851,7 @@ def soak_child(args) -> int:
 
     models.load_head(SOAK_MODEL)  # cached for every coordinator of this process, as in the web app
     models.load_tokenizer(SOAK_MODEL)
-    plane = SoakPlane(workdir, args.threads, args.seed)
+    plane = EmbeddedPlane(workdir, args.threads, args.seed)
     try:
         key = plane.accounts()
         plane.serve()
@@ -845,8 +922,334 @@ def soak_child(args) -> int:
     return 0
 
 
-def soak_env(workdir: Path, args) -> dict[str, str]:
-    """The child's environment: the caller's, without any control-plane setting, plus the soak's."""
+# --- no-spare heals: a span without a spare, loaded by a spare of another span (in a child process) -
+
+
+def nospare_blocks(model: str) -> list:
+    """The model's live blocks, oldest first."""
+    from marketplace.placement.models import LIVE_STATES, Assignment
+
+    return list(Assignment.objects.filter(model=model, state__in=LIVE_STATES).select_related("node").order_by("pk"))
+
+
+def nospare_settled(model: str, gone: Collection[int]) -> list | None:
+    """The model's live blocks once a trial may start; None before. Every node killed before
+    (``gone``: their pks) is swept offline, which re-places the model, so that no re-placement
+    comes during the trial; five ready blocks, one per node, each node active, connected and in good
+    standing (not reported failed, under no review, not backed off: a frozen node is for
+    SWARM_FAILURE_BACKOFF_S), so that the heal may pick any node the placement has; and one span
+    held by one block only, the span without a spare. That is the placement's three stages and two
+    spares of two spans, or the same with a stage's place left to a spare of its span: a heal that
+    had an idle pipeline member load the span leaves that until a node comes or goes."""
+    from django.utils import timezone
+
+    from marketplace.nodes.models import Node, NodeState
+    from marketplace.placement.models import AssignmentState
+
+    if Node.objects.filter(pk__in=gone).exclude(state=NodeState.OFFLINE).exists():
+        return None
+    blocks = nospare_blocks(model)
+    now = timezone.now()
+    up = all(
+        a.state == AssignmentState.READY
+        and a.node.connected
+        and a.node.state == NodeState.ACTIVE
+        and a.node.suspected_at is None
+        and not a.node.under_review
+        and (a.node.routing_backoff_until is None or a.node.routing_backoff_until <= now)
+        for a in blocks
+    )
+    holders = sorted(Counter((a.layer_start, a.layer_end) for a in blocks).values())
+    whole = len({a.node_id for a in blocks}) == len(blocks) == NOSPARE_AGENTS
+    return blocks if up and whole and holders == [1, 2, 2] else None
+
+
+def nospare_settle(plane: EmbeddedPlane, gone: Collection[int], timeout: float) -> tuple[list | None, float]:
+    """Wait for ``nospare_settled``: its blocks (None past the timeout) and the seconds waited."""
+    started = time.monotonic()
+    while True:
+        for agent in plane.agents:
+            if agent.process.poll() is not None:
+                raise RuntimeError(f"{agent.name} exited:\n{log_tail(agent.log)}")
+        blocks = nospare_settled(plane.model, gone)
+        if blocks is not None or time.monotonic() - started > timeout:
+            return blocks, time.monotonic() - started
+        time.sleep(0.25)
+
+
+def api_stream(client, model: str, prompt: str, max_tokens: int, on_chunk=None) -> dict:
+    """A streamed greedy completion through the API: its text, each text chunk's arrival (epoch
+    seconds: the clock the control plane stamps a heal's ``detected_at`` with), its job id and finish
+    reason. ``on_chunk(count, text)`` runs after each text chunk, ``text`` being all of it so far."""
+    chunks = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    streamed = {"text": "", "times": [], "job": "", "finish_reason": None}
+    for chunk in chunks:
+        streamed["job"] = streamed["job"] or chunk.id
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        streamed["finish_reason"] = choice.finish_reason or streamed["finish_reason"]
+        if choice.text:
+            streamed["text"] += choice.text
+            streamed["times"].append(time.time())
+            if on_chunk is not None:
+                on_chunk(len(streamed["times"]), streamed["text"])
+    return streamed
+
+
+def completion_prompt(model: str, text: str) -> str:
+    """``text`` as a completion's prompt: for a chat model, put through its chat template as text (the
+    completions API tokenizes it to the ids the chat API would), so that an instruct model answers
+    rather than stops, and the prompt plus the text streamed is the re-prefill's prompt exactly."""
+    from worker_agent import model as models
+
+    if not MODELS[model]["chat"]:
+        return text
+    messages = [{"role": "user", "content": text}]
+    return models.load_tokenizer(model).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def settled_job(public_id: str, timeout: float = 30.0):
+    """The job once it is settled (its verification done), or as it is after ``timeout``; None if
+    there is no such job."""
+    from marketplace.jobs.models import Job
+
+    deadline = time.monotonic() + timeout
+    job = Job.objects.filter(public_id=public_id).first()
+    while job is not None and job.settled_at is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+        job.refresh_from_db()
+    return job
+
+
+def nospare_trial(
+    plane: EmbeddedPlane, client, prompt: str, reference: dict, max_tokens: int, at: int, *, freeze: bool
+) -> dict:
+    """One request with the node of the one block of a span that no other block holds SIGKILLed (or
+    SIGSTOPped, and SIGCONTed once the request is over) right after chunk ``at`` reached the client;
+    its figures (pause, detection, load, re-prefill: see the module's docstring)."""
+    from marketplace.jobs.models import JobState
+    from marketplace.nodes.models import Node
+    from marketplace.placement.models import Assignment
+
+    blocks = nospare_blocks(plane.model)
+    holders = Counter((a.layer_start, a.layer_end) for a in blocks)
+    victim = next((a for a in blocks if holders[(a.layer_start, a.layer_end)] == 1), None)
+    stages = sum(not a.is_spare for a in blocks)
+    record: dict = {"token": at, "reference_chunks": len(reference["times"]), "injected": False, "error": ""}
+    record["placement_before"] = f"{stages} stages + {len(blocks) - stages} spares"
+    if victim is None:
+        return {**record, "completed": False, "identical": False, "error": "every span has a spare"}
+    if len(reference["times"]) < 4:  # no chunk t in [2, n - 2] to fail after
+        error = f"the unbroken run streamed {len(reference['times'])} chunks"
+        return {**record, "completed": False, "identical": False, "error": error}
+    agent = next(a for a in plane.agents if a.node_pk == victim.node_id)
+    span = (victim.layer_start, victim.layer_end)
+    held_before = {a.node.node_id: (a.layer_start, a.layer_end) for a in blocks}
+    record.update(victim=victim.node.node_id, span=list(span), victim_was_spare=victim.is_spare)
+    signalled: dict = {}
+
+    def on_chunk(count: int, text: str) -> None:
+        if count == at:
+            signalled.update(at=time.time(), text=text)
+            agent.process.send_signal(signal.SIGSTOP if freeze else signal.SIGKILL)
+
+    streamed = None
+    try:
+        streamed = api_stream(client, plane.model, prompt, max_tokens, on_chunk)
+    except Exception as exc:  # a failed request is a result to report
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if freeze and signalled:
+            agent.process.send_signal(signal.SIGCONT)
+    if signalled and not freeze:
+        agent.process.wait()  # reaped now that the request is over
+        plane.agents.remove(agent)
+        plane.gone.append(agent.node_pk)
+    record["injected"] = bool(signalled)
+    job = settled_job(streamed["job"]) if streamed is not None and streamed["job"] else None
+    record["completed"] = bool(job and job.state == JobState.SUCCEEDED and streamed["finish_reason"])
+    record["identical"] = streamed is not None and streamed["text"] == reference["text"]
+    record["job_state"] = job.state if job is not None else None
+    record["verified"] = bool(job and job.verified)
+    record["heals"] = (
+        [{k: h.get(k) for k in ("failed_node", "reason", "detected_at", "at")} for h in job.heals] if job else []
+    )
+    if not record["completed"]:  # where the request ran, and the placement it left, for the failure's reader
+        names = dict(Node.objects.values_list("node_id", "name"))
+        route = job.route if job is not None else []
+        record["route"] = [f"{names.get(s['node'])}[{s['layer_start']}:{s['layer_end']}]" for s in route]
+        record["blocks_before"] = [f"{a.node.name}[{a.layer_start}:{a.layer_end}]" for a in blocks]
+        record["placement_after"] = placement_now(plane.model)
+    if not (signalled and streamed and job and job.heals and len(streamed["times"]) > at):
+        return record
+    replacement = next((s["node"] for s in job.route if (s["layer_start"], s["layer_end"]) == span), None)
+    record.update(replacement=replacement, replacement_held=held_before.get(replacement))
+    times = streamed["times"][at - 1 :]  # from the last chunk before the signal
+    record["pause_s"] = _round(max(b - a for a, b in itertools.pairwise(times)), 4)
+    detected = datetime.fromisoformat(job.heals[0]["detected_at"]).timestamp()
+    record["detection_s"] = _round(detected - times[0], 4)
+    # From the report to the route around it: the control plane's part of the heal, the load included.
+    record["to_route_s"] = _round(datetime.fromisoformat(job.heals[0]["at"]).timestamp() - detected, 4)
+    # A replacement that held the span already was ready: nothing was loaded for this heal.
+    record["loaded_for_heal"] = replacement is not None and held_before.get(replacement) != span
+    if record["loaded_for_heal"]:
+        loaded = Assignment.objects.filter(
+            model=plane.model, node__node_id=replacement, layer_start=span[0], layer_end=span[1]
+        ).latest("pk")
+        record["load_s"] = _round((loaded.ready_at - loaded.created_at).total_seconds(), 4) if loaded.ready_at else None
+    else:
+        record["load_s"] = 0.0
+    # The pass the heal re-ran: the prompt and the text streamed before the failure, through the API.
+    started = time.time()
+    first = api_stream(client, plane.model, prompt + signalled["text"], 1)
+    record["re_prefill_s"] = _round(first["times"][0] - started, 4) if first["times"] else None
+    return record
+
+
+def nospare_child(args) -> int:
+    """In a child process whose environment the parent prepared (the model and topology among its
+    settings): the no-spare trials, written to --part-output."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    workdir = Path(os.environ["SWARM_DATA_DIR"]).parent
+    setup_django()
+    from django.conf import settings
+    from openai import OpenAI
+
+    from worker_agent import model as models
+
+    model, topology = settings.SWARM_MODELS[0], settings.SWARM_TOPOLOGY
+    models.load_head(model)  # cached for every coordinator of this process, as in the web app
+    models.load_tokenizer(model)
+    prompts = [completion_prompt(model, text) for text in PROMPTS[model]]
+    rng = random.Random(f"{args.seed}-nospare-{model}-{topology}")
+    wan = f"rtt={args.nospare_rtt_ms:g}ms" if args.nospare_rtt_ms else ""
+    plane = EmbeddedPlane(workdir, args.threads, args.seed, model=model, max_layers=NOSPARE_CAPS[model], wan=wan)
+    out: dict = {"model": model, "topology": topology, "max_layers": NOSPARE_CAPS[model], "prompts": PROMPTS[model]}
+    out.update(kill=[], freeze=[])
+    try:
+        key = plane.accounts()
+        plane.serve()
+        client = OpenAI(base_url=f"{plane.base_url}/v1", api_key=key, max_retries=0, timeout=300)
+        references: dict[int, dict] = {}
+        counts = {"kill": args.nospare_kills, "freeze": args.nospare_freezes}
+        trials = [(kind, number) for kind, count in counts.items() for number in range(count)]
+        for index, (kind, number) in enumerate(trials):
+            while len(plane.agents) < NOSPARE_AGENTS:  # a killed node's place goes to a fresh one
+                plane.join()
+            blocks, waited = nospare_settle(plane, plane.gone, NOSPARE_SETTLE_S if index else NOSPARE_START_S)
+            if index == 0:
+                if blocks is None:
+                    raise SystemExit(
+                        f"{model}: no settled placement in {waited:.0f} s:\n{log_tail(plane.agents[0].log)}"
+                    )
+                print(f"{model} {topology}: {NOSPARE_AGENTS} agents settled in {waited:.1f} s", file=sys.stderr)
+                out["ready_s"] = round(waited, 1)
+                out["placement_at_start"] = placement_now(model)
+            p = index % len(prompts)
+            if p not in references:  # the unbroken run, on the settled placement
+                references[p] = api_stream(client, model, prompts[p], args.max_tokens)
+            reference = references[p]
+            at = rng.randint(2, max(2, len(reference["times"]) - 2))
+            # The first wait is for the agents' start, not for a heal's aftermath.
+            record = {
+                "prompt": p,
+                "settled_before": blocks is not None,
+                "settle_before_s": round(waited, 1) if index else None,
+            }
+            record.update(
+                nospare_trial(plane, client, prompts[p], reference, args.max_tokens, at, freeze=kind == "freeze")
+            )
+            out[kind].append(record)
+            print(
+                f"  {model} {topology} {kind} {number + 1}/{counts[kind]}: "
+                f"span {record.get('span')} at chunk {at}: {'ok' if record['completed'] else 'FAILED'}, "
+                f"{'identical' if record['identical'] else 'DIFFERENT'}, pause {_ms(record.get('pause_s'))} ms, "
+                f"detection {_ms(record.get('detection_s'))} ms, load {_ms(record.get('load_s'))} ms, "
+                f"re-prefill {_ms(record.get('re_prefill_s'))} ms"
+                + (f" ({record['error']})" if record["error"] else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+        out["reference_chunks"] = {p: len(r["times"]) for p, r in references.items()}
+        out["placement_at_end"] = placement_now(model)
+        out["agents_started"] = plane.started
+    finally:
+        plane.stop()
+    Path(args.part_output).write_text(json.dumps(out))
+    return 0
+
+
+def nospare_env(workdir: Path, args, model: str, topology: str) -> dict[str, str]:
+    return plane_env(
+        workdir,
+        args,
+        {
+            "SWARM_MODELS": model,
+            "SWARM_TOPOLOGY": topology,
+            "SWARM_SPARES_PER_PIPELINE": str(NOSPARE_SPARES),
+            "SWARM_SWEEP_INTERVAL_S": "0.5",
+            "SWARM_HEARTBEAT_INTERVAL_S": "0.5",
+            "SWARM_HEARTBEAT_TIMEOUT_S": str(NOSPARE_HEARTBEAT_TIMEOUT_S),
+            "SWARM_STALL_TIMEOUT_S": str(NOSPARE_STALL_S),
+        },
+    )
+
+
+def run_nospare(args) -> dict:
+    """The no-spare trials of each model in each topology, a child process each (the topology is a
+    setting, read once by the control plane), with their summaries."""
+    results: dict[str, dict] = {}
+    for model in args.nospare_models:
+        for topology in args.nospare_topologies:
+            part = spawn_child(
+                "--nospare-child",
+                lambda workdir, model=model, topology=topology: nospare_env(workdir, args, model, topology),
+                f"the no-spare trials of {model} in {topology}",
+            )
+            for kind in ("kill", "freeze"):
+                part[f"{kind}_summary"] = nospare_summary(part.get(kind, []))
+            results.setdefault(model, {})[topology] = part
+    return results
+
+
+def nospare_summary(trials: list[dict]) -> dict:
+    n = len(trials)
+    figures = {
+        name: summary([t[f"{name}_s"] for t in trials if t.get(f"{name}_s") is not None])
+        for name in ("pause", "detection", "load", "re_prefill", "to_route")
+    }
+    p95 = {name: figure["p95_ms"] for name, figure in figures.items()}
+    parts = [p95["detection"], p95["load"], p95["re_prefill"]]
+    bound = None if None in parts else round(p95["detection"] + p95["load"] + 2 * p95["re_prefill"], 1)
+    return {
+        "trials": n,
+        "injected": sum(t["injected"] for t in trials),
+        "completed": sum(t["completed"] for t in trials),
+        "identical": sum(t["identical"] for t in trials),
+        "verified": sum(t.get("verified", False) for t in trials),
+        "completed_pct": _round(100 * sum(t["completed"] for t in trials) / n) if n else None,
+        "identical_pct": _round(100 * sum(t["identical"] for t in trials) / n) if n else None,
+        "loaded_for_heal": sum(t.get("loaded_for_heal", False) for t in trials),
+        "settled_before": sum(t["settled_before"] for t in trials),
+        "placement_before": count_by([t["placement_before"] for t in trials]),
+        "settle_before": summary([t["settle_before_s"] for t in trials if t["settle_before_s"] is not None]),
+        **figures,
+        "check": {
+            "formula": "pause p95 <= detection p95 + load p95 + 2 x re-prefill p95",
+            "pause_p95_ms": p95["pause"],
+            "bound_ms": bound,
+            "met": None if bound is None or p95["pause"] is None else p95["pause"] <= bound,
+        },
+        "failures": [t["error"] for t in trials if t["error"]],
+    }
+
+
+def plane_env(workdir: Path, args, plane_settings: dict[str, str]) -> dict[str, str]:
+    """A child's environment: the caller's, without any control-plane setting, plus an embedded
+    control plane's (coordinators in process, data in ``workdir``) and ``plane_settings``."""
     env = {
         name: value
         for name, value in os.environ.items()
@@ -857,27 +1260,39 @@ def soak_env(workdir: Path, args) -> dict[str, str]:
         {
             "DJANGO_SETTINGS_MODULE": "marketplace.settings",
             "SWARM_DATA_DIR": str(workdir / "data"),
-            "SWARM_MODELS": SOAK_MODEL,
             "SWARM_COORDINATOR_LAUNCH": "inprocess",
-            "SWARM_SPARES_PER_PIPELINE": "1",
-            "SWARM_HEARTBEAT_INTERVAL_S": "1",
-            "SWARM_HEARTBEAT_TIMEOUT_S": str(args.soak_heartbeat_timeout_s),
-            "SWARM_STALL_TIMEOUT_S": str(args.soak_stall_s),
             "SWARM_LOG_LEVEL": "WARNING",
             "OMP_NUM_THREADS": str(args.threads),
             "PYTHONUNBUFFERED": "1",
+            **plane_settings,
         }
     )
     return env
 
 
-def spawn_soak(args) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench-churn-soak-") as tmp:
+def soak_env(workdir: Path, args) -> dict[str, str]:
+    return plane_env(
+        workdir,
+        args,
+        {
+            "SWARM_MODELS": SOAK_MODEL,
+            "SWARM_SPARES_PER_PIPELINE": "1",
+            "SWARM_HEARTBEAT_INTERVAL_S": "1",
+            "SWARM_HEARTBEAT_TIMEOUT_S": str(args.soak_heartbeat_timeout_s),
+            "SWARM_STALL_TIMEOUT_S": str(args.soak_stall_s),
+        },
+    )
+
+
+def spawn_child(flag: str, env_of, what: str) -> dict:
+    """Run this script again as a child (``flag`` says which part) in a temporary directory, with the
+    environment ``env_of(workdir)``; its result, or an error naming ``what`` failed."""
+    with tempfile.TemporaryDirectory(prefix="bench-churn-child-") as tmp:
         workdir = Path(tmp)
         output = workdir / "result.json"
-        command = [sys.executable, str(Path(__file__).resolve()), "--soak-child", "--part-output", str(output)]
-        command += [a for a in sys.argv[1:] if a != "--soak-child"]
-        child = subprocess.Popen(command, env=soak_env(workdir, args), cwd=ROOT)
+        command = [sys.executable, str(Path(__file__).resolve()), flag, "--part-output", str(output)]
+        command += [a for a in sys.argv[1:] if a not in CHILD_FLAGS]
+        child = subprocess.Popen(command, env=env_of(workdir), cwd=ROOT)
         try:
             code = child.wait()
         finally:
@@ -885,8 +1300,12 @@ def spawn_soak(args) -> dict:
                 child.terminate()
                 child.wait(timeout=90)
         if code != 0 or not output.exists():
-            return {"error": f"the soak's process failed (exit code {code})"}
+            return {"error": f"{what}'s process failed (exit code {code})"}
         return json.loads(output.read_text())
+
+
+def spawn_soak(args) -> dict:
+    return spawn_child("--soak-child", lambda workdir: soak_env(workdir, args), "the soak")
 
 
 # --- output -----------------------------------------------------------------------------------
@@ -900,11 +1319,20 @@ def _v(value) -> str:
     return "-" if value is None else str(value)
 
 
-def print_table(info: dict, args, parts: dict, soak: dict) -> None:
+def print_table(info: dict, args, parts: dict, nospare: dict, soak: dict | None) -> None:
     print(
         f"\nmachine: {info['cpu']}, {info['cpu_count']} CPUs, {args.threads} torch thread(s) per agent and "
         f"coordinator, torch {info['torch']}, load average at start {info['load_average_at_start']}"
     )
+    if parts:
+        print_trials(args, parts)
+    if nospare:
+        print_nospare(args, nospare)
+    if soak is not None:
+        print_soak(args, soak)
+
+
+def print_trials(args, parts: dict) -> None:
     print(
         f"kill/freeze: ring topology, greedy, max_tokens {args.max_tokens}, {args.spares_per_span} warm spare(s) "
         f"per span (SpareHealer), stall timeout {args.stall_s} s for freezes, seed {args.seed}"
@@ -950,6 +1378,62 @@ def print_table(info: dict, args, parts: dict, soak: dict) -> None:
                 )
                 for failure in s["failures"]:
                     print(f"    failed: {failure}")
+
+
+def print_nospare(args, nospare: dict) -> None:
+    print(
+        f"\nno-spare heals: embedded control plane, {NOSPARE_AGENTS} joined agents per model (3 stages + "
+        f"{NOSPARE_SPARES} warm spares of 2 spans, SWARM_SPARES_PER_PIPELINE={NOSPARE_SPARES}), the node of the "
+        f"span without a spare signalled after chunk t in [2, n - 2], greedy, max_tokens {args.max_tokens}, "
+        f"emulated round trip {args.nospare_rtt_ms:g} ms, seed {args.seed}"
+    )
+    print(
+        f"{'model':<13} {'topology':<8} {'fault':<7} {'n':>3} {'done %':>6} {'ident %':>7} {'pause p50/p95':>15} "
+        f"{'detect p50/p95':>15} {'load p50/p95':>15} {'prefill p50/p95':>15} {'bound ms':>8} {'check':>5}"
+    )
+
+    def pair(figure: dict) -> str:
+        return f"{_v(figure['p50_ms'])}/{_v(figure['p95_ms'])}"
+
+    for model, by_topology in nospare.items():
+        for topology, part in by_topology.items():
+            if "error" in part:
+                print(f"{model:<13} {topology:<8} {part['error']}")
+                continue
+            for kind in ("kill", "freeze"):
+                s = part[f"{kind}_summary"]
+                if not s["trials"]:
+                    continue
+                check = s["check"]
+                verdict = "n/a" if check["met"] is None else "PASS" if check["met"] else "MISS"
+                print(
+                    f"{model:<13} {topology:<8} {kind:<7} {s['trials']:>3} {_v(s['completed_pct']):>6} "
+                    f"{_v(s['identical_pct']):>7} {pair(s['pause']):>15} {pair(s['detection']):>15} "
+                    f"{pair(s['load']):>15} {pair(s['re_prefill']):>15} {_v(check['bound_ms']):>8} {verdict:>5}"
+                )
+    print(
+        "check: pause p95 <= detection p95 + load p95 + 2 x re-prefill p95 (bound ms); detection: the last chunk "
+        "before the signal to the coordinator's report; load: the block loaded for the heal, assigned to ready"
+    )
+    for model, by_topology in nospare.items():
+        for topology, part in by_topology.items():
+            for kind in ("kill", "freeze"):
+                s = part.get(f"{kind}_summary")
+                if not s or not s["trials"]:
+                    continue
+                settle = s["settle_before"]
+                print(
+                    f"  {model} {topology} {kind}: verified {s['verified']}/{s['trials']}, span loaded for the heal "
+                    f"{s['loaded_for_heal']}/{s['trials']}, settled before the trial {s['settled_before']}/"
+                    f"{s['trials']} (p50 {_v(settle['p50_ms'])} ms, max {_v(settle['max_ms'])} ms), placement before "
+                    f"{s['placement_before']}; detection to the new route p50/p95 {_v(s['to_route']['p50_ms'])}/"
+                    f"{_v(s['to_route']['p95_ms'])} ms"
+                )
+                for failure in s["failures"]:
+                    print(f"    failed: {failure}")
+
+
+def print_soak(args, soak: dict) -> None:
     if "error" in soak:
         print(f"\nsoak: {soak['error']}")
         return
@@ -990,6 +1474,19 @@ def print_table(info: dict, args, parts: dict, soak: dict) -> None:
         print(f"  ledger: {problem}")
 
 
+def names(allowed: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argument type: a comma-separated list of ``allowed`` names."""
+
+    def parse(text: str) -> list[str]:
+        chosen = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in chosen if name not in allowed]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"choose among {', '.join(allowed)}")
+        return chosen
+
+    return parse
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
@@ -1013,10 +1510,27 @@ def parse_args() -> argparse.Namespace:
     add("--churn-max-s", type=float, default=8.0, help="most wait between churn events (default 8)")
     add("--seed", type=int, default=20240601, help="seeds every random choice (default 20240601)")
     add("--threads", type=int, default=1, help="torch threads of each agent and coordinator (default 1)")
+    add("--nospare-kills", type=int, default=3, help="no-spare kill trials per model and topology (default 3)")
+    add("--nospare-freezes", type=int, default=3, help="no-spare freeze trials per model and topology (default 3)")
+    add(
+        "--nospare-models",
+        type=names(NOSPARE_CAPS),
+        default=list(NOSPARE_CAPS),
+        help="models of the no-spare trials (default tiny-llama,smollm2-135m)",
+    )
+    add(
+        "--nospare-topologies",
+        type=names(("ring", "star")),
+        default=["ring", "star"],
+        help="SWARM_TOPOLOGY of the no-spare trials, a control plane each (default ring,star)",
+    )
+    add("--nospare-rtt-ms", type=float, default=30.0, help="no-spare agents' emulated round trip (default 30)")
     add("--skip-soak", action="store_true", help="kill and freeze trials only")
+    add("--only", choices=PARTS, help="run this part alone: trials (kill/freeze on spares), nospare or soak")
     add("--quick", action="store_true", help="smoke run: a few trials per part, a 30 s soak with 10 streams")
     add("--output", type=Path, default=RESULTS, help="default bench/results/churn.json")
     add("--soak-child", action="store_true", help=argparse.SUPPRESS)
+    add("--nospare-child", action="store_true", help=argparse.SUPPRESS)
     add("--part-output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:  # smaller counts, where the command line left the defaults
@@ -1032,6 +1546,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.soak_child:
         return soak_child(args)
+    if args.nospare_child:
+        return nospare_child(args)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -1049,7 +1565,7 @@ def main() -> int:
             ("tiny-llama", args.kill_tiny, args.freeze_tiny),
             ("smollm2-135m", args.kill_smollm2, args.freeze_smollm2),
         ):
-            if kills + freezes == 0:
+            if kills + freezes == 0 or args.only not in (None, "trials"):
                 continue
             part = run_trials(model, kills, freezes, args, Path(tmp))
             # The stall timeout in effect for a one-token decode step: the setting plus the
@@ -1060,8 +1576,12 @@ def main() -> int:
             part["freeze_summary"] = trial_summary(part.get("freeze", []), args.stall_s + STALL_PER_ROW_S)
             parts[model] = part
     trials_s = round(time.monotonic() - started, 1)
-    soak = {"error": "skipped (--skip-soak)"} if args.skip_soak else spawn_soak(args)
-    print_table(info, args, parts, soak)
+    nospare = run_nospare(args) if args.only in (None, "nospare") else {}
+    nospare_s = round(time.monotonic() - started - trials_s, 1)
+    soak = None
+    if args.only in (None, "soak"):
+        soak = {"error": "skipped (--skip-soak)"} if args.skip_soak else spawn_soak(args)
+    print_table(info, args, parts, nospare, soak)
     elapsed = round(time.monotonic() - started, 1)
     info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report = {
@@ -1090,9 +1610,31 @@ def main() -> int:
             "timeout, up to twice, and retires an agent whose replacement costs seconds of CPU, so 100 + 10 freezes "
             "would not fit a ~15 minute run on 2 cores)",
             "soak_client_backoff_s": FAILURE_BACKOFF_S,
+            "nospare": "embedded control plane (SQLite, coordinators in the web process, the periodic sweep every "
+            "0.5 s) in a child process per model and topology; five `swarm-worker join` agents capped so that the "
+            "model splits into three spans, SWARM_SPARES_PER_PIPELINE=2: three stages and two warm spares of two "
+            "spans; each agent's outgoing data-plane frames held back for the emulated round trip; the node of the "
+            "block whose span no other block holds is SIGKILLed (then a fresh node joins) or SIGSTOPped (SIGCONT "
+            "once the request is over) right after the client received chunk t; the next trial waits until every "
+            "killed node is offline and five ready blocks on nodes in good standing hold one span once and the two "
+            "others twice (placement_before: as placed, 3 stages + 2 spares, or 2 + 3 where a heal took an idle "
+            "pipeline member and nothing re-placed the model since)",
+            "nospare_pause": "the longest gap between two chunks from the last chunk before the signal on",
+            "nospare_detection": "the heal's detected_at (the coordinator reported the failure) - the last chunk "
+            "before the signal",
+            "nospare_load": "the block of the failed span on the heal's replacement node: ready_at - created_at; 0 "
+            "where the replacement held the span already",
+            "nospare_re_prefill": "time to first token, through the API, of the prompt followed by the text "
+            "streamed before the failure (admission and connecting included: an over-estimate of the pass the "
+            "heal re-ran)",
+            "nospare_check": "pause p95 <= detection p95 + load p95 + 2 x re-prefill p95",
+            "nospare_to_route": "the heal's at (the new route) - its detected_at: the control plane's part of the "
+            "heal, the load included",
         },
         "parts": parts,
         "trials_s": trials_s,
+        "nospare": nospare,
+        "nospare_s": nospare_s,
         "soak": soak,
         "elapsed_s": elapsed,
     }
