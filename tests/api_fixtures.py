@@ -36,6 +36,7 @@ from django.utils import timezone
 
 from marketplace.api import ratelimit
 from marketplace.billing.models import ModelPrice
+from marketplace.billing.services import grant
 from marketplace.jobs import services as jobs_services
 from marketplace.jobs.models import ApiKey
 from marketplace.nodes import joining
@@ -126,6 +127,18 @@ def servable_route(agents: list[subprocess.Popen], workdir) -> list[dict] | None
         }
         for s in pipeline
     ]
+
+
+def provider_and_customer(nodes: int, *, credits: int = 50) -> tuple[list[str], str]:
+    """A provider with ``nodes`` nodes added (their join tokens) and a customer with ``credits``
+    dollars and an API key whose limits a test's bursts stay under (the key)."""
+    users = get_user_model().objects
+    provider = users.create_user("alice", "alice@example.test", None, is_provider=True)
+    customer = users.create_user("carol", "carol@example.test", None, is_customer=True)
+    grant(customer, credits)
+    api_key, key = jobs_services.create_api_key(customer, "carol's app")
+    ApiKey.objects.filter(pk=api_key.pk).update(requests_per_minute=1000, tokens_per_minute=1_000_000)
+    return [joining.create_node(owner=provider, name=f"gpu-{i}")[1] for i in range(nodes)], key
 
 
 def stop_agents(agents: list[subprocess.Popen]) -> None:

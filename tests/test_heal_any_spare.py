@@ -32,18 +32,14 @@ import time
 from datetime import datetime
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.test.utils import override_settings
 from openai import OpenAI
 
-from marketplace.billing.services import grant
-from marketplace.jobs import services as jobs_services
-from marketplace.jobs.models import ApiKey, Job, JobState
-from marketplace.nodes import joining
+from marketplace.jobs.models import Job, JobState
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.tickets import issuer_key
 from marketplace.placement.models import Assignment, AssignmentState
-from tests.api_fixtures import stop_agents
+from tests.api_fixtures import provider_and_customer, stop_agents
 from tests.live import LiveServer, wait_for
 from worker_agent.dev.local import join_agent
 
@@ -167,13 +163,7 @@ def test_a_span_without_a_spare_heals_from_a_spare_of_another_span_after_a_kill_
     processes = []
     server = LiveServer().start()
     try:
-        users = get_user_model().objects
-        provider = users.create_user("alice", "alice@example.test", None, is_provider=True)
-        customer = users.create_user("carol", "carol@example.test", None, is_customer=True)
-        grant(customer, 50)
-        api_key, key = jobs_services.create_api_key(customer, "carol's app")
-        ApiKey.objects.filter(pk=api_key.pk).update(requests_per_minute=1000, tokens_per_minute=1_000_000)
-        tokens = [joining.create_node(owner=provider, name=f"gpu-{i}")[1] for i in range(AGENTS)]
+        tokens, key = provider_and_customer(AGENTS)
         for i, token in enumerate(tokens):
             log = tmp_path / f"agent{i}.log"
             processes.append(

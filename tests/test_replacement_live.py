@@ -17,15 +17,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.db import close_old_connections
 from django.test.utils import override_settings
 from openai import AsyncOpenAI
 
-from marketplace.billing.services import cost, grant
-from marketplace.jobs import services as jobs_services
-from marketplace.jobs.models import ApiKey, Job, JobState
-from marketplace.nodes import joining
+from marketplace.billing.services import cost
+from marketplace.jobs.models import Job, JobState
 from marketplace.nodes.models import Node, NodeState
 from marketplace.nodes.tickets import issuer_key
 from marketplace.placement import placing, rebalancing
@@ -33,7 +30,7 @@ from marketplace.placement.allocation import Placement, Stage
 from marketplace.placement.models import Assignment, AssignmentState, PlacementState
 from marketplace.placement.placing import place_dirty_models
 from marketplace.placement.selectors import servable_pipelines
-from tests.api_fixtures import stop_agents
+from tests.api_fixtures import provider_and_customer, stop_agents
 from tests.live import LiveServer, wait_for
 from worker_agent.dev.local import join_agent
 
@@ -97,13 +94,7 @@ def test_a_replacement_during_twenty_streams_fails_none(tmp_path, monkeypatch):
     agents = []
     server = LiveServer().start()
     try:
-        users = get_user_model().objects
-        provider = users.create_user("alice", "alice@example.test", None, is_provider=True)
-        customer = users.create_user("carol", "carol@example.test", None, is_customer=True)
-        grant(customer, 50)
-        api_key, key = jobs_services.create_api_key(customer, "carol's app")
-        ApiKey.objects.filter(pk=api_key.pk).update(requests_per_minute=1000, tokens_per_minute=1_000_000)
-        tokens = [joining.create_node(owner=provider, name=f"gpu-{i}")[1] for i in range(4)]
+        tokens, key = provider_and_customer(4)
         agents = [join(server, token, tmp_path, i) for i, token in enumerate(tokens[:3])]
         wait_for(lambda: Node.objects.filter(state=NodeState.ACTIVE, connected=True).count() == 3, 180, "3 agents")
         place_dirty_models()
