@@ -221,4 +221,8 @@
     status.textContent = "";
     form.elements.message.focus();
   });
+
+  // The page renders Send disabled: a click before this script ran (it is deferred, and a busy
+  // machine runs it late) would have submitted the form as a plain page load and lost the message.
+  sendButton.disabled = !form.elements.model.value;
 })();
