@@ -32,6 +32,9 @@ def test_celery_beat_runs_each_row_at_its_settings_period():
     assert periodic.beat_schedule({name: getattr(settings, name) for name in periods}) == settings.CELERY_BEAT_SCHEDULE
 
 
+# The scheduler runs each row through ``database_sync_to_async``, whose worker thread first closes
+# the old connection it may hold from an earlier test of this process: database access is allowed.
+@pytest.mark.django_db
 def test_the_embedded_scheduler_runs_rows_in_order_at_their_periods(monkeypatch, settings):
     settings.SWARM_SWEEP_INTERVAL_S = 0.01
     settings.SWARM_TRUST_INTERVAL_S = 0.05
