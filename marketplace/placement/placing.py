@@ -57,7 +57,7 @@ from marketplace.nodes.live import notify_node_changed
 from marketplace.nodes.models import Node
 from marketplace.nodes.services import push
 from marketplace.placement import shares
-from marketplace.placement.allocation import Stage, carry_spares, spans_for
+from marketplace.placement.allocation import Placement, Stage, carry_spares, spans_for
 from marketplace.placement.blocks import joined_id, push_release, release
 from marketplace.placement.candidates import candidates
 from marketplace.placement.errors import PlacementError
@@ -138,7 +138,8 @@ def place_model(model: str) -> list[Assignment]:
         and not has_trusted_pipeline(kept, trusted_ids)
     ):
         repaired = joined = None  # trusted nodes that can form a pipeline of their own get one: plan afresh
-    if repaired is not None and _spares_ran_out(repaired[0], capacities, trusted_ids, n_layers):
+    fresh = _spares_ran_out(repaired[0], capacities, trusted_ids, n_layers) if repaired is not None else None
+    if fresh is not None:
         repaired = None  # the repair used the last spares up: a plan that keeps one is laid out instead
     if repaired is not None:
         wanted, state.coordinator_regions = repaired
@@ -147,7 +148,7 @@ def place_model(model: str) -> list[Assignment]:
         wanted, how = joined, "joined as spares"
     else:
         try:
-            plan = (
+            plan = fresh or (
                 place_with_trusted(
                     capacities, trusted_ids, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE
                 )
@@ -244,23 +245,23 @@ def _move_a_spare(model: str, carries_jobs: Callable[[str, Span], bool]) -> Assi
     return None
 
 
-def _spares_ran_out(wanted: Wanted, capacities, trusted_ids: set[str], n_layers: int) -> bool:
-    """Whether a repair leaves fewer warm spares than SWARM_SPARES_PER_PIPELINE asks, where a fresh
-    plan over the same nodes keeps more: a spare used up (promoted into a departed member's place) is
-    then replaced at once, though serving blocks move for it (make before break), since without one
-    the next failure has nothing to heal from. A repair short of spares that no plan can do better
-    than (no node to spare) stands."""
+def _spares_ran_out(wanted: Wanted, capacities, trusted_ids: set[str], n_layers: int) -> Placement | None:
+    """The fresh plan to lay out instead of a repair that leaves fewer warm spares than
+    SWARM_SPARES_PER_PIPELINE asks, where that plan over the same nodes keeps more: a spare used up
+    (promoted into a departed member's place) is then replaced at once, though serving blocks move
+    for it (make before break), since without one the next failure has nothing to heal from. None:
+    the repair stands (it keeps enough spares, or no plan can do better: no node to spare)."""
     spares = sum(1 for target in wanted.values() if target[4])
     pipelines = {target[0] for target in wanted.values() if not target[4]}
     if spares >= settings.SWARM_SPARES_PER_PIPELINE * len(pipelines):
-        return False
+        return None
     try:
         plan = place_with_trusted(
             capacities, trusted_ids, n_layers, spares_per_pipeline=settings.SWARM_SPARES_PER_PIPELINE
         )
     except PlacementError:
-        return False
-    return len(plan.spares) > spares
+        return None
+    return plan if len(plan.spares) > spares else None
 
 
 def _apply(
