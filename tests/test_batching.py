@@ -1,18 +1,17 @@
-"""Work computed together travels together: the coordinator's head runs concurrent sessions'
-requests (of every coordinator of its event loop) as one batch, and a stage sends one frame per
-job for a batch's outputs. What a batch is fed is checked first: a stage's answer of the wrong
-width or dtype, or an output too short for its rows, fails its own route, never another's batch."""
+"""Work computed together travels together: the coordinator's head runs a step's sessions in one
+pass, and a stage sends one frame per job for a batch's outputs. What a batch is fed is checked
+first: a stage's answer of the wrong width or dtype, or an output too short for its rows, fails
+its own route, never another's batch."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
 
 from worker_agent import model as models
-from worker_agent.coordinator.head import HeadBatcher
+from worker_agent.coordinator.head import HeadRunner
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec, Transcript
 from worker_agent.errors import StageError
 from worker_agent.protocol.wire import DTYPES, Forward, Item, Result, tensor_payload
@@ -27,97 +26,52 @@ def head():
     return models.load_head("tiny-llama")
 
 
-def test_requests_of_one_turn_run_as_one_batch_with_the_same_results(head):
+def test_a_steps_logits_and_embeddings_each_run_in_one_pass_with_the_same_results(head):
     rows = [torch.randn(3, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
 
     async def main():
-        batcher = HeadBatcher(head, "f32")
-        try:
-            results = await asyncio.gather(*(batcher.logits(tensor_payload(r, "f32")) for r in rows))
-            embedded = await asyncio.gather(batcher.embed([5, 6]), batcher.embed([7]))
-            return results, embedded, batcher.batches, batcher.rows
-        finally:
-            batcher.close()
+        runner = HeadRunner(head, "f32")
+        results = await runner.logits([(tensor_payload(r, "f32"), 1) for r in rows])
+        embedded = await runner.embed([[5, 6], [7]])
+        return results, embedded, runner.passes, runner.rows
 
-    results, embedded, batches, counted = asyncio.run(main())
+    results, embedded, passes, counted = asyncio.run(main())
 
-    assert batches == 2
+    assert passes == 2
     assert counted == 4 + 3
     for row, logits in zip(rows, results, strict=True):
-        torch.testing.assert_close(logits, head.logits(row[-1:])[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, head.logits(row[-1:]), rtol=1e-5, atol=1e-5)
     assert embedded[0] == tensor_payload(head.embed_tokens([5, 6]), "f32")
     assert embedded[1] == tensor_payload(head.embed_tokens([7]), "f32")
 
 
-def test_a_failing_pass_fails_its_waiters(head):
-    async def main():
-        batcher = HeadBatcher(head, "f32")
-        try:  # a token id past the vocabulary fails the embedding lookup of the whole pass
-            return await asyncio.gather(batcher.embed([10**9]), batcher.embed([1]), return_exceptions=True)
-        finally:
-            batcher.close()
+def test_rows_of_several_outputs_come_back_split_per_output(head):
+    rows = torch.randn(5, 64, generator=torch.Generator().manual_seed(7))
 
-    results = asyncio.run(main())
+    logits = asyncio.run(
+        HeadRunner(head, "f32").logits([(tensor_payload(rows, "f32"), 3), (tensor_payload(rows[:2], "f32"), 2)])
+    )
 
-    assert [type(r) for r in results] == [IndexError, IndexError]
+    assert [tuple(part.shape) for part in logits] == [(3, head.lm_head.out_features), (2, head.lm_head.out_features)]
+    torch.testing.assert_close(logits[0], head.logits(rows[-3:]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[1], head.logits(rows[:2]), rtol=1e-5, atol=1e-5)
 
 
-def test_an_output_too_short_for_its_rows_is_refused_alone(head):
+def test_a_failing_pass_raises_to_its_caller(head):
+    with pytest.raises(IndexError):  # a token id past the vocabulary fails the embedding lookup
+        asyncio.run(HeadRunner(head, "f32").embed([[10**9], [1]]))
+
+
+def test_an_output_too_short_for_its_rows_is_refused_before_anything_runs(head):
     row = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    runner = HeadRunner(head, "f32")
 
-    async def main():
-        batcher = HeadBatcher(head, "f32")
-        try:
-            return await asyncio.gather(
-                batcher.logits(b"\x00" * 12),  # not one row of 64 float32
-                batcher.logits_rows(tensor_payload(row, "f32"), 3),  # 2 rows, not 3
-                batcher.logits(tensor_payload(row, "f32")),
-                batcher.embed([1]),
-                return_exceptions=True,
-            )
-        finally:
-            batcher.close()
+    with pytest.raises(ValueError, match="does not hold 1 rows"):
+        asyncio.run(runner.logits([(tensor_payload(row, "f32"), 1), (b"\x00" * 12, 1)]))  # not one row of 64 float32
+    with pytest.raises(ValueError, match="does not hold 3 rows"):
+        asyncio.run(runner.logits([(tensor_payload(row, "f32"), 3)]))  # 2 rows, not 3
 
-    short, too_few, logits, embedded = asyncio.run(main())
-
-    assert isinstance(short, ValueError) and "does not hold 1 rows" in str(short)
-    assert isinstance(too_few, ValueError) and "does not hold 3 rows" in str(too_few)
-    torch.testing.assert_close(logits, head.logits(row[-1:])[0], rtol=1e-5, atol=1e-5)
-    assert embedded == tensor_payload(head.embed_tokens([1]), "f32")
-
-
-def test_coordinators_of_one_loop_share_passes_and_requests_wait_for_the_pass_running(head):
-    rows = [torch.randn(1, 64, generator=torch.Generator().manual_seed(10 + i)) for i in range(4)]
-
-    async def main():
-        batcher = HeadBatcher.shared(head, "f32")
-        assert HeadBatcher.shared(head, "f32") is batcher
-        assert HeadBatcher.shared(head, "f16") is not batcher
-        release = threading.Event()
-        blocker = asyncio.get_running_loop().run_in_executor(batcher._thread, release.wait)  # holds the pass
-        first = asyncio.ensure_future(batcher.logits(tensor_payload(rows[0], "f32")))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)  # the first pass is handed to the (held) worker thread
-        later = []
-        for row in rows[1:]:  # each in a turn of its own while that pass is running
-            later.append(asyncio.ensure_future(batcher.logits(tensor_payload(row, "f32"))))
-            await asyncio.sleep(0)
-        release.set()
-        await blocker
-        results = await asyncio.gather(first, *later)
-        return results, batcher.batches, batcher
-
-    results, batches, batcher = asyncio.run(main())
-    other = asyncio.run(_shared_batcher(head))
-
-    assert batches == 2  # the first alone, the three that waited for it together
-    assert other is not batcher  # another event loop has its own
-    for row, logits in zip(rows, results, strict=True):
-        torch.testing.assert_close(logits, head.logits(row)[0], rtol=1e-5, atol=1e-5)
-
-
-async def _shared_batcher(head) -> HeadBatcher:
-    return HeadBatcher.shared(head, "f32")
+    assert runner.passes == 0
 
 
 def _output(session: str, rows: int, fill: int) -> Output:

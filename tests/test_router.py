@@ -20,10 +20,12 @@ import pytest
 from worker_agent.coordinator.router import (
     EXPLORE_EVERY,
     PLAIN,
+    Load,
     Plan,
     Router,
     RouteTiming,
     expected_committed,
+    positions_per_token,
     predicted_rate,
 )
 
@@ -408,16 +410,36 @@ def test_snapshot_reports_estimates_and_the_last_plan():
     }
 
 
-def test_sessions_sharing_the_compute_price_speculation_out_where_compute_binds():
+def test_other_sessions_in_the_passes_price_speculation_out_where_compute_binds():
     # A short round trip and a costly position: one stream gains from drafts at acceptance 0.6,
-    # but four streams sharing the passes would pay for each other's rejected drafts.
+    # but with three other streams in every pass each extra position delays all of them.
     router = Router(rtt_s=0.01, per_position_s=0.01, prior_acceptance=0.6, stages=3)
+    others = Load(positions=3, rate=3 / (0.01 + 4 * 0.01))
 
-    alone, shared = router.plan(sharing=1), router.plan(sharing=4)
+    alone, crowded = router.plan(), router.plan(load=others)
 
     assert not alone.plain
-    assert shared.plain
-    assert router.rate(alone, sharing=4) < router.rate(PLAIN, sharing=4)
+    assert crowded.plain
+    assert router.rate(alone, load=others) < router.rate(PLAIN, load=others)
+
+
+def test_the_others_positions_lengthen_every_pass_a_chunk_rides_in():
+    router = Router(rtt_s=0.1, per_position_s=0.01, stages=3)
+
+    assert router.rate(PLAIN, load=Load(positions=4)) == pytest.approx(1 / (0.1 + 5 * 0.01))
+    assert router.rate(PLAIN) == pytest.approx(1 / (0.1 + 0.01))
+
+
+def test_the_cost_to_others_is_their_rate_times_the_compute_of_the_extra_positions():
+    assert Load(positions=2, rate=20.0).cost(50.0, 0.004) == pytest.approx(50.0 * 0.004 * 20.0)
+
+
+def test_positions_per_token_is_one_for_plain_and_full_acceptance_and_more_below():
+    assert positions_per_token(0.3, 0, 1) == 1.0
+    assert positions_per_token(1.0, 8, 1) == 1.0
+    # At a = 0.5, k = 1, depth 1: a chunk of 2 positions commits 1.5 tokens on average.
+    assert positions_per_token(0.5, 1, 1) == pytest.approx(2 / 1.5)
+    assert positions_per_token(0.5, 4, 3) > positions_per_token(0.5, 4, 1)
 
 
 # A pass that is mostly fixed compute (a memory-bound stage reads its weights once per pass) over a

@@ -346,20 +346,20 @@ class _StepClock:
         self.challenged = challenged
         self._left: dict[tuple[str, int], float] = {}
         self._back: dict[tuple[str, int], float] = {}
-        self._issued: dict[str, int] = {}  # session -> steps the coordinator issued so far
         self.asked: dict[str, int] = {}  # session -> positions its steps so far reach
 
     def watch(self, pipeline: Pipeline) -> None:
         """Wrap the pipeline's send and receive ends of each step with this clock."""
-        forward, on_result = pipeline.forward, pipeline.on_result
+        send, on_result = pipeline.send, pipeline.on_result
 
-        async def timed_forward(session: str, start: int, count: int, payload: bytes) -> bytes:
-            step = self._issued.get(session, 0)
-            self._issued[session] = step + 1
-            self.asked[session] = max(self.asked.get(session, 0), start + count)
-            if self.challenged == 0:
-                self._left.setdefault((session, step), time.perf_counter())
-            return await forward(session, start, count, payload)
+        async def timed_send(steps: list[tuple[str, int, int, bytes]]) -> list[int]:
+            left = time.perf_counter()
+            numbers = await send(steps)
+            for (session, start, count, _), step in zip(steps, numbers, strict=True):
+                self.asked[session] = max(self.asked.get(session, 0), start + count)
+                if self.challenged == 0:
+                    self._left.setdefault((session, step), left)
+            return numbers
 
         def timed_on_result(index: int, result) -> None:
             now = time.perf_counter()
@@ -369,7 +369,7 @@ class _StepClock:
                     stamps.setdefault((item.session, item.step), now)
             on_result(index, result)
 
-        pipeline.forward = timed_forward  # type: ignore[method-assign]
+        pipeline.send = timed_send  # type: ignore[method-assign]
         pipeline.on_result = timed_on_result  # type: ignore[method-assign]
 
     def elapsed(self, session: str) -> float:

@@ -26,7 +26,7 @@ from typing import Protocol
 from websockets.asyncio.client import connect
 from websockets.exceptions import WebSocketException
 
-from worker_agent.coordinator.pipeline import StageSpec
+from worker_agent.coordinator.pipeline import Pipeline, StageSpec
 from worker_agent.errors import StageError, SwarmError
 from worker_agent.protocol import wire
 from worker_agent.protocol.receipts import StageAssignment
@@ -45,6 +45,22 @@ class StageFailure:
     layer_end: int | None
     code: str
     message: str
+
+
+def failure_at(pipeline: Pipeline, error: StageError) -> StageFailure:
+    """What ``error`` says failed on ``pipeline``, for a healer: the stage, its node and span as its
+    HELLO said them, the failure's code and message."""
+    assert error.stage is not None
+    link = pipeline.links[error.stage]
+    return StageFailure(
+        stage=error.stage,
+        node=link.info.get("node"),
+        url=link.spec.url,
+        layer_start=link.info.get("layer_start"),
+        layer_end=link.info.get("layer_end"),
+        code=error.code,
+        message=str(error),
+    )
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,14 @@ class Healer(Protocol):
         ...
 
 
+async def get_ready(healer: Healer, job: str) -> None:
+    """``healer.prepare()``, in the background once a job's route is up; a failure is only logged."""
+    try:
+        await healer.prepare()
+    except Exception as exc:  # a heal then learns what it needs when it happens
+        log.warning("job %s: the healer could not get ready: %r", job, exc)
+
+
 @dataclass
 class HealRecord:
     """One heal of one request, in seconds since the request started."""
@@ -81,6 +105,16 @@ class HealRecord:
     detected: float  # when the failure was seen
     reconnected: float | None = None  # when the healed route was connected (a replacement found, every stage HELLOed)
     resumed: float | None = None  # when the healed route returned its first result
+
+    @classmethod
+    def of(cls, pipeline: Pipeline, error: StageError, detected: float) -> HealRecord:
+        """The heal of ``error`` on ``pipeline``, seen ``detected`` seconds into the request."""
+        assert error.stage is not None
+        return cls(error.stage, pipeline.links[error.stage].info.get("node"), error.code, str(error), detected)
+
+    def resume(self, at: float) -> None:
+        if self.resumed is None:
+            self.resumed = at
 
     def to_json(self) -> dict:
         return {

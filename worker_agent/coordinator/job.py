@@ -1,4 +1,3 @@
-# Over 500 lines: Coordinator connects, streams, heals and verifies over one set of sessions.
 """A coordinator job: one pipeline of stages, any number of concurrent generation sessions.
 
     key = SigningKey.generate()  # the job's coordinator key; each stage's ticket names its public half
@@ -8,11 +7,13 @@
 ``request`` tokenizes a text prompt; ``request_ids`` takes one tokenized already (the control
 plane tokenizes at admission, once, and hands the coordinator the ids).
 
-Each session opens a KV cache on every stage, prefills, decodes (one token per pass, or, where
-its router finds that speculation pays, chunks of drafts verified in one pass with several in
-flight: ``session.py``, ``router.py``, ``speculation.py``), closes, and collects the stages'
-signed receipts, which are verified (``verify_job``) against the stages' assigned spans and this
-coordinator's own transcript before the result is reported.
+Each session opens a KV cache on every stage, is decoded by the job's engine together with the
+job's other sessions (``engine.py``: the scheduler decides each step what every session sends,
+plain steps or chunks of drafts verified in one pass with several in flight, and batches them;
+``scheduler.py``, ``router.py``, ``session.py``), closes, and collects the stages' signed
+receipts, which are verified (``proof.py``) against the stages' assigned spans and this
+coordinator's own transcript before the result is reported. The coordinator itself connects,
+heals and verifies.
 
 With ``audit_stages`` (stage indices, chosen by the control plane) every session's result also
 carries those stages' exact traffic as ``AuditMaterial``, for a trusted replay (``audit.py``);
@@ -22,41 +23,30 @@ the coordinator itself keeps none of it once the session ends.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import ssl
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Collection, Sequence
 
 from nacl.signing import SigningKey
 
 from worker_agent import model as models
-from worker_agent.coordinator.drafters import Drafter
+from worker_agent.coordinator.engine import Engine, Run
 from worker_agent.coordinator.grammar import Constraint, JsonGrammar
-from worker_agent.coordinator.head import HeadBatcher
-from worker_agent.coordinator.heal import Healer, HealRecord, StageFailure
-from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, CloseIncomplete, Pipeline, StageSpec
+from worker_agent.coordinator.head import HeadRunner
+from worker_agent.coordinator.heal import Healer, HealRecord, failure_at, get_ready
+from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, Pipeline, StageSpec
+from worker_agent.coordinator.proof import check_route, prove_session
 from worker_agent.coordinator.result import GenerationResult
 from worker_agent.coordinator.router import PLAIN, Router, RouteTiming
 from worker_agent.coordinator.sampling import SamplingParams
-from worker_agent.coordinator.session import Chunk, GenerationRequest, GenerationState, TokenEvent
+from worker_agent.coordinator.session import GenerationRequest, GenerationState, TokenEvent
 from worker_agent.coordinator.speculation import SpeculationSettings
-from worker_agent.errors import ReceiptError, StageError
-from worker_agent.protocol.coverage import JobVerification, verify_job
-from worker_agent.protocol.keys import node_id
+from worker_agent.errors import StageError
 from worker_agent.protocol.links import Misconduct
-from worker_agent.protocol.receipts import (
-    BadSignature,
-    MalformedReceipt,
-    MissingReceipt,
-    Receipt,
-    SessionTranscript,
-    StageAssignment,
-)
+from worker_agent.protocol.receipts import Receipt, StageAssignment
 from worker_agent.protocol.transport import DirectLink, LinkFactory
 
 log = logging.getLogger("swarm.coordinator")
@@ -71,22 +61,6 @@ def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool) -> tuple[i
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
     return tuple(tokenizer(prompt)["input_ids"])
-
-
-@dataclass
-class _InFlight:
-    """A chunk sent and not yet folded: its step's task and when it left and came back."""
-
-    chunk: Chunk
-    task: asyncio.Future
-    sent: float  # event-loop time it was sent
-    alone: bool  # nothing was in flight ahead of it: its round trip times the route
-    burst: int  # the planning round that sent it: chunks of one burst are sent together
-    drafter: str | None  # the drafter of its drafts; None for a plain step
-    back: float = field(default=0.0)  # event-loop time its result arrived
-
-    def arrived(self, task: asyncio.Future) -> None:
-        self.back = asyncio.get_running_loop().time()
 
 
 class Coordinator:
@@ -110,7 +84,6 @@ class Coordinator:
         self.model = model
         self.tls = tls  # the swarm's client context for every route of the job (``Pipeline``'s ``tls``)
         self.speculation = speculation or SpeculationSettings()
-        self._streams = 0  # sessions streaming now
         self._timing: RouteTiming | None = None  # the route's round trip and compute, shared by its sessions
         # The job's coordinator key: the stages' tickets name its public half, and every HELLO
         # (a heal's included) proves it. None only with agents that take no tickets.
@@ -130,21 +103,13 @@ class Coordinator:
         self.healer = healer
         self.max_heals = max_heals
         self._heal_lock = asyncio.Lock()
-        self._healed_away: list[Pipeline] = []  # routes left behind by heals, closing in the background
-        self._closing: set[asyncio.Task] = set()
+        self._closing: set[asyncio.Task] = set()  # routes healed away from, closing in the background
         self._preparing: asyncio.Task | None = None  # the healer getting ready, once the route is up
         self.head = models.load_head(model)
         self.tokenizer = models.load_tokenizer(model)
         self.n_layers = models.n_layers(model)
         self.receipts: list[Receipt] = []
-        self._batcher: HeadBatcher | None = None
-
-    @property
-    def batcher(self) -> HeadBatcher:
-        """The event loop's head batcher (shared with the loop's other coordinators)."""
-        if self._batcher is None:
-            self._batcher = HeadBatcher.shared(self.head, self.pipeline.dtype)
-        return self._batcher
+        self.engine = Engine(HeadRunner(self.head, self.pipeline.dtype))
 
     def _pipeline(self, stages: list[StageSpec], audit_stages: Collection[int]) -> Pipeline:
         return Pipeline(
@@ -175,14 +140,8 @@ class Coordinator:
             await self.aclose()
             raise
         if self.healer is not None:  # ready for a failure before one happens, not after
-            self._preparing = asyncio.create_task(self._prepare_healer(self.healer))
+            self._preparing = asyncio.create_task(get_ready(self.healer, self.job))
         return self
-
-    async def _prepare_healer(self, healer: Healer) -> None:
-        try:
-            await healer.prepare()
-        except Exception as exc:  # a heal then learns what it needs when it happens
-            log.warning("job %s: the healer could not get ready: %r", self.job, exc)
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
@@ -190,6 +149,7 @@ class Coordinator:
     async def aclose(self) -> None:
         if self._preparing is not None:
             self._preparing.cancel()
+        await self.engine.aclose()
         await self.pipeline.aclose()
         if self._closing:
             _, pending = await asyncio.wait(self._closing, timeout=HEALED_CLOSE_S)
@@ -197,8 +157,7 @@ class Coordinator:
                 task.cancel()
 
     async def _connect(self) -> None:
-        infos = await self.pipeline.connect()
-        self._check_stages(infos)
+        check_route(self.pipeline, await self.pipeline.connect(), model=self.model_id, n_layers=self.n_layers)
 
     def _can_heal(self, exc: StageError) -> bool:
         return self.healer is not None and exc.stage is not None
@@ -225,83 +184,34 @@ class Coordinator:
 
     async def _replace(self, failed: Pipeline, error: StageError) -> None:
         assert self.healer is not None and error.stage is not None
-        link = failed.links[error.stage]
-        failure = StageFailure(
-            stage=error.stage,
-            node=link.info.get("node"),
-            url=link.spec.url,
-            layer_start=link.info.get("layer_start"),
-            layer_end=link.info.get("layer_end"),
-            code=error.code,
-            message=str(error),
-        )
-        healed = await self.healer.replace(failure, [link.spec for link in failed.links])
+        healed = await self.healer.replace(failure_at(failed, error), [link.spec for link in failed.links])
         if healed is None:
             raise StageError(
                 f"{error}; no replacement for stage {error.stage} is available", code=error.code, stage=error.stage
             )
+        url = failed.links[error.stage].spec.url
         log.warning(
-            "job %s: stage %d (%s) failed (%s); healed onto a new route",
-            self.job,
-            error.stage,
-            link.spec.url,
-            error.code,
+            "job %s: stage %d (%s) failed (%s); healed onto a new route", self.job, error.stage, url, error.code
         )
         if healed.assignments is None and not self._assignments_from_hello:
             # Fail closed: a route the control plane assigned is never swapped for the stages' own word.
             raise StageError(
                 f"{error}; the healer named no assignments for its route", code=error.code, stage=error.stage
             )
-        stages = list(healed.stages)
         audit = healed.audit_stages
         if audit is None:
-            audit = tuple(stage for stage in failed.audit_stages if stage < len(stages))
-        self.pipeline = self._pipeline(stages, audit)
+            audit = tuple(stage for stage in failed.audit_stages if stage < len(healed.stages))
+        self.pipeline = self._pipeline(list(healed.stages), audit)
         # None without a control plane: taken again from the new route's HELLOs.
         self.pipeline.assignments = list(healed.assignments) if healed.assignments is not None else None
         task = asyncio.ensure_future(failed.aclose())  # its survivors drop the job's old sessions
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def _check_stages(self, infos: list[dict]) -> None:
-        """The stages must serve this model and cover its layers in order, without gap or overlap."""
-        position = 0
-        for index, info in enumerate(infos):
-            if info.get("model") != self.model_id:
-                raise StageError(
-                    f"stage {index} serves {info.get('model')!r}, not {self.model_id!r}",
-                    code="wrong_model",
-                    stage=index,
-                )
-            if info.get("layer_start") != position:
-                raise StageError(
-                    f"stage {index} starts at layer {info.get('layer_start')}, expected {position}",
-                    code="bad_route",
-                    stage=index,
-                )
-            if node_id(bytes.fromhex(info["node_key"])) != info.get("node"):
-                raise StageError(
-                    f"stage {index} reports a node id that is not its key's", code="bad_route", stage=index
-                )
-            position = info["layer_end"]
-        if position != self.n_layers:
-            raise StageError(f"the stages cover layers 0:{position} of {self.n_layers}", code="bad_route")
-        if self.pipeline.assignments is None:  # no control plane: the stages' own HELLO is all there is to go by
-            self.pipeline.assignments = [StageAssignment.from_json(info) for info in infos]
-
-    def request(
-        self,
-        prompt: str | list[dict],
-        *,
-        chat: bool = False,
-        max_tokens: int = 64,
-        sampling: SamplingParams | None = None,
-        stop: tuple[str, ...] = (),
-        speculate: bool = True,
-    ) -> GenerationRequest:
-        """Tokenize a prompt (a string, or chat messages with ``chat=True``) into a request."""
-        ids = encode_prompt(self.tokenizer, prompt, chat=chat)
-        return self.request_ids(ids, max_tokens=max_tokens, sampling=sampling, stop=stop, speculate=speculate)
+    def request(self, prompt: str | list[dict], *, chat: bool = False, **options) -> GenerationRequest:
+        """Tokenize a prompt (a string, or chat messages with ``chat=True``) into a request; ``options``
+        as ``request_ids`` takes them."""
+        return self.request_ids(encode_prompt(self.tokenizer, prompt, chat=chat), **options)
 
     def request_ids(
         self,
@@ -331,27 +241,29 @@ class Coordinator:
         self, request: GenerationRequest, *, strict: bool = True
     ) -> AsyncGenerator[TokenEvent | GenerationResult, None]:
         """Yield each committed token as it comes, then the verified result. Receipts that fail
-        verification raise (``strict``), or are reported in the result's ``verification_error``."""
+        verification raise (``strict``), or are reported in the result's ``verification_error``.
+
+        A stage failure heals the route (``_heal``) and the session starts over on it, under a new
+        id, from the prompt and every token committed so far (``GenerationState.rewind``)."""
         started = time.monotonic()
         constraint = None
         if request.grammar is not None:
             constraint = Constraint(request.grammar, self.tokenizer, self.head.lm_head.out_features)
         state = GenerationState(request, self.tokenizer, constraint=constraint)
-        heals: list[HealRecord] = []
-        pipeline = self.pipeline
-        session = pipeline.new_session_id()
-        closed = False
         drafters = self.speculation.drafters(self.model) if request.speculate else {}
-        router = self._router(request, drafters)
-        self._streams += 1  # the sessions sharing the route's compute, which the routers price in
+        router, heals = self._router(request, drafters), []
+        run = Run(self.pipeline, self.pipeline.new_session_id(), state, router, drafters)
         try:
             while True:
                 try:
-                    await pipeline.open([session])
-                    async for event in self._decode(pipeline, session, state, router, drafters, heals, started):
+                    await run.pipeline.open([run.session])
+                    self.engine.add(run)
+                    async for event in run.events():
                         yield event
                     break
                 except StageError as exc:
+                    self.engine.drop(run)
+                    run.pipeline.forget(run.session)
                     if not self._can_heal(exc):
                         raise
                     if len(heals) >= self.max_heals:
@@ -359,78 +271,27 @@ class Coordinator:
                             f"{exc} (the request was healed {len(heals)} times already, the most allowed)",
                             code=exc.code,
                         ) from exc
-                    assert exc.stage is not None
-                    link = pipeline.links[exc.stage]
-                    heals.append(
-                        HealRecord(exc.stage, link.info.get("node"), exc.code, str(exc), time.monotonic() - started)
-                    )
-                    pipeline.forget(session)
-                    await self._heal(pipeline, exc)
+                    heals.append(HealRecord.of(run.pipeline, exc, time.monotonic() - started))
+                    await self._heal(run.pipeline, exc)
                     heals[-1].reconnected = time.monotonic() - started
                     # The new route holds nothing of this session: it starts over, under a new id.
-                    pipeline = self.pipeline
-                    session = pipeline.new_session_id()
+                    run = Run(self.pipeline, self.pipeline.new_session_id(), state, router, drafters)
+                    run.on_fold.append(lambda record=heals[-1]: record.resume(time.monotonic() - started))
                     state.rewind()
-            replies: list[tuple[dict, ...]] | None = None
-            partial: list[tuple[dict, ...]] | None = None
-            verification, verification_error, culprit = None, "", None
-            try:
-                replies = await pipeline.close_by_stage([session])
-                closed = True
-            except StageError as exc:
-                # Every token is out, and a stage's receipt did not come: its session was gone, or its
-                # connection dropped or went silent before it answered CLOSE. The client has its
-                # answer; the job cannot be verified, and the stage that owed the receipt is its
-                # culprit (none when no stage answered: then the coordinator's own link is likelier).
-                if strict:
-                    raise
-                verification_error = f"{exc} (lost before it sent its receipt; {exc.code})"
-                culprit = pipeline.node_at(exc.stage) if exc.stage is not None else None
-                partial = exc.replies if isinstance(exc, CloseIncomplete) else None
-            audits, audit_missing = await pipeline.take_audits(session)
-            receipts: list[Receipt] = []
-            if partial is not None:  # the receipts that did come are the others' proof of their part
-                receipts, _ = self._own_receipts(pipeline, session, partial)
-            if replies is not None:
-                receipts, refused = self._own_receipts(pipeline, session, replies)
-                try:
-                    if refused is not None:
-                        raise refused
-                    receipts, verification = self._verify(pipeline, session, receipts)
-                except ReceiptError as exc:
-                    if strict:
-                        raise
-                    # The receipts that are their signers' own stay: they are the evidence that
-                    # decides the failure, and pay the stages whose work still verifies.
-                    verification_error, culprit = f"{exc} ({exc.code})", exc.node
         finally:
-            self._streams -= 1
-            pipeline.forget(session)
-            if not closed:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(pipeline.close([session]), 5)
-        yield GenerationResult(
-            session=session,
-            text=state.text,
-            token_ids=state.generated,
-            prompt_tokens=len(request.prompt_ids),
-            finish_reason=state.finish_reason or "length",
-            token_times=state.token_times,
-            elapsed=time.monotonic() - started,
-            steps=state.steps,
-            receipts=receipts,
-            verification=verification,
-            verification_error=verification_error,
-            audits=audits,
-            audit_missing=audit_missing,
-            heals=heals,
-            verification_culprit=culprit,
-            drafted=state.drafted,
-            accepted=state.accepted,
-            speculation=state.speculation,
-        )
+            self.engine.drop(run)
+            state.speculation = router.to_json()
+        yield await self._finish(run, strict, heals=heals, elapsed=time.monotonic() - started)
 
-    def _router(self, request: GenerationRequest, drafters: dict[str, Drafter]) -> Router:
+    async def _finish(self, run: Run, strict: bool, **measured) -> GenerationResult:
+        """Close the session everywhere, take its receipts and audit material, verify them."""
+        proof = await prove_session(
+            run.pipeline, run.session, strict=strict, model=self.model_id, n_layers=self.n_layers
+        )
+        self.receipts.extend(proof.receipts if proof.verification is not None else ())
+        return GenerationResult.of(run.session, run.state, proof, **measured)
+
+    def _router(self, request: GenerationRequest, drafters: dict) -> Router:
         """The session's router: plain decoding when speculation is off, else over its drafters,
         with the fixed (drafter, K, depth) of the coordinator's settings if any."""
         costs = {name: drafter.cost_s_per_token for name, drafter in drafters.items()}
@@ -441,176 +302,10 @@ class Coordinator:
             self._timing = RouteTiming(stages=stages)
         return Router(costs, fixed=self.speculation.fixed_plan(costs), timing=self._timing)
 
-    async def _decode(
-        self,
-        pipeline: Pipeline,
-        session: str,
-        state: GenerationState,
-        router: Router,
-        drafters: dict[str, Drafter],
-        heals: list[HealRecord],
-        started: float,
-    ) -> AsyncIterator[TokenEvent]:
-        """Run one session on ``pipeline`` until it is done: send chunks as the router plans them
-        (up to ``depth`` in flight), fold their results in send order, yield committed tokens.
-        Chunks still in flight at the end (voided by a rejection or the stream's end) are awaited
-        all the same: the stages computed and signed them, and the transcript must say so."""
-        loop = asyncio.get_running_loop()
-        flight: deque[_InFlight] = deque()
-        bursts = itertools.count()
-        previous: _InFlight | None = None  # the chunk folded last
-        chain_drafter: str | None = None  # the drafter of the chain in flight
-        try:
-            while not state.done:
-                burst = next(bursts)
-                while True:
-                    # Planned again for every chunk: a chain that keeps being accepted grows its K
-                    # and depth as the acceptance estimate rises, without waiting for a rejection.
-                    # A chain keeps the drafter that began it: a later chunk is worth what the chunks
-                    # before it are (it is void if they are rejected), and another drafter's match
-                    # on their drafts would be judged by an estimate they never earned.
-                    ready = self._ready(drafters, state)
-                    if state.in_flight:
-                        ready = [name for name in ready if name == chain_drafter]
-                    plan = router.plan(available=ready, sharing=self._streams, in_flight=state.in_flight)
-                    if plan is None:
-                        break  # as many chunks in flight as the plan keeps: wait for a result
-                    if not state.in_flight:
-                        chain_drafter = plan.drafter
-                    drafts: list[int] = []
-                    if plan.k and plan.drafter is not None and state.room_for_drafts():
-                        drafter_used = drafters[plan.drafter]
-                        drafts = await self._draft(drafter_used, state, min(plan.k, state.room_for_drafts()))
-                    made = state.next_chunk(drafts)
-                    if made is None:
-                        break
-                    chunk, tokens = made
-                    payload = await self.batcher.embed(tokens)
-                    entry = _InFlight(
-                        chunk,
-                        asyncio.ensure_future(pipeline.forward(session, chunk.start, chunk.count, payload)),
-                        sent=loop.time(),
-                        alone=len(flight) == 0,
-                        burst=burst,
-                        drafter=plan.drafter if drafts else None,
-                    )
-                    entry.task.add_done_callback(entry.arrived)
-                    flight.append(entry)
-                    if not drafts:
-                        break  # a plain step: nothing is built on it before it comes back
-                entry = flight.popleft()
-                chunk = entry.chunk
-                output = await entry.task
-                entry.back = entry.back or loop.time()
-                # Only a chunk sent with nothing ahead of it times a round trip: one sent behind
-                # others also waits for them at every stage. One sent together with the chunk
-                # before it (the same burst) times the busiest stage's service instead.
-                if entry.alone:
-                    router.observe_round_trip(chunk.count, entry.back - entry.sent)
-                elif previous is not None and previous.burst == entry.burst:
-                    router.observe_spacing(chunk.count, entry.back - previous.back)
-                previous = entry
-                rows = state.rows_needed(chunk)
-                logits = await self.batcher.logits_rows(output, rows) if rows else None
-                if heals and heals[-1].resumed is None:
-                    heals[-1].resumed = time.monotonic() - started
-                fold = state.fold(chunk, logits)
-                if fold.drafted and entry.drafter is not None:
-                    router.observe(entry.drafter, fold.drafted, fold.accepted)
-                for event in fold.events:
-                    yield event
-            while flight:  # void chunks: their results are part of what the stages signed
-                entry = flight.popleft()
-                await entry.task
-                state.fold(entry.chunk, None)
-        finally:
-            for entry in flight:
-                entry.task.cancel()
-            if flight:
-                await asyncio.gather(*(entry.task for entry in flight), return_exceptions=True)
-            state.speculation = router.to_json()
-
-    @staticmethod
-    def _ready(drafters: dict[str, Drafter], state: GenerationState) -> list[str]:
-        """The drafters with something to propose this round (a stand-in only where the drafter it
-        stands in for has nothing)."""
-        if not state.room_for_drafts():
-            return []
-        context = state.draft_context()
-        for drafter in drafters.values():
-            drafter.observe(state.committed)
-        ready = {name for name, drafter in drafters.items() if drafter.ready(context)}
-        return sorted(name for name in ready if drafters[name].only_without not in ready)
-
-    @staticmethod
-    async def _draft(drafter: Drafter, state: GenerationState, k: int) -> list[int]:
-        """Up to ``k`` drafts; ``_ready`` has fed the drafter the committed tokens this round."""
-        context = state.draft_context()
-        if drafter.cost_s_per_token:  # a model: off the event loop
-            return await asyncio.to_thread(drafter.propose, context, k)
-        return drafter.propose(context, k)
-
-    @staticmethod
-    def _own_receipts(
-        pipeline: Pipeline, session: str, replies: list[tuple[dict, ...]]
-    ) -> tuple[list[Receipt], ReceiptError | None]:
-        """The stages' receipts for the session, in route order, and the first refusal: each stage's
-        CLOSE reply must hold exactly its own receipt, readable and validly signed; anything else is
-        that stage's doing (the ReceiptError names its node) and leaves its receipt out."""
-        assignments = pipeline.assignments or []
-        receipts: list[Receipt] = []
-        refused: ReceiptError | None = None
-        for index, reply in enumerate(replies):
-            node = assignments[index].node if index < len(assignments) else None
-            where = f"stage {index} (node {node})"
-            try:
-                try:
-                    decoded = [Receipt.from_dict(raw) for raw in reply]
-                except ReceiptError as exc:
-                    raise MalformedReceipt(f"{where} sent an unreadable receipt: {exc}", node=node) from None
-                if len(decoded) != 1 or (decoded[0].session, decoded[0].node) != (session, node):
-                    raise MissingReceipt(f"{where} did not send its own receipt for session {session!r}", node=node)
-                try:
-                    decoded[0].verify_signature()
-                except ReceiptError as exc:
-                    raise BadSignature(f"{where}: {exc}", node=node) from None
-            except ReceiptError as exc:
-                refused = refused or exc
-                continue
-            receipts.append(decoded[0])
-        return receipts, refused
-
     @property
     def assignments(self) -> list[StageAssignment] | None:
         """The current route's assignments."""
         return self.pipeline.assignments
-
-    def _verify(
-        self, pipeline: Pipeline, session: str, receipts: list[Receipt]
-    ) -> tuple[list[Receipt], JobVerification]:
-        """The session's receipts in route order (stage 0 first), once they prove its work; raises a
-        ReceiptError subclass otherwise. The control plane stores them in this order and its audits
-        find a stage's receipt by position.
-
-        A healed request is proven by its last session alone: the route it healed onto re-ran the
-        prompt and every committed token, so that session's receipts cover every layer of every
-        position exactly once, each by the node assigned it on the healed route. The session it
-        left is not verified: its dead stage never signed for it."""
-        transcript = pipeline.transcripts[session]
-        assignments = pipeline.assignments or []
-        verification = verify_job(
-            job=self.job,
-            model=self.model_id,
-            n_layers=self.n_layers,
-            assignments=assignments,
-            receipts=receipts,
-            transcripts=[SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received))],
-        )
-        # Verified: each assigned node signed exactly one receipt for this session.
-        position = {assignment.node: index for index, assignment in enumerate(assignments)}
-        receipts = sorted(receipts, key=lambda receipt: position[receipt.node])
-        self.receipts.extend(receipts)
-        return receipts, verification
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         result = None

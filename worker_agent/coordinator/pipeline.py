@@ -1,9 +1,10 @@
 # Over 500 lines: StageLink and Pipeline, the coordinator's two halves of the data plane, read together.
 """The coordinator's side of the data plane: one connection per stage, ring or star routing.
 
-``Pipeline.forward`` takes one session step (token rows of hidden states) and returns the last
-stage's output for it. Steps of concurrent sessions issued in the same event-loop turn are
-coalesced into one FORWARD frame, so stages see them together and batch them.
+``Pipeline.send`` sends one batch of steps (each one session's token rows of hidden states) as
+one FORWARD frame, so the stages compute them together; ``Pipeline.result`` waits for one step's
+output from the last stage. Which steps go together is the coordinator's scheduler's choice
+(``scheduler.py``), never this module's.
 
 - ``ring``: the coordinator sends to the first stage; each stage forwards to its successor
   (with a peer pass the coordinator signed for that successor and handed it in HELLO: it lets
@@ -378,8 +379,6 @@ class Pipeline:
         self.transcripts: dict[str, Transcript] = {}
         self.bytes_received = 0
         self._waiting: dict[tuple[str, int], asyncio.Future] = {}
-        self._outbox: list[tuple[wire.Item, bytes]] = []
-        self._flush_scheduled = False
         self._steps: dict[str, int] = {}
         self._session_ids = session_ids if session_ids is not None else itertools.count()
         self.stall_timeout_s = stall_timeout_s
@@ -517,8 +516,45 @@ class Pipeline:
     def new_session_id(self) -> str:
         return f"s{next(self._session_ids)}"
 
-    async def forward(self, session: str, start: int, count: int, payload: bytes) -> bytes:
-        """Run ``count`` token rows of one session through every stage; the last stage's bytes.
+    async def send(self, steps: list[tuple[str, int, int, bytes]]) -> list[int]:
+        """Send one batch of steps, each (session, start position, token rows, payload), as one
+        FORWARD frame to the first stage; returns each step's index in its session. A session
+        appears at most once per batch: its next step needs this one's keys. Each step's output is
+        then awaited with ``result``; a lost connection fails them there."""
+        loop = asyncio.get_running_loop()
+        items: list[wire.Item] = []
+        for session, start, count, payload in steps:
+            step = self._steps[session]
+            self._steps[session] = step + 1
+            self._waiting[(session, step)] = loop.create_future()
+            self._stalls.start((session, step), loop.time())
+            self.transcripts[session].sent.append(digest(payload))
+            capture = self._captures.get(session)
+            if capture is not None:
+                capture.steps.append((start, count))
+                capture.put(0, step, payload)
+            items.append(wire.Item(session, step, start, count))
+        if len({item.session for item in items}) != len(items):
+            raise ValueError("a batch holds at most one step per session")
+        rows = sum(item.count for item in items)
+        frame = wire.Forward(
+            self.job, tuple(items), self.dtype, (rows, self.width(steps)), b"".join(s[3] for s in steps)
+        )
+        try:
+            await self.links[0].send(frame)
+        except Exception as exc:  # the connection is gone: every waiter learns it
+            self.fail_all(StageError(f"cannot send to stage 0: {exc}", code="stage_lost", stage=0))
+        return [item.step for item in items]
+
+    def width(self, steps: list[tuple[str, int, int, bytes]]) -> int:
+        """The hidden size of a batch's rows: the model's, else what the first step's bytes hold."""
+        if self.hidden_size is not None:
+            return self.hidden_size
+        _, _, count, payload = steps[0]
+        return len(payload) // (count * wire.DTYPES[self.dtype].itemsize)
+
+    async def result(self, session: str, step: int, count: int) -> bytes:
+        """The last stage's output for step ``step`` (of ``count`` token rows) of ``session``.
 
         A step that makes no progress for the stall timeout (no stage puts out its part: in ring
         each stage but the last taps its output to the coordinator, in star the coordinator relays
@@ -531,20 +567,7 @@ class Pipeline:
         stage it waits on is PINGed over the coordinator's own link (``_liveness``), and one that
         does not answer within FREEZE_PROBE_S while the step still made no progress is blamed
         (``stage_stalled``). A stage that answers is busy, and has the whole stall timeout."""
-        step = self._steps[session]
-        self._steps[session] = step + 1
-        future = asyncio.get_running_loop().create_future()
-        self._waiting[(session, step)] = future
-        self._stalls.start((session, step), asyncio.get_running_loop().time())
-        self.transcripts[session].sent.append(digest(payload))
-        capture = self._captures.get(session)
-        if capture is not None:
-            capture.steps.append((start, count))
-            capture.put(0, step, payload)
-        self._outbox.append((wire.Item(session, step, start, count), payload))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(lambda: self._spawn(self._flush()))
+        future = self._waiting[(session, step)]
         stall = self.stall_timeout_s + STALL_PER_ROW_S * count
         key, loop = (session, step), asyncio.get_running_loop()
         probe: asyncio.Task[bool] | None = None
@@ -647,31 +670,6 @@ class Pipeline:
             self.fail_all(StageError(message, code=code, stage=blamed))
 
         self._spawn(judge())
-
-    async def _flush(self) -> None:
-        """Send the steps issued in this event-loop turn: one frame for all sessions' steps, or, when
-        a session issued several (speculative chunks), one frame per round of them, so that a stage
-        computes and sends on a session's first chunk before its next (pipelining them)."""
-        self._flush_scheduled = False
-        outbox, self._outbox = self._outbox, []
-        rounds: list[list[tuple[wire.Item, bytes]]] = []
-        seen: dict[str, int] = {}  # session -> steps of it so far in this flush
-        for entry in outbox:
-            index = seen.get(entry[0].session, 0)
-            seen[entry[0].session] = index + 1
-            if index == len(rounds):
-                rounds.append([])
-            rounds[index].append(entry)
-        for batch in rounds:
-            items = tuple(item for item, _ in batch)
-            rows = sum(item.count for item in items)
-            hidden = len(batch[0][1]) // (batch[0][0].count * wire.DTYPES[self.dtype].itemsize)
-            frame = wire.Forward(self.job, items, self.dtype, (rows, hidden), b"".join(p for _, p in batch))
-            try:
-                await self.links[0].send(frame)
-            except Exception as exc:  # the connection is gone: every waiter learns it
-                self.fail_all(StageError(f"cannot send to stage 0: {exc}", code="stage_lost", stage=0))
-                return
 
     def on_result(self, index: int, result: wire.Result) -> None:
         """Stage ``index``'s output: the step's answer from the last stage, otherwise a ring tap

@@ -4,12 +4,17 @@ material, heals and speculation figures."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from worker_agent.coordinator.heal import HealRecord
 from worker_agent.coordinator.pipeline import AuditGap
 from worker_agent.protocol.audit import AuditMaterial
 from worker_agent.protocol.coverage import JobVerification
 from worker_agent.protocol.receipts import Receipt
+
+if TYPE_CHECKING:  # only named in annotations: proof.py and session.py import nothing from here
+    from worker_agent.coordinator.proof import Proof
+    from worker_agent.coordinator.session import GenerationState
 
 
 @dataclass
@@ -32,6 +37,32 @@ class GenerationResult:
     drafted: int = 0  # draft tokens the pipeline verified
     accepted: int = 0  # drafts accepted (committed as drafted)
     speculation: dict = field(default_factory=dict)  # the router's view at the end (acceptance, plan)
+
+    @classmethod
+    def of(
+        cls, session: str, state: GenerationState, proof: Proof, *, heals: list[HealRecord], elapsed: float
+    ) -> GenerationResult:
+        """The result of a session that ended in ``state``, proven (or not) by ``proof``."""
+        return cls(
+            session=session,
+            text=state.text,
+            token_ids=state.generated,
+            prompt_tokens=len(state.request.prompt_ids),
+            finish_reason=state.finish_reason or "length",
+            token_times=state.token_times,
+            elapsed=elapsed,
+            steps=state.steps,
+            receipts=proof.receipts,
+            verification=proof.verification,
+            verification_error=proof.error,
+            verification_culprit=proof.culprit,
+            audits=proof.audits,
+            audit_missing=proof.audit_missing,
+            heals=heals,
+            drafted=state.drafted,
+            accepted=state.accepted,
+            speculation=state.speculation,
+        )
 
     @property
     def acceptance(self) -> float | None:

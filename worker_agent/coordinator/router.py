@@ -152,6 +152,40 @@ def _check_acceptance(a: float) -> None:
         raise ValueError(f"acceptance must be in [0, 1], got {a}")
 
 
+def positions_per_token(a: float, k: int, depth: int) -> float:
+    """Positions the stages compute per committed token with (k, depth) at acceptance ``a``, in the
+    model of ``predicted_rate``. Synchronous rounds send k+1 positions and commit
+    ``expected_committed(a, k)``. A pipelined chain sends its first chunk with the last committed
+    token (k+1 positions), one more of k per fully accepted chunk, and ``depth - 1`` chunks voided
+    after its rejection; it commits sum_{i<k} a^i tokens per chunk checked. 1 for plain decoding."""
+    _check_acceptance(a)
+    if k == 0:
+        return 1.0
+    if depth == 1:
+        return (k + 1) / expected_committed(a, k)
+    q = a**k
+    # Per chain, times (1 - q): chunks checked 1/(1-q), voided depth-1, the first position once.
+    positions = k + (k * (depth - 1) + 1) * (1.0 - q)
+    return positions / math.fsum(a**i for i in range(k))
+
+
+@dataclass(frozen=True)
+class Load:
+    """The other sessions on a route, as one session's plan sees them."""
+
+    positions: float = 0.0  # positions they put in each pass this session's chunks ride in
+    rate: float = 0.0  # tokens per second they commit between them
+
+    def cost(self, extra_positions_per_s: float, per_position_s: float) -> float:
+        """Tokens per second the others lose to ``extra_positions_per_s`` more positions in their
+        passes: each delays every pass it rides in by ``per_position_s``, and a session committing
+        r tokens per second at one per pass loses r * per_position_s tokens per such position."""
+        return extra_positions_per_s * per_position_s * self.rate
+
+
+ALONE = Load()
+
+
 class Router:
     """Per-session online planner: folds in what each chunk showed, and plans the next chain.
 
@@ -291,40 +325,46 @@ class Router:
     def pass_s(self) -> float:
         return self._timing()[2]
 
-    def rate(self, plan: Plan, *, sharing: int = 1) -> float:
+    def rate(self, plan: Plan, *, load: Load | None = None) -> float:
         """``predicted_rate`` of ``plan`` under the current estimates, in tokens per second.
 
-        ``sharing``: how many sessions share the route's compute. A position this session sends
-        is computed in the same passes as theirs, so where compute binds it costs all of them its
-        time: a position is priced at ``sharing`` times its measured cost, and the stages the
-        others keep busy overlap none of this session's chunks. With one stream the
-        extra positions of speculation are nearly free (a pass of k+1 positions costs little
-        more than one); with several, batching has filled the passes already and a rejected
-        draft is compute taken from the others."""
+        ``load``: the other sessions on the route (``Load``). Their positions ride in the same
+        passes as this session's chunks, so every pass costs their compute too; a position this
+        session sends beyond what plain decoding would send delays every one of them by its compute
+        (``Load.cost``), and that is priced here: with one stream the extra positions of
+        speculation are nearly free (a pass of k+1 positions costs little more than one), with
+        several the passes are full already and a rejected draft is compute taken from the others."""
         rtt_s, per_position_s, pass_s = self._timing()
-        sharing = max(1, sharing)
-        per_position_s *= sharing
-        stages = max(1, self.stages // sharing)  # stages busy with the others' work overlap none of ours
+        load = load or ALONE
+        shared_pass_s = pass_s + load.positions * per_position_s
         if plan.drafter is None:
             single_s = self.timing.single_s()
-            if single_s is not None and single_s > 0.0:
+            if load.positions == 0 and single_s is not None and single_s > 0.0:
                 return 1.0 / single_s
-            return predicted_rate(0.0, 0, 1, rtt_s, per_position_s, stages=stages, pass_s=pass_s)
-        return predicted_rate(
-            self.acceptance(plan.drafter),
+            return predicted_rate(0.0, 0, 1, rtt_s, per_position_s, stages=self.stages, pass_s=shared_pass_s)
+        a = self.acceptance(plan.drafter)
+        rate = predicted_rate(
+            a,
             plan.k,
             plan.depth,
             rtt_s,
             per_position_s,
             self.drafters[plan.drafter],
-            stages=stages,
-            pass_s=pass_s,
+            stages=self.stages,
+            pass_s=shared_pass_s,
         )
+        if load.rate <= 0.0:
+            return rate
+        plain = self.rate(PLAIN, load=load)
+        extra = max(0.0, rate * positions_per_token(a, plan.k, plan.depth) - plain)  # positions/s beyond plain's
+        return rate - load.cost(extra, per_position_s)
 
-    def plan(self, *, available: Collection[str] | None = None, sharing: int = 1, in_flight: int = 0) -> Plan | None:
+    def plan(
+        self, *, available: Collection[str] | None = None, load: Load | None = None, in_flight: int = 0
+    ) -> Plan | None:
         """The plan for the next chunk. ``available``: the drafters with something to propose
         this round (None: all of them); a name this router was not given raises ValueError.
-        ``sharing``: the sessions sharing the route's compute now (see ``rate``). ``in_flight``:
+        ``load``: the other sessions sharing the route's passes now (see ``rate``). ``in_flight``:
         the session's chunks already in flight; where the plan keeps no more than that many in
         flight, the answer is None (wait for a result) and nothing is recorded, so ``chosen``
         counts the chunks actually planned."""
@@ -335,7 +375,7 @@ class Router:
         if self.fixed is not None:
             chosen = self.fixed if self.fixed.drafter is None or self.fixed.drafter in names else PLAIN
         else:
-            chosen = self._best(names, sharing)
+            chosen = self._best(names, load)
             if chosen.plain and names:
                 probe = Plan(min(names, key=lambda name: (self._last_tried[name], name)), self.k_choices[0], 1)
                 if streak >= self._probe_interval(probe):
@@ -365,14 +405,14 @@ class Router:
             },
         }
 
-    def _best(self, names: list[str], sharing: int = 1) -> Plan:
-        plain_rate = self.rate(PLAIN, sharing=sharing)
+    def _best(self, names: list[str], load: Load | None) -> Plan:
+        plain_rate = self.rate(PLAIN, load=load)
         best, best_rate = PLAIN, plain_rate * (1.0 + PLAIN_MARGIN)
         for name in names:
             for k in self.k_choices:
                 for depth in self.depth_choices:
                     candidate = Plan(name, k, depth)
-                    rate = self.rate(candidate, sharing=sharing)
+                    rate = self.rate(candidate, load=load)
                     if rate > best_rate:
                         best, best_rate = candidate, rate
         return best

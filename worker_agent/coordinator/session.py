@@ -2,7 +2,7 @@
 
 ``GenerationState`` decides what the pipeline must compute next and folds what comes back into
 committed tokens, deciding when to stop (EOS, a stop string, the token budget) and which text can
-be streamed already. The driver in ``job.py`` does the sending and receiving.
+be streamed already. The engine (``engine.py``) does the sending and receiving.
 
 The stream is a chain of tokens sent past what the stages hold: at first the prompt, then the
 last committed token, each time followed by the drafts of a drafter (none in plain decoding).
