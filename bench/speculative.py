@@ -1,43 +1,68 @@
-"""Speculative decoding against plain decoding over emulated WAN round trips.
+"""Speculative decoding against plain decoding over emulated WAN round trips, and prefix reuse
+in a multi-turn chat.
 
-    .venv/bin/python bench/speculative.py            # the full run (``make bench``), about 40 minutes
-    .venv/bin/python bench/speculative.py --quick    # a smoke run of the same code paths
+    .venv/bin/python bench/speculative.py            # the full run (``make bench``), about 55 minutes
+    .venv/bin/python bench/speculative.py --quick    # every code path at 0 and 50 ms, a few tokens
+    .venv/bin/python bench/speculative.py --rtts 300 --streams 1 --kinds novel --sampling greedy
+    .venv/bin/python bench/speculative.py --kinds multiturn                       # the chat alone
 
 In one run, on smollm2-135m split into three ``swarm-worker serve`` processes on loopback
-(layers 0:10, 10:20, 20:30), ring topology, greedy, for each round trip in ``--rtts``: the
-application's WAN emulator delays every link (coordinator -> A -> B -> C -> coordinator) by half
-the round trip, so one pass through the ring takes two round trips plus compute. For each round
-trip, two coordinators in this process, one decoding plainly (one token per pass) and one with
-speculation as the product runs it by default (``SpeculationSettings()``: the n-gram drafter, a
-router choosing K and the chunks in flight per chain), each serve
+(layers 0:10, 10:20, 20:30), ring topology, for each round trip in ``--rtts`` (0, 50, 200, 300
+ms): the application's WAN emulator delays every link (coordinator -> A -> B -> C -> coordinator)
+by half the round trip, so one pass through the ring takes two round trips plus compute. For each
+round trip, two coordinators in this process, one decoding plainly (one token per pass) and one
+with speculation as the product runs it by default (``SpeculationSettings()``: the n-gram drafter,
+a router choosing K and the chunks in flight per chain), take turns on every prompt (one stream)
+or group (four streams), so a comparison is between runs seconds apart. The prompts
+(``speculative_prompts.py``), by ``--kinds``:
 
-- draftable prompts (up to ``--max-tokens`` 160 each; the answers end sooner): repeat a passage
-  (about 125 tokens), rewrite a class with an attribute renamed, repeat two paragraphs that
-  differ in two words, copy a list: text the answer repeats, which a prompt-lookup drafter can
-  propose;
-- novel chat (``--novel-max-tokens`` 64 each): open questions whose answers repeat little of
-  the prompt;
+- ``draftable``: short texts the answer repeats or lightly edits (``--max-tokens`` 160; the
+  answers end sooner): repeat a paragraph of about 60 words, rewrite a class with an attribute
+  renamed, repeat two paragraphs that differ in one word, copy a list;
+- ``long``: repeat a passage of about 330 tokens (``--long-max-tokens`` 360). SmolLM2-135M copies
+  it with one paragraph left out, then starts over from the third and runs to the budget;
+- ``novel``: open questions whose answers repeat little of the prompt (``--novel-max-tokens`` 48);
+- ``multiturn``: a chat of about 900 tokens (a system message, the story's opening, an answer,
+  a question), then a follow-up whose prompt is that history, the first answer and a new
+  question, both through the model's chat template (``--turn-max-tokens`` 32 each).
 
-with 1 stream (each prompt of the set alone, one after another) and with 4 concurrent streams
-(the set's four prompts in one coordinator job). The two coordinators take turns on every
-prompt (one stream) or group (four), so a comparison is between runs seconds apart.
+each with 1 stream (each prompt alone, one after another) and 4 concurrent streams (a set's four
+prompts in one coordinator job; ``long`` has one prompt and runs with 1 stream only), greedy and
+sampled (``--sampling``; temperature ``--temperature`` 0.8, the seed of the i-th prompt of a set
+``--seed`` + i). The grid is trimmed to stay under an hour: sampled rows run at ``--sampled-rtts``
+(0 and 300 ms) and the long passage at ``--long-rtts`` (0 and 300 ms), greedy and sampled; the
+rest at every round trip.
 
 Per row: decode tokens/s (the sum of (tokens - 1) over the streams, divided by the time from the
 earliest first token to the latest last token; with one stream, summed over the prompts run in
-turn), the ratio to plain decoding at the same round trip, prompt set and stream count,
+turn), the ratio to plain decoding at the same round trip, prompts, stream count and sampling,
 acceptance (drafts accepted / drafts verified), committed tokens per forward pass, wasted
 positions (positions the stages computed, from their signed receipts, minus the positions plain
-decoding computes for the same tokens) and whether every stream's tokens equal plain decoding's.
-The router's choices (plans per chain) are kept per row, and with one stream each prompt's own
-figures.
+decoding computes for the same tokens) and whether every stream's tokens equal plain decoding's
+(required of greedy rows; a seeded sampled row draws each position's token from (seed, position)
+alone, so it usually matches too, but numerics may flip a draw: its losslessness is what
+``tests/test_speculation_sampling.py`` checks, over the distribution). The router's choices (plans
+per chain) are kept per row, and with one stream each prompt's own figures.
+
+The multi-turn row (on the speculating coordinator, greedy) runs turn 1 and turn 2 with
+``prefix_salt=b"bench"`` (turn 2 may reuse turn 1's prefix) and turn 2 again without a salt (no
+reuse): each turn's time to first token, the ratio turn 2 / turn 1, the cached tokens the result
+reports and whether turn 2's tokens equal those without reuse. Where ``GenerationRequest`` has no
+``prefix_salt`` field (prefix reuse is not in the checkout) the row reports reuse as not
+available and times both turns without it.
+
+The full run took about 31 minutes on this 2-core Intel Xeon before the long, sampled and
+multi-turn rows; from that run's rates those add about 25 minutes (the plain side of the long
+passage at 300 ms alone takes about 4 minutes a sampling), about 55 minutes in all on a quiet
+machine. ``--quick`` took about 8 minutes here with the machine loaded by other work.
 
 The drafter is the model-free n-gram (prompt lookup): no draft model sharing SmolLM2's tokenizer
 exists offline on this machine (the registry's other models, tiny-llama and its seeds, are random
 weights whose drafts would almost never be accepted), so ``--draft-model`` is left off here; the
 draft-model path is exercised by the tests with tiny-llama pairs.
 
-A benchmark measures and prints; it asserts nothing. The table goes to stdout, everything else
-to ``bench/results/speculative.json``.
+A benchmark measures and prints; it asserts nothing. The table and the targets (met or missed)
+go to stdout, everything else to ``bench/results/speculative.json``.
 """
 
 from __future__ import annotations
@@ -45,20 +70,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
+import dataclasses
 import platform
 import sys
 import time
 from pathlib import Path
 
 from report import describe_machine, load_average, write_json
+from speculative_prompts import CONVERSATION, DRAFTABLE, FOLLOW_UP, LONG, NOVEL
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's packages, whatever the venv's editable install points at
 
-from worker_agent.coordinator.job import Coordinator, GenerationResult  # noqa: E402
+from worker_agent.coordinator.job import Coordinator, GenerationResult, encode_prompt  # noqa: E402
 from worker_agent.coordinator.pipeline import StageSpec  # noqa: E402
-from worker_agent.coordinator.session import TokenEvent  # noqa: E402
+from worker_agent.coordinator.sampling import SamplingParams  # noqa: E402
+from worker_agent.coordinator.session import GenerationRequest, TokenEvent  # noqa: E402
 from worker_agent.coordinator.speculation import SpeculationSettings  # noqa: E402
 from worker_agent.dev.local import LocalSwarm  # noqa: E402
 from worker_agent.dev.wan import WanProfile  # noqa: E402
@@ -67,66 +94,41 @@ MODEL = "smollm2-135m"
 SPANS = [(0, 10), (10, 20), (20, 30)]
 RESULTS = ROOT / "bench" / "results" / "speculative.json"
 TICKET_TTL_S = 4 * 3600
+KINDS = ("draftable", "long", "novel", "multiturn")
+SAMPLINGS = ("greedy", "sampled")
+# Prefix reuse adds ``prefix_salt`` to GenerationRequest; before it, the multi-turn row says so.
+PREFIX_REUSE = "prefix_salt" in {f.name for f in dataclasses.fields(GenerationRequest)}
+SALT = b"bench"
 
-PASSAGE = (
-    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: "
-    "once or twice she had peeped into the book her sister was reading, but it had no pictures or conversations "
-    "in it, and what is the use of a book, thought Alice, without pictures or conversations? So she was "
-    "considering in her own mind, as well as she could, for the hot day made her feel very sleepy and stupid, "
-    "whether the pleasure of making a daisy-chain would be worth the trouble of getting up and picking the "
-    "daisies, when suddenly a White Rabbit with pink eyes ran close by her."
-)
-CODE = (
-    "class ShoppingCart:\n"
-    "    def __init__(self, customer):\n"
-    "        self.customer = customer\n"
-    "        self.items = []\n"
-    "\n"
-    "    def add(self, name, price, quantity=1):\n"
-    '        self.items.append({"name": name, "price": price, "quantity": quantity})\n'
-    "\n"
-    "    def remove(self, name):\n"
-    '        self.items = [item for item in self.items if item["name"] != name]\n'
-    "\n"
-    "    def subtotal(self):\n"
-    '        return sum(item["price"] * item["quantity"] for item in self.items)\n'
-    "\n"
-    "    def total(self, tax_rate):\n"
-    "        subtotal = self.subtotal()\n"
-    "        return subtotal + subtotal * tax_rate\n"
-)
-MINUTES = (
-    "The committee met on Monday to review the budget. The committee agreed that the budget for the library "
-    "would stay the same, and that the budget for the park would grow by ten percent. The committee will meet "
-    "again on Friday."
-)
-# Text the answer repeats or lightly edits. SmolLM2-135M copies a passage of about 125 tokens
-# verbatim but not one of about 300: asked to repeat the issue's 300-token passage, it paraphrases
-# and then loops (2.2 tokens per synchronous pass with ideal prompt lookup), so the passages here
-# are the longest it still repeats. Asked to rename a variable it copies the code unrenamed: that
-# is the answer greedy decoding gives, and the row measures it as it is.
-DRAFTABLE = [
-    f"Repeat the following paragraph exactly:\n\n{PASSAGE}",
-    f"Rewrite this Python class with the attribute `items` renamed to `products`. Output only the code.\n\n{CODE}",
-    f"Repeat the following paragraph exactly:\n\n{MINUTES} "
-    + MINUTES.replace("Monday", "Tuesday").replace("Friday", "Saturday"),
-    "Copy this list exactly:\n1. Preheat the oven to 180 degrees.\n2. Mix the flour, sugar and eggs in a bowl.\n"
-    "3. Pour the batter into a greased tin.\n4. Bake for thirty minutes.\n5. Let the cake cool before serving.",
-]
-NOVEL = [
-    "What are three good habits for staying healthy?",
-    "Explain why the sky is blue to a ten-year-old.",
-    "Give me some ideas for a weekend trip in the mountains.",
-    "How does a bicycle stay upright when it moves?",
-]
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One comparison of the grid: a prompt set, a stream count and a sampling."""
+
+    kind: str  # draftable, long or novel
+    streams: int
+    sampling: str  # greedy or sampled
+
+
+def cells(args: argparse.Namespace, rtt: int) -> list[Cell]:
+    """The grid at one round trip: sampled rows only at ``--sampled-rtts``, the long passage
+    only at ``--long-rtts`` and with one stream."""
+    out = []
+    for sampling in args.sampling:
+        if sampling == "sampled" and rtt not in args.sampled_rtts:
+            continue
+        for kind in ("draftable", "long", "novel"):
+            if kind not in args.kinds or (kind == "long" and rtt not in args.long_rtts):
+                continue
+            out += [Cell(kind, streams, sampling) for streams in args.streams if kind != "long" or streams == 1]
+    return out
 
 
 def ring_wan(rtt_ms: int) -> str:
     return f"rtt={rtt_ms}ms" if rtt_ms else ""
 
 
-async def timed(coordinator: Coordinator, prompt: str, max_tokens: int) -> tuple[list[float], GenerationResult]:
-    request = coordinator.request(prompt, chat=True, max_tokens=max_tokens)
+async def timed(coordinator: Coordinator, request: GenerationRequest) -> tuple[list[float], GenerationResult]:
     times: list[float] = []
     result = None
     async for event in coordinator.stream(request):
@@ -146,10 +148,10 @@ def plain_positions(result: GenerationResult) -> int:
     return result.prompt_tokens + len(result.token_ids) - (0 if at_eos else 1)
 
 
-async def run_group(coordinator: Coordinator, prompts: list[str], max_tokens: int) -> dict:
-    """``prompts`` as concurrent streams of one job: their decode tokens, the window they span
+async def run_group(coordinator: Coordinator, requests: list[GenerationRequest]) -> dict:
+    """``requests`` as concurrent streams of one job: their decode tokens, the window they span
     (earliest first token to latest last token) and their results."""
-    runs = await asyncio.gather(*(timed(coordinator, prompt, max_tokens) for prompt in prompts))
+    runs = await asyncio.gather(*(timed(coordinator, request) for request in requests))
     firsts = [times[0] for times, _ in runs if times]
     lasts = [times[-1] for times, _ in runs if times]
     return {
@@ -199,10 +201,85 @@ def summarize(groups: list[dict], streams: int) -> dict:
     return row
 
 
-async def run_rtt(swarm: LocalSwarm, rtt: int, modes: dict[str, SpeculationSettings], args) -> list[dict]:
-    """Every row of one round trip. The modes' coordinators are all open at once and take turns on
-    each group of prompts (with one stream, each prompt alone in turn), so a comparison is between
-    runs seconds apart."""
+def cell_groups(coordinator: Coordinator, cell: Cell, args: argparse.Namespace) -> list[list[GenerationRequest]]:
+    """The cell's requests, grouped as they run: each prompt alone (one stream) or the set's first
+    ``streams`` prompts at once. The i-th prompt of a set samples with seed ``--seed`` + i."""
+    prompts, max_tokens = {
+        "draftable": (DRAFTABLE, args.max_tokens),
+        "long": (LONG, args.long_max_tokens),
+        "novel": (NOVEL, args.novel_max_tokens),
+    }[cell.kind]
+    requests = [
+        coordinator.request(
+            prompt,
+            chat=True,
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=args.temperature, seed=args.seed + i)
+            if cell.sampling == "sampled"
+            else SamplingParams(),
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    return [[request] for request in requests] if cell.streams == 1 else [requests[: cell.streams]]
+
+
+async def multiturn(coordinator: Coordinator, rtt: int, args: argparse.Namespace) -> dict:
+    """The two turns of the chat, turn 2 with and without prefix reuse (see the docstring)."""
+    messages = list(CONVERSATION)
+
+    def turn(history: list[dict]) -> GenerationRequest:
+        ids = encode_prompt(coordinator.tokenizer, history, chat=True)
+        return coordinator.request_ids(ids, max_tokens=args.turn_max_tokens)
+
+    def salted(request: GenerationRequest) -> GenerationRequest:
+        return dataclasses.replace(request, prefix_salt=SALT) if PREFIX_REUSE else request
+
+    first_request = turn(messages)
+    first = await coordinator.generate(salted(first_request))
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": FOLLOW_UP}]
+    second_request = turn(messages)
+    second = await coordinator.generate(salted(second_request)) if PREFIX_REUSE else None
+    fresh = await coordinator.generate(second_request)
+    # The tokens turn 2's prompt shares with turn 1's prompt and answer: what a reuse could cover
+    # (the answer's text, tokenized again in the template, may split differently).
+    before = (*first_request.prompt_ids, *first.token_ids)
+    shared = next(
+        (i for i, (a, b) in enumerate(zip(before, second_request.prompt_ids, strict=False)) if a != b),
+        min(len(before), len(second_request.prompt_ids)),
+    )
+    row = {
+        "rtt_ms": rtt,
+        "prefix_reuse": PREFIX_REUSE,
+        "turn1_prompt_tokens": first.prompt_tokens,
+        "turn2_prompt_tokens": fresh.prompt_tokens,
+        "turn2_shared_prefix_tokens": shared,
+        "turn1_ttft_s": first.ttft and round(first.ttft, 4),
+        "turn1_cached_tokens": getattr(first, "cached_tokens", None),
+        "turn2_no_reuse_ttft_s": fresh.ttft and round(fresh.ttft, 4),
+        "turn2_no_reuse_cached_tokens": getattr(fresh, "cached_tokens", None),
+        "turn2_ttft_s": None,
+        "turn2_cached_tokens": None,
+        "turn2_over_turn1": None,
+        "turn2_over_no_reuse": None,
+        "identical": None,
+    }
+    if second is not None:
+        row |= {
+            "turn2_ttft_s": second.ttft and round(second.ttft, 4),
+            "turn2_cached_tokens": getattr(second, "cached_tokens", None),
+            "turn2_over_turn1": round(second.ttft / first.ttft, 3) if second.ttft and first.ttft else None,
+            "turn2_over_no_reuse": round(second.ttft / fresh.ttft, 3) if second.ttft and fresh.ttft else None,
+            "identical": second.token_ids == fresh.token_ids,
+        }
+    print(format_turns(row), flush=True)
+    return row
+
+
+async def run_rtt(
+    swarm: LocalSwarm, rtt: int, modes: dict[str, SpeculationSettings], args: argparse.Namespace
+) -> tuple[list[dict], list[dict]]:
+    """Every row of one round trip, then its multi-turn row. The modes' coordinators are all open
+    at once and take turns on each group of prompts, so a comparison is between runs seconds apart."""
     async with contextlib.AsyncExitStack() as stack:
         coordinators = {}
         for mode, settings in modes.items():
@@ -223,36 +300,57 @@ async def run_rtt(swarm: LocalSwarm, rtt: int, modes: dict[str, SpeculationSetti
             await coordinator.generate(coordinator.request(NOVEL[0], chat=True, max_tokens=2))  # warm the links
             coordinators[mode] = coordinator
         rows = []
-        sets = {"draftable": (DRAFTABLE, args.max_tokens), "novel": (NOVEL, args.novel_max_tokens)}
-        for name in args.prompts:
-            prompts, max_tokens = sets[name]
-            for streams in args.streams:
-                groups = [[prompt] for prompt in prompts] if streams == 1 else [prompts[:streams]]
-                collected: dict[str, list[dict]] = {mode: [] for mode in coordinators}
-                for group in groups:
-                    for mode, coordinator in coordinators.items():
-                        collected[mode].append(await run_group(coordinator, group, max_tokens))
-                for mode in coordinators:
-                    row = {"rtt_ms": rtt, "mode": mode, "prompts": name} | summarize(collected[mode], streams)
-                    rows.append(row)
-                    print(format_row(row), flush=True)
-    return rows
+        for cell in cells(args, rtt):
+            collected: dict[str, list[dict]] = {mode: [] for mode in coordinators}
+            for group in cell_groups(coordinators["plain"], cell, args):  # a request is the same on any of them
+                for mode, coordinator in coordinators.items():
+                    collected[mode].append(await run_group(coordinator, group))
+            for mode in coordinators:
+                row = {"rtt_ms": rtt, "mode": mode, "prompts": cell.kind, "sampling": cell.sampling}
+                row |= summarize(collected[mode], cell.streams)
+                rows.append(row)
+                print(format_row(row), flush=True)
+        turns = [await multiturn(coordinators["auto"], rtt, args)] if "multiturn" in args.kinds else []
+    return rows, turns
 
 
 def format_row(row: dict) -> str:
     acceptance = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
     return (
-        f"{row['rtt_ms']:>5} {row['mode']:<8} {row['prompts']:<10} {row['streams']:>2} {row['tok_s'] or 0:>8.2f} "
-        f"{acceptance:>6} {row['tokens_per_pass']:>6.2f} {row['wasted_positions']:>7}"
+        f"{row['rtt_ms']:>5} {row['mode']:<8} {row['prompts']:<10} {row['sampling']:<8} {row['streams']:>2} "
+        f"{row['tok_s'] or 0:>8.2f} {acceptance:>6} {row['tokens_per_pass']:>6.2f} {row['wasted_positions']:>7}"
+    )
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def format_turns(row: dict) -> str:
+    head = (
+        f"{row['rtt_ms']:>5} multi-turn ({row['turn1_prompt_tokens']} then {row['turn2_prompt_tokens']} prompt "
+        f"tokens): TTFT turn 1 {seconds(row['turn1_ttft_s'])}, turn 2 without reuse "
+        f"{seconds(row['turn2_no_reuse_ttft_s'])}"
+    )
+    if not row["prefix_reuse"]:
+        return head + "; prefix reuse not available (GenerationRequest has no prefix_salt in this checkout)"
+    identical = {None: "-", True: "yes", False: "NO"}[row["identical"]]
+    return (
+        f"{head}, turn 2 with reuse {seconds(row['turn2_ttft_s'])} (cached {row['turn2_cached_tokens']} tokens); "
+        f"turn 2 / turn 1 {row['turn2_over_turn1']}; identical to turn 2 without reuse: {identical}"
     )
 
 
 def compare(rows: list[dict]) -> list[dict]:
-    """Each speculative row against plain decoding at the same round trip, prompts and streams."""
-    plain = {(r["rtt_ms"], r["prompts"], r["streams"]): r for r in rows if r["mode"] == "plain"}
+    """Each speculative row against plain decoding at the same round trip, prompts, streams and sampling."""
+
+    def key(row: dict) -> tuple:
+        return row["rtt_ms"], row["prompts"], row["streams"], row["sampling"]
+
+    plain = {key(r): r for r in rows if r["mode"] == "plain"}
     out = []
     for row in rows:
-        base = plain.get((row["rtt_ms"], row["prompts"], row["streams"]))
+        base = plain.get(key(row))
         if row["mode"] == "plain" or base is None:
             continue
         out.append(
@@ -261,6 +359,7 @@ def compare(rows: list[dict]) -> list[dict]:
                 "mode": row["mode"],
                 "prompts": row["prompts"],
                 "streams": row["streams"],
+                "sampling": row["sampling"],
                 "plain_tok_s": base["tok_s"],
                 "tok_s": row["tok_s"],
                 "ratio": round(row["tok_s"] / base["tok_s"], 2) if row["tok_s"] and base["tok_s"] else None,
@@ -279,47 +378,132 @@ def compare(rows: list[dict]) -> list[dict]:
     return out
 
 
-def print_summary(comparisons: list[dict]) -> None:
+def targets(comparisons: list[dict], turns: list[dict]) -> list[dict]:
+    """The goals, each with the figure that decides it (None: not measured in this run)."""
+
+    def check(name: str, value: float | None, relation: str, goal: float, where: str = "") -> dict:
+        met = None
+        if value is not None:
+            met = value >= goal if relation == ">=" else value <= goal if relation == "<=" else value == goal
+        return {"target": name, "value": value, "relation": relation, "goal": goal, "met": met, "where": where}
+
+    auto = [c for c in comparisons if c["mode"] == "auto"]
+
+    def at_300(kind: str) -> float | None:
+        wanted = (300, 1, "greedy", kind)
+        return next(
+            (c["ratio"] for c in auto if (c["rtt_ms"], c["streams"], c["sampling"], c["prompts"]) == wanted), None
+        )
+
+    def lowest(kinds: tuple[str, ...]) -> tuple[float | None, str]:
+        measured = [c for c in auto if c["prompts"] in kinds and c["ratio"] is not None]
+        if not measured:
+            return None, ""
+        low = min(measured, key=lambda c: c["ratio"])
+        streams = f"{low['streams']} stream" + ("s" if low["streams"] != 1 else "")
+        return low["ratio"], f"{low['prompts']} at {low['rtt_ms']} ms, {streams}, {low['sampling']}"
+
+    greedy = [c for c in auto if c["sampling"] == "greedy"]
+    novel_low, novel_where = lowest(("novel",))
+    draftable_low, draftable_where = lowest(("draftable", "long"))
+    reused = [t for t in turns if t["turn2_over_turn1"] is not None]
+    compared = [t for t in turns if t["identical"] is not None]
+    slowest = max(reused, key=lambda t: t["turn2_over_turn1"]) if reused else None
+    unavailable = "prefix reuse not available" if turns and not reused else ""
+    return [
+        check("short draftable at 300 ms, 1 stream, greedy: speculative / plain", at_300("draftable"), ">=", 10.0),
+        check("long passage at 300 ms, 1 stream, greedy: speculative / plain", at_300("long"), ">=", 10.0),
+        check("novel chat at 300 ms, 1 stream, greedy: speculative / plain", at_300("novel"), ">=", 1.0),
+        check("novel chat, lowest ratio over every row", novel_low, ">=", 0.98, novel_where),
+        check("draftable (short and long), lowest ratio over every row", draftable_low, ">=", 1.0, draftable_where),
+        check(
+            "greedy rows whose tokens differ from plain decoding",
+            sum(not c["identical"] for c in greedy) if greedy else None,
+            "==",
+            0,
+            f"of {len(greedy)}" if greedy else "",
+        ),
+        check(
+            "multi-turn: turn-2 TTFT with prefix reuse / turn-1 TTFT (highest over the round trips)",
+            slowest and slowest["turn2_over_turn1"],
+            "<=",
+            0.3,
+            f"{slowest['rtt_ms']} ms" if slowest else unavailable,
+        ),
+        check(
+            "multi-turn: turn-2 outputs with reuse that differ from the same prompt without",
+            sum(not t["identical"] for t in compared) if compared else None,
+            "==",
+            0,
+            unavailable,
+        ),
+    ]
+
+
+def print_summary(comparisons: list[dict], turns: list[dict], checks: list[dict], *, quick: bool) -> None:
     print(
-        f"\n{'RTT ms':>6} {'prompts':<10} {'streams':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
-        f"{'accept':>6} {'tok/pass':>8} {'wasted':>6} {'identical':>9}  router's plans (chains)"
+        f"\n{'RTT ms':>6} {'prompts':<10} {'sampling':<8} {'streams':>7} {'plain tok/s':>11} {'spec tok/s':>10} "
+        f"{'ratio':>6} {'accept':>6} {'tok/pass':>8} {'wasted':>6} {'identical':>9}  router's plans (chains)"
     )
     for c in comparisons:
         acceptance = "-" if c["acceptance"] is None else f"{c['acceptance']:.2f}"
         plans = ", ".join(f"{name}: {count}" for name, count in list(c["plans"].items())[:3])
+        identical = "yes" if c["identical"] else "NO" if c["sampling"] == "greedy" else "no"
         print(
-            f"{c['rtt_ms']:>6} {c['prompts']:<10} {c['streams']:>7} {c['plain_tok_s'] or 0:>11.2f} "
+            f"{c['rtt_ms']:>6} {c['prompts']:<10} {c['sampling']:<8} {c['streams']:>7} {c['plain_tok_s'] or 0:>11.2f} "
             f"{c['tok_s'] or 0:>10.2f} {c['ratio'] or 0:>6.2f} {acceptance:>6} {c['tokens_per_pass']:>8.2f} "
-            f"{c['wasted_positions']:>6} {'yes' if c['identical'] else 'NO':>9}  {plans}"
+            f"{c['wasted_positions']:>6} {identical:>9}  {plans}"
         )
         if "per_prompt_ratio" in c:
             print(f"{'':>6} each prompt alone: ratios {c['per_prompt_ratio']}")
     print(
         "ratio: speculative / plain decode tok/s at the same round trip (every link delayed by half of it); "
-        "drafter: n-gram prompt lookup (no offline draft model shares SmolLM2's tokenizer)"
+        "drafter: n-gram prompt lookup (no offline draft model shares SmolLM2's tokenizer); identical is "
+        "required of greedy rows only (sampled: seeded, lossless in distribution, tests/test_speculation_sampling.py)"
     )
+    for turn in turns:
+        print(format_turns(turn))
+    print(
+        "\ntargets"
+        + (" (--quick: too few tokens for the router to start; these check the code paths)" if quick else "")
+    )
+    for check in checks:
+        verdict = "n/a" if check["met"] is None else "PASS" if check["met"] else "MISS"
+        where = f" [{check['where']}]" if check["where"] else ""
+        print(f"  {verdict:<4} {check['target']}: {check['value']} (goal {check['relation']} {check['goal']}){where}")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rtts", type=int, nargs="+", default=[0, 50, 200, 300], help="round trips per link, ms")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--max-tokens", type=int, default=160, help="per draftable stream (they end sooner)")
-    parser.add_argument("--prompts", nargs="+", choices=["draftable", "novel"], default=["draftable", "novel"])
-    parser.add_argument("--novel-max-tokens", type=int, default=64, help="per novel chat stream")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="prompt sets to run")
+    parser.add_argument("--sampling", nargs="+", choices=SAMPLINGS, default=list(SAMPLINGS))
+    parser.add_argument("--sampled-rtts", type=int, nargs="+", default=[0, 300], help="where sampled rows run")
+    parser.add_argument("--long-rtts", type=int, nargs="+", default=[0, 300], help="where the long passage runs")
+    parser.add_argument("--max-tokens", type=int, default=160, help="per short draftable stream (they end sooner)")
+    parser.add_argument("--long-max-tokens", type=int, default=360, help="for the long passage")
+    parser.add_argument("--novel-max-tokens", type=int, default=48, help="per novel chat stream")
+    parser.add_argument("--turn-max-tokens", type=int, default=32, help="per turn of the multi-turn chat")
+    parser.add_argument("--temperature", type=float, default=0.8, help="of the sampled rows")
+    parser.add_argument("--seed", type=int, default=1234, help="the sampled rows' i-th prompt uses seed + i")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per agent and coordinator")
     parser.add_argument("--fixed", default="", help="also run one fixed plan, e.g. 'ngram,8,4' (drafter, K, depth)")
-    parser.add_argument("--quick", action="store_true", help="0 and 200 ms, 1 stream, 16 tokens")
+    parser.add_argument("--quick", action="store_true", help="smoke run: every kind at 0 and 50 ms, few tokens")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:
-        args.rtts, args.streams, args.max_tokens, args.novel_max_tokens = [0, 200], [1], 16, 16
+        args.rtts = args.sampled_rtts = args.long_rtts = [0, 50]
+        args.max_tokens, args.long_max_tokens, args.novel_max_tokens, args.turn_max_tokens = 16, 24, 16, 8
     return args
 
 
-def write_report(args: argparse.Namespace, rows: list[dict], load: list[float], started: float, *, final: bool) -> None:
+def write_report(
+    args: argparse.Namespace, rows: list[dict], turns: list[dict], load: list[float], started: float, *, final: bool
+) -> None:
     import torch
 
+    comparisons = compare(rows)
     report = {
         "benchmark": "speculative",
         "command": " ".join(["python", "bench/speculative.py", *sys.argv[1:]]),
@@ -340,9 +524,15 @@ def write_report(args: argparse.Namespace, rows: list[dict], load: list[float], 
             "tok_s": "sum of (tokens - 1) over the streams / (latest last token - earliest first token); with one "
             "stream, summed over the prompts run one after another",
             "wasted_positions": "positions the stages signed for minus the positions plain decoding computes",
+            "sampled": f"temperature {args.temperature}, seed {args.seed} + the prompt's index in its set",
+            "multiturn": "on the speculating coordinator, greedy; turn 1 and turn 2 with prefix_salt, turn 2 again "
+            "without; TTFT from the request's start to its first token",
         },
+        "prefix_reuse": PREFIX_REUSE,
         "rows": [{k: v for k, v in row.items() if k != "token_ids"} for row in rows],
-        "comparisons": compare(rows),
+        "comparisons": comparisons,
+        "multiturn": turns,
+        "targets": targets(comparisons, turns),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     write_json(args.output, report)
@@ -358,15 +548,24 @@ def main() -> int:
         drafter, k, depth = args.fixed.split(",")
         modes["fixed"] = SpeculationSettings(drafter=drafter, k=int(k), depth=int(depth))
     started = time.monotonic()
-    load = [round(x, 2) for x in os.getloadavg()]
-    print(f"{'RTT':>5} {'mode':<8} {'prompts':<10} {'n':>2} {'tok/s':>8} {'accept':>6} {'tok/pass':>6} {'wasted':>7}")
+    load = load_average()
+    print(
+        f"{'RTT':>5} {'mode':<8} {'prompts':<10} {'sampling':<8} {'n':>2} {'tok/s':>8} {'accept':>6} "
+        f"{'tok/pass':>6} {'wasted':>7}"
+    )
     rows: list[dict] = []
+    turns: list[dict] = []
     for rtt in args.rtts:
+        if not cells(args, rtt) and "multiturn" not in args.kinds:
+            continue
         with LocalSwarm(MODEL, SPANS, threads=args.threads, wan=ring_wan(rtt)) as swarm:
-            rows += asyncio.run(run_rtt(swarm, rtt, modes, args))
-        write_report(args, rows, load, started, final=False)  # what is measured so far survives a crash
-    print_summary(compare(rows))
-    write_report(args, rows, load, started, final=True)
+            measured, turned = asyncio.run(run_rtt(swarm, rtt, modes, args))
+        rows += measured
+        turns += turned
+        write_report(args, rows, turns, load, started, final=False)  # what is measured so far survives a crash
+    comparisons = compare(rows)
+    print_summary(comparisons, turns, targets(comparisons, turns), quick=args.quick)
+    write_report(args, rows, turns, load, started, final=True)
     print(f"\nwritten to {args.output}")
     return 0
 
