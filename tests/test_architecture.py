@@ -135,3 +135,24 @@ def test_the_edge_contract_finds_an_http_module_imported_by_a_domain_app():
     assert [(item["importer"], item["forbidden"], item["line_number"]) for item in found] == [
         ("marketplace.jobs.views", "django.http", 7)
     ]
+
+
+def class_lines(path: Path, name: str) -> int:
+    """Lines of class ``name`` in ``path``, decorators and docstring included."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node.end_lineno - node.lineno + 1 + len(node.decorator_list)
+    raise LookupError(f"no class {name} in {path}")
+
+
+def test_the_coordinator_keeps_to_connecting_healing_and_verifying():
+    # Deciding what to send is the scheduler's and doing it the engine's: the class stays small.
+    assert class_lines(ROOT / "worker_agent/coordinator/job.py", "Coordinator") < 250
+
+
+def test_class_lines_counts_a_class_from_its_line_to_its_end(tmp_path):
+    (tmp_path / "m.py").write_text("x = 1\n\n\nclass A:\n    a = 1\n\n    def f(self):\n        return 2\n")
+
+    assert class_lines(tmp_path / "m.py", "A") == 5
+    with pytest.raises(LookupError):
+        class_lines(tmp_path / "m.py", "B")

@@ -308,9 +308,6 @@ class Coordinator:
         return self.pipeline.assignments
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        result = None
-        async for event in self.stream(request):
-            if isinstance(event, GenerationResult):
-                result = event
-        assert result is not None
+        *_, result = [event async for event in self.stream(request)]
+        assert isinstance(result, GenerationResult)
         return result
