@@ -42,13 +42,15 @@ scaled-dot-product attention. Scaling the embeddings (Gemma, Granite) and the lo
 division, Gemma 2's soft-cap) is the coordinator's (``model.Head``).
 
 What the block cannot compute never reaches it: ``model.load_config`` refuses a model type not in
-the list, an activation, rotary type or bidirectional attention it lacks (``ModelError``, code
-``model_unsupported``), and ``model.load_block`` a layer whose tensors differ from its type's.
+the list, an activation it lacks or bidirectional attention, and ``model.load_block`` a rotary type
+it lacks or a layer whose stored tensors differ from its type's (``ModelError``, code
+``model_unsupported``), before reading a weight of that layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -168,7 +170,7 @@ class Block:
         cos, sin = self.weights.rotary(positions, dtype)  # (tokens, rotary dims) each
         for index, layer in enumerate(self.weights.layers):
             visible = keys[self.windows[index]]
-            hidden = self._layer(layer, index, hidden, cos, sin, items, spans, visible)
+            hidden = self._layer(cast(DecoderLayer, layer), index, hidden, cos, sin, items, spans, visible)
         for item, span in zip(items, spans, strict=True):
             item.session.length = span.end
         return list(hidden.split([span.count for span in spans]))

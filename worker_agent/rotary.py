@@ -51,7 +51,9 @@ class Rotary:
             raise ModelError(f"{config.name}: rotary parameters {self.parameters} lack {exc}") from exc
         self.inv_freq = self.original_inv_freq = inv_freq  # (dim / 2,)
         self.long_inv_freq: torch.Tensor | None = None
-        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        # The length dynamic's frequencies are for: a 0-dim tensor once grown, as transformers keeps it.
+        self.max_seq_len_cached: int | torch.Tensor = self.original_max_seq_len
 
     @property
     def dims(self) -> int:
