@@ -288,7 +288,8 @@ def test_a_malformed_result_is_blamed_on_the_stage_that_sent_it():
                 await pipeline.connect()
                 await pipeline.open(["s0"])
                 with pytest.raises(StageError) as raised:
-                    await pipeline.forward("s0", 0, 1, wire.tensor_payload(torch.zeros(1, HIDDEN), "f32"))
+                    (step,) = await pipeline.send([("s0", 0, 1, wire.tensor_payload(torch.zeros(1, HIDDEN), "f32"))])
+                    await pipeline.result("s0", step, 1)
             finally:
                 await pipeline.aclose()
             return raised.value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from worker_agent.coordinator.drafters import NGRAM_MAX_N, NgramDrafter, ngram_drafters
-from worker_agent.coordinator.job import Coordinator
+from worker_agent.coordinator.engine import ready_drafters
 from worker_agent.coordinator.session import GenerationRequest, GenerationState
 from worker_agent.model import load_tokenizer
 
@@ -64,12 +64,20 @@ def test_the_index_grows_with_committed_tokens_only():
 
 def test_ngram1_stands_in_only_where_ngram_has_no_match():
     # The context ends "1 7": neither "1 7" nor "7" was ever continued; nothing is ready.
-    assert Coordinator._ready(ngram_drafters(), _state([1, 2, 3, 4, 1, 7])) == []
+    assert ready_drafters(ngram_drafters(), _state([1, 2, 3, 4, 1, 7])) == []
     # "3" was followed by 9, "9 3" never: only the one-token match.
-    assert Coordinator._ready(ngram_drafters(), _state([1, 2, 3, 9, 3])) == ["ngram1"]
+    assert ready_drafters(ngram_drafters(), _state([1, 2, 3, 9, 3])) == ["ngram1"]
     # "1 2" was followed by 3: ngram has a match, and ngram1 stands aside.
-    assert Coordinator._ready(ngram_drafters(), _state([1, 2, 3, 1, 2])) == ["ngram"]
+    assert ready_drafters(ngram_drafters(), _state([1, 2, 3, 1, 2])) == ["ngram"]
 
 
 def test_no_drafter_is_offered_without_room_for_drafts():
-    assert Coordinator._ready(ngram_drafters(), _state([1, 2, 3, 1, 2], max_tokens=1)) == []
+    assert ready_drafters(ngram_drafters(), _state([1, 2, 3, 1, 2], max_tokens=1)) == []
+
+
+def test_while_chunks_fly_only_the_chains_own_drafter_is_offered():
+    state = _state([1, 2, 3, 9, 3])
+    state.next_chunk([])  # the prompt is in flight
+
+    assert ready_drafters(ngram_drafters(), state, "ngram1") == ["ngram1"]
+    assert ready_drafters(ngram_drafters(), state, "ngram") == []

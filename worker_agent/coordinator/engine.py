@@ -34,7 +34,7 @@ import contextlib
 import itertools
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from worker_agent.coordinator import scheduler
@@ -71,6 +71,23 @@ class _InFlight:
     drafter: str | None  # the drafter of its drafts; None for a plain step
 
 
+def ready_drafters(drafters: dict[str, Drafter], state: GenerationState, chain: str | None = None) -> list[str]:
+    """The drafters with something to propose now (a stand-in only where the drafter it stands in
+    for has nothing); while chunks fly, only ``chain``, the drafter of the chain in flight: a later
+    chunk is worth what the chunks before it are, and another drafter's match on their drafts would
+    be judged by an estimate they never earned."""
+    if not state.room_for_drafts():
+        return []
+    context = state.draft_context()
+    for drafter in drafters.values():
+        drafter.observe(state.committed)
+    ready = {name for name, drafter in drafters.items() if drafter.ready(context)}
+    names = sorted(name for name in ready if drafters[name].only_without not in ready)
+    if state.in_flight:
+        names = [name for name in names if name == chain]
+    return names
+
+
 class Run:
     """One session on the engine: its state, router and drafters, its chunks in flight, and the
     queue its reader takes committed tokens from."""
@@ -94,12 +111,22 @@ class Run:
         self.flight: deque[_InFlight] = deque()
         self.chain_drafter: str | None = None  # the drafter of the chain in flight
         self.on_fold: list = []  # callbacks run once, at the first chunk folded (a heal's resumption)
+        # True while its reader waits for a token: only then does it send more (its reader's pace
+        # holds it back, as a generator's would; a challenge holds a session after its first token).
+        self.asking = False
+        self.wake: Callable[[], None] = lambda: None  # the engine's, once added
         self._queue: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """The session's committed tokens as they fold; ends when it is done, raises its failure."""
         while True:
-            item = await self._queue.get()
+            if self._queue.empty():
+                self.asking = True
+                self.wake()
+            try:
+                item = await self._queue.get()
+            finally:
+                self.asking = False
             if item is None:
                 return
             if isinstance(item, BaseException):
@@ -108,7 +135,11 @@ class Run:
 
     def view(self) -> scheduler.SessionView:
         return scheduler.SessionView(
-            self.key, self.router, tuple(self._ready()), self.state.in_flight, self._positions()
+            self.key,
+            self.router,
+            tuple(ready_drafters(self.drafters, self.state, self.chain_drafter)),
+            self.state.in_flight,
+            self._positions(),
         )
 
     def _positions(self) -> int:
@@ -116,23 +147,6 @@ class Run:
             return len(self.state.chain)  # its next chunk is a prefill
         plan = self.router.last_plan
         return 1 if plan is None or plan.plain else plan.k + 1
-
-    def _ready(self) -> list[str]:
-        """The drafters with something to propose now (a stand-in only where the drafter it stands in
-        for has nothing); while chunks fly, only the chain's own: a later chunk is worth what the
-        chunks before it are, and another drafter's match on their drafts would be judged by an
-        estimate they never earned."""
-        state = self.state
-        if not state.room_for_drafts():
-            return []
-        context = state.draft_context()
-        for drafter in self.drafters.values():
-            drafter.observe(state.committed)
-        ready = {name for name, drafter in self.drafters.items() if drafter.ready(context)}
-        names = sorted(name for name in ready if self.drafters[name].only_without not in ready)
-        if state.in_flight:
-            names = [name for name in names if name == self.chain_drafter]
-        return names
 
     async def draft(self, name: str, k: int) -> list[int]:
         drafter, context = self.drafters[name], self.state.draft_context()
@@ -156,6 +170,7 @@ class Engine:
     def add(self, run: Run) -> None:
         """Run a session (opened on its pipeline) until it is done or fails."""
         self._runs[run.key] = run
+        run.wake = self._wake.set
         self._wake.set()
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.ensure_future(self._loop())
@@ -194,7 +209,10 @@ class Engine:
 
     async def _turn(self) -> None:
         self._wake.clear()
-        await self._send(scheduler.plan([run.view() for run in self._runs.values() if not run.state.done]))
+        await asyncio.sleep(0)  # the readers of what the last fold committed ask for more first
+        await self._send(
+            scheduler.plan([run.view() for run in self._runs.values() if run.asking and not run.state.done])
+        )
         await self._wait()
         await self._fold()
 
