@@ -54,11 +54,12 @@ class _Frame:
     pipeline: Pipeline
     positions: int
     sent: float  # event-loop time it was sent
-    alone: bool  # nothing was in flight on its route ahead of it: its round trip times the route
+    alone: bool  # none of its sessions had a chunk in flight ahead of it: its round trip times the route
     step: int  # the engine turn that sent it
     index: int  # its place among that turn's frames
     waiting: int  # chunks of it not back yet
     previous: _Frame | None = None  # the frame sent just before it in the same step, on the same route
+    prefill: bool = False  # it carries a session's first chunk (a prompt): its round trip times no decode step
     back: float = 0.0  # event-loop time its last chunk came back
     observed: bool = False
 
@@ -219,6 +220,7 @@ class Engine:
     async def _send(self, plan: scheduler.StepPlan) -> None:
         """Draft, embed and send the step's chunks, frame by frame."""
         frames: list[list[tuple[Run, Chunk, list[int], str | None]]] = [[] for _ in range(plan.frames)]
+        prefills: set[int] = set()  # the runs sending their prompt now
         for send in plan.sends:
             run = self._runs[send.key]
             if not run.state.in_flight:
@@ -231,6 +233,8 @@ class Engine:
                 made = run.state.next_chunk(drafts)
                 if made is None:
                     break
+                if made[0].start == 0 or run.state.steps == 0:  # a prompt (a heal's re-prefill included)
+                    prefills.add(run.key)
                 frames[index].append((run, *made, send.plan.drafter if drafts else None))
                 if not drafts:
                     break  # a plain step: nothing is built on it before it comes back
@@ -247,9 +251,10 @@ class Engine:
                 if not all(run.key in self._runs for run, *_ in entries):
                     continue  # dropped while drafting; its reader knows why
                 pipeline = entries[0][0].pipeline
-                alone = not any(run.flight for run in self._runs.values() if run.pipeline is pipeline)
+                alone = not any(run.flight for run, *_ in entries)
                 positions = sum(chunk.count for _, chunk, _, _ in entries)
                 sent = _Frame(pipeline, positions, loop.time(), alone, step, index, 0, previous.get(id(pipeline)))
+                sent.prefill = any(run.key in prefills for run, *_ in entries)
                 previous[id(pipeline)] = sent
                 steps = await pipeline.send(
                     [(run.session, c.start, c.count, payload) for run, c, payload, _ in entries]
@@ -311,13 +316,15 @@ class Engine:
     @staticmethod
     def _observe(run: Run, entry: _InFlight) -> None:
         """Time the route by the frame whose chunk this is, once all of it is back: a frame sent with
-        nothing in flight ahead of it times a round trip; a later frame of the same step, one service
-        of the busiest stage after the frame before it."""
+        nothing in flight ahead of it times a round trip (unless it carries a prompt); a later frame
+        of the same step, one service of the busiest stage after the frame before it."""
         frame = entry.frame
         if frame.waiting or frame.observed:
             return
         frame.observed = True
-        if frame.alone:
+        # A prompt's pass is no decode step's: one long prefill would pass for the network's round
+        # trip in a fit with no chunk yet, and price every draft out.
+        if frame.alone and not frame.prefill:
             run.router.observe_round_trip(frame.positions, frame.back - frame.sent)
         elif frame.previous is not None and frame.previous.waiting == 0:
             run.router.observe_spacing(frame.positions, frame.back - frame.previous.back)
