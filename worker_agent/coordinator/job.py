@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from nacl.signing import SigningKey
 
 from worker_agent import model as models
+from worker_agent.coordinator import prefix
 from worker_agent.coordinator.drafters import Drafter
 from worker_agent.coordinator.grammar import Constraint, JsonGrammar
 from worker_agent.coordinator.head import HeadBatcher
@@ -313,8 +314,10 @@ class Coordinator:
         speculate: bool = True,
         logprobs: int | None = None,
         grammar: JsonGrammar | None = None,
+        prefix_salt: bytes | None = None,
     ) -> GenerationRequest:
-        """A request for a prompt tokenized already (``encode_prompt`` with this model's tokenizer)."""
+        """A request for a prompt tokenized already (``encode_prompt`` with this model's tokenizer);
+        ``prefix_salt``: its account's, for prefix reuse (None: none)."""
         eos = self.tokenizer.eos_token_id
         return GenerationRequest(
             tuple(prompt_ids),
@@ -325,6 +328,7 @@ class Coordinator:
             speculate=speculate,
             logprobs=logprobs,
             grammar=grammar,
+            prefix_salt=prefix_salt,
         )
 
     async def stream(
@@ -343,11 +347,16 @@ class Coordinator:
         closed = False
         drafters = self.speculation.drafters(self.model) if request.speculate else {}
         router = self._router(request, drafters)
+        cached = 0  # prompt positions the session's stages held already (prefix reuse)
         self._streams += 1  # the sessions sharing the route's compute, which the routers price in
         try:
             while True:
                 try:
-                    await pipeline.open([session])
+                    # Prefix reuse hook: offered on the first route only (a healed one starts over from 0).
+                    offered = prefix.offer(request, session, self.model_id) if not heals else None
+                    cached = (await pipeline.open([session], offered))[session]
+                    if cached:
+                        state.start_at(cached)
                     async for event in self._decode(pipeline, session, state, router, drafters, heals, started):
                         yield event
                     break
@@ -371,11 +380,12 @@ class Coordinator:
                     pipeline = self.pipeline
                     session = pipeline.new_session_id()
                     state.rewind()
+                    cached = 0
             replies: list[tuple[dict, ...]] | None = None
             partial: list[tuple[dict, ...]] | None = None
             verification, verification_error, culprit = None, "", None
             try:
-                replies = await pipeline.close_by_stage([session])
+                replies = await pipeline.close_by_stage([session], prefix.keep(state, session, self.model_id))
                 closed = True
             except StageError as exc:
                 # Every token is out, and a stage's receipt did not come: its session was gone, or its
@@ -428,6 +438,7 @@ class Coordinator:
             drafted=state.drafted,
             accepted=state.accepted,
             speculation=state.speculation,
+            cached_tokens=cached,
         )
 
     def _router(self, request: GenerationRequest, drafters: dict[str, Drafter]) -> Router:
@@ -604,7 +615,9 @@ class Coordinator:
             n_layers=self.n_layers,
             assignments=assignments,
             receipts=receipts,
-            transcripts=[SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received))],
+            transcripts=[
+                SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received), transcript.start)
+            ],
         )
         # Verified: each assigned node signed exactly one receipt for this session.
         position = {assignment.node: index for index, assignment in enumerate(assignments)}

@@ -37,6 +37,9 @@ class GenerationRequest:
     speculate: bool = True  # False: plain decoding whatever the coordinator's settings
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest (k <= 20)
     grammar: JsonGrammar | None = None  # the output must be JSON (of this schema): grammar.py
+    # The customer account's prefix salt (protocol/prefix.py): the stages may reuse the KV of its
+    # earlier requests' prefixes and keep this one's. None: no reuse.
+    prefix_salt: bytes | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -141,6 +144,14 @@ class GenerationState:
         self.chain_committed = len(tokens)
         self.sent = 0  # chain tokens sent so far
         self.chunks: deque[Chunk] = deque()
+
+    def start_at(self, held: int) -> None:
+        """Begin past the prompt's first ``held`` positions, which the stages hold already (prefix
+        reuse): the first chunk sends only the rest. Only before anything was sent, and at least
+        one prompt token is left to send (its logits give the first output token)."""
+        if self.sent or self.steps or not 0 <= held < len(self.request.prompt_ids):
+            raise ValueError(f"cannot start at position {held} of a {len(self.request.prompt_ids)}-token prompt now")
+        self._reset_chain(list(self.request.prompt_ids[held:]), held)
 
     def room_for_drafts(self) -> int:
         """Drafts that may still be appended: never past the token budget (the bonus included)."""
