@@ -1,3 +1,4 @@
+# Over 500 lines: the material, its checks against the receipts and its replay are one audit, read whole.
 """Live audits: one stage's recorded traffic, checked against its receipt and replayed.
 
 Receipts prove coverage, not correct computation: a node can sign hashes of garbage. A live

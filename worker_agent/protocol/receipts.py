@@ -1,3 +1,4 @@
+# Over 500 lines: the receipt, its builder, its two encodings and the transcript share one set of checks.
 """Per-stage signed receipts: the receipt, its builder and its one codec (``coverage.py`` verifies a
 job's receipts against its plan and transcripts).
 

@@ -1,3 +1,4 @@
+# Over 500 lines: one codec, each frame type's encoding and validation side by side.
 """The data-plane wire codec between the coordinator and the stages (sans-I/O).
 
 A frame is one binary WebSocket message: a msgpack map (the header) immediately followed by
