@@ -422,6 +422,14 @@ SWARM_SPECULATION = env_str("SWARM_SPECULATION", "auto")
 if SWARM_SPECULATION not in ("auto", "off"):
     raise ImproperlyConfigured("SWARM_SPECULATION must be 'auto' or 'off'")
 SWARM_DRAFT_MODEL = env_str("SWARM_DRAFT_MODEL", "") or None
+# Prefix reuse (docs/data-plane.md): stages keep the KV of an account's finished requests, named by
+# keys salted per account (an HMAC of SECRET_KEY and the account id), and a request whose prompt
+# starts with a kept prefix computes only the rest. Routing remembers which route served an
+# account's prefixes for SWARM_PREFIX_ROUTE_TTL_S and takes it again for a request that extends one
+# while its cost is within SWARM_PREFIX_ROUTE_MARGIN (0.25: 25 %) of the lowest-latency route's.
+SWARM_PREFIX_REUSE = env_bool("SWARM_PREFIX_REUSE", True)
+SWARM_PREFIX_ROUTE_TTL_S = env_float("SWARM_PREFIX_ROUTE_TTL_S", 600.0, minimum=0.0)
+SWARM_PREFIX_ROUTE_MARGIN = env_float("SWARM_PREFIX_ROUTE_MARGIN", 0.25, minimum=0.0)
 # A heal that finds no route around a failed stage has a node load its span (a spare of another
 # span, an idle node) and waits for it while the model is recovering (a node holds or is loading a
 # block of it): SWARM_HEAL_WAIT_S, plus SWARM_HEAL_WAIT_S_PER_GIB per GiB of the span's float32

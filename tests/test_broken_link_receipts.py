@@ -67,8 +67,8 @@ class BrokenLinkStage(Stage):
         super().__init__(CheatingBlock(block, Cheat("garbage")) if self.garbage else block, **kwargs)
         self._claims: dict[bytes, bytes] = {}  # sha256 of a true output -> the changed copy's
 
-    def open(self, job, sessions):
-        super().open(job, sessions)
+    def open(self, job, sessions, offers=()):
+        reused = super().open(job, sessions, offers)
         for session in sessions:
             builder = self._sessions[(job, session)].receipt
             honest = builder.add_step
@@ -77,6 +77,7 @@ class BrokenLinkStage(Stage):
                 honest(in_hash, self._claims.pop(out_hash), tokens, link)
 
             builder.add_step = lying
+        return reused
 
     def finish(self, prepared, outputs):
         for out in outputs:

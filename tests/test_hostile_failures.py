@@ -369,7 +369,7 @@ class DropsAtClose(StageServer):
 class ForgetsItsSession(Stage):
     """Serves every step, then answers the CLOSE as if it never had the session."""
 
-    def close(self, job, sessions):
+    def close(self, job, sessions, keep=()):
         raise SessionError(f"unknown session {sessions[0]!r}", code="unknown_session")
 
 

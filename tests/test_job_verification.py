@@ -103,6 +103,7 @@ def test_honest_route_ends_succeeded_and_verified(control_plane, api_key, monkey
         "finish_reason": job.finish_reason,
         "prompt_tokens": job.prompt_tokens,
         "completion_tokens": len(delivered),
+        "cached_tokens": 0,  # a short prompt: no 32-token block of it to keep or reuse
     }
     assert job.completion_tokens == len(delivered)
     assert job.finish_reason == ("length" if len(delivered) == MAX_TOKENS else "stop")
@@ -145,8 +146,8 @@ def test_route_whose_stage_does_not_trust_the_control_plane_fails_before_any_tok
 class LyingReceiptStage(Stage):
     """Forwards, taps and signs its true output, but its receipt lists the hash of another one."""
 
-    def open(self, job, sessions):
-        super().open(job, sessions)
+    def open(self, job, sessions, offers=()):
+        reused = super().open(job, sessions, offers)
         for session in sessions:
             builder = self._sessions[(job, session)].receipt
             honest = builder.add_step
@@ -155,13 +156,14 @@ class LyingReceiptStage(Stage):
                 honest(in_hash, digest(b"a copy with one float changed" + out_hash), tokens, link)
 
             builder.add_step = lying
+        return reused
 
 
 class ReceiptlessStage(Stage):
     """Closes its sessions like any stage, but keeps its receipt to itself."""
 
-    def close(self, job, sessions):
-        super().close(job, sessions)
+    def close(self, job, sessions, keep=()):
+        super().close(job, sessions, keep)
         return []
 
 

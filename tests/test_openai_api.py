@@ -117,7 +117,11 @@ def assert_job_recorded(
     # more positions (rejected drafts are computed and signed all the same).
     at_eos = finish_reason == "stop" if at_eos is None else at_eos
     steps = job.completion_tokens + (1 if at_eos else 0)
-    rows = job.prompt_tokens + steps - 1  # the prompt in the first pass, then one token a pass
+    # The prompt in the first pass, then one token a pass; less the prompt positions the stages held
+    # already from an earlier request of the customer's (prefix reuse), the same at every stage.
+    reused = {r.get("reused", 0) for r in job.receipts}
+    assert len(reused) == 1
+    rows = job.prompt_tokens - reused.pop() + steps - 1
     assert [
         (r["job"], r["model"], r["node"], r["node_key"], r["layer_start"], r["layer_end"]) for r in job.receipts
     ] == [(public_id, MODEL, s["node"], s["node_key"], s["layer_start"], s["layer_end"]) for s in swarm.route]
@@ -233,6 +237,31 @@ def test_chat_completion_matches_single_process_greedy_generate(live_swarm, clie
     assert completion.usage.model_dump(include=set(usage)) == usage
     assert usage["prompt_tokens"] == reference.prompt_tokens
     assert_job_recorded(live_swarm, completion.id, usage, reference.finish_reason, "chat")
+
+
+def test_a_second_turn_reports_the_prompt_tokens_its_stages_held_as_cached(live_swarm, client):
+    # A prompt no other test sends: its first 32-token block (the template's system text and this
+    # question) is kept only by this test's first turn.
+    first_turn = [{"role": "user", "content": "Tell me about a grey cat who finds a red hat in the rain."}]
+    first = client.chat.completions.create(model=MODEL, messages=first_turn, max_tokens=CHAT_MAX_TOKENS, temperature=0)
+    second_turn = [
+        *first_turn,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "What did the cat do next?"},
+    ]
+
+    second = client.chat.completions.create(model=MODEL, messages=second_turn, max_tokens=4, temperature=0)
+
+    assert first.usage.prompt_tokens_details is None
+    # The first turn's prompt is 45 tokens: its first block of 32 (prefix.BLOCK) is the longest kept
+    # boundary the second prompt shares for sure, and the answer's 16 tokens end before the next one.
+    assert chat_prompt_tokens(first_turn) == 45
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    assert second.usage.prompt_tokens == chat_prompt_tokens(second_turn)  # charged as before
+    job = Job.objects.get(public_id=second.id)
+    assert [r["reused"] for r in job.receipts] == [32, 32, 32]
+    assert {r["reused_from"]["job"] for r in job.receipts} == {first.id}
+    assert job.verified is True
 
 
 def test_speculation_turned_off_per_request_changes_no_token(live_swarm, client):

@@ -17,7 +17,10 @@ Memory: an agent that joined holds its stages' caches in the memory it reported
 of the blocks it holds), shared by all its stages. A step that would need more is refused before it
 runs (``kv_memory_full``), never half computed; placement planned the node's blocks by the same
 report and fraction (``marketplace/placement/memory.py``), so an agent that told the truth holds
-every session it was placed for, and one that claimed more than it has refuses them.
+every session it was placed for, and one that claimed more than it has refuses them. The KV of
+finished sessions a stage keeps for reuse (``prefixcache.py``) lives in the same memory but yields
+to live sessions: a step that needs room first evicts kept prefixes (``KVMemory.yield_to``), and
+is refused only when that is not enough.
 """
 
 from __future__ import annotations
@@ -74,8 +77,11 @@ class KVMemory:
             raise ValueError(f"a memory budget must be >= 0 bytes, got {budget}")
         self.budget = budget
         self.weights = 0  # bytes of the blocks held
-        self.caches = 0  # bytes of the sessions' buffers
+        self.caches = 0  # bytes of the sessions' buffers, kept prefixes included
         self._lock = threading.Lock()
+        # Called with the bytes a live session lacks, outside the lock: each frees what it can of
+        # what is held only for reuse (kept prefixes), and releases it here.
+        self._reclaimers: list[Callable[[int], None]] = []
 
     @classmethod
     def of(cls, memory_bytes: int, fraction: float) -> KVMemory:
@@ -93,8 +99,26 @@ class KVMemory:
         with self._lock:
             self.weights += weights
 
+    def yield_to(self, reclaim: Callable[[int], None]) -> Callable[[], None]:
+        """Have ``reclaim`` free reusable bytes before a live session is refused for memory; returns
+        the call that stops it."""
+        self._reclaimers.append(reclaim)
+        return lambda: self._reclaimers.remove(reclaim)
+
+    def _make_room(self, needed: int) -> None:
+        for reclaim in list(self._reclaimers):
+            if needed <= self.free:
+                return
+            reclaim(needed - self.free)
+
     def check(self, needed: int, session: str) -> None:
-        """Raise ``kv_memory_full`` unless ``needed`` more bytes of cache fit now."""
+        """Raise ``kv_memory_full`` unless ``needed`` more bytes of cache fit now, once what is kept
+        only for reuse made room."""
+        if needed > self.free:
+            self._make_room(needed)
+        self._check(needed, session)
+
+    def _check(self, needed: int, session: str) -> None:
         if needed > self.free:
             raise SessionError(
                 f"session {session!r} needs {needed} more bytes of KV cache; this agent's memory holds "
@@ -107,9 +131,11 @@ class KVMemory:
         """Bytes for a growing session: ``want`` if they fit, else ``need`` (raises when not even
         that fits). An exact fit leaves nothing to the doubling growth, so a session never holds
         room the budget of other sessions was planned on."""
+        if need > self.free:
+            self._make_room(need)
         with self._lock:
             granted = want if want <= self.free else need
-            self.check(granted, session)
+            self._check(granted, session)
             self.caches += granted
             return granted
 

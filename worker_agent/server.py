@@ -334,6 +334,7 @@ class StageServer:
             return cut
         del self.slots[key]
         self._update_admissions()
+        slot.stage.prefixes.clear()  # its kept prefixes' memory goes back to the agent's other blocks
         if slot.compute is not None:
             slot.compute.cancel()
         for job, route in list(slot.jobs.items()):
@@ -496,10 +497,10 @@ class StageServer:
                 sender = binding.sender_key if binding is not None and binding.role is Role.PEER else None
                 slot.queue.put_nowait((conn, stage.prepare(action.forward, sender_key=sender)))
             case OpenSessions():
-                stage.open(action.job, action.sessions)
-                await conn.send(wire.Open(action.job, action.sessions))
+                reused = stage.open(action.job, action.sessions, action.prefixes)
+                await conn.send(wire.Open(action.job, action.sessions, reused=reused if any(reused) else ()))
             case CloseSessions():
-                receipts = stage.close(action.job, action.sessions)
+                receipts = stage.close(action.job, action.sessions, action.keep)
                 await conn.send(wire.Close(action.job, action.sessions, tuple(receipts)))
 
     async def _accept(self, conn: Conn, slot: StageSlot, action: AcceptHello) -> None:

@@ -4,6 +4,11 @@ The server (``server.py``) feeds decoded frames in and sends what comes out; eve
 decides lives here: who may talk to this stage (tickets), which sessions exist, in which
 order their steps must come, what each step computed (receipts), and the stage's identity.
 The one heavy call, ``compute``, runs the layer block and is meant for a worker thread.
+
+Prefix reuse (``prefixcache.py``): a session may open on positions kept from an earlier one, named
+by the keys its OPEN offers; its receipt says how many and from where, and its first step, which
+may start below them (its coordinator starts every stage at the fewest any of them holds), cuts them
+to where it starts. A CLOSE may list the keys under which the session's cache is kept.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import torch
 from worker_agent.block import Block, WorkItem
 from worker_agent.errors import SessionError, WireError
 from worker_agent.kvcache import KVMemory, KVSession, SessionLimits, SessionStore, position_bytes
+from worker_agent.prefixcache import PrefixCache, PrefixLimits
 from worker_agent.protocol.keys import node_id, public_key_bytes
 from worker_agent.protocol.links import BadLink, sign_link, verify_link
-from worker_agent.protocol.receipts import ReceiptBuilder, digest
+from worker_agent.protocol.prefix import PrefixKey
+from worker_agent.protocol.receipts import ReceiptBuilder, ReusedFrom, digest
 from worker_agent.protocol.span import Span
 from worker_agent.protocol.wire import Forward, Item, tensor_payload
 
@@ -30,6 +37,7 @@ class _StageSession:
     receipt: ReceiptBuilder
     next_step: int = 0  # the step index the next FORWARD item of this session must carry
     held: int = 0  # positions its cache holds once every step accepted so far is computed
+    source: ReusedFrom | None = None  # where the positions it opened with came from (prefix reuse)
 
 
 @dataclass(frozen=True)
@@ -64,9 +72,11 @@ class Stage:
         insecure_open: bool = False,
         limits: SessionLimits | None = None,
         memory: KVMemory | None = None,
+        prefix_limits: PrefixLimits | None = None,
     ) -> None:
         """``memory``: the agent's memory its sessions' caches are held in (``kvcache.KVMemory``);
-        None: no bound but ``limits``."""
+        None: no bound but ``limits``. ``prefix_limits``: how much finished sessions' KV it keeps
+        for reuse (``prefixcache.py``), in that memory and yielding to live sessions."""
         self.block = block
         self.model = model
         self.signing_key = signing_key
@@ -75,6 +85,7 @@ class Stage:
         self.trusted_keys = frozenset(trusted_keys)
         self.insecure_open = insecure_open
         self.store = SessionStore(limits or SessionLimits(), memory=memory)
+        self.prefixes = PrefixCache(prefix_limits, memory=memory)
         self._sessions: dict[tuple[str, str], _StageSession] = {}
         self.started = time.time()
         self.steps_served = 0
@@ -109,11 +120,16 @@ class Stage:
             "uptime_s": round(time.time() - self.started, 1),
         }
 
-    def open(self, job: str, sessions: tuple[str, ...]) -> None:
-        """Open all the sessions or none: every check runs before anything changes."""
+    def open(
+        self, job: str, sessions: tuple[str, ...], offers: tuple[tuple[PrefixKey, ...], ...] = ()
+    ) -> tuple[int, ...]:
+        """Open all the sessions or none: every check runs before anything changes. ``offers``: per
+        session, the keys of its prompt's prefixes (none: no reuse); returns per session the
+        positions it holds already, kept from an earlier session."""
         self.evict_idle()
         self.store.check_can_open(job, sessions)
-        for session in sessions:
+        reused = []
+        for index, session in enumerate(sessions):
             kv = self.store.open(job, session)
             receipt = ReceiptBuilder(
                 job=job,
@@ -124,7 +140,11 @@ class Stage:
                 layer_start=self.layer_start,
                 layer_end=self.layer_end,
             )
-            self._sessions[(job, session)] = _StageSession(kv, receipt)
+            positions, source = self.prefixes.reuse(kv, offers[index]) if index < len(offers) else (0, None)
+            receipt.reuse(positions, source)
+            self._sessions[(job, session)] = _StageSession(kv, receipt, held=positions, source=source)
+            reused.append(positions)
+        return tuple(reused)
 
     def prepare(self, forward: Forward, sender_key: bytes | None = None) -> Prepared:
         """Validate a FORWARD against the sessions; raises SessionError/WireError, changing nothing.
@@ -162,6 +182,9 @@ class Stage:
         tensor = forward.tensor()
         work, row = [], 0
         for item, state in zip(forward.items, states, strict=True):
+            if state.next_step == 0 and item.start < state.receipt.reused:
+                # The first step truncates what the session opened with: it reused only what lies before.
+                state.receipt.reuse(item.start, state.source if item.start else None)
             work.append(WorkItem(state.kv, item.start, tensor[row : row + item.count]))
             row += item.count
             state.next_step += 1
@@ -211,15 +234,19 @@ class Stage:
             self.tokens_served += item.count
         return Output(tuple(items), dtype, forward.shape, b"".join(chunks))
 
-    def close(self, job: str, sessions: tuple[str, ...]) -> list[dict]:
-        """Close sessions and return their signed receipts (as wire dicts); all or none."""
+    def close(self, job: str, sessions: tuple[str, ...], keep: tuple[tuple[PrefixKey, ...], ...] = ()) -> list[dict]:
+        """Close sessions and return their signed receipts (as wire dicts); all or none. ``keep``: per
+        session, the keys of its committed sequence's prefixes its cache may be kept under."""
         for session in sessions:
             self.store.get(job, session)  # raises unknown/evicted before anything is closed
         receipts = []
-        for session in sessions:
-            self.store.close(job, session)
+        for index, session in enumerate(sessions):
+            kv = self.store.close(job, session)
             state = self._sessions.pop((job, session))
-            receipts.append(state.receipt.sign(self.signing_key).to_dict())
+            receipt = state.receipt.sign(self.signing_key)
+            receipts.append(receipt.to_dict())
+            if index < len(keep) and keep[index]:
+                self.prefixes.keep(kv, keep[index], ReusedFrom(job, session, receipt.chain_head))
         return receipts
 
     def drop_job(self, job: str) -> int:

@@ -44,6 +44,7 @@ class Choice:
         self._offset = 0  # a text completion's characters so far, for its logprobs' text_offset
         self.layer, self.channel = layer, channel
         self.ended = False  # its job's last event (done or error) was read
+        self.cached_tokens = 0  # prompt tokens its stages held already (prefix reuse), once done
 
     async def events(self) -> AsyncIterator[dict]:
         """The job's events, in order, up to its last. A silent job's record is checked every
@@ -120,6 +121,7 @@ class Choice:
                     tokens.append(event)
             elif event["type"] == "job.done":
                 finish, completion = event["finish_reason"], event["completion_tokens"]
+                self.cached_tokens = event.get("cached_tokens", 0)
             else:
                 raise job_error(event)
         content = "".join(text)
@@ -157,6 +159,7 @@ class Choice:
                     tokens = []
             elif event["type"] == "job.done":
                 finish = event["finish_reason"]
+                self.cached_tokens = event.get("cached_tokens", 0)
                 calls = tools.tool_calls_of("".join(held)) if held and finish == "stop" else None
                 if calls:
                     entry = self.chunk(None, None, tokens=tokens)
@@ -194,11 +197,16 @@ class Reply:
         self.created = int(time.time())
 
     def usage(self, completion_tokens: int) -> dict:
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
         }
+        # Charged like any other prompt token; the stages held them already from an earlier request.
+        cached = sum(choice.cached_tokens for choice in self.choices)
+        if cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def envelope(self, choices: list[dict]) -> dict:
         return {

@@ -17,6 +17,7 @@ from marketplace.flows.settlement import hold_terms, place_hold
 from marketplace.jobs.errors import NoCapacity, NoTrustedCapacity, Overloaded
 from marketplace.jobs.models import ApiKey, Job
 from marketplace.jobs.params import RequestParams
+from marketplace.jobs.prefixes import remembered_route
 from marketplace.jobs.route import route_of
 from marketplace.jobs.selectors import jobs_in_flight
 from marketplace.nodes.models import Privacy, strictest
@@ -76,7 +77,8 @@ def admit_job(
     choice_index: int = 0,
     request_id: str = "",
 ) -> Job:
-    """Create a queued job on the lowest-latency ready route; 503 when the model has none.
+    """Create a queued job on the lowest-latency ready route (or, within a margin of it, the one
+    holding the prompt's longest prefix: ``jobs.prefixes``); 503 when the model has none.
 
     ``prompt_ids`` (from ``tokenize_prompt``) are stored with the job, so that its coordinator
     runs exactly the tokens the hold and the rate limit counted; ``request_id`` (the HTTP
@@ -85,7 +87,9 @@ def admit_job(
     # that those before it admitted, so no stage is sent more sessions than it holds.
     privacy = strictest(api_key.privacy, params.privacy)
     placed = hold_routes(model)
-    chosen = route_request(model, jobs_in_flight(), placed=placed, privacy=privacy)
+    # KV locality: the route that served this account's longest prefix of the prompt, if any.
+    prefer = remembered_route(api_key.user_id, model, prompt_ids)
+    chosen = route_request(model, jobs_in_flight(), placed=placed, privacy=privacy, prefer=prefer)
     if chosen is None:
         if route_request(model, placed=placed, privacy=privacy) is not None:
             raise Overloaded(

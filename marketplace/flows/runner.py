@@ -42,6 +42,7 @@ from marketplace.jobs.coordinator_inputs import (
 )
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.params import RequestParams
+from marketplace.jobs.prefixes import remember_route
 from marketplace.nodes.authority import coordinator_tls, held_coordinator_tls
 from marketplace.nodes.models import Node
 from marketplace.nodes.reachability import relay_down
@@ -189,7 +190,8 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
     assert result is not None  # only a cancelled run ends without a result (``_stream``)
     decode = result.token_times[-1] - result.token_times[0] if len(result.token_times) > 1 else 0.0
     result_transcripts = [
-        SessionTranscript(session, tuple(t.sent), tuple(t.received)).to_json() for session, t in transcripts.items()
+        SessionTranscript(session, tuple(t.sent), tuple(t.received), t.start).to_json()
+        for session, t in transcripts.items()
     ]
     await in_thread(
         services.finish_job,
@@ -214,8 +216,11 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
             "finish_reason": result.finish_reason,
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.completion_tokens,
+            "cached_tokens": result.cached_tokens,
         },
     )
+    if not result.heals:  # a healed job's prefixes are held on a route the job's row no longer names
+        await in_thread(remember_route, job.customer_id, job.model, [*job.prompt_ids, *result.token_ids], job.route)
     # Only once the client has its final event: replaying audits takes seconds to minutes, and
     # settlement does not wait for them either (a failed audit claws back through its strike).
     await in_thread(settle, job_pk)

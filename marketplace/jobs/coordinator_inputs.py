@@ -10,7 +10,8 @@ become, here and nowhere else:
   speculation limits;
 - ``healed_route``: the route a heal moved the job onto, as the coordinator goes on with it;
 - ``generation_request``: the request the coordinator runs: the prompt's token ids, the sampling
-  (``sampling_params``), stops, log-probabilities, speculation and the output's grammar (``json_grammar``).
+  (``sampling_params``), stops, log-probabilities, speculation, the output's grammar (``json_grammar``)
+  and the customer account's prefix salt (``prefixes.prefix_salt``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from nacl.signing import SigningKey
 from marketplace.jobs import tools
 from marketplace.jobs.models import Job
 from marketplace.jobs.params import RequestParams
+from marketplace.jobs.prefixes import prefix_salt
 from marketplace.jobs.route import route_assignments
 from marketplace.nodes.tickets import job_ticket_expiry, ticket_for
 from worker_agent.coordinator import grammar
@@ -107,6 +109,7 @@ def generation_request(coordinator: Coordinator, job: Job, params: RequestParams
         speculate=params.speculation,
         logprobs=params.logprobs,
         grammar=json_grammar(params),
+        prefix_salt=prefix_salt(job.customer_id),
     )
 
 

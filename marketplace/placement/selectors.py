@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import contextlib
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -261,7 +262,12 @@ def hold_routes(model: str) -> bool:
 
 
 def route_request(
-    model: str, busy: Mapping[str, int] | None = None, *, placed: bool = False, privacy: str = Privacy.ANY
+    model: str,
+    busy: Mapping[str, int] | None = None,
+    *,
+    placed: bool = False,
+    privacy: str = Privacy.ANY,
+    prefer: Sequence[tuple[str, int, int]] | None = None,
 ):
     """The lowest-latency chain of routable stages for one request, and the coordinator region it
     starts from; None when no chain covers the model. Stages are every routable block of the
@@ -272,7 +278,12 @@ def route_request(
     a placement (admission locked its row), so it is not looked up again. ``privacy``: only stages
     that ``allowed_for`` lets such a request through. A stage of a node leaving the model or
     unmeasured with a speed claim in doubt is taken only when no chain avoids it
-    (``last_resort_first``)."""
+    (``last_resort_first``).
+
+    ``prefer``: a route, as (node, layer_start, layer_end) stages, whose nodes hold the request's
+    longest prefix (``jobs.prefixes``): taken instead of the lowest-latency chain while all its stages
+    are usable and its cost is within SWARM_PREFIX_ROUTE_MARGIN of that chain's (KV locality: its
+    stages compute only the rest of the prompt)."""
     if not placed and not PlacementState.objects.filter(model=model).exists():
         return None
     busy = busy or {}
@@ -288,8 +299,10 @@ def route_request(
     rows = list({a.node.node_id: a.node for a in usable}.values())
     rtt, layer_ms, in_doubt = stage_costs(sorted(node.node_id for node in rows), rows)
     tiers = last_resort_first([s.stage for s in stages], in_doubt | leaving(model, usable))
-    best = None
+    preferred = [Stage(*stage) for stage in prefer or ()]
+    best = held = None
     for candidates in tiers:
+        keeps = bool(preferred) and set(preferred) <= set(candidates)
         for region in settings.SWARM_COORDINATOR_REGIONS:
             try:
                 candidate = route(candidates, n_layers, rtt, layer_ms, source=region_target(region))
@@ -297,10 +310,17 @@ def route_request(
                 break  # no chain of these stages covers every layer
             if best is None or candidate.cost_ms < best[1].cost_ms:
                 best = (region, candidate)
+            if keeps:
+                with contextlib.suppress(PlacementError):  # the remembered stages no longer chain up
+                    mine = route(preferred, n_layers, rtt, layer_ms, source=region_target(region))
+                    if held is None or mine.cost_ms < held[1].cost_ms:
+                        held = (region, mine)
         if best is not None:
             break
     if best is None:
         return None  # no chain of routable stages covers every layer
+    if held is not None and held[1].cost_ms <= best[1].cost_ms * (1 + settings.SWARM_PREFIX_ROUTE_MARGIN):
+        best = held
     region, chosen = best
     by_stage = {s.stage: s for s in stages}
     return region, [by_stage[s] for s in chosen.stages], chosen.cost_ms

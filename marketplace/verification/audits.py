@@ -26,7 +26,7 @@ from marketplace.verification.dispatch import AUDIT_TASK, thresholds, verify_aft
 from marketplace.verification.models import Audit, CheckState, StrikeKind
 from marketplace.verification.receipts import session_receipt
 from marketplace.verification.strikes import open_strike
-from marketplace.verification.verifier import FALLBACK_DTYPE, trusted_block
+from marketplace.verification.verifier import FALLBACK_DTYPE, reused_inputs, trusted_block
 from worker_agent.coordinator.pipeline import AuditGap
 from worker_agent.errors import SwarmError
 from worker_agent.protocol.audit import AuditFailed, AuditMaterial
@@ -130,19 +130,20 @@ def verify_audit(audit_pk: int) -> Audit:
         return _finish_audit(audit_pk, CheckState.ERROR, f"stored material or receipts unreadable: {exc}", {})
     try:
         block = trusted_block(audit.span)
+        prefix = reused_inputs(material)
     except Exception as exc:
         log.exception("cannot load the trusted block for audit %s", audit_pk)
         return _finish_audit(audit_pk, CheckState.ERROR, f"verifier failed: {exc}", {})
     reference_dtype = "float32"
     try:
         try:
-            report = replay_audit(material, receipt, block, upstream=upstream, **thresholds())
+            report = replay_audit(material, receipt, block, upstream=upstream, prefix=prefix, **thresholds())
         except AuditFailed as exc:
             if exc.code != "audit_mismatch":
                 raise
             fallback = trusted_block(audit.span, FALLBACK_DTYPE)
             try:
-                report = replay_audit(material, receipt, fallback, upstream=upstream, **thresholds())
+                report = replay_audit(material, receipt, fallback, upstream=upstream, prefix=prefix, **thresholds())
             except AuditFailed:
                 raise exc from None  # the float32 replay's evidence is the one on record
             reference_dtype = FALLBACK_DTYPE

@@ -33,15 +33,15 @@ from collections.abc import AsyncGenerator, Collection, Sequence
 from nacl.signing import SigningKey
 
 from worker_agent import model as models
+from worker_agent.coordinator import prefix
 from worker_agent.coordinator.engine import Engine, Run
-from worker_agent.coordinator.grammar import Constraint, JsonGrammar
+from worker_agent.coordinator.grammar import Constraint
 from worker_agent.coordinator.head import HeadRunner
 from worker_agent.coordinator.heal import Healer, HealRecord, failure_at, get_ready
 from worker_agent.coordinator.pipeline import STALL_TIMEOUT_S, Pipeline, StageSpec
 from worker_agent.coordinator.proof import check_route, prove_session
 from worker_agent.coordinator.result import GenerationResult
 from worker_agent.coordinator.router import PLAIN, Router, RouteTiming
-from worker_agent.coordinator.sampling import SamplingParams
 from worker_agent.coordinator.session import GenerationRequest, GenerationState, TokenEvent
 from worker_agent.coordinator.speculation import SpeculationSettings
 from worker_agent.errors import StageError
@@ -213,29 +213,11 @@ class Coordinator:
         as ``request_ids`` takes them."""
         return self.request_ids(encode_prompt(self.tokenizer, prompt, chat=chat), **options)
 
-    def request_ids(
-        self,
-        prompt_ids: Sequence[int],
-        *,
-        max_tokens: int = 64,
-        sampling: SamplingParams | None = None,
-        stop: tuple[str, ...] = (),
-        speculate: bool = True,
-        logprobs: int | None = None,
-        grammar: JsonGrammar | None = None,
-    ) -> GenerationRequest:
-        """A request for a prompt tokenized already (``encode_prompt`` with this model's tokenizer)."""
-        eos = self.tokenizer.eos_token_id
-        return GenerationRequest(
-            tuple(prompt_ids),
-            max_tokens=max_tokens,
-            sampling=sampling or SamplingParams(),
-            stop=stop,
-            eos_ids=frozenset([eos] if eos is not None else []),
-            speculate=speculate,
-            logprobs=logprobs,
-            grammar=grammar,
-        )
+    def request_ids(self, prompt_ids: Sequence[int], **options) -> GenerationRequest:
+        """A request for a prompt tokenized already (``encode_prompt`` with this model's tokenizer);
+        ``options``: the fields of ``GenerationRequest`` (``max_tokens``, ``sampling``, ``stop``,
+        ``speculate``, ``logprobs``, ``grammar``, ``prefix_salt``)."""
+        return GenerationRequest.of(prompt_ids, self.tokenizer.eos_token_id, **options)
 
     async def stream(
         self, request: GenerationRequest, *, strict: bool = True
@@ -256,7 +238,11 @@ class Coordinator:
         try:
             while True:
                 try:
-                    await run.pipeline.open([run.session])
+                    # Prefix reuse: offered on the first route only (a healed one starts over from 0).
+                    offered = None if heals else prefix.offer(request, run.session, self.model_id)
+                    held = (await run.pipeline.open([run.session], offered))[run.session]
+                    if held:
+                        state.start_at(held)
                     self.engine.add(run)
                     async for event in run.events():
                         yield event

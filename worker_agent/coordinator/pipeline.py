@@ -34,6 +34,13 @@ every session, each step's exact input and output bytes of those stages: the byt
 stage 0, the taps (ring) or relayed RESULTs (star) in between, and the bytes received from the
 last stage. Every session of every job is tapped alike, so a stage cannot tell which sessions
 are kept. ``take_audits`` hands a closed session's material over and forgets it.
+
+Prefix reuse (``protocol/prefix.py``): ``open`` may offer each session's prompt prefix keys; every
+stage answers how many positions it holds already, and the session starts at the fewest of them
+(a stage holding more is cut to it by the first step), which its transcript records as ``start``.
+An audited stage's material then carries the reused prompt tokens, from which the verifier rebuilds
+the stage's cache before it replays. ``close_by_stage`` may list the keys each stage keeps the
+session's cache under.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import contextlib
 import itertools
 import logging
 import ssl
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import websockets
@@ -55,6 +62,7 @@ from worker_agent.errors import AuditError, StageError, WireError
 from worker_agent.protocol import wire
 from worker_agent.protocol.audit import AuditMaterial
 from worker_agent.protocol.links import Misconduct, proves_second_connection, signed_by
+from worker_agent.protocol.prefix import PrefixKey
 from worker_agent.protocol.receipts import StageAssignment, digest
 from worker_agent.protocol.tickets import issue_peer_pass, prove_coordinator
 from worker_agent.protocol.tls import connect_options
@@ -92,6 +100,7 @@ class StageSpec:
 class Transcript:
     sent: list[bytes] = field(default_factory=list)  # per step: digest of bytes sent to the first stage
     received: list[bytes] = field(default_factory=list)  # per step: digest of bytes from the last stage
+    start: int = 0  # the position of its first step: the positions every stage held already (prefix reuse)
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,7 @@ class _Capture:
     is what stage ``b`` received, boundary ``len(stages)`` what the last stage returned."""
 
     boundaries: dict[int, dict[int, bytes]]  # boundary -> step -> tensor bytes of that step
+    prefix: tuple[int, ...] = ()  # the prompt tokens whose positions the stages held already
     steps: list[tuple[int, int]] = field(default_factory=list)  # per step issued: (start, count)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set on every new chunk
 
@@ -479,29 +489,58 @@ class Pipeline:
             for item, chunk in zip(result.items, result.item_bytes(), strict=True)
         )
 
-    async def open(self, sessions: list[str]) -> None:
+    async def open(
+        self, sessions: list[str], prompts: Mapping[str, tuple[tuple[int, ...], tuple[PrefixKey, ...]]] | None = None
+    ) -> dict[str, int]:
+        """Open sessions on every stage; returns per session the position its first step starts at.
+
+        ``prompts``: per session, its prompt and the keys of the prompt's prefixes (``prefix.offer_keys``);
+        a session without them starts at 0. A stage's answer naming positions it was not offered
+        is its fault (``stage_bad_reply``)."""
         timeout = min(REPLY_TIMEOUT_S, self.stall_timeout_s)
-        await asyncio.gather(*(link.request(wire.Open(self.job, tuple(sessions)), timeout) for link in self.links))
-        for session in sessions:
-            self.transcripts[session] = Transcript()
+        prompts = prompts or {}
+        offers = tuple(prompts.get(session, ((), ()))[1] for session in sessions)
+        message = wire.Open(self.job, tuple(sessions), prefixes=offers if any(offers) else ())
+        replies = await asyncio.gather(*(link.request(message, timeout) for link in self.links))
+        starts = {}
+        for position, session in enumerate(sessions):
+            offered = {key.positions for key in offers[position]}
+            start = None
+            for index, reply in enumerate(replies):
+                assert isinstance(reply, wire.Open)
+                held = reply.reused[position] if reply.reused else 0
+                if held and held not in offered:
+                    raise StageError(
+                        f"stage {index} says session {session} holds {held} positions, which were not offered",
+                        code="stage_bad_reply",
+                        stage=index,
+                    )
+                start = held if start is None else min(start, held)
+            starts[session] = start or 0
+            self.transcripts[session] = Transcript(start=starts[session])
             self._steps[session] = 0
             if self.audit_stages:
                 needed = {b for stage in self.audit_stages for b in (stage, stage + 1)}
-                self._captures[session] = _Capture({b: {} for b in sorted(needed)})
+                prefix = prompts[session][0][: starts[session]] if starts[session] else ()
+                self._captures[session] = _Capture({b: {} for b in sorted(needed)}, prefix=prefix)
+        return starts
 
     async def close(self, sessions: list[str]) -> list[dict]:
         """Close sessions everywhere; returns all stages' receipts (wire dicts)."""
         return [receipt for reply in await self.close_by_stage(sessions) for receipt in reply]
 
-    async def close_by_stage(self, sessions: list[str]) -> list[tuple[dict, ...]]:
+    async def close_by_stage(
+        self, sessions: list[str], keep: Mapping[str, tuple[PrefixKey, ...]] | None = None
+    ) -> list[tuple[dict, ...]]:
         """Close sessions everywhere; returns each stage's receipts (wire dicts), in route order.
+        ``keep``: per session, the keys each stage may keep its cache under (``prefix.keep_keys``).
 
         A stage whose receipts do not come (its connection dropped, it refused or did not answer the
         CLOSE) raises the StageError blaming the first such stage in route order; when no stage of
         several answered, it blames none (``stage`` None): the coordinator's own link is likelier."""
-        replies = await asyncio.gather(
-            *(link.request(wire.Close(self.job, tuple(sessions))) for link in self.links), return_exceptions=True
-        )
+        kept = tuple((keep or {}).get(session, ()) for session in sessions)
+        message = wire.Close(self.job, tuple(sessions), keep=kept if any(kept) else ())
+        replies = await asyncio.gather(*(link.request(message) for link in self.links), return_exceptions=True)
         failed = [reply for reply in replies if isinstance(reply, BaseException)]
         if failed and len(failed) == len(replies) > 1:
             raise StageError(f"no stage answered CLOSE: {failed[0]}", code="close_unanswered")
@@ -785,6 +824,7 @@ class Pipeline:
             steps=tuple(capture.steps),
             inputs=tuple(capture.boundaries[stage][step] for step in steps),
             outputs=tuple(capture.boundaries[stage + 1][step] for step in steps),
+            prefix=capture.prefix,
         )
 
     def forget(self, session: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from worker_agent.coordinator.pipeline import AuditGap, CloseIncomplete, Pipeline
@@ -18,6 +19,7 @@ from worker_agent.errors import ReceiptError, StageError
 from worker_agent.protocol.audit import AuditMaterial
 from worker_agent.protocol.coverage import JobVerification, verify_job
 from worker_agent.protocol.keys import node_id
+from worker_agent.protocol.prefix import PrefixKey
 from worker_agent.protocol.receipts import (
     BadSignature,
     MalformedReceipt,
@@ -41,13 +43,22 @@ class Proof:
     audit_missing: list[AuditGap] = field(default_factory=list)
 
 
-async def prove_session(pipeline: Pipeline, session: str, *, strict: bool, model: str, n_layers: int) -> Proof:
-    """Close ``session`` on every stage, take its receipts and audit material, and verify them:
-    a failure raises (``strict``), or is reported in the proof with its culprit."""
+async def prove_session(
+    pipeline: Pipeline,
+    session: str,
+    *,
+    strict: bool,
+    model: str,
+    n_layers: int,
+    keep: Mapping[str, tuple[PrefixKey, ...]] | None = None,
+) -> Proof:
+    """Close ``session`` on every stage (``keep``: the prefix keys its stages may keep its KV
+    under), take its receipts and audit material, and verify them: a failure raises (``strict``),
+    or is reported in the proof with its culprit."""
     proof, closed, replies, partial = Proof(), False, None, None
     try:
         try:
-            replies = await pipeline.close_by_stage([session])
+            replies = await pipeline.close_by_stage([session], keep)
             closed = True
         except StageError as exc:
             # Every token is out, and a stage's receipt did not come: its session was gone, or its
@@ -157,7 +168,7 @@ def verify_session(
         n_layers=n_layers,
         assignments=assignments,
         receipts=receipts,
-        transcripts=[SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received))],
+        transcripts=[SessionTranscript(session, tuple(transcript.sent), tuple(transcript.received), transcript.start)],
     )
     # Verified: each assigned node signed exactly one receipt for this session.
     position = {assignment.node: index for index, assignment in enumerate(assignments)}

@@ -37,6 +37,7 @@ class GenerationResult:
     drafted: int = 0  # draft tokens the pipeline verified
     accepted: int = 0  # drafts accepted (committed as drafted)
     speculation: dict = field(default_factory=dict)  # the router's view at the end (acceptance, plan)
+    cached_tokens: int = 0  # prompt positions the stages held already from an earlier request (prefix reuse)
 
     @classmethod
     def of(
@@ -62,6 +63,7 @@ class GenerationResult:
             drafted=state.drafted,
             accepted=state.accepted,
             speculation=state.speculation,
+            cached_tokens=state.cached,
         )
 
     @property
@@ -83,6 +85,7 @@ class GenerationResult:
             "text": self.text,
             "token_ids": self.token_ids,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
             "token_times": [round(t, 4) for t in self.token_times],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,18 @@ class GenerationRequest:
     speculate: bool = True  # False: plain decoding whatever the coordinator's settings
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest (k <= 20)
     grammar: JsonGrammar | None = None  # the output must be JSON (of this schema): grammar.py
+    # The customer account's prefix salt (protocol/prefix.py): the stages may reuse the KV of its
+    # earlier requests' prefixes and keep this one's. None: no reuse.
+    prefix_salt: bytes | None = None
+
+    @classmethod
+    def of(
+        cls, prompt_ids: Sequence[int], eos_id: int | None, *, sampling: SamplingParams | None = None, **fields
+    ) -> GenerationRequest:
+        """A request for ``prompt_ids`` ending at ``eos_id`` (the tokenizer's, if any); ``sampling``
+        None is the defaults; ``fields`` as the dataclass takes them."""
+        eos = frozenset([eos_id] if eos_id is not None else [])
+        return cls(tuple(prompt_ids), sampling=sampling or SamplingParams(), eos_ids=eos, **fields)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -101,6 +114,7 @@ class GenerationState:
         self.steps = 0  # chunks whose results were folded in (void ones included)
         self.drafted = 0  # drafts verified, over the whole stream
         self.accepted = 0  # drafts accepted
+        self.cached = 0  # prompt positions the stages held already when the session opened (prefix reuse)
         self.speculation: dict = {}  # the router's last view (acceptance, round trip, plan), for reports
         self._decoded = ""  # the decoded text of every generated token (held-back text included)
         self._stable_text = ""  # the part of it made of whole characters that no later token changes
@@ -141,6 +155,15 @@ class GenerationState:
         self.chain_committed = len(tokens)
         self.sent = 0  # chain tokens sent so far
         self.chunks: deque[Chunk] = deque()
+
+    def start_at(self, held: int) -> None:
+        """Begin past the prompt's first ``held`` positions, which the stages hold already (prefix
+        reuse): the first chunk sends only the rest. Only before anything was sent, and at least
+        one prompt token is left to send (its logits give the first output token)."""
+        if self.sent or self.steps or not 0 <= held < len(self.request.prompt_ids):
+            raise ValueError(f"cannot start at position {held} of a {len(self.request.prompt_ids)}-token prompt now")
+        self._reset_chain(list(self.request.prompt_ids[held:]), held)
+        self.cached = held
 
     def room_for_drafts(self) -> int:
         """Drafts that may still be appended: never past the token budget (the bonus included)."""
@@ -183,6 +206,7 @@ class GenerationState:
         next input is the prompt and every committed token, from position 0. Drafts in flight are
         dropped; the sampler is not touched: the lost chunks' logits were never sampled."""
         self._reset_chain(self.committed, 0)
+        self.cached = 0  # the healed route computes every position again
 
     def fold(self, chunk: Chunk, logits: torch.Tensor | None) -> Fold:
         """Fold a chunk's result in: ``logits`` holds its last ``rows_needed(chunk)`` rows. (rows, vocab)

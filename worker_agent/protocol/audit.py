@@ -1,3 +1,4 @@
+# Over 500 lines: the material, its checks against the receipts and its replay are one audit, read whole.
 """Live audits: one stage's recorded traffic, checked against its receipt and replayed.
 
 Receipts prove coverage, not correct computation: a node can sign hashes of garbage. A live
@@ -12,12 +13,20 @@ its receipt. A trusted verifier then
    throwaway KV cache, and compares every output token row with the recorded one: cosine
    similarity >= ``min_cosine`` and ``abs(|out| - |ref|) / |ref|`` < ``max_rel_norm``, in float64.
 
+A session that began on positions its stages kept from an earlier session (prefix reuse) starts
+its steps past them, on a cache the audited stage did not compute in this session. Its material
+carries the reused prompt tokens (``prefix``); the verifier rebuilds that cache with its own trusted
+layers: it embeds the tokens, runs them through the layers before the stage (``prefix_inputs``) and
+the stage's block, and then replays the steps on it. The stage is held to its steps' outputs
+given the right prefix: a stage that reused a wrong or corrupted prefix fails the replay.
+
 ``verify_audit`` does both::
 
     material = AuditMaterial.from_bytes(blob)
     block = Block(load_block(material.model, material.layer_start, material.layer_end))
     report = verify_audit(material, receipt, block)      # raises AuditFailed unless honest
     print(report.to_dict())
+    # with material.prefix: verify_audit(..., prefix=prefix_inputs(material, head, block_before))
 
 Nodes cannot tell audited traffic apart: in ring topology every stage also sends each output to
 its coordinator (a tap), for every session, and in star topology the coordinator relays every
@@ -48,7 +57,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
@@ -59,6 +68,9 @@ from worker_agent.kvcache import KVSession
 from worker_agent.protocol import wire
 from worker_agent.protocol.links import signed_by
 from worker_agent.protocol.receipts import Receipt, digest
+
+if TYPE_CHECKING:
+    from worker_agent.model import Head
 
 AUDIT_VERSION = 1
 DEFAULT_MIN_COSINE = 0.99
@@ -102,6 +114,9 @@ class AuditMaterial:
     steps: tuple[tuple[int, int], ...]  # per step: (position of the first token, token rows)
     inputs: tuple[bytes, ...]  # per step: the tensor bytes the stage received, rows x hidden
     outputs: tuple[bytes, ...]  # per step: the tensor bytes the stage sent, rows x hidden
+    # The prompt tokens of the positions the session began with (prefix reuse): its first step
+    # starts at len(prefix). Empty when it reused nothing.
+    prefix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in _STR_FIELDS:
@@ -129,6 +144,13 @@ class AuditMaterial:
                 and step[1] >= 1
             ):
                 raise AuditError(f"each audit step is (start >= 0, count >= 1), got {step!r}")
+        if not isinstance(self.prefix, tuple) or not all(_is_int(t) and 0 <= t < 1 << 31 for t in self.prefix):
+            raise AuditError("audit material prefix must be a tuple of token ids")
+        if self.prefix and self.steps[0][0] != len(self.prefix):
+            raise AuditError(
+                f"audit material's first step starts at {self.steps[0][0]}, not after its {len(self.prefix)} "
+                "reused positions"
+            )
         row = self.hidden_size * wire.DTYPES[self.dtype].itemsize
         for name in ("inputs", "outputs"):
             chunks = getattr(self, name)
@@ -164,6 +186,8 @@ class AuditMaterial:
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
         }
+        if self.prefix:  # absent where nothing was reused: such material reads as it always did
+            body["prefix"] = list(self.prefix)
         return msgpack.packb(dict(sorted(body.items())), use_bin_type=True)
 
     @classmethod
@@ -175,11 +199,12 @@ class AuditMaterial:
             body = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
         except Exception as exc:
             raise AuditError(f"audit material is not valid msgpack: {exc.__class__.__name__}") from None
-        if not isinstance(body, dict) or set(body) != _KEYS:
-            raise AuditError(f"audit material must be a map with exactly the keys {sorted(_KEYS)}")
+        if not isinstance(body, dict) or set(body) - {"prefix"} != _KEYS:
+            raise AuditError(f"audit material must be a map with exactly the keys {sorted(_KEYS)} (and prefix)")
         if not _is_int(body["v"]) or body["v"] != AUDIT_VERSION:
             raise AuditError(f"audit material version {body['v']!r} is not supported (expected {AUDIT_VERSION})")
-        for name in ("steps", "inputs", "outputs"):
+        body.setdefault("prefix", [])
+        for name in ("steps", "inputs", "outputs", "prefix"):
             if not isinstance(body[name], list):
                 raise AuditError(f"audit material {name} must be a list")
         return cls(
@@ -187,6 +212,7 @@ class AuditMaterial:
             steps=tuple(tuple(step) if isinstance(step, list) else step for step in body["steps"]),
             inputs=tuple(body["inputs"]),
             outputs=tuple(body["outputs"]),
+            prefix=tuple(body["prefix"]),
         )
 
 
@@ -285,6 +311,11 @@ def check_hashes(material: AuditMaterial, receipt: Receipt, upstream: Receipt | 
                 f"{where}: the receipt's {name} is {getattr(receipt, name)!r}, the material's "
                 f"{getattr(material, name)!r}"
             )
+    if receipt.reused != len(material.prefix):
+        raise AuditFailed(
+            f"{where}: the receipt says the session reused {receipt.reused} positions, the material "
+            f"{len(material.prefix)}"
+        )
     if receipt.steps != len(material.steps) or receipt.tokens != material.tokens:
         raise AuditFailed(
             f"{where}: the receipt signs {receipt.steps} steps, {receipt.tokens} tokens; the material holds "
@@ -350,7 +381,29 @@ def _check_block(material: AuditMaterial, block: Block) -> None:
         )
 
 
-def recompute(material: AuditMaterial, block: Block) -> torch.Tensor:
+def prefix_inputs(material: AuditMaterial, head: Head, before: Block | None) -> torch.Tensor:
+    """What the audited stage received for the material's reused prompt tokens, recomputed by
+    trusted parts: ``head`` embeds them and ``before`` (layers [0, the stage's start); None for the
+    first stage) runs them, each passing through the wire dtype as a pipeline's hops do.
+    (len(prefix), hidden)"""
+    if not material.prefix:
+        raise AuditError("the material reused no positions: there is no prefix to recompute")
+    if (before is None) != (material.layer_start == 0) or (
+        before is not None and (before.weights.layer_start, before.weights.layer_end) != (0, material.layer_start)
+    ):
+        raise AuditError(
+            f"the prefix of a stage starting at layer {material.layer_start} needs the trusted layers before it",
+            code="audit_wrong_block",
+        )
+    rows = len(material.prefix)
+    hidden = material.tensor(wire.tensor_payload(head.embed_tokens(list(material.prefix)), material.dtype), rows)
+    if before is not None:
+        (hidden,) = before.forward([WorkItem(KVSession(material.job, "prefix"), 0, hidden)])  # (rows, hidden)
+        hidden = material.tensor(wire.tensor_payload(hidden, material.dtype), rows)
+    return hidden
+
+
+def recompute(material: AuditMaterial, block: Block, prefix: torch.Tensor | None = None) -> torch.Tensor:
     """What ``block`` (trusted, same span) computes on the material's inputs, step by step on a fresh
     KV cache, as the stage's rows came out of the wire dtype: (tokens, hidden), one row per recorded
     output row. Raises ``AuditError`` when the block cannot stand for the stage or a step starts past
@@ -360,15 +413,22 @@ def recompute(material: AuditMaterial, block: Block) -> torch.Tensor:
     rolled-back draft does), every input row goes through the block in one causal pass: each
     position's output depends on the same inputs as in the stage's step by step, and one pass of
     n rows costs far less than n passes of one (the verifier's work, per audited stage). Otherwise
-    the steps are replayed one by one, on the cache as the stage held it."""
+    the steps are replayed one by one, on the cache as the stage held it.
+
+    ``prefix`` (``prefix_inputs``), needed when the material reused positions: the stage's inputs for
+    them, which the block runs first to rebuild the cache the session began with."""
     _check_block(material, block)
     kv = KVSession(material.job, material.session)  # throwaway: dropped when this returns
+    if material.prefix:
+        if prefix is None or tuple(prefix.shape) != (len(material.prefix), material.hidden_size):
+            raise AuditError(f"replaying this material needs the inputs of its {len(material.prefix)} reused positions")
+        block.forward([WorkItem(kv, 0, prefix)])
     passes = [
         (start, count, material.tensor(sent, count))
         for (start, count), sent in zip(material.steps, material.inputs, strict=True)
     ]
-    if _contiguous(material.steps):
-        passes = [(0, material.tokens, torch.cat([rows for _, _, rows in passes]))]
+    if _contiguous(material.steps, len(material.prefix)):
+        passes = [(len(material.prefix), material.tokens, torch.cat([rows for _, _, rows in passes]))]
     replayed = []
     for index, (start, count, rows) in enumerate(passes):
         if start > kv.length:
@@ -390,13 +450,14 @@ def replay(
     material: AuditMaterial,
     block: Block,
     *,
+    prefix: torch.Tensor | None = None,
     min_cosine: float = DEFAULT_MIN_COSINE,
     max_rel_norm: float = DEFAULT_MAX_REL_NORM,
 ) -> AuditReport:
     """``recompute`` the material on ``block`` and compare every recorded output row with the
     replay's; raises ``AuditError`` as ``recompute`` does."""
     _check_thresholds(min_cosine, max_rel_norm)
-    reference = recompute(material, block)
+    reference = recompute(material, block, prefix)
     sent_out = recorded_outputs(material)
     cosines, rel_norms = per_token_metrics(sent_out, reference)
     first_failure = None
@@ -420,9 +481,9 @@ def replay(
     )
 
 
-def _contiguous(steps: tuple[tuple[int, int], ...]) -> bool:
-    """Whether each step starts at the position where the one before it ended, the first at 0."""
-    position = 0
+def _contiguous(steps: tuple[tuple[int, int], ...], first: int) -> bool:
+    """Whether each step starts at the position where the one before it ended, the first at ``first``."""
+    position = first
     for start, count in steps:
         if start != position:
             return False
@@ -436,13 +497,15 @@ def verify_audit(
     block: Block,
     *,
     upstream: Receipt | None = None,
+    prefix: torch.Tensor | None = None,
     min_cosine: float = DEFAULT_MIN_COSINE,
     max_rel_norm: float = DEFAULT_MAX_REL_NORM,
 ) -> AuditReport:
-    """``check_hashes``, then ``replay``; raises ``AuditFailed`` (audit_mismatch, with ``.report``)
-    when any output row is out of bounds, and returns the report when every row passes."""
+    """``check_hashes``, then ``replay`` (on ``prefix``'s rebuilt cache, when the session reused one);
+    raises ``AuditFailed`` (audit_mismatch, with ``.report``) when any output row is out of bounds, and
+    returns the report when every row passes."""
     check_hashes(material, receipt, upstream)
-    report = replay(material, block, min_cosine=min_cosine, max_rel_norm=max_rel_norm)
+    report = replay(material, block, prefix=prefix, min_cosine=min_cosine, max_rel_norm=max_rel_norm)
     if report.first_failure is not None:  # not passed
         step, row = report.first_failure
         index = sum(count for _, count in material.steps[:step]) + row

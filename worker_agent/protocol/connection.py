@@ -191,6 +191,7 @@ class OpenSessions:
     ref: int  # seq of the OPEN frame
     job: str  # the bound job
     sessions: tuple[str, ...]  # session ids to open
+    prefixes: tuple[wire.PrefixKeys, ...] = ()  # per session: its prompt's prefix keys (none: no reuse)
     kind: ActionKind = field(default=ActionKind.OPEN, init=False)
 
 
@@ -214,6 +215,7 @@ class CloseSessions:
     ref: int  # seq of the CLOSE frame
     job: str  # the bound job
     sessions: tuple[str, ...]  # session ids to close
+    keep: tuple[wire.PrefixKeys, ...] = ()  # per session: the keys its cache may be kept under
     kind: ActionKind = field(default=ActionKind.CLOSE, init=False)
 
 
@@ -302,10 +304,10 @@ class Connection:
                 raise WireError(f"a peer stage may only send FORWARD, not {type(message).__name__}", code="not_allowed")
             case wire.Open():
                 self._check_job(message.job)
-                return OpenSessions(seq, message.job, message.sessions)
+                return OpenSessions(seq, message.job, message.sessions, message.prefixes)
             case wire.Close():
                 self._check_job(message.job)
-                return CloseSessions(seq, message.job, message.sessions)
+                return CloseSessions(seq, message.job, message.sessions, message.keep)
         raise WireError(f"a stage does not accept {type(message).__name__} frames", code="not_allowed")
 
     def _check_job(self, job: str) -> None:

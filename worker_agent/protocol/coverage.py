@@ -14,7 +14,11 @@ signed, never on its neighbour's word:
   stage k's over those bytes, stage k signed two different outputs for one step: its receipt lies.
   Otherwise stage k+1 claims an input it cannot prove: its receipt lies;
 - a stage whose steps differ from what the coordinator sent, or whose first input or last output
-  differs from the coordinator's transcript, is that stage's lie.
+  differs from the coordinator's transcript, is that stage's lie;
+- a stage whose receipt says it reused another number of kept positions (prefix reuse) than the
+  coordinator's transcript starts at is that stage's lie: every stage of a session began at the
+  coordinator's first step, and the positions before it were computed (and paid) in the session
+  the receipt names as their source.
 
 ``honest_work`` then says what the other nodes of a failed job did that still verifies, so they
 are paid for it while the culprit is not.
@@ -34,6 +38,7 @@ from worker_agent.protocol.receipts import (
     ForeignSigner,
     MalformedReceipt,
     MissingReceipt,
+    PrefixMismatch,
     Receipt,
     SessionTranscript,
     SpanGap,
@@ -141,6 +146,12 @@ def _check_session(transcript: SessionTranscript, chain: list[Receipt], *, ring:
             f"{len(transcript.received)} steps, the stages report {first.steps}"
         )
     for k, receipt in enumerate(chain):
+        if receipt.reused != transcript.start:
+            raise PrefixMismatch(
+                f"session {session!r}: stage {k} (node {receipt.node}) says it reused {receipt.reused} positions, "
+                f"the coordinator's first step started at {transcript.start}",
+                node=receipt.node,
+            )
         # The coordinator's own count of the steps it sent is the truth each stage is held to.
         if receipt.steps != len(transcript.sent):
             raise StepMismatch(
@@ -297,7 +308,7 @@ def honest_work(
 
     def proves(k: int, transcript: SessionTranscript) -> bool:
         own = found.get((transcript.session, stages[k].node))
-        if own is None or own.steps != len(transcript.sent):
+        if own is None or own.steps != len(transcript.sent) or own.reused != transcript.start:
             return False
         inputs = [h_in for h_in, _ in own.hashes]
         outputs = [h_out for _, h_out in own.hashes]

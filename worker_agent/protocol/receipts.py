@@ -1,3 +1,4 @@
+# Over 500 lines: the receipt, its builder, its two encodings and the transcript share one set of checks.
 """Per-stage signed receipts: the receipt, its builder and its one codec (``coverage.py`` verifies a
 job's receipts against its plan and transcripts).
 
@@ -13,6 +14,12 @@ A node cannot claim work it did not receive, skip a span, or charge for more ste
 What they do not prove: that the computation was *correct*. A node can sign hashes of garbage
 it computed. Correctness is spot-checked elsewhere (seeded challenges, live audits replaying
 inputs and outputs whose hashes the node signed here).
+
+A session that began on positions the stage kept from an earlier session (prefix reuse,
+``prefix.py``) says so: ``reused`` positions, taken from ``reused_from`` (that session's job, id and
+receipt chain head, as the stage signed them when it closed). Its steps start past them, so its
+``tokens`` count only what it computed; both fields are absent from a receipt that reused nothing,
+which reads as before.
 
 The chain for a session: ``h0 = sha256(CHAIN_SEED + job + b"\\0" + session)`` and
 ``h_i = sha256(h_{i-1} + in_i + out_i)``; the receipt carries both the list and the head, so a
@@ -49,6 +56,8 @@ _INT_FIELDS = ("layer_start", "layer_end", "steps", "tokens")
 # The fields that go into the body as they are; ``hashes`` becomes a list of lists.
 _PLAIN_FIELDS = (*_STR_FIELDS, *_INT_FIELDS, "node_key", "chain_head")
 _DICT_KEYS = frozenset({"v", "hashes", "links", "sig", *_PLAIN_FIELDS})
+_REUSE_KEYS = frozenset({"reused", "reused_from"})  # both present (reused > 0) or both absent
+_SOURCE_KEYS = frozenset({"job", "session", "chain_head"})
 _TRANSCRIPT_KEYS = frozenset({"session", "sent", "received"})
 
 # Bounds checked before anything is decoded, so a stored or received receipt cannot make its
@@ -95,6 +104,10 @@ class SpanOverlap(ReceiptError):
 
 class StepMismatch(ReceiptError):
     code = "receipt_step_mismatch"
+
+
+class PrefixMismatch(ReceiptError):
+    code = "receipt_prefix_mismatch"
 
 
 class BrokenLink(ReceiptError):
@@ -168,6 +181,34 @@ def _check_bounds(what: str, ids: Mapping[str, object], lists: Mapping[str, obje
 
 
 @dataclass(frozen=True)
+class ReusedFrom:
+    """Where a session's reused positions were computed: an earlier session on the same stage."""
+
+    job: str  # that session's job id
+    session: str  # its session id
+    chain_head: bytes  # the chain head of the receipt the stage signed for it at its close
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "session": self.session, "chain_head": self.chain_head}
+
+    @classmethod
+    def parse(cls, d: object, *, hexed: bool) -> ReusedFrom:
+        if not isinstance(d, dict) or set(d) != _SOURCE_KEYS:
+            raise MalformedReceipt(f"receipt reused_from must be a map with exactly the keys {sorted(_SOURCE_KEYS)}")
+        _check_bounds("receipt reused_from", {"job": d["job"], "session": d["session"]}, {})
+        head = _unhex(d["chain_head"], "receipt reused_from chain_head", HASH_BYTES) if hexed else d["chain_head"]
+        source = cls(d["job"], d["session"], head)
+        source.check()
+        return source
+
+    def check(self) -> None:
+        if not (isinstance(self.job, str) and isinstance(self.session, str) and self.job and self.session):
+            raise MalformedReceipt("receipt reused_from job and session must be non-empty strings")
+        if not _is_hash(self.chain_head):
+            raise MalformedReceipt(f"receipt reused_from chain_head must be {HASH_BYTES} bytes")
+
+
+@dataclass(frozen=True)
 class Receipt:
     job: str  # job id
     session: str  # the coordinator's session id within the job
@@ -184,9 +225,13 @@ class Receipt:
     links: tuple[bytes, ...]
     chain_head: bytes  # last h_i of the chain over ``hashes`` (h0 when steps == 0)
     signature: bytes  # 64-byte ed25519 over SIGNING_CONTEXT + body_bytes()
+    reused: int = 0  # positions the session began with, kept from ``reused_from`` (its steps start here)
+    reused_from: ReusedFrom | None = None  # where they were computed; None when nothing was reused
 
     def _body(self) -> dict[str, Any]:
         body = {name: getattr(self, name) for name in _PLAIN_FIELDS}
+        if self.reused_from is not None:
+            body |= {"reused": self.reused, "reused_from": self.reused_from.to_dict()}
         return {
             **body,
             "v": RECEIPT_VERSION,
@@ -211,6 +256,11 @@ class Receipt:
             "links": [link.hex() for link in self.links],
             "chain_head": self.chain_head.hex(),
             "sig": self.signature.hex(),
+            **(
+                {"reused_from": {**self.reused_from.to_dict(), "chain_head": self.reused_from.chain_head.hex()}}
+                if self.reused_from is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -224,6 +274,7 @@ class Receipt:
             node_key=d["node_key"],
             chain_head=d["chain_head"],
             signature=d["sig"],
+            **_reuse(d, hexed=False),
         )
 
     @classmethod
@@ -253,6 +304,7 @@ class Receipt:
             node_key=_unhex(d["node_key"], "receipt node_key", 32),
             chain_head=_unhex(d["chain_head"], "receipt chain_head", HASH_BYTES),
             signature=_unhex(d["sig"], "receipt sig", 64),
+            **_reuse(d, hexed=True),
         )
 
     @classmethod
@@ -289,6 +341,10 @@ class Receipt:
             raise MalformedReceipt("receipt links must list one entry per step")
         if not all(isinstance(link, bytes) and len(link) in (0, LINK_BYTES) for link in self.links):
             raise MalformedReceipt(f"each receipt link must be a {LINK_BYTES}-byte signature or empty")
+        if not _is_int(self.reused) or self.reused < 0 or (self.reused > 0) != (self.reused_from is not None):
+            raise MalformedReceipt(f"receipt reused must be 0, or > 0 with where it came from; got {self.reused!r}")
+        if self.reused_from is not None:
+            self.reused_from.check()
 
     def verify_signature(self) -> None:
         """Raise unless the receipt is well formed, signed by ``node_key``, and its chain head
@@ -311,10 +367,20 @@ class Receipt:
             )
 
 
+def _reuse(d: dict, *, hexed: bool) -> dict[str, Any]:
+    """The reuse fields of an envelope-checked map, decoded (none when it reused nothing)."""
+    if "reused" not in d:
+        return {}
+    return {"reused": d["reused"], "reused_from": ReusedFrom.parse(d["reused_from"], hexed=hexed)}
+
+
 def _envelope(d: object) -> dict:
     """``d``, once the checks both encodings share before decoding pass: the keys, the version, the bounds."""
-    if not isinstance(d, dict) or set(d) != _DICT_KEYS:
-        raise MalformedReceipt(f"a receipt must be a map with exactly the keys {sorted(_DICT_KEYS)}")
+    if not isinstance(d, dict) or set(d) not in (_DICT_KEYS, _DICT_KEYS | _REUSE_KEYS):
+        raise MalformedReceipt(
+            f"a receipt must be a map with exactly the keys {sorted(_DICT_KEYS)}, and {sorted(_REUSE_KEYS)} "
+            "when it reused positions"
+        )
     if not _is_int(d["v"]) or d["v"] != RECEIPT_VERSION:
         raise MalformedReceipt(f"receipt version {d['v']!r} is not supported (expected {RECEIPT_VERSION})")
     if not isinstance(d["hashes"], list | tuple):
@@ -363,6 +429,8 @@ class ReceiptBuilder:
         self._hashes: list[tuple[bytes, bytes]] = []
         self._links: list[bytes] = []
         self._tokens = 0
+        self._reused = 0
+        self._reused_from: ReusedFrom | None = None
         # Validate the identity now rather than at sign time, hours of serving later.
         self._snapshot(bytes(HASH_BYTES))._check_shape()
         self._head = chain_start(job, session)
@@ -374,6 +442,19 @@ class ReceiptBuilder:
     @property
     def tokens(self) -> int:
         return self._tokens
+
+    @property
+    def reused(self) -> int:
+        return self._reused
+
+    def reuse(self, positions: int, source: ReusedFrom | None) -> None:
+        """The session begins with ``positions`` positions kept from ``source`` (0 and None: none).
+        Set when the session opens, and cut to its first step's start when that step truncates them."""
+        if self._hashes:
+            raise MalformedReceipt("reused positions are set before the session's first step")
+        if not _is_int(positions) or positions < 0 or (positions > 0) != (source is not None):
+            raise MalformedReceipt(f"reused positions must be 0, or > 0 with their source; got {positions!r}")
+        self._reused, self._reused_from = positions, source
 
     def add_step(self, input_hash: bytes, output_hash: bytes, tokens: int, link: bytes = b"") -> None:
         """Record one step: the digests of the exact input and output wire bytes, its token rows, and
@@ -398,6 +479,8 @@ class ReceiptBuilder:
             links=tuple(self._links),
             chain_head=chain_head,
             signature=bytes(64),
+            reused=self._reused,
+            reused_from=self._reused_from,
         )
 
     def sign(self, signing_key: SigningKey) -> Receipt:
@@ -440,13 +523,15 @@ class SessionTranscript:
     session: str  # session id
     sent: tuple[bytes, ...]  # per step: sha256 of the tensor bytes the coordinator sent to the first stage
     received: tuple[bytes, ...]  # per step: sha256 of the tensor bytes it received from the last stage
+    start: int = 0  # the position its first step started at: the positions every stage reused (prefix.py)
 
     def to_json(self) -> dict[str, Any]:
-        """The stored form: the session and both hash lists as hex."""
+        """The stored form: the session and both hash lists as hex (and ``start`` when not 0)."""
         return {
             "session": self.session,
             "sent": [h.hex() for h in self.sent],
             "received": [h.hex() for h in self.received],
+            **({"start": self.start} if self.start else {}),
         }
 
     @classmethod
@@ -454,8 +539,13 @@ class SessionTranscript:
         """Parse ``to_json``'s output (or its JSON text); raises ``MalformedReceipt``, ``ReceiptTooLarge``
         for input past the bounds, before any of it is decoded."""
         d = _json_object(data, "a transcript's JSON")
-        if not isinstance(d, dict) or set(d) != _TRANSCRIPT_KEYS:
-            raise MalformedReceipt(f"a transcript must be a map with exactly the keys {sorted(_TRANSCRIPT_KEYS)}")
+        if not isinstance(d, dict) or set(d) - {"start"} != _TRANSCRIPT_KEYS:
+            raise MalformedReceipt(
+                f"a transcript must be a map with exactly the keys {sorted(_TRANSCRIPT_KEYS)}, and optionally start"
+            )
+        start = d.get("start", 0)
+        if not _is_int(start) or start < 0:
+            raise MalformedReceipt(f"transcript start must be a non-negative integer, got {start!r}")
         _check_bounds("transcript", {"session": d["session"]}, {"sent": d["sent"], "received": d["received"]})
         if not isinstance(d["session"], str):
             raise MalformedReceipt("transcript session must be a string")
@@ -464,4 +554,4 @@ class SessionTranscript:
             if not isinstance(d[name], list):
                 raise MalformedReceipt(f"transcript {name} must be a list of hex digests")
             lists[name] = tuple(_unhex(h, f"transcript {name}[{i}]", HASH_BYTES) for i, h in enumerate(d[name]))
-        return cls(d["session"], lists["sent"], lists["received"])
+        return cls(d["session"], lists["sent"], lists["received"], start)

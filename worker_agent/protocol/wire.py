@@ -1,3 +1,4 @@
+# Over 500 lines: one codec, each frame type's encoding and validation side by side.
 """The data-plane wire codec between the coordinator and the stages (sans-I/O).
 
 A frame is one binary WebSocket message: a msgpack map (the header) immediately followed by
@@ -10,11 +11,14 @@ Frame types (``MsgType``) and their replies:
 - HELLO     coordinator -> stage: the job ticket and a proof of the job's coordinator key; the
             stage answers HELLO with its identity. A stage also says HELLO to its ring successor
             (role ``peer``) with the peer pass the coordinator gave it for that successor.
-- OPEN      open sessions (KV caches) for the job; answered with OPEN.
+- OPEN      open sessions (KV caches) for the job; answered with OPEN. Per session, an OPEN may
+            offer the keys of its prompt's prefixes (``prefix.py``), and the answer says how many
+            positions each session holds already, kept from an earlier session (prefix reuse).
 - FORWARD   hidden states of one or many tokens of one or many sessions.
 - RESULT    a stage's output, to the coordinator: the last stage's (the step's answer) and, in
             ring topology, every other stage's too (a tap, so live audits can replay any stage).
-- CLOSE     close sessions; answered with CLOSE carrying the stage's signed receipts.
+- CLOSE     close sessions; answered with CLOSE carrying the stage's signed receipts. Per session,
+            a CLOSE may list the keys under which the stage may keep the session's cache.
 - PING/PONG liveness and the stage's identity and load.
 - ERROR     code + message, referring to the frame (``ref``) that caused it.
 """
@@ -31,6 +35,7 @@ import msgpack
 import torch
 
 from worker_agent.errors import WireError
+from worker_agent.protocol.prefix import KEY_BYTES, MAX_KEYS, PrefixKey
 
 VERSION = 1
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024  # bytes in one frame, header included
@@ -96,10 +101,17 @@ class Hello:
     info: dict[str, Any] = field(default_factory=dict)  # the stage's reply: node, key, model, span
 
 
+PrefixKeys = tuple[PrefixKey, ...]  # one session's prefix keys, by strictly increasing positions
+
+
 @dataclass(frozen=True)
 class Open:
     job: str
     sessions: tuple[str, ...]
+    # The coordinator's: per session (all or none), the keys of its prompt's prefixes, at most MAX_KEYS.
+    prefixes: tuple[PrefixKeys, ...] = ()
+    # The stage's reply: per session, the positions it holds already (a kept prefix); empty: none.
+    reused: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,9 @@ class Close:
     job: str
     sessions: tuple[str, ...]
     receipts: tuple[dict[str, Any], ...] = ()  # the stage's reply: Receipt.to_dict() per session
+    # The coordinator's: per session (all or none), the keys under which the stage may keep the
+    # session's cache (its committed tokens' prefixes), at most MAX_KEYS.
+    keep: tuple[PrefixKeys, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -197,6 +212,10 @@ def encode(message: Message, seq: int) -> bytes:
             )
         case Open():
             header.update(job=message.job, sessions=list(message.sessions))
+            if message.prefixes:  # absent, not empty, where there are none: older peers read on
+                header["prefixes"] = _keys_out(message.prefixes)
+            if message.reused:
+                header["reused"] = list(message.reused)
         case Forward():  # and Result
             header.update(
                 job=message.job,
@@ -207,6 +226,8 @@ def encode(message: Message, seq: int) -> bytes:
             payload = message.payload
         case Close():
             header.update(job=message.job, sessions=list(message.sessions), receipts=list(message.receipts))
+            if message.keep:
+                header["keep"] = _keys_out(message.keep)
         case Ping():
             header.update(nonce=message.nonce)
         case Pong():
@@ -308,7 +329,13 @@ def _parse(kind: MsgType, h: dict, payload: bytes, hidden_size: int | None) -> M
                 info=_opt(h, "info", dict) or {},
             )
         case MsgType.OPEN:
-            return Open(job=_id(h, "job"), sessions=_ids(h, "sessions"))
+            sessions = _ids(h, "sessions")
+            return Open(
+                job=_id(h, "job"),
+                sessions=sessions,
+                prefixes=_keys_in(h, "prefixes", len(sessions)),
+                reused=_reused(h, len(sessions)),
+            )
         case MsgType.FORWARD | MsgType.RESULT:
             return _parse_tensor_frame(kind, h, payload, hidden_size)
         case MsgType.CLOSE:
@@ -317,7 +344,10 @@ def _parse(kind: MsgType, h: dict, payload: bytes, hidden_size: int | None) -> M
                 raise WireError(f"a CLOSE carries at most {MAX_ITEMS} receipts", code="too_large")
             if not all(isinstance(r, dict) for r in receipts):
                 raise WireError("receipts must be maps", code="malformed")
-            return Close(job=_id(h, "job"), sessions=_ids(h, "sessions"), receipts=tuple(receipts))
+            sessions = _ids(h, "sessions")
+            return Close(
+                job=_id(h, "job"), sessions=sessions, receipts=tuple(receipts), keep=_keys_in(h, "keep", len(sessions))
+            )
         case MsgType.PING:
             return Ping(nonce=_int(h, "nonce"))
         case MsgType.PONG:
@@ -422,6 +452,56 @@ def _opt(h: dict, key: str, kind: type) -> Any:
     if kind is int and isinstance(value, bool):
         raise WireError(f"field {key!r} must be an integer", code="malformed")
     return value
+
+
+def _keys_out(per_session: tuple[PrefixKeys, ...]) -> list[list[list]]:
+    return [[[key.positions, key.key] for key in keys] for keys in per_session]
+
+
+def _keys_in(h: dict, name: str, sessions: int) -> tuple[PrefixKeys, ...]:
+    """Per session, its prefix keys: ``[[positions, key], ...]`` with positions >= 1 strictly
+    increasing and each key KEY_BYTES bytes, at most MAX_KEYS a session; absent: none."""
+    raw = _opt(h, name, list)
+    if raw is None:
+        return ()
+    if len(raw) != sessions:
+        raise WireError(f"field {name!r} lists {len(raw)} sessions' keys for {sessions} sessions", code="malformed")
+    out = []
+    for keys in raw:
+        if not isinstance(keys, list):
+            raise WireError(f"field {name!r} holds a list of keys per session", code="malformed")
+        if len(keys) > MAX_KEYS:
+            raise WireError(
+                f"field {name!r} lists at most {MAX_KEYS} keys a session, got {len(keys)}", code="too_large"
+            )
+        parsed, last = [], 0
+        for pair in keys:
+            if not (
+                isinstance(pair, list)
+                and len(pair) == 2
+                and _is_int(pair[0])
+                and isinstance(pair[1], bytes)
+                and len(pair[1]) == KEY_BYTES
+            ):
+                raise WireError(
+                    f"each prefix key in {name!r} is [positions, {KEY_BYTES}-byte key], got {pair!r:.200}",
+                    code="malformed",
+                )
+            if pair[0] <= last or pair[0] >= 1 << 31:
+                raise WireError(f"prefix positions in {name!r} must increase from 1, got {pair[0]}", code="malformed")
+            last = pair[0]
+            parsed.append(PrefixKey(pair[0], pair[1]))
+        out.append(tuple(parsed))
+    return tuple(out)
+
+
+def _reused(h: dict, sessions: int) -> tuple[int, ...]:
+    raw = _opt(h, "reused", list)
+    if raw is None:
+        return ()
+    if len(raw) != sessions or not all(_is_int(n) and 0 <= n < 1 << 31 for n in raw):
+        raise WireError(f"field 'reused' must list {sessions} non-negative positions", code="malformed")
+    return tuple(raw)
 
 
 def _evidence(h: dict) -> bytes | None:
