@@ -271,8 +271,9 @@ class Coordinator:
 
     async def _finish(self, run: Run, strict: bool, **measured) -> GenerationResult:
         """Close the session everywhere, take its receipts and audit material, verify them."""
+        keep = prefix.keep(run.state, run.session, self.model_id)  # what its stages may keep for a later turn
         proof = await prove_session(
-            run.pipeline, run.session, strict=strict, model=self.model_id, n_layers=self.n_layers
+            run.pipeline, run.session, strict=strict, model=self.model_id, n_layers=self.n_layers, keep=keep
         )
         self.receipts.extend(proof.receipts if proof.verification is not None else ())
         return GenerationResult.of(run.session, run.state, proof, **measured)
