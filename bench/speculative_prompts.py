@@ -77,11 +77,49 @@ DRAFTABLE = [
     "Copy this list exactly:\n1. Preheat the oven to 180 degrees.\n2. Mix the flour, sugar and eggs in a bowl.\n"
     "3. Pour the batter into a greased tin.\n4. Bake for thirty minutes.\n5. Let the cake cool before serving.",
 ]
-# A passage of over 300 tokens to repeat: the first four paragraphs (about 330 tokens). Asked
-# first and then given the text, SmolLM2-135M summarizes it and loops; given the text first and
-# then asked, it copies it with a paragraph left out and then starts over from the third (it
-# does not stop: the answer runs to its token budget). That is the answer greedy decoding gives.
-LONG = ["\n\n".join(ALICE[:4]) + "\n\nRepeat the text above exactly, word for word."]
+# Thirty steps of a recipe: a list of about 340 tokens.
+RECIPE = (
+    "Preheat the oven to 180 degrees.",
+    "Grease a round cake tin with butter.",
+    "Line the bottom of the tin with baking paper.",
+    "Sift the flour and the baking powder into a bowl.",
+    "Add a pinch of salt to the flour.",
+    "Beat the butter and the sugar until pale.",
+    "Add the eggs one at a time, beating well after each.",
+    "Fold in the flour gently.",
+    "Stir in the milk and the vanilla.",
+    "Pour the batter into the tin.",
+    "Smooth the top with a spatula.",
+    "Bake for thirty minutes.",
+    "Test the middle with a skewer.",
+    "Let the cake cool in the tin for ten minutes.",
+    "Turn it out onto a wire rack.",
+    "Whip the cream with a little sugar.",
+    "Slice the strawberries thinly.",
+    "Cut the cake in half across the middle.",
+    "Spread jam over the bottom half.",
+    "Spread half of the cream over the jam.",
+    "Put the top half back on.",
+    "Spread the rest of the cream over the cake.",
+    "Arrange the strawberries on top.",
+    "Dust with icing sugar.",
+    "Chill the cake for an hour.",
+    "Wash the bowls and the whisk.",
+    "Put the butter and the milk back in the fridge.",
+    "Cut the cake into eight slices.",
+    "Put each slice on a plate.",
+    "Serve on the day it is made.",
+)
+# Passages of over 300 tokens to repeat. SmolLM2-135M copies the recipe's thirty steps exactly.
+# Given the first four paragraphs of the chapter (about 330 tokens), then asked, it copies them with
+# a paragraph left out and then starts over from the third (it does not stop: the answer runs to its
+# token budget); asked first and then given the text, it summarizes and loops. That is the answer
+# greedy decoding gives, and the row measures it as it is (ideal prompt lookup there commits 6.6
+# tokens per pass).
+LONG = [
+    "Copy this list exactly:\n" + "\n".join(f"{index}. {step}" for index, step in enumerate(RECIPE, 1)),
+    "\n\n".join(ALICE[:4]) + "\n\nRepeat the text above exactly, word for word.",
+]
 NOVEL = [
     "What are three good habits for staying healthy?",
     "Explain why the sky is blue to a ten-year-old.",
