@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 from collections import deque
@@ -261,11 +262,11 @@ class Engine:
                 )
                 for (run, chunk, _, drafter), number in zip(entries, steps, strict=True):
                     task = asyncio.ensure_future(pipeline.result(run.session, number, chunk.count))
-                    task.add_done_callback(lambda _, frame=sent: self._back(frame))
+                    task.add_done_callback(functools.partial(self._back, sent))
                     sent.waiting += 1
                     run.flight.append(_InFlight(chunk, task, sent, drafter))
 
-    def _back(self, frame: _Frame) -> None:
+    def _back(self, frame: _Frame, _: asyncio.Future) -> None:
         frame.waiting -= 1
         frame.back = asyncio.get_running_loop().time()
 
@@ -274,7 +275,7 @@ class Engine:
         heads = [run.flight[0].task for run in self._runs.values() if run.flight]
         if any(task.done() for task in heads):
             return
-        waker = asyncio.ensure_future(self._wake.wait())
+        waker: asyncio.Future = asyncio.ensure_future(self._wake.wait())
         try:
             await asyncio.wait([*heads, waker], return_when=asyncio.FIRST_COMPLETED)
         finally:

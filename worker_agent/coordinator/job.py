@@ -233,7 +233,7 @@ class Coordinator:
             constraint = Constraint(request.grammar, self.tokenizer, self.head.lm_head.out_features)
         state = GenerationState(request, self.tokenizer, constraint=constraint)
         drafters = self.speculation.drafters(self.model) if request.speculate else {}
-        router, heals = self._router(request, drafters), []
+        router, heals = self._router(request, drafters), list[HealRecord]()
         run = Run(self.pipeline, self.pipeline.new_session_id(), state, router, drafters)
         try:
             while True:
