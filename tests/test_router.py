@@ -336,7 +336,7 @@ def test_fixed_plan_is_honoured_whatever_is_observed():
 
 
 def test_a_rejected_drafter_is_probed_after_the_stated_plain_rounds():
-    router = Router(rtt_s=0.001, per_position_s=0.002)  # a probe costs 40% of a plain round here
+    router = Router(rtt_s=0.0001, per_position_s=0.002)  # a probe costs half of a plain round here
     for _ in range(100):
         router.observe("ngram", 8, 0)
 

@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 DEFAULT_DRAFTERS: Mapping[str, float] = MappingProxyType({"ngram": 0.0})  # name -> drafting seconds per token
 PLAIN_MARGIN = 0.02  # speculation must beat plain decoding by this much: a model's error should not cost a loss
-EXPLORE_EVERY = 16  # the most plain plans in a row before a drafter is probed again
+EXPLORE_EVERY = 48  # the most plain plans in a row before a drafter is probed again
 EXPLORE_BUDGET = 0.01  # probe sooner where a useless probe costs under this share of plain decoding's rate
 TIMING_SMOOTHING = 0.1  # weight of one round trip: WAN jitter needs a longer memory than acceptance does
 # How strongly the per-position cost holds to its prior, as a variance of chunk sizes (positions²):
