@@ -84,6 +84,7 @@ from speculative_prompts import CONVERSATION, DRAFTABLE, FOLLOW_UP, LONG, NOVEL
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout's packages, whatever the venv's editable install points at
 
+from worker_agent.coordinator.drafters import NgramDrafter  # noqa: E402
 from worker_agent.coordinator.job import Coordinator, GenerationResult, encode_prompt  # noqa: E402
 from worker_agent.coordinator.pipeline import StageSpec  # noqa: E402
 from worker_agent.coordinator.sampling import SamplingParams  # noqa: E402
@@ -150,9 +151,27 @@ def plain_positions(result: GenerationResult) -> int:
     return result.prompt_tokens + len(result.token_ids) - (0 if at_eos else 1)
 
 
+def lookup_passes(prompt_ids: tuple[int, ...], token_ids: list[int]) -> int:
+    """Passes the answer would take with ideal prompt lookup: the product's n-gram drafter with no
+    limit on K and every draft checked at once, each pass committing its accepted run and one
+    more token. Its tokens per pass bound what any n-gram plan can reach on that answer (with
+    one round trip per pass where the network dominates, it bounds the speed-up too)."""
+    drafter, done, passes = NgramDrafter(), 0, 0
+    while done < len(token_ids):
+        context = [*prompt_ids, *token_ids[:done]]
+        drafter.observe(context)
+        drafts = drafter.propose(context, len(token_ids) - done)
+        run = 0
+        while run < len(drafts) and drafts[run] == token_ids[done + run]:
+            run += 1
+        done += run + 1
+        passes += 1
+    return passes
+
+
 async def run_group(coordinator: Coordinator, requests: list[GenerationRequest]) -> dict:
     """``requests`` as concurrent streams of one job: their decode tokens, the window they span
-    (earliest first token to latest last token) and their results."""
+    (earliest first token to latest last token), their results and their ideal lookup passes."""
     runs = await asyncio.gather(*(timed(coordinator, request) for request in requests))
     firsts = [times[0] for times, _ in runs if times]
     lasts = [times[-1] for times, _ in runs if times]
@@ -160,6 +179,10 @@ async def run_group(coordinator: Coordinator, requests: list[GenerationRequest])
         "decode": sum(max(0, len(times) - 1) for times, _ in runs),
         "window": max(lasts) - min(firsts) if firsts else 0.0,
         "results": [result for _, result in runs],
+        "lookup_passes": sum(
+            lookup_passes(request.prompt_ids, result.token_ids)
+            for request, (_, result) in zip(requests, runs, strict=True)
+        ),
     }
 
 
@@ -184,6 +207,9 @@ def summarize(groups: list[dict], streams: int) -> dict:
         "accepted": accepted,
         "acceptance": round(accepted / drafted, 4) if drafted else None,
         "tokens_per_pass": round(sum(len(r.token_ids) for r in results) / sum(r.steps for r in results), 3),
+        "lookup_tokens_per_pass": round(
+            sum(len(r.token_ids) for r in results) / max(1, sum(group["lookup_passes"] for group in groups)), 3
+        ),
         "wasted_positions": computed - sum(plain_positions(r) for r in results),
         "verified": all(r.verification is not None for r in results),
         "plans": plans,
@@ -367,6 +393,7 @@ def compare(rows: list[dict]) -> list[dict]:
                 "ratio": round(row["tok_s"] / base["tok_s"], 2) if row["tok_s"] and base["tok_s"] else None,
                 "acceptance": row["acceptance"],
                 "tokens_per_pass": row["tokens_per_pass"],
+                "lookup_tokens_per_pass": row["lookup_tokens_per_pass"],
                 "wasted_positions": row["wasted_positions"],
                 "identical": row["token_ids"] == base["token_ids"],
                 "plans": row["plans"],
@@ -445,7 +472,8 @@ def targets(comparisons: list[dict], turns: list[dict]) -> list[dict]:
 def print_summary(comparisons: list[dict], turns: list[dict], checks: list[dict], *, quick: bool) -> None:
     print(
         f"\n{'RTT ms':>6} {'prompts':<10} {'sampling':<8} {'streams':>7} {'plain tok/s':>11} {'spec tok/s':>10} "
-        f"{'ratio':>6} {'accept':>6} {'tok/pass':>8} {'wasted':>6} {'identical':>9}  router's plans (chains)"
+        f"{'ratio':>6} {'accept':>6} {'tok/pass':>8} {'lookup':>6} {'wasted':>6} {'identical':>9}  "
+        "router's plans (chains)"
     )
     for c in comparisons:
         acceptance = "-" if c["acceptance"] is None else f"{c['acceptance']:.2f}"
@@ -454,13 +482,14 @@ def print_summary(comparisons: list[dict], turns: list[dict], checks: list[dict]
         print(
             f"{c['rtt_ms']:>6} {c['prompts']:<10} {c['sampling']:<8} {c['streams']:>7} {c['plain_tok_s'] or 0:>11.2f} "
             f"{c['tok_s'] or 0:>10.2f} {c['ratio'] or 0:>6.2f} {acceptance:>6} {c['tokens_per_pass']:>8.2f} "
-            f"{c['wasted_positions']:>6} {identical:>9}  {plans}"
+            f"{c['lookup_tokens_per_pass']:>6.2f} {c['wasted_positions']:>6} {identical:>9}  {plans}"
         )
         if "per_prompt_ratio" in c:
             print(f"{'':>6} each prompt alone: ratios {c['per_prompt_ratio']}")
     print(
         "ratio: speculative / plain decode tok/s at the same round trip (every link delayed by half of it); "
-        "drafter: n-gram prompt lookup (no offline draft model shares SmolLM2's tokenizer); identical is "
+        "drafter: n-gram prompt lookup (no offline draft model shares SmolLM2's tokenizer); lookup: tokens per "
+        "pass of ideal prompt lookup on the same answers (unlimited K), the ceiling of any n-gram plan; identical is "
         "required of greedy rows only (sampled: seeded, lossless in distribution, tests/test_speculation_sampling.py)"
     )
     for turn in turns:

@@ -7,13 +7,16 @@ import pytest
 from worker_agent.coordinator.router import Load, Plan, Router, RouteTiming
 from worker_agent.coordinator.scheduler import SessionView, load_on, plan
 
+from .router_fixtures import shown
+
 pytestmark = pytest.mark.dataplane
 
 
 def _router(
     *, rtt_s: float, per_position_s: float, acceptance: float = 0.5, timing: RouteTiming | None = None
 ) -> Router:
-    return Router(rtt_s=rtt_s, per_position_s=per_position_s, prior_acceptance=acceptance, stages=3, timing=timing)
+    router = Router(rtt_s=rtt_s, per_position_s=per_position_s, prior_acceptance=acceptance, stages=3, timing=timing)
+    return shown(router, acceptance)
 
 
 def _view(key: int, router: Router, *, in_flight: int = 0, positions: int = 1, ready=("ngram",)) -> SessionView:
@@ -80,7 +83,7 @@ def test_the_others_load_is_their_positions_and_their_rate_at_plain_decoding():
 
 
 def test_repeated_text_reaches_long_chunks_within_a_few_chunks():
-    router = _router(rtt_s=0.3, per_position_s=0.002)
+    router = Router(rtt_s=0.3, per_position_s=0.002, stages=3)  # a new session: its prior alone
     plans = []
     for _ in range(4):
         (send,) = plan([_view(0, router, in_flight=0)]).sends
@@ -89,6 +92,7 @@ def test_repeated_text_reaches_long_chunks_within_a_few_chunks():
             for _ in range(send.chunks):
                 router.observe("ngram", send.plan.k, send.plan.k)  # every draft accepted
 
+    assert plans[0] == Plan("ngram", 1, 1)  # it probes at once
     assert plans[-1].k >= 16 and plans[-1].depth >= 2
 
 

@@ -29,6 +29,9 @@ TIMING_SMOOTHING = 0.1  # weight of one round trip: WAN jitter needs a longer me
 # not swing the slope; chunks of sizes spread by a few positions or more override the prior.
 SLOPE_PRIOR_SPREAD = 1.0
 PASS_PRIOR_WEIGHT = 1e-3  # holds the compute per pass to 0 until spacings tell it from the network
+# A plan must beat plain decoding at the acceptance's lower bound, this many standard errors under
+# the estimate: a drafter's few lucky trials on novel text must not buy chunks the others pay for.
+ACCEPTANCE_CAUTION = 1.0
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,10 @@ class Router:
         # Moving averages of accepted drafts and of trials (accepted + rejections), per drafter.
         self._successes = dict.fromkeys(self.drafters, prior_acceptance)
         self._trials = dict.fromkeys(self.drafters, 1.0)
-        self._plain_streak = 0  # plain plans in a row, for exploration
+        # Plain plans in a row, for exploration. A new session counts one (its context was computed
+        # before it), so where probing is cheap it probes with its first chunk: the prior alone
+        # never makes a plan safe (``acceptance_bound``).
+        self._plain_streak = 1
         self._rounds = 0
         self._last_tried = dict.fromkeys(self.drafters, 0)  # round of each drafter's latest plan
 
@@ -313,6 +319,15 @@ class Router:
         self._known(drafter)
         return min(1.0, self._successes[drafter] / self._trials[drafter])
 
+    def acceptance_bound(self, drafter: str) -> float:
+        """The acceptance a plan must still win at to be chosen: the estimate less ``ACCEPTANCE_CAUTION`` standard
+        errors of a rate over the trials in memory, sqrt(a (1 - a) / trials). The prior alone
+        (one trial at 0.5) bounds it at 0, so a drafter speculates only once it has shown some
+        accepted drafts (a probe, ``_probe_interval``); a run of full accepts on repeated text
+        lifts it within a few chunks (0.9 over 30 trials prices at 0.85)."""
+        a = self.acceptance(drafter)
+        return max(0.0, a - ACCEPTANCE_CAUTION * math.sqrt(a * (1.0 - a) / self._trials[drafter]))
+
     @property
     def rtt_s(self) -> float:
         return self._timing()[0]
@@ -334,15 +349,19 @@ class Router:
         (``Load.cost``), and that is priced here: with one stream the extra positions of
         speculation are nearly free (a pass of k+1 positions costs little more than one), with
         several the passes are full already and a rejected draft is compute taken from the others."""
+        if plan.drafter is None:
+            return self._rate(plan, 0.0, load or ALONE)
+        return self._rate(plan, self.acceptance(plan.drafter), load or ALONE)
+
+    def _rate(self, plan: Plan, a: float, load: Load) -> float:
+        """``rate`` at acceptance ``a``."""
         rtt_s, per_position_s, pass_s = self._timing()
-        load = load or ALONE
         shared_pass_s = pass_s + load.positions * per_position_s
         if plan.drafter is None:
             single_s = self.timing.single_s()
             if load.positions == 0 and single_s is not None and single_s > 0.0:
                 return 1.0 / single_s
             return predicted_rate(0.0, 0, 1, rtt_s, per_position_s, stages=self.stages, pass_s=shared_pass_s)
-        a = self.acceptance(plan.drafter)
         rate = predicted_rate(
             a,
             plan.k,
@@ -355,7 +374,7 @@ class Router:
         )
         if load.rate <= 0.0:
             return rate
-        plain = self.rate(PLAIN, load=load)
+        plain = self._rate(PLAIN, 0.0, load)
         extra = max(0.0, rate * positions_per_token(a, plan.k, plan.depth) - plain)  # positions/s beyond plain's
         return rate - load.cost(extra, per_position_s)
 
@@ -378,7 +397,7 @@ class Router:
             chosen = self._best(names, load)
             if chosen.plain and names:
                 probe = Plan(min(names, key=lambda name: (self._last_tried[name], name)), self.k_choices[0], 1)
-                if streak >= self._probe_interval(probe):
+                if streak >= self._probe_interval(probe, load):
                     chosen = probe
             streak = streak + 1 if chosen.plain else 0
         if in_flight >= chosen.depth:
@@ -406,27 +425,39 @@ class Router:
         }
 
     def _best(self, names: list[str], load: Load | None) -> Plan:
-        plain_rate = self.rate(PLAIN, load=load)
-        best, best_rate = PLAIN, plain_rate * (1.0 + PLAIN_MARGIN)
+        """The plan of the highest rate at the acceptance estimate, among those that beat plain
+        decoding by ``PLAIN_MARGIN`` even at its lower bound (``acceptance_bound``): the estimate
+        picks K and depth, the bound decides whether speculating is safe at all."""
+        load = load or ALONE
+        floor = self._rate(PLAIN, 0.0, load) * (1.0 + PLAIN_MARGIN)
+        best, best_rate = PLAIN, floor
         for name in names:
+            a, bound = self.acceptance(name), self.acceptance_bound(name)
             for k in self.k_choices:
                 for depth in self.depth_choices:
                     candidate = Plan(name, k, depth)
-                    rate = self.rate(candidate, load=load)
-                    if rate > best_rate:
+                    rate = self._rate(candidate, a, load)
+                    if rate > best_rate and self._rate(candidate, bound, load) > floor:
                         best, best_rate = candidate, rate
         return best
 
-    def _probe_interval(self, probe: Plan) -> int:
+    def _probe_interval(self, probe: Plan, load: Load | None) -> int:
         """Plain plans in a row before ``probe``: as few as keep the loss of probing a useless
-        drafter (one more position and its drafting, for the same one token) within
-        ``EXPLORE_BUDGET``, at most ``explore_every``. Over a long WAN round trip that is every
-        other round, and the estimate cannot stay stuck at a chance run of rejections."""
-        rtt_s, per_position_s, pass_s = self._timing()
-        plain_s = self.timing.single_s() or rtt_s + pass_s + per_position_s
-        probe_s = max(plain_s, rtt_s + pass_s + (probe.k + 1) * per_position_s)
-        probe_s += probe.k * self.drafters[str(probe.drafter)]
-        loss = 1.0 - plain_s / probe_s
+        drafter (one more position and its drafting, for the same one token, priced under the
+        route's load as ``rate`` prices any plan) within ``EXPLORE_BUDGET``, at most
+        ``explore_every``. Over a long WAN round trip that is every other round, and the estimate
+        cannot stay stuck at a chance run of rejections; on passes shared by several sessions the
+        position a probe adds delays them all, and probes are spaced out accordingly."""
+        load = load or ALONE
+        plain = self._rate(PLAIN, 0.0, load)
+        useless = self._rate(probe, 0.0, load)
+        if load.positions == 0:  # alone: plain decoding at what a one-position step measured
+            rtt_s, per_position_s, pass_s = self._timing()
+            plain_s = self.timing.single_s() or rtt_s + pass_s + per_position_s
+            probe_s = max(plain_s, rtt_s + pass_s + (probe.k + 1) * per_position_s)
+            probe_s += probe.k * self.drafters[str(probe.drafter)]
+            plain, useless = 1.0 / plain_s, 1.0 / probe_s
+        loss = 1.0 - useless / plain if plain > 0.0 else 1.0
         return max(1, min(self.explore_every, math.ceil(loss / EXPLORE_BUDGET)))
 
     def _timing(self) -> tuple[float, float, float]:
