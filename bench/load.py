@@ -3,6 +3,7 @@ a verify worker, a periodic-work worker, beat) on PostgreSQL and Redis, with thr
 
     .venv/bin/python bench/load.py            # 200 concurrent streams, then 5 minutes at 20 req/s
     .venv/bin/python bench/load.py --quick    # 20 concurrent, then 20 s at 5 req/s
+    .venv/bin/python bench/load.py --burst-only --concurrency 50 --max-tokens 64   # the CPU table alone
 
 Needs DATABASE_URL (PostgreSQL: a fresh database is created on that server and dropped after) and
 REDIS_URL (its database index ``--redis-db``, 14, is flushed first and after). The load model is
@@ -19,11 +20,17 @@ Parts, each with the official ``openai.AsyncOpenAI`` client, streamed chat compl
 3. steady: ``--rate`` requests a second for ``--steady-s`` (open loop: each starts on its tick
    whether or not earlier ones ended).
 
+For the burst, the CPU of every kind of process (web, coordinator workers, verify worker, worker,
+beat, PostgreSQL, Redis; the agents and this client apart) from its start until its jobs are
+settled and audited, per 1,000 streamed tokens, split into the model (embeddings, LM head,
+sampling, drafting, audit replays: ``worker_agent.cpu``) and everything else (``CpuMeter``).
+
 Counted for 2 and 3: stalled streams (no finish reason or usage), 5xx, other errors; TTFT p50/p99;
 admission (the job row's ``created_at`` minus the moment the request was sent, same clock) p50/p99.
 Afterwards the ledger is checked exactly: each job charged the price of its tokens once, every hold
 released, the customer's credits + holds + charges equal to the grant. Targets (reported, not
-asserted): 0 stalled, 0 5xx, API tok/s >= 0.8x direct, TTFT overhead p50 < 20 ms at one request.
+asserted): 0 stalled, 0 5xx, API tok/s >= 0.8x direct, TTFT overhead p50 < 20 ms at one request,
+the control plane's non-model CPU at most 1 ms per streamed token.
 The table goes to stdout, everything to ``bench/results/load.json``.
 """
 
@@ -225,6 +232,150 @@ class Topology:
         self._admin(f'DROP DATABASE IF EXISTS "{self.database}" WITH (FORCE)')
 
 
+# The processes whose CPU is the control plane's: the Procfile's, the database and the broker.
+CONTROL_PLANE = ("web", "coordinator", "verifier", "worker", "beat", "postgres", "redis")
+KINDS = (*CONTROL_PLANE, "relay", "agents", "client")
+
+
+def process_kind(cmdline: list[str]) -> str | None:
+    """A Procfile process's kind from its command line (``marketplace.metrics.process_kind``'s)."""
+    from marketplace.metrics import process_kind as kind_of
+
+    if not cmdline:
+        return None
+    program = Path(cmdline[0]).name
+    if program.startswith("python") and len(cmdline) > 1:  # an interpreter running a console script
+        cmdline = cmdline[1:]
+        program = Path(cmdline[0]).name
+    if program == "swarm-relay":
+        return "relay"
+    if program in ("uvicorn", "daphne", "celery"):
+        return kind_of(cmdline)
+    return None
+
+
+class CpuMeter:
+    """CPU seconds (user + system) of each kind of process, and the model's share of them.
+
+    Processes are found afresh at each snapshot: honcho's descendants by command line, PostgreSQL's
+    (every ``postgres`` process: the server is this bench's alone while it runs; the postmaster's
+    reaped children count through its children's times) and Redis's server, the agents, and this
+    process (the client). The model's share is what the processes counted in
+    ``swarm_model_cpu_seconds`` (``worker_agent.cpu``), read from the Prometheus multiprocess files."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+
+    def snapshot(self) -> dict:
+        import psutil
+
+        totals = dict.fromkeys(KINDS, 0.0)
+
+        def add(kind: str, process: psutil.Process, children: bool = False) -> None:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                return
+            totals[kind] += times.user + times.system
+            if children:
+                totals[kind] += times.children_user + times.children_system
+
+        assert self.topology.honcho is not None
+        for process in psutil.Process(self.topology.honcho.pid).children(recursive=True):
+            try:
+                kind = process_kind(process.cmdline())
+            except psutil.Error:
+                continue
+            if kind is not None:
+                add(kind, process)
+        for process in psutil.process_iter(["name", "ppid"]):
+            name = process.info["name"] or ""
+            if name.startswith("postgres"):
+                add("postgres", process, children=process.info["ppid"] == 1)
+            elif name.startswith("redis-server"):
+                add("redis", process)
+        for agent in self.topology.agents:
+            try:
+                for process in [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]:
+                    add("agents", process)
+            except psutil.Error:
+                continue
+        add("client", psutil.Process())
+        return {"cpu_s": totals, "model_s": self.model_seconds()}
+
+    def model_seconds(self) -> dict[str, dict[str, float]]:
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(self.topology.workdir / "prometheus"))
+        found: dict[str, dict[str, float]] = {}
+        for metric in registry.collect():
+            if metric.name != "swarm_model_cpu_seconds":
+                continue
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    kind = found.setdefault(sample.labels["process"], {})
+                    kind[sample.labels["part"]] = kind.get(sample.labels["part"], 0.0) + sample.value
+        return found
+
+
+def quiet(timeout_s: float = 180.0) -> None:
+    """Until every job is settled and every audit replayed: the work a stream leaves behind is its cost too."""
+    from marketplace.jobs.models import Job
+    from marketplace.verification.models import Audit, CheckState
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (
+            not Job.objects.filter(settled_at__isnull=True).exists()
+            and not Audit.objects.filter(state=CheckState.PENDING).exists()
+        ):
+            return
+        time.sleep(0.5)
+
+
+def accounting(before: dict, after: dict, tokens: int) -> dict:
+    """CPU per 1,000 streamed tokens for each kind of process, split into the model and the rest,
+    and the control plane's non-model CPU per streamed token (the issue's figure)."""
+    rows = {}
+    for kind in KINDS:
+        cpu = after["cpu_s"][kind] - before["cpu_s"][kind]
+        model = sum(after["model_s"].get(kind, {}).values()) - sum(before["model_s"].get(kind, {}).values())
+        parts = {
+            part: round(1000 * (seconds - before["model_s"].get(kind, {}).get(part, 0.0)) / tokens, 4)
+            for part, seconds in after["model_s"].get(kind, {}).items()
+        }
+        rows[kind] = {
+            "cpu_s_per_1k_tokens": round(1000 * cpu / tokens, 4),
+            "model_s_per_1k_tokens": round(1000 * model / tokens, 4),
+            "other_s_per_1k_tokens": round(1000 * (cpu - model) / tokens, 4),
+            "model_parts_s_per_1k_tokens": parts,
+        }
+    other = sum(rows[kind]["other_s_per_1k_tokens"] for kind in CONTROL_PLANE)
+    return {
+        "tokens": tokens,
+        "per_kind": rows,
+        "control_plane_other_ms_per_token": round(other, 4),  # s per 1k tokens = ms per token
+        "control_plane_total_ms_per_token": round(sum(rows[k]["cpu_s_per_1k_tokens"] for k in CONTROL_PLANE), 4),
+    }
+
+
+def print_accounting(table: dict) -> None:
+    print(f"\nCPU per 1,000 streamed tokens ({table['tokens']} tokens), seconds:")
+    print(f"{'process':<12} {'all':>8} {'model':>8} {'other':>8}  model parts")
+    for kind, row in table["per_kind"].items():
+        parts = ", ".join(f"{part} {value:.3f}" for part, value in row["model_parts_s_per_1k_tokens"].items() if value)
+        print(
+            f"{kind:<12} {row['cpu_s_per_1k_tokens']:>8.3f} {row['model_s_per_1k_tokens']:>8.3f} "
+            f"{row['other_s_per_1k_tokens']:>8.3f}  {parts}"
+        )
+    print(
+        f"control plane ({', '.join(CONTROL_PLANE)}): {table['control_plane_other_ms_per_token']:.3f} ms of "
+        f"non-model CPU per streamed token ({table['control_plane_total_ms_per_token']:.3f} ms in all)"
+    )
+
+
 async def one(client, index: int, max_tokens: int, model: str) -> dict:
     """One streamed request; its outcome whatever it is."""
     import openai
@@ -367,6 +518,17 @@ async def singles(url: str, key: str, stages: list, args: argparse.Namespace) ->
     }
 
 
+def accounted_burst(topology: Topology, meter: CpuMeter, key: str, args: argparse.Namespace) -> tuple[dict, dict]:
+    """The burst through the API, with the CPU every process spent on it (until its jobs are
+    settled and audited) per streamed token."""
+    quiet()
+    before = meter.snapshot()
+    summary = summarize(*asyncio.run(burst(topology.url, key, args, 2000)))
+    quiet()
+    after = meter.snapshot()
+    return summary, accounting(before, after, max(1, summary["completion_tokens"]))
+
+
 def ledger(customer, granted_nano: int) -> dict:
     """Each job charged its tokens' price once, every hold released, the money all accounted for."""
     from django.db.models import Sum
@@ -408,6 +570,10 @@ def targets(result: dict) -> dict[str, bool]:
         and (result["api_vs_direct_tokens_per_s"] or 0) >= 0.8,
         "TTFT overhead p50 < 20 ms at 1 request": (result["single"]["overhead_p50_ms"] or 1e9) < 20.0,
         "ledger exact": result["ledger"]["exact"],
+        "control plane non-model CPU <= 1 ms per streamed token (burst)": result["accounting"][
+            "control_plane_other_ms_per_token"
+        ]
+        <= 1.0,
     }
 
 
@@ -454,17 +620,19 @@ def main() -> int:
 
             granted = credits(customer)
             stages = topology.join(tokens)
+            meter = CpuMeter(topology)
             if args.burst_only:
-                api = summarize(*asyncio.run(burst(topology.url, key, args, 2000)))
+                api, table = accounted_burst(topology, meter, key, args)
                 direct = asyncio.run(direct_burst(stages, args))
                 ratio = round(api["tokens_per_s"] / direct["tokens_per_s"], 3) if direct["tokens_per_s"] else None
                 print(json.dumps({"burst": api, "direct_burst": direct, "api_vs_direct_tokens_per_s": ratio}))
+                print_accounting(table)
                 return 0
             result = {"single": asyncio.run(singles(topology.url, key, stages, args))}
             if args.singles_only:
                 print(json.dumps(result["single"]))
                 return 0
-            result["burst"] = summarize(*asyncio.run(burst(topology.url, key, args, 2000)))
+            result["burst"], result["accounting"] = accounted_burst(topology, meter, key, args)
             result["direct_burst"] = asyncio.run(direct_burst(stages, args))
             result["steady"] = summarize(*asyncio.run(steady(topology.url, key, args, 5000)))
             result["ledger"] = ledger(customer, granted)
@@ -498,6 +666,7 @@ def main() -> int:
         f"overhead p50 {single['overhead_p50_ms']} ms"
     )
     print(f"ledger: {result['ledger']}")
+    print_accounting(result["accounting"])
     for target, met in result["targets"].items():
         print(f"  {'PASS' if met else 'MISS'}  {target}")
     print(f"written to {args.output}")

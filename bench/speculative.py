@@ -330,8 +330,12 @@ async def run_rtt(
         rows = []
         for cell in cells(args, rtt):
             collected: dict[str, list[dict]] = {mode: [] for mode in coordinators}
-            for group in cell_groups(coordinators["plain"], cell, args):  # a request is the same on any of them
-                for mode, coordinator in coordinators.items():
+            groups = cell_groups(coordinators["plain"], cell, args)  # a request is the same on any of them
+            for index, group in enumerate(groups * args.repeats):
+                # The modes take turns in alternating order: what one run leaves the stages doing
+                # (closing its sessions, collecting garbage) falls on each mode alike.
+                order = list(coordinators.items())
+                for mode, coordinator in order[::-1] if index % 2 else order:
                     collected[mode].append(await run_group(coordinator, group))
             for mode in coordinators:
                 row = {"rtt_ms": rtt, "mode": mode, "prompts": cell.kind, "sampling": cell.sampling}
@@ -518,6 +522,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--turn-max-tokens", type=int, default=32, help="per turn of the multi-turn chat")
     parser.add_argument("--temperature", type=float, default=0.8, help="of the sampled rows")
     parser.add_argument("--seed", type=int, default=1234, help="the sampled rows' i-th prompt uses seed + i")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each group of prompts per mode")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per agent and coordinator")
     parser.add_argument("--fixed", default="", help="also run one fixed plan, e.g. 'ngram,8,4' (drafter, K, depth)")
     parser.add_argument("--quick", action="store_true", help="smoke run: every kind at 0 and 50 ms, few tokens")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 from prometheus_client import Counter, Histogram, values
 
@@ -93,3 +94,42 @@ def job_finished(
         JOB_TOKENS_PER_S.labels(model).observe(tokens_per_s)
     SPECULATIVE_DRAFTED.labels(model).inc(drafted_tokens)
     SPECULATIVE_ACCEPTED.labels(model).inc(accepted_tokens)
+
+
+MODEL_CPU_SECONDS = Counter(
+    "swarm_model_cpu_seconds",
+    "CPU seconds spent on the model (worker_agent.cpu: embed, head, sampling, drafting, replay), by the "
+    "kind of process that spent them (process_kind) and part; the rest of a process's CPU is the "
+    "control plane's own cost",
+    ["process", "part"],
+)
+
+
+def process_kind(argv: list[str] | None = None) -> str:
+    """What this process is in the deployment: ``SWARM_PROCESS_KIND`` if set, else read off its
+    command line: web (uvicorn, daphne), coordinator (a Celery worker on a ``coord.*`` queue),
+    verifier (the ``verify`` queue), worker (other queues), beat, or the program's name."""
+    if os.environ.get("SWARM_PROCESS_KIND"):
+        return os.environ["SWARM_PROCESS_KIND"]
+    argv = sys.argv if argv is None else argv
+    program = os.path.basename(argv[0]) if argv else ""
+    if program in ("uvicorn", "daphne"):
+        return "web"
+    if program == "celery" or "celery" in argv[1:2]:
+        if "beat" in argv:
+            return "beat"
+        queues = argv[argv.index("-Q") + 1] if "-Q" in argv[:-1] else "celery"
+        if queues.startswith("coord."):
+            return "coordinator"
+        return "verifier" if queues == "verify" else "worker"
+    return program or "python"
+
+
+_KIND: list[str] = []
+
+
+def record_model_cpu(part: str, seconds: float) -> None:
+    """A ``worker_agent.cpu`` listener: counts the model's CPU under this process's kind."""
+    if not _KIND:
+        _KIND.append(process_kind())
+    MODEL_CPU_SECONDS.labels(process=_KIND[0], part=part).inc(seconds)

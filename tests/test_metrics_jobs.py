@@ -59,6 +59,25 @@ def test_a_chat_completion_moves_the_job_and_http_series(live_swarm, client):
     assert value(after, "swarm_nodes", state="active") == 3
 
 
+def test_a_completion_counts_the_models_cpu_by_part(live_swarm, client):
+    """The coordinator's embeddings, LM head and sampling are counted as the model's CPU, apart from
+    the control plane's own (bench/load.py's per-process table subtracts them)."""
+
+    def spent(body: str, part: str) -> float:
+        return sum(
+            seconds
+            for (name, labels), seconds in samples(body).items()
+            if name == "swarm_model_cpu_seconds_total" and ("part", part) in labels
+        )
+
+    before = scrape(live_swarm)
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    after = scrape(live_swarm)
+
+    for part in ("embed", "head", "sampling"):
+        assert spent(after, part) > spent(before, part), part
+
+
 def test_a_streamed_completion_is_timed_to_the_end_of_its_stream(live_swarm, client):
     before = scrape(live_swarm)
 

@@ -92,7 +92,7 @@ def test_repeated_text_reaches_long_chunks_within_a_few_chunks():
             for _ in range(send.chunks):
                 router.observe("ngram", send.plan.k, send.plan.k)  # every draft accepted
 
-    assert plans[0] == Plan("ngram", 1, 1)  # it probes at once
+    assert plans[0].drafter == "ngram" and plans[0].k <= 2  # over a long round trip it drafts at once
     assert plans[-1].k >= 16 and plans[-1].depth >= 2
 
 

@@ -44,6 +44,7 @@ from worker_agent.coordinator.head import HeadRunner
 from worker_agent.coordinator.pipeline import Pipeline
 from worker_agent.coordinator.router import Router
 from worker_agent.coordinator.session import Chunk, GenerationState, TokenEvent
+from worker_agent.cpu import MODEL_CPU
 
 log = logging.getLogger("swarm.coordinator")
 
@@ -71,6 +72,11 @@ class _InFlight:
     task: asyncio.Future[bytes]
     frame: _Frame
     drafter: str | None  # the drafter of its drafts; None for a plain step
+
+
+def _measured_proposal(drafter: Drafter, context: list[int], k: int) -> list[int]:
+    with MODEL_CPU.measure("drafting"):
+        return drafter.propose(context, k)
 
 
 def ready_drafters(drafters: dict[str, Drafter], state: GenerationState, chain: str | None = None) -> list[str]:
@@ -153,8 +159,8 @@ class Run:
     async def draft(self, name: str, k: int) -> list[int]:
         drafter, context = self.drafters[name], self.state.draft_context()
         if drafter.cost_s_per_token:  # a model: off the event loop
-            return await asyncio.to_thread(drafter.propose, context, k)
-        return drafter.propose(context, k)
+            return await asyncio.to_thread(_measured_proposal, drafter, context, k)
+        return _measured_proposal(drafter, context, k)
 
     def put(self, item: TokenEvent | BaseException | None) -> None:
         self._queue.put_nowait(item)
@@ -300,7 +306,8 @@ class Engine:
             logits = iter(await self.head.logits(wanted))
             for (run, entry, _), count in zip(ready, rows, strict=True):
                 self._observe(run, entry)
-                fold = run.state.fold(entry.chunk, next(logits) if count else None)
+                with MODEL_CPU.measure("sampling"):
+                    fold = run.state.fold(entry.chunk, next(logits) if count else None)
                 if fold.drafted and entry.drafter is not None:
                     run.router.observe(entry.drafter, fold.drafted, fold.accepted)
                 for callback in run.on_fold:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from worker_agent.cpu import MODEL_CPU
 from worker_agent.model import Head
 from worker_agent.protocol.wire import DTYPES, tensor_payload
 
@@ -50,6 +51,10 @@ class HeadRunner:
         return await asyncio.get_running_loop().run_in_executor(_THREAD, self._logits, outputs)
 
     def _embed(self, token_ids: list[list[int]]) -> list[bytes]:
+        with MODEL_CPU.measure("embed"):
+            return self._embed_now(token_ids)
+
+    def _embed_now(self, token_ids: list[list[int]]) -> list[bytes]:
         self.passes += 1
         self.rows += sum(len(ids) for ids in token_ids)
         flat = self.head.embed_tokens([token for ids in token_ids for token in ids])  # (all tokens, hidden)
@@ -61,6 +66,10 @@ class HeadRunner:
         return embedded
 
     def _logits(self, outputs: list[tuple[bytes, int]]) -> list[torch.Tensor]:
+        with MODEL_CPU.measure("head"):
+            return self._logits_now(outputs)
+
+    def _logits_now(self, outputs: list[tuple[bytes, int]]) -> list[torch.Tensor]:
         self.passes += 1
         counts = [rows for _, rows in outputs]
         self.rows += sum(counts)

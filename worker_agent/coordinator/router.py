@@ -29,8 +29,9 @@ TIMING_SMOOTHING = 0.1  # weight of one round trip: WAN jitter needs a longer me
 # not swing the slope; chunks of sizes spread by a few positions or more override the prior.
 SLOPE_PRIOR_SPREAD = 1.0
 PASS_PRIOR_WEIGHT = 1e-3  # holds the compute per pass to 0 until spacings tell it from the network
-# A plan must beat plain decoding at the acceptance's lower bound, this many standard errors under
-# the estimate: a drafter's few lucky trials on novel text must not buy chunks the others pay for.
+# A plan may lose at most EXPLORE_BUDGET to plain decoding at the acceptance's lower bound, this many
+# standard errors under the estimate: a drafter's few lucky trials on novel text must not buy chunks
+# the other sessions pay for.
 ACCEPTANCE_CAUTION = 1.0
 
 
@@ -226,11 +227,19 @@ class Router:
 
     Exploration. A drafter whose estimate fell near 0 would never be chosen again and never
     observed again, so a session that turns draftable (repeated text begins) would go unnoticed.
-    After at most ``explore_every`` plain plans in a row (fewer where probing is cheap, see
-    ``_probe_interval``), the next plan probes an available drafter (the least recently tried)
-    with the smallest K, one chunk in flight: a round that still commits at least one token and
-    costs one extra position. Only plain rounds are replaced by probes: a drafter that is beaten
-    by another one is not re-tried while speculation goes on.
+    Every ``explore_every`` rounds at most (fewer where probing is cheap, see ``_probe_interval``:
+    every round where a useless probe costs under ``EXPLORE_BUDGET``), a plain round becomes a
+    probe of an available drafter (the least recently tried) with the smallest K, one chunk in
+    flight: a round that still commits at least one token and costs one extra position. Only
+    plain rounds are replaced by probes: a drafter that is beaten by another one is not re-tried
+    while speculation goes on.
+
+    Caution. The estimate picks K and depth, but a plan is only chosen where it holds up were the
+    acceptance at its lower bound (``acceptance_bound``): alone, losing at most ``EXPLORE_BUDGET``
+    to plain decoding; with other sessions in its passes, still beating it by ``PLAIN_MARGIN``. A
+    new session's prior alone bounds it at 0: over a long round trip alone, where a useless draft
+    costs little, it speculates from its first chunk; on passes shared by several streams, where
+    drafts cost the others, it waits for evidence (probes).
     """
 
     def __init__(
@@ -283,10 +292,10 @@ class Router:
         # Moving averages of accepted drafts and of trials (accepted + rejections), per drafter.
         self._successes = dict.fromkeys(self.drafters, prior_acceptance)
         self._trials = dict.fromkeys(self.drafters, 1.0)
-        # Plain plans in a row, for exploration. A new session counts one (its context was computed
-        # before it), so where probing is cheap it probes with its first chunk: the prior alone
-        # never makes a plan safe (``acceptance_bound``).
-        self._plain_streak = 1
+        # Plain plans in a row since the last probe or speculative plan, for exploration: a probe
+        # comes once the round it would take completes its interval (``_probe_interval``), so a
+        # new session whose probes cost little probes with its first chunk.
+        self._plain_streak = 0
         self._rounds = 0
         self._last_tried = dict.fromkeys(self.drafters, 0)  # round of each drafter's latest plan
 
@@ -395,11 +404,12 @@ class Router:
             chosen = self.fixed if self.fixed.drafter is None or self.fixed.drafter in names else PLAIN
         else:
             chosen = self._best(names, load)
+            probing = False
             if chosen.plain and names:
                 probe = Plan(min(names, key=lambda name: (self._last_tried[name], name)), self.k_choices[0], 1)
-                if streak >= self._probe_interval(probe, load):
-                    chosen = probe
-            streak = streak + 1 if chosen.plain else 0
+                if streak + 1 >= self._probe_interval(probe, load):
+                    chosen, probing = probe, True
+            streak = streak + 1 if chosen.plain and not probing else 0
         if in_flight >= chosen.depth:
             return None
         self._rounds += 1
@@ -425,27 +435,33 @@ class Router:
         }
 
     def _best(self, names: list[str], load: Load | None) -> Plan:
-        """The plan of the highest rate at the acceptance estimate, among those that beat plain
-        decoding by ``PLAIN_MARGIN`` even at its lower bound (``acceptance_bound``): the estimate
-        picks K and depth, the bound decides whether speculating is safe at all."""
+        """The plan of the highest rate at the acceptance estimate that beats plain decoding by
+        ``PLAIN_MARGIN``, among those that still hold up at the estimate's lower bound
+        (``acceptance_bound``): alone, losing at most ``EXPLORE_BUDGET`` to plain decoding there;
+        on shared passes, still beating it by the margin. The estimate picks K and depth; the bound
+        keeps a bet on a drafter's few lucky trials (long chunks on passes several streams share)
+        from being made."""
         load = load or ALONE
-        floor = self._rate(PLAIN, 0.0, load) * (1.0 + PLAIN_MARGIN)
-        best, best_rate = PLAIN, floor
+        plain = self._rate(PLAIN, 0.0, load)
+        best, best_rate = PLAIN, plain * (1.0 + PLAIN_MARGIN)
+        # Alone, a bet that fails costs this session only, and may cost what exploring may; on
+        # passes the other sessions share, it costs them too, and must not lose at all.
+        floor = plain * (1.0 - EXPLORE_BUDGET) if load.positions == 0 else best_rate
         for name in names:
             a, bound = self.acceptance(name), self.acceptance_bound(name)
             for k in self.k_choices:
                 for depth in self.depth_choices:
                     candidate = Plan(name, k, depth)
                     rate = self._rate(candidate, a, load)
-                    if rate > best_rate and self._rate(candidate, bound, load) > floor:
+                    if rate > best_rate and self._rate(candidate, bound, load) >= floor:
                         best, best_rate = candidate, rate
         return best
 
     def _probe_interval(self, probe: Plan, load: Load | None) -> int:
-        """Plain plans in a row before ``probe``: as few as keep the loss of probing a useless
+        """Rounds per probe (the probe's own included): as few as keep the loss of probing a useless
         drafter (one more position and its drafting, for the same one token, priced under the
         route's load as ``rate`` prices any plan) within ``EXPLORE_BUDGET``, at most
-        ``explore_every``. Over a long WAN round trip that is every other round, and the estimate
+        ``explore_every``. Over a long WAN round trip that is every round, and the estimate
         cannot stay stuck at a chance run of rejections; on passes shared by several sessions the
         position a probe adds delays them all, and probes are spaced out accordingly."""
         load = load or ALONE

@@ -63,6 +63,7 @@ import msgpack
 import torch
 
 from worker_agent.block import Block, WorkItem
+from worker_agent.cpu import MODEL_CPU
 from worker_agent.errors import AuditError
 from worker_agent.kvcache import KVSession
 from worker_agent.protocol import wire
@@ -417,6 +418,11 @@ def recompute(material: AuditMaterial, block: Block, prefix: torch.Tensor | None
 
     ``prefix`` (``prefix_inputs``), needed when the material reused positions: the stage's inputs for
     them, which the block runs first to rebuild the cache the session began with."""
+    with MODEL_CPU.measure("replay"):
+        return _recompute(material, block, prefix)
+
+
+def _recompute(material: AuditMaterial, block: Block, prefix: torch.Tensor | None) -> torch.Tensor:
     _check_block(material, block)
     kv = KVSession(material.job, material.session)  # throwaway: dropped when this returns
     if material.prefix:
