@@ -357,9 +357,9 @@ def test_a_rejected_drafter_is_probed_after_the_stated_plain_rounds():
     plans = [router.plan() for _ in range(2 * EXPLORE_EVERY + 2)]
 
     probe = Plan("ngram", 1, 1)
-    # One round in EXPLORE_EVERY probes, the probe's own round included.
-    assert [i for i, plan in enumerate(plans) if plan != PLAIN] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
-    assert plans[EXPLORE_EVERY - 1] == probe
+    # A new session probes at once, then one round in EXPLORE_EVERY, the probe's own included.
+    assert [i for i, plan in enumerate(plans) if plan != PLAIN] == [0, EXPLORE_EVERY, 2 * EXPLORE_EVERY]
+    assert plans[EXPLORE_EVERY] == probe
 
 
 def test_probes_come_every_round_where_they_cost_under_one_percent():
@@ -551,8 +551,8 @@ def test_plain_steps_are_priced_at_what_they_measured_not_at_the_chunk_line():
     # chunks of 2 to 17 positions lie on another line (66 ms + 3.7 ms a position). On that line a
     # one-position step would cost 70 ms, and a chunk of one draft at acceptance 0.3 would look
     # like a gain of a quarter; against the 46 ms measured it is a loss.
-    def route(prior_acceptance: float) -> Router:
-        router = Router(timing=RouteTiming(stages=STAGES), prior_acceptance=prior_acceptance)
+    def route(acceptance: float) -> Router:
+        router = shown(Router(timing=RouteTiming(stages=STAGES), prior_acceptance=acceptance), acceptance)
         for _ in range(10):
             router.observe_round_trip(1, 0.046)
             for positions in (2, 5, 9, 17):
@@ -563,5 +563,6 @@ def test_plain_steps_are_priced_at_what_they_measured_not_at_the_chunk_line():
 
     assert cautious.timing.single_s() == pytest.approx(0.046)
     assert cautious.plan(available=()) == PLAIN
-    assert cautious.plan() == PLAIN
+    assert cautious.plan() == Plan("ngram", 1, 1)  # a new session's first probe
+    assert [cautious.plan() for _ in range(3)] == [PLAIN] * 3
     assert not confident.plan().plain

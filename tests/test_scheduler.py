@@ -39,11 +39,13 @@ def test_streams_sharing_compute_bound_passes_decode_plainly_in_one_frame():
     timing = RouteTiming(0.01, 0.01, stages=3)
     routers = [_router(rtt_s=0.01, per_position_s=0.01, acceptance=0.6, timing=timing) for _ in range(4)]
 
-    step = plan([_view(key, router) for key, router in enumerate(routers)])
+    views = [_view(key, router) for key, router in enumerate(routers)]
+    first, second = plan(views), plan(views)
 
-    assert [send.plan for send in step.sends] == [Plan(None, 0, 1)] * 4
-    assert step.frames == 1
-    assert step.frame(0) == (0, 1, 2, 3)
+    assert [send.plan for send in first.sends] == [Plan("ngram", 1, 1)] * 4  # new sessions probe together
+    assert [send.plan for send in second.sends] == [Plan(None, 0, 1)] * 4
+    assert first.frames == second.frames == 1
+    assert second.frame(0) == (0, 1, 2, 3)
 
 
 def test_the_same_stream_alone_on_that_route_speculates():

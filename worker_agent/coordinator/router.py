@@ -293,9 +293,10 @@ class Router:
         self._successes = dict.fromkeys(self.drafters, prior_acceptance)
         self._trials = dict.fromkeys(self.drafters, 1.0)
         # Plain plans in a row since the last probe or speculative plan, for exploration: a probe
-        # comes once the round it would take completes its interval (``_probe_interval``), so a
-        # new session whose probes cost little probes with its first chunk.
-        self._plain_streak = 0
+        # comes once the round it would take completes its interval (``_probe_interval``). A new
+        # session's first probe is due at once: the sessions of a job that start together probe in
+        # one pass, and text to repeat is found from the first chunk.
+        self._plain_streak = explore_every
         self._rounds = 0
         self._last_tried = dict.fromkeys(self.drafters, 0)  # round of each drafter's latest plan
 
@@ -458,21 +459,24 @@ class Router:
         return best
 
     def _probe_interval(self, probe: Plan, load: Load | None) -> int:
-        """Rounds per probe (the probe's own included): as few as keep the loss of probing a useless
-        drafter (one more position and its drafting, for the same one token, priced under the
-        route's load as ``rate`` prices any plan) within ``EXPLORE_BUDGET``, at most
-        ``explore_every``. Over a long WAN round trip that is every round, and the estimate
-        cannot stay stuck at a chance run of rejections; on passes shared by several sessions the
-        position a probe adds delays them all, and probes are spaced out accordingly."""
+        """Rounds per probe (the probe's own included). Alone: as few as keep the loss of probing a
+        useless drafter (one more position and its drafting, for the same one token) within
+        ``EXPLORE_BUDGET``, at most ``explore_every``; over a long WAN round trip that is every
+        round, and the estimate cannot stay stuck at a chance run of rejections. On passes shared
+        by other sessions: ``explore_every``, since the position a probe adds delays them all."""
         load = load or ALONE
-        plain = self._rate(PLAIN, 0.0, load)
-        useless = self._rate(probe, 0.0, load)
-        if load.positions == 0:  # alone: plain decoding at what a one-position step measured
-            rtt_s, per_position_s, pass_s = self._timing()
-            plain_s = self.timing.single_s() or rtt_s + pass_s + per_position_s
-            probe_s = max(plain_s, rtt_s + pass_s + (probe.k + 1) * per_position_s)
-            probe_s += probe.k * self.drafters[str(probe.drafter)]
-            plain, useless = 1.0 / plain_s, 1.0 / probe_s
+        if load.positions > 0:
+            # On passes the other sessions share, what one more position costs is not on the fitted
+            # line: the stages' kernels step at row counts (on a CPU, a pass of 5 rows can cost what
+            # one of 8 does, half again one of 4), so a probe is priced at its worst: as rarely as
+            # exploring allows.
+            return self.explore_every
+        # Alone: plain decoding at what a one-position step measured, the probe on the fitted line.
+        rtt_s, per_position_s, pass_s = self._timing()
+        plain_s = self.timing.single_s() or rtt_s + pass_s + per_position_s
+        probe_s = max(plain_s, rtt_s + pass_s + (probe.k + 1) * per_position_s)
+        probe_s += probe.k * self.drafters[str(probe.drafter)]
+        plain, useless = 1.0 / plain_s, 1.0 / probe_s
         loss = 1.0 - useless / plain if plain > 0.0 else 1.0
         return max(1, min(self.explore_every, math.ceil(loss / EXPLORE_BUDGET)))
 
