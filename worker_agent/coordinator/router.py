@@ -33,6 +33,10 @@ PASS_PRIOR_WEIGHT = 1e-3  # holds the compute per pass to 0 until spacings tell 
 # standard errors under the estimate: a drafter's few lucky trials on novel text must not buy chunks
 # the other sessions pay for.
 ACCEPTANCE_CAUTION = 1.0
+# On passes other sessions share, a plan must beat plain decoding by this much at that lower bound:
+# there the cost of one more row is off the fitted line (kernels step at row counts), so a thin
+# predicted gain is no gain.
+SHARED_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -236,7 +240,7 @@ class Router:
 
     Caution. The estimate picks K and depth, but a plan is only chosen where it holds up were the
     acceptance at its lower bound (``acceptance_bound``): alone, losing at most ``EXPLORE_BUDGET``
-    to plain decoding; with other sessions in its passes, still beating it by ``PLAIN_MARGIN``. A
+    to plain decoding; with other sessions in its passes, still beating it by ``SHARED_MARGIN``. A
     new session's prior alone bounds it at 0: over a long round trip alone, where a useless draft
     costs little, it speculates from its first chunk; on passes shared by several streams, where
     drafts cost the others, it waits for evidence (probes).
@@ -407,8 +411,12 @@ class Router:
             chosen = self._best(names, load)
             probing = False
             if chosen.plain and names:
+                # A drafter never tried yet is probed as soon as it has something to propose (the
+                # one-token drafter's first probe, rejected at the answer's opening, must not hold
+                # back the n-gram drafter's when the text to repeat begins); the others by interval.
+                untried = [name for name in names if self._last_tried[name] == 0]
                 probe = Plan(min(names, key=lambda name: (self._last_tried[name], name)), self.k_choices[0], 1)
-                if streak + 1 >= self._probe_interval(probe, load):
+                if untried or streak + 1 >= self._probe_interval(probe, load):
                     chosen, probing = probe, True
             streak = streak + 1 if chosen.plain and not probing else 0
         if in_flight >= chosen.depth:
@@ -439,7 +447,7 @@ class Router:
         """The plan of the highest rate at the acceptance estimate that beats plain decoding by
         ``PLAIN_MARGIN``, among those that still hold up at the estimate's lower bound
         (``acceptance_bound``): alone, losing at most ``EXPLORE_BUDGET`` to plain decoding there;
-        on shared passes, still beating it by the margin. The estimate picks K and depth; the bound
+        on shared passes, still beating it by ``SHARED_MARGIN``. The estimate picks K and depth; the bound
         keeps a bet on a drafter's few lucky trials (long chunks on passes several streams share)
         from being made."""
         load = load or ALONE
@@ -447,7 +455,7 @@ class Router:
         best, best_rate = PLAIN, plain * (1.0 + PLAIN_MARGIN)
         # Alone, a bet that fails costs this session only, and may cost what exploring may; on
         # passes the other sessions share, it costs them too, and must not lose at all.
-        floor = plain * (1.0 - EXPLORE_BUDGET) if load.positions == 0 else best_rate
+        floor = plain * (1.0 - EXPLORE_BUDGET) if load.positions == 0 else plain * (1.0 + SHARED_MARGIN)
         for name in names:
             a, bound = self.acceptance(name), self.acceptance_bound(name)
             for k in self.k_choices:
