@@ -7,6 +7,7 @@ class JobsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        # Once the registry is ready: an app's module is imported before Django is set up.
         from marketplace import metrics
         from worker_agent.cpu import MODEL_CPU
 
