@@ -179,7 +179,15 @@ def test_close_removes_every_namespace_link_and_process():
 @pytest.mark.usefixtures("netlab")  # for its skip where no lab can be built
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupted_run_removes_its_namespaces(signum):
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_LAB], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    # SIGINT at its default in the holder, whatever this process ignores (a child inherits an ignored
+    # signal, and Python then installs no KeyboardInterrupt for it).
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_LAB],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert holder.stdout is not None
     prefix = holder.stdout.readline().strip()
 
