@@ -19,6 +19,7 @@ This module imports nothing of the project: any layer may record into it.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -125,11 +126,11 @@ def process_kind(argv: list[str] | None = None) -> str:
     return program or "python"
 
 
-_KIND: list[str] = []
+@functools.cache
+def _this_process_kind() -> str:
+    return process_kind()
 
 
 def record_model_cpu(part: str, seconds: float) -> None:
     """A ``worker_agent.cpu`` listener: counts the model's CPU under this process's kind."""
-    if not _KIND:
-        _KIND.append(process_kind())
-    MODEL_CPU_SECONDS.labels(process=_KIND[0], part=part).inc(seconds)
+    MODEL_CPU_SECONDS.labels(process=_this_process_kind(), part=part).inc(seconds)
