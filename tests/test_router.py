@@ -362,6 +362,24 @@ def test_a_rejected_drafter_is_probed_after_the_stated_plain_rounds():
     assert plans[EXPLORE_EVERY] == probe
 
 
+def test_a_stand_in_waits_for_its_interval_on_shared_passes_but_not_alone():
+    drafters = {"ngram": 0.0, "ngram1": 0.0}
+    shared = Load(positions=3, rate=30.0)
+
+    def probes(load: Load | None, available: set[str]) -> list[int]:
+        router = Router(drafters, rtt_s=0.0001, per_position_s=0.002, stand_ins={"ngram1"})
+        plans = [router.plan(available=available, load=load) for _ in range(EXPLORE_EVERY + 1)]
+        return [i for i, plan in enumerate(plans) if plan != PLAIN]
+
+    # Only the one-token stand-in has something to propose (an answer's opening).
+    assert probes(None, {"ngram1"}) == [0, EXPLORE_EVERY]  # alone: probed at once
+    assert probes(shared, {"ngram1"}) == [EXPLORE_EVERY - 1]  # shared: its interval, the probe's round included
+    # A real match is probed at once, shared or not.
+    assert probes(shared, {"ngram", "ngram1"})[0] == 0
+    with pytest.raises(ValueError, match="stand-in"):
+        Router(drafters, stand_ins={"draft"})
+
+
 def test_probes_come_every_round_where_they_cost_under_one_percent():
     router = Router(rtt_s=0.2, per_position_s=0.002)
     for _ in range(100):

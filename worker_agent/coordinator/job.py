@@ -287,7 +287,8 @@ class Coordinator:
         stages = len(self.pipeline.links)
         if self._timing is None or self._timing.stages != stages:
             self._timing = RouteTiming(stages=stages)
-        return Router(costs, fixed=self.speculation.fixed_plan(costs), timing=self._timing)
+        stand_ins = [name for name, drafter in drafters.items() if drafter.only_without is not None]
+        return Router(costs, fixed=self.speculation.fixed_plan(costs), timing=self._timing, stand_ins=stand_ins)
 
     @property
     def assignments(self) -> list[StageAssignment] | None:

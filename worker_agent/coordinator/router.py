@@ -260,13 +260,16 @@ class Router:
         explore_every: int = EXPLORE_EVERY,
         fixed: Plan | None = None,
         timing: RouteTiming | None = None,
+        stand_ins: Collection[str] = (),
     ) -> None:
         """``drafters``: drafting seconds per token of each drafter by name. ``stages``: how many
         stages the route's compute is spread over (1 is the cautious guess: no overlap of chunks).
         ``fixed``: always this plan (for benchmarks), or plain decoding when its drafter has
         nothing to propose. ``timing``: the route's timing estimates, shared with the other
         sessions on the route (a new one from ``rtt_s``, ``per_position_s`` and ``stages`` if
-        None): the round trip and the compute are the route's, whoever measured them."""
+        None): the round trip and the compute are the route's, whoever measured them.
+        ``stand_ins``: drafters that propose on weak evidence (a one-token match) where a better one
+        has none; on shared passes they are probed only at intervals, never at once (``plan``)."""
         if not drafters and fixed != PLAIN:
             raise ValueError("need at least one drafter (or fixed=PLAIN)")
         for name, cost in drafters.items():
@@ -283,7 +286,11 @@ class Router:
             raise ValueError(f"explore_every must be >= 1, got {explore_every}")
         if fixed is not None and fixed.drafter is not None and fixed.drafter not in drafters:
             raise ValueError(f"fixed plan's drafter {fixed.drafter!r} is not one of {sorted(drafters)}")
+        unknown = set(stand_ins) - set(drafters)
+        if unknown:
+            raise ValueError(f"stand-in drafters {sorted(unknown)} are not among {sorted(drafters)}")
         self.drafters = dict(drafters)
+        self.stand_ins = frozenset(stand_ins)
         self.k_choices = tuple(sorted(set(k_choices)))
         self.depth_choices = tuple(sorted(set(depth_choices)))
         self.smoothing = smoothing
@@ -298,9 +305,9 @@ class Router:
         self._trials = dict.fromkeys(self.drafters, 1.0)
         # Plain plans in a row since the last probe or speculative plan, for exploration: a probe
         # comes once the round it would take completes its interval (``_probe_interval``). A new
-        # session's first probe is due at once: the sessions of a job that start together probe in
-        # one pass, and text to repeat is found from the first chunk.
-        self._plain_streak = explore_every
+        # session's drafters are each probed as soon as they can propose (``plan``): text to
+        # repeat is found from the first chunk.
+        self._plain_streak = 0
         self._rounds = 0
         self._last_tried = dict.fromkeys(self.drafters, 0)  # round of each drafter's latest plan
 
@@ -414,9 +421,15 @@ class Router:
                 # A drafter never tried yet is probed as soon as it has something to propose (the
                 # one-token drafter's first probe, rejected at the answer's opening, must not hold
                 # back the n-gram drafter's when the text to repeat begins); the others by interval.
-                untried = [name for name in names if self._last_tried[name] == 0]
+                # On passes other sessions share, a stand-in's first probe waits for its interval
+                # too: its one-token matches are found in nearly any text, and the row each probe
+                # adds to a full pass costs every session in it.
+                shared = load is not None and load.positions > 0
+                eager = [n for n in names if self._last_tried[n] == 0 and not (shared and n in self.stand_ins)]
                 probe = Plan(min(names, key=lambda name: (self._last_tried[name], name)), self.k_choices[0], 1)
-                if untried or streak + 1 >= self._probe_interval(probe, load):
+                if eager:
+                    chosen, probing = Plan(eager[0], self.k_choices[0], 1), True
+                elif streak + 1 >= self._probe_interval(probe, load):
                     chosen, probing = probe, True
             streak = streak + 1 if chosen.plain and not probing else 0
         if in_flight >= chosen.depth:
