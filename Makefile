@@ -36,9 +36,10 @@ production: $(STAMP)
 		PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start -f Procfile
 
 # What the tests drive besides Python: Debian's Chromium (the dashboards), docker-compose (the
-# deployment file is rendered and checked) and iptables (the NAT routers of tests/netlab). Debian
-# keeps iptables in /usr/sbin, which not every PATH holds: without it, it would be installed every run.
-SYSTEM_TOOLS := chromium docker-compose iptables
+# deployment file is rendered and checked), iptables (the NAT routers of tests/netlab) and HAProxy
+# (the load balancer of its scale-out lab). Debian keeps iptables and haproxy in /usr/sbin, which
+# not every PATH holds: without it, they would be installed every run.
+SYSTEM_TOOLS := chromium docker-compose iptables haproxy
 
 test: $(STAMP)
 	@PATH="$$PATH:/usr/sbin:/sbin"; for tool in $(SYSTEM_TOOLS); do command -v $$tool >/dev/null 2>&1 || \
@@ -56,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/churn.py
 	$(BIN)/python bench/speculative.py
 	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python bench/netlab.py; else echo "bench/netlab.py needs root: it builds network namespaces and NAT routers (tests/netlab)"; fi
+	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python bench/scaleout.py; else echo "bench/scaleout.py needs root: it builds network namespaces (tests/netlab)"; fi
 	@if [ -n "$$DATABASE_URL" ] && [ -n "$$REDIS_URL" ]; then $(BIN)/python bench/load.py; \
 	else echo "bench/load.py needs DATABASE_URL (PostgreSQL) and REDIS_URL (Redis): the production topology"; fi
 

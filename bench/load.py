@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -257,9 +258,10 @@ def process_kind(cmdline: list[str]) -> str | None:
 class CpuMeter:
     """CPU seconds (user + system) of each kind of process, and the model's share of them.
 
-    Processes are found afresh at each snapshot: honcho's descendants by command line, PostgreSQL's
-    (every ``postgres`` process: the server is this bench's alone while it runs; the postmaster's
-    reaped children count through its children's times) and Redis's server, the agents, and this
+    Processes are found afresh at each snapshot: honcho's descendants by command line (or their
+    nearest ancestor's), the PostgreSQL and Redis servers listening on DATABASE_URL's and REDIS_URL's
+    ports (PostgreSQL's backends with them; the postmaster's reaped children count through its
+    children's times: the server is this bench's alone while it runs), the agents, and this
     process (the client). The model's share is what the processes counted in
     ``swarm_model_cpu_seconds`` (``worker_agent.cpu``), read from the Prometheus multiprocess files."""
 
@@ -281,19 +283,32 @@ class CpuMeter:
                 totals[kind] += times.children_user + times.children_system
 
         assert self.topology.honcho is not None
+        # A process's kind, or its nearest ancestor's: uvicorn's workers are spawned interpreters.
+        found: dict[int, tuple[int, str | None]] = {}  # pid -> (parent pid, kind by its own command line)
         for process in psutil.Process(self.topology.honcho.pid).children(recursive=True):
             try:
-                kind = process_kind(process.cmdline())
+                found[process.pid] = (process.ppid(), process_kind(process.cmdline()))
             except psutil.Error:
                 continue
+
+        def kind_of(pid: int) -> str | None:
+            while pid in found:
+                parent, kind = found[pid]
+                if kind is not None:
+                    return kind
+                pid = parent
+            return None
+
+        for pid in found:
+            kind = kind_of(pid)
             if kind is not None:
-                add(kind, process)
-        for process in psutil.process_iter(["name", "ppid"]):
-            name = process.info["name"] or ""
-            if name.startswith("postgres"):
-                add("postgres", process, children=process.info["ppid"] == 1)
-            elif name.startswith("redis-server"):
-                add("redis", process)
+                with contextlib.suppress(psutil.Error):
+                    add(kind, psutil.Process(pid))
+        for kind, url in (("postgres", self.topology.env["DATABASE_URL"]), ("redis", self.topology.redis_url)):
+            server = self._listening(urllib.parse.urlsplit(url).port or {"postgres": 5432, "redis": 6379}[kind])
+            if server is not None:  # PostgreSQL's backends are its children; the reaped ones count in its times
+                for process in [server, *server.children(recursive=True)]:
+                    add(kind, process, children=process is server)
         for agent in self.topology.agents:
             try:
                 for process in [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]:
@@ -302,6 +317,18 @@ class CpuMeter:
                 continue
         add("client", psutil.Process())
         return {"cpu_s": totals, "model_s": self.model_seconds()}
+
+    @staticmethod
+    def _listening(port: int):
+        """The process listening on ``port`` in this network namespace (other namespaces' servers,
+        e.g. a lab's own PostgreSQL, are not this topology's), or None."""
+        import psutil
+
+        for connection in psutil.net_connections(kind="tcp"):
+            if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port and connection.pid:
+                with contextlib.suppress(psutil.Error):
+                    return psutil.Process(connection.pid)
+        return None
 
     def model_seconds(self) -> dict[str, dict[str, float]]:
         from prometheus_client import CollectorRegistry

@@ -191,18 +191,25 @@ else:
         }
     }
 
-# --- redis: channel layer, Celery broker, cache -------------------------------------------------
+# --- redis: jobs' events, channel layer, Celery broker, cache -----------------------------------
 REDIS_URL = env_str("REDIS_URL", "")
-# A job sends one channel message per token: a response channel must hold a whole completion,
-# or a slow reader would lose tokens (channel layers drop what passes capacity).
+# The channel layer carries a job's cancel and the dashboards' live updates; a job's tokens go as its
+# events (flows.events, Redis streams). A channel holds a completion's worth of messages all the same:
+# channel layers drop what passes capacity, and a burst of live updates must not.
 CHANNEL_CAPACITY = env_int("SWARM_MAX_TOKENS_LIMIT", 2048, minimum=1) + 64
+# The most connections one process's channel layer opens to Redis. redis-py's own default (100) is
+# fewer than a coordinator worker may need once it carries a second worker's jobs too: each job's
+# cancel listener holds one as long as the job runs, and each send takes another for its round
+# trip; past the limit a send fails at once (MaxConnectionsError), and its job with it.
+SWARM_CHANNEL_LAYER_CONNECTIONS = env_int("SWARM_CHANNEL_LAYER_CONNECTIONS", 1000, minimum=1)
 if REDIS_URL:
     # A receive blocks in BZPOPMIN for up to 5 s: the socket timeout must be longer than that, or
     # an idle stream's read times out before Redis answers.
+    redis_host = {"address": REDIS_URL, "socket_timeout": 30, "max_connections": SWARM_CHANNEL_LAYER_CONNECTIONS}
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": CHANNEL_CAPACITY},
+            "CONFIG": {"hosts": [redis_host], "capacity": CHANNEL_CAPACITY},
         }
     }
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
@@ -445,6 +452,10 @@ SWARM_ADMISSION_WAIT_S = env_float("SWARM_ADMISSION_WAIT_S", 30.0, minimum=0.0)
 SWARM_QUEUE_WAIT_S = env_float("SWARM_QUEUE_WAIT_S", 60.0, minimum=0.0)
 SWARM_JOBS_PER_NODE = env_int("SWARM_JOBS_PER_NODE", 64, minimum=1)
 SWARM_JOB_STALE_S = env_float("SWARM_JOB_STALE_S", 60.0, minimum=1.0)  # no progress this long: coordinator lost
+# A web process answering a request and a coordinator worker running a job keep a sign of life in
+# Redis (``jobs.liveness``); one silent this long is dead: its jobs end, and retries of its requests'
+# Idempotency-Keys run, at once rather than after SWARM_JOB_STALE_S.
+SWARM_PROCESS_ALIVE_S = env_float("SWARM_PROCESS_ALIVE_S", 10.0, minimum=1.0)
 # A job whose settlement raised is tried again after SWARM_SETTLE_RETRY_S, doubling up to
 # SWARM_SETTLE_RETRY_MAX_S; after SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins.
 SWARM_SETTLE_RETRY_S = env_float("SWARM_SETTLE_RETRY_S", 30.0, minimum=0.0)

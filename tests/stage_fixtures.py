@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from django.utils import timezone
 
 from marketplace.flows import admission
+from marketplace.flows import events as job_events
 from marketplace.jobs import services
 from marketplace.jobs.models import Job
 from marketplace.jobs.params import RequestParams
@@ -101,3 +102,17 @@ def place_route(nodes, route: Sequence[PipelineStage]) -> None:
             layer_start=stage.layer_start, layer_end=stage.layer_end, state=AssignmentState.READY,
             data_url=stage.data_url, ready_at=timezone.now(),
         )  # fmt: skip
+
+
+async def events_until_final(job_id: str, timeout_s: float = 60.0) -> list[dict]:
+    """The job's events (``flows.events``) from its first up to its last (done or error), each
+    awaited at most ``timeout_s``: a job's events are kept from its first, so this may start
+    before, during or after its run."""
+    subscription = job_events.channel().subscribe(job_id)
+    try:
+        events: list[dict] = []
+        while not events or events[-1]["type"] not in job_events.ENDINGS:
+            events.append(await asyncio.wait_for(subscription.get(), timeout_s))
+        return events
+    finally:
+        subscription.close()

@@ -10,8 +10,9 @@ from django.utils import timezone
 from marketplace.billing import services
 from marketplace.billing.models import ModelPrice
 from marketplace.flows import settlement
-from marketplace.jobs.models import Job, JobState
+from marketplace.jobs.models import JobState
 from marketplace.jobs.services import create_api_key, finish_job
+from tests.job_fixtures import held_job
 
 pytestmark = [pytest.mark.billing, pytest.mark.django_db]
 
@@ -36,16 +37,7 @@ def spent(customer):
     )
     services.grant(customer, 2)
     api_key, key = create_api_key(customer, "main")
-    job = Job.objects.create(
-        public_id="chatcmpl-abc",
-        kind="chat",
-        customer=customer,
-        api_key=api_key,
-        model=MODEL,
-        params={"max_tokens": 100},
-        prompt_tokens=40,
-    )
-    settlement.place_hold(job)
+    job = held_job(customer, api_key, "chatcmpl-abc")
     # Cancelled by its customer after 7 tokens: charged for them without receipts to verify.
     finish_job(job.pk, state=JobState.CANCELLED, completion_tokens=7, finish_reason="stop")
     settlement.settle(job.pk)

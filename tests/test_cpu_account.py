@@ -26,11 +26,28 @@ def test_a_measured_block_adds_its_threads_cpu_time_to_its_part_and_tells_the_li
 
     with account.measure("head"):
         _spin()
+    account.tell()
 
     seconds = account.seconds()
     assert seconds["head"] > 0.0
     assert all(seconds[part] == 0.0 for part in PARTS if part != "head")
     assert heard == [("head", seconds["head"])]
+
+
+def test_small_additions_are_told_in_sums():
+    account, heard = CpuAccount(), []
+    account.listen(lambda part, seconds: heard.append((part, seconds)))
+
+    for _ in range(5):
+        account.add("sampling", 0.001)
+    assert heard == []  # 5 ms gathered, under TELL_AFTER_S
+    account.add("sampling", 0.006)
+    account.add("head", 0.002)
+    account.tell()
+
+    assert [part for part, _ in heard] == ["sampling", "head"]
+    assert heard[0][1] == pytest.approx(0.011) and heard[1][1] == pytest.approx(0.002)
+    assert account.seconds()["sampling"] == pytest.approx(0.011)
 
 
 def test_another_threads_work_is_not_counted_in_a_block_that_waits_for_it():

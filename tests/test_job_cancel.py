@@ -14,6 +14,7 @@ import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.layers import get_channel_layer
 
+from marketplace.flows import events as job_events
 from marketplace.flows import runner
 from marketplace.jobs import services
 from marketplace.jobs.models import Job, JobState
@@ -74,13 +75,13 @@ def test_a_cancel_mid_stream_stops_the_job_between_tokens(in_memory_layer, api_k
     async def scenario():
         async with stage_servers(SPANS) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
-            channel = await in_memory_layer.new_channel()
-            await in_memory_layer.group_add(runner.group_name(job.pk), channel)
+            events = job_events.channel().subscribe(job.public_id)
             running = asyncio.create_task(runner.run_job(job.pk))
             tokens = 0
             while tokens < 2:
-                event = await asyncio.wait_for(in_memory_layer.receive(channel), 30)
+                event = await asyncio.wait_for(events.get(), 30)
                 tokens += event["type"] == "job.token"
+            events.close()
             await runner.request_cancel(in_memory_layer, job.pk)
             return await asyncio.wait_for(running, 60), job.pk
 
@@ -176,13 +177,9 @@ def test_a_cancel_listener_stuck_in_the_channel_layer_does_not_hold_the_job_end(
     async def scenario():
         async with stage_servers(SPANS) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
-            channel = await layer.new_channel()
-            await layer.group_add(runner.group_name(job.pk), channel)
             state = await asyncio.wait_for(runner.run_job(job.pk), 120)
             stray = set(runner._stray_listeners)  # the job ended with its listener still stuck
-            events = [await asyncio.wait_for(layer.receive(channel), 5)]
-            while events[-1]["type"] == "job.token":
-                events.append(await asyncio.wait_for(layer.receive(channel), 5))
+            events = await stage_fixtures.events_until_final(job.public_id, 5)
             layer.release.set()
             await asyncio.wait_for(asyncio.gather(*stray, return_exceptions=True), 5)
             return state, job.pk, events, stray
@@ -221,11 +218,11 @@ def test_a_job_cancelled_before_its_coordinator_marks_it_running_sends_its_stage
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
             brief = services.job_brief(job)
             await sync_to_async(Job.objects.filter(pk=job.pk).update)(state=JobState.CANCELLED)
-            channel = await in_memory_layer.new_channel()
-            await in_memory_layer.group_add(runner.group_name(job.pk), channel)
+            events = job_events.channel().subscribe(job.public_id)
             state = await asyncio.wait_for(runner.run_job(job.pk, brief), 60)
-            with pytest.raises(TimeoutError):  # nothing was sent to the job's group
-                await asyncio.wait_for(in_memory_layer.receive(channel), 0.5)
+            with pytest.raises(TimeoutError):  # nothing was published as the job's events
+                await asyncio.wait_for(events.get(), 0.5)
+            events.close()
             return state, job.pk
 
     state, job_pk = asyncio.run(scenario())
@@ -243,12 +240,9 @@ def test_a_job_run_from_its_brief_gives_the_tokens_of_one_run_from_its_row(in_me
         async with stage_servers(SPANS) as route:
             params = RequestParams(max_tokens=8, temperature=0.0, prompt="Once upon a time")
             job = await sync_to_async(stage_fixtures.admit)(api_key, route, params, monkeypatch)
-            channel = await in_memory_layer.new_channel()
-            await in_memory_layer.group_add(runner.group_name(job.pk), channel)
             state = await asyncio.wait_for(runner.run_job(job.pk, services.job_brief(job) if brief else None), 60)
-            tokens = []
-            while (event := await asyncio.wait_for(in_memory_layer.receive(channel), 10))["type"] == "job.token":
-                tokens.append(event["token_id"])
+            events = await stage_fixtures.events_until_final(job.public_id, 10)
+            tokens = [event["token_id"] for event in events if event["type"] == "job.token"]
             return state, tokens, job.pk
 
     from_brief, from_row = asyncio.run(run(True)), asyncio.run(run(False))

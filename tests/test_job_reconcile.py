@@ -7,53 +7,29 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from marketplace.billing import services
-from marketplace.billing.models import AccountKind, ModelPrice, Transfer
+from marketplace.billing.models import AccountKind, Transfer
 from marketplace.flows import settlement
 from marketplace.flows.settlement import reconcile_jobs
-from marketplace.jobs.models import Job, JobState
-from marketplace.jobs.services import create_api_key, finish_job, mark_running, record_progress
+from marketplace.jobs.models import JobState
+from marketplace.jobs.services import finish_job, record_progress
+from tests.job_fixtures import funded_customer, running_job
 
 pytestmark = [pytest.mark.billing, pytest.mark.django_db]
-
-MODEL = "smollm2-135m"
 
 
 @pytest.fixture
 def customer(django_user_model, settings):
-    settings.SWARM_JOB_STALE_S = 60
-    ModelPrice.objects.create(
-        model=MODEL,
-        prompt_per_million=1_000_000_000,
-        completion_per_million=3_000_000_000,
-        effective_from=timezone.now(),
-    )
-    user = django_user_model.objects.create_user(username="c", email="c@example.com", password="x", is_customer=True)
-    services.grant(user, 1)
-    return user
-
-
-def running_job(customer, public_id: str) -> Job:
-    api_key, _ = create_api_key(customer, public_id)
-    job = Job.objects.create(
-        public_id=public_id,
-        kind="chat",
-        customer=customer,
-        api_key=api_key,
-        model=MODEL,
-        params={"max_tokens": 100},
-        prompt_tokens=40,
-    )
-    settlement.place_hold(job)
-    mark_running(job.pk)
-    return job
+    return funded_customer(django_user_model, settings)
 
 
 def test_a_job_whose_coordinator_went_silent_is_failed_and_charged_nothing(customer):
     job = running_job(customer, "chatcmpl-lost")
-    record_progress(job.pk, 5)
+    record_progress({job.pk: 5})
     later = timezone.now() + timedelta(seconds=61)
 
     reconciled = reconcile_jobs(now=later)
@@ -70,7 +46,7 @@ def test_a_job_whose_coordinator_went_silent_is_failed_and_charged_nothing(custo
 
 def test_reconciling_again_charges_nothing_more(customer):
     job = running_job(customer, "chatcmpl-lost")
-    record_progress(job.pk, 5)
+    record_progress({job.pk: 5})
     later = timezone.now() + timedelta(seconds=61)
     reconcile_jobs(now=later)
 
@@ -81,7 +57,7 @@ def test_reconciling_again_charges_nothing_more(customer):
 
 def test_a_job_that_is_still_reporting_is_left_alone(customer):
     job = running_job(customer, "chatcmpl-alive")
-    record_progress(job.pk, 3)
+    record_progress({job.pk: 3})
 
     assert reconcile_jobs(now=timezone.now() + timedelta(seconds=30)) == []
     job.refresh_from_db()
@@ -189,3 +165,18 @@ def test_a_flagged_settlement_shows_in_the_admin_and_settles_once_retried(custom
     assert settled == ["chatcmpl-stuck"]
     stuck.refresh_from_db()
     assert (stuck.settle_flagged, stuck.settle_failures, stuck.charged_amount) == (False, 1, 40_000 + 6_000)
+
+
+def test_a_processs_running_jobs_record_their_progress_in_one_statement(customer):
+    first, second = running_job(customer, "chatcmpl-one"), running_job(customer, "chatcmpl-two")
+    ended = running_job(customer, "chatcmpl-ended")
+    finish_job(ended.pk, state=JobState.SUCCEEDED, completion_tokens=2)
+
+    with CaptureQueriesContext(connection) as queries:
+        record_progress({first.pk: 7, second.pk: 11, ended.pk: 99})
+
+    assert len(queries) == 1
+    for job in (first, second, ended):
+        job.refresh_from_db()
+    assert (first.completion_tokens, second.completion_tokens, ended.completion_tokens) == (7, 11, 2)
+    assert first.progress_at is not None and first.progress_at == second.progress_at

@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 from asgiref.sync import sync_to_async
-from channels.layers import get_channel_layer
 
 from marketplace.flows import runner
 from marketplace.jobs import services
@@ -66,20 +65,14 @@ def admit(api_key, route, monkeypatch) -> Job:
 
 
 def run_admitted_job(api_key, monkeypatch, **stage_options) -> tuple[str, Job, list[dict]]:
-    """Admit a job on a fresh route of in-process stages, run it; (final state, job, group events)."""
+    """Admit a job on a fresh route of in-process stages, run it; (final state, job, its events)."""
 
     async def scenario():
         options = {"rogue_class": TamperingStage, **stage_options}
         async with stage_servers(SPANS, **options) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
-            layer = get_channel_layer()
-            channel = await layer.new_channel()
-            await layer.group_add(runner.group_name(job.pk), channel)
             state = await runner.run_job(job.pk)
-            events = []
-            while not events or events[-1]["type"] not in ("job.done", "job.error"):
-                events.append(await asyncio.wait_for(layer.receive(channel), 30))
-            return state, job.pk, events
+            return state, job.pk, await stage_fixtures.events_until_final(job.public_id, 30)
 
     state, job_pk, events = asyncio.run(scenario())
     return state, Job.objects.get(pk=job_pk), events

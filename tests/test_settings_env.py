@@ -306,7 +306,10 @@ def test_settings_switch_to_postgres_and_redis_from_their_urls(load_settings):
     assert values["CHANNEL_LAYERS"] == {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [{"address": "redis://cache.internal:6379/0", "socket_timeout": 30}], "capacity": 2112},
+            "CONFIG": {
+                "hosts": [{"address": "redis://cache.internal:6379/0", "socket_timeout": 30, "max_connections": 1000}],
+                "capacity": 2112,
+            },
         }
     }
     assert values["CELERY_BROKER_URL"] == "redis://cache.internal:6379/0"

@@ -11,8 +11,11 @@ thread waiting for the GIL or the cores counts nothing) and add it here:
 - ``drafting``: a drafter's proposals;
 - ``replay``: the verifier recomputing audit material and challenge answers on trusted blocks.
 
-A listener (the control plane's Prometheus counter, ``marketplace.metrics``) is told of every
-addition; the totals are kept here too for a process without one.
+A listener (the control plane's Prometheus counter, ``marketplace.metrics``) is told what was added,
+in sums: once at least ``TELL_AFTER_S`` of CPU or ``TELL_EVERY_S`` of time has gathered since it was
+last told, and whenever ``tell`` is called (a job's end). Telling it of every LM-head pass cost the
+coordinator a twentieth of its CPU (a multiprocess counter's lock and file per increment). The
+totals are kept here too for a process without one.
 
     with MODEL_CPU.measure("head"):
         logits = head.logits(hidden)
@@ -26,6 +29,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 PARTS = ("embed", "head", "sampling", "drafting", "replay")
+TELL_AFTER_S = 0.01  # of CPU gathered, the listeners are told
+TELL_EVERY_S = 0.5  # or once this long passed since they were last told
 
 
 class CpuAccount:
@@ -34,6 +39,8 @@ class CpuAccount:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seconds = dict.fromkeys(PARTS, 0.0)
+        self._unheard = dict.fromkeys(PARTS, 0.0)  # added since the listeners were last told
+        self._told_at = time.monotonic()
         self._listeners: list[Callable[[str, float], None]] = []
 
     @contextmanager
@@ -50,12 +57,24 @@ class CpuAccount:
     def add(self, part: str, seconds: float) -> None:
         with self._lock:
             self._seconds[part] += seconds
+            self._unheard[part] += seconds
+            due = sum(self._unheard.values()) >= TELL_AFTER_S or time.monotonic() - self._told_at >= TELL_EVERY_S
+        if due:
+            self.tell()
+
+    def tell(self) -> None:
+        """Tell the listeners what was added since they were last told."""
+        with self._lock:
+            unheard = {part: seconds for part, seconds in self._unheard.items() if seconds}
+            self._unheard = dict.fromkeys(PARTS, 0.0)
+            self._told_at = time.monotonic()
             listeners = list(self._listeners)
-        for listener in listeners:
-            listener(part, seconds)
+        for part, seconds in unheard.items():
+            for listener in listeners:
+                listener(part, seconds)
 
     def listen(self, listener: Callable[[str, float], None]) -> None:
-        """Call ``listener(part, seconds)`` on every addition from now on."""
+        """Call ``listener(part, seconds)`` with what is added from now on (in sums, see above)."""
         with self._lock:
             self._listeners.append(listener)
 

@@ -32,6 +32,7 @@ from marketplace.billing.services import prices_for
 from marketplace.catalog.selectors import served_models
 from marketplace.db import release_connections, releases_db
 from marketplace.errors import DomainError
+from marketplace.flows import events as job_events
 from marketplace.flows import runner, tasks
 from marketplace.jobs import idempotency, services
 from marketplace.jobs.errors import InvalidRequest
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from marketplace.logs import IdentifiedRequest
 
 log = logging.getLogger("swarm.api")
+# A retry waiting for an attempt of its Idempotency-Key in flight looks again at most this far apart.
+KEY_POLL_MAX_S = 1.0
 
 
 def _json_body(request: HttpRequest) -> dict:
@@ -157,17 +160,14 @@ async def complete_for_key(
         if record is not None:
             await sync_to_async(idempotency.abandon)(record)
         return error_response(exc, request_id=request_id)
-    # The rest of the response only waits on the channel layer: hand this request's database
+    # The rest of the response only waits on its jobs' events: hand this request's database
     # connection back now, not when a long stream ends, so streams cannot starve the jobs.
     await sync_to_async(release_connections)()
-    layer = get_channel_layer()
-    channels = []
-    for job in jobs:
-        channels.append(await layer.new_channel())
-        await layer.group_add(runner.group_name(job.pk), channels[-1])  # subscribe before the coordinator starts
+    events = job_events.channel()
+    subscriptions = [events.subscribe(job.public_id) for job in jobs]  # each reads its job's events from the first
     for job in jobs:
         tasks.launch(job)
-    answer = Reply(jobs, channels, kind, model, layer, idempotent=record)
+    answer = Reply(jobs, subscriptions, kind, model, get_channel_layer(), idempotent=record)
     if params.stream:
         response = StreamingHttpResponse(answer.sse(params.include_usage), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -202,16 +202,23 @@ def _prepare(
 async def _claim(api_key: ApiKey, key: str, body: dict) -> tuple[int, dict | None]:
     """Claim the Idempotency-Key ``key`` for ``body``: (its record, the first attempt's answer to
     send again, or None to run the request). A first attempt still in flight is waited for, up to
-    a job's timeout; past it, 409 ``idempotency_key_in_use``."""
+    a job's timeout; past it, 409 ``idempotency_key_in_use``. The jobs of an attempt this one
+    supersedes that still run (their web process is gone, nobody reads them) are stopped."""
     digest = idempotency.body_digest(body)
     deadline = time.monotonic() + settings.SWARM_JOB_TIMEOUT_S + idempotency.LOST_AFTER_S
+    pause = admission.ADMISSION_POLL_S
     while True:
         claim = await sync_to_async(idempotency.claim)(api_key.user, key, digest)
         if not claim.wait:
+            layer = get_channel_layer()
+            for job_pk in claim.superseded:
+                await runner.request_cancel(layer, job_pk)
             return claim.record, claim.replay
         if time.monotonic() >= deadline:
             raise InvalidRequest(
                 "A request with this Idempotency-Key is still being answered; retry later.",
                 code="idempotency_key_in_use",
             )
-        await asyncio.sleep(admission.ADMISSION_POLL_S)
+        # Doubling: the retries of a web host's streams all wait for its sign of life to expire at once.
+        await asyncio.sleep(pause)
+        pause = min(2 * pause, KEY_POLL_MAX_S)

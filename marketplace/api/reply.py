@@ -1,11 +1,14 @@
-"""A request's answer in OpenAI's shapes, read from its jobs' channel-layer groups.
+"""A request's answer in OpenAI's shapes, read from its jobs' events (``flows.events``).
 
 A request asking for ``n`` choices runs ``n`` jobs (``flows.admission.admit_jobs``); each job's events
-arrive on a channel of its own and make one choice (``Choice``). ``Reply`` puts them together: one
-response (the id of choice 0, every choice with its index, the usage summed over the choices, as
-each choice is billed as a request of its own), or one stream whose chunks carry the index of the
-choice they extend. A choice that fails fails the request: the other choices' jobs are stopped,
-and each job is charged for what it produced (``flows.settlement``), as a single request is.
+make one choice (``Choice``). ``Reply`` puts them together: one response (the id of choice 0, every
+choice with its index, the usage summed over the choices, as each choice is billed as a request of
+its own), or one stream whose chunks carry the index of the choice they extend. A choice that fails
+fails the request: the other choices' jobs are stopped, and each job is charged for what it
+produced (``flows.settlement``), as a single request is.
+
+A streamed choice sends the tokens that arrived together in one chunk: a client (or a proxy)
+reading slower than the tokens come gets fewer, larger chunks, never a backlog of one per token.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from marketplace.api import admission
 from marketplace.api.errors import error_body
 from marketplace.db import release_connections
 from marketplace.flows import runner
+from marketplace.flows.events import Subscription
 from marketplace.jobs import idempotency, services, tools
 from marketplace.jobs.errors import JobFailed
 from marketplace.jobs.models import Job
@@ -37,52 +41,59 @@ PROGRESS_CHECK_S = 5.0
 class Choice:
     """One job's events, shaped as the choice ``index`` of a response or of its chunks."""
 
-    def __init__(self, job: Job, index: int, kind: str, layer, channel: str) -> None:
+    def __init__(self, job: Job, index: int, kind: str, subscription: Subscription) -> None:
         self.job, self.index, self.kind = job, index, kind
         self.logprobs = job.params.get("logprobs")  # alternatives per token, or None: no log-probabilities
         self.calls_tool = job.params.get("tool_choice", "none") != "none"  # the output is one function call
         self._offset = 0  # a text completion's characters so far, for its logprobs' text_offset
-        self.layer, self.channel = layer, channel
+        self.subscription = subscription
         self.ended = False  # its job's last event (done or error) was read
         self.cached_tokens = 0  # prompt tokens its stages held already (prefix reuse), once done
 
-    async def events(self) -> AsyncIterator[dict]:
-        """The job's events, in order, up to its last. A silent job's record is checked every
-        PROGRESS_CHECK_S without cancelling the receive in flight: a receive cancelled just as its
-        message arrives loses that message in channels_redis (the message is taken from the
-        channel's buffer, then dropped with the cancelled wait), which stalled about one stream in
-        30 under load (a token missing, or the job's end never seen)."""
-        receiving: asyncio.Future | None = None
+    async def batches(self) -> AsyncIterator[list[dict]]:
+        """The job's events, in order, up to its last, in batches of those that arrived together
+        (a job's last event ends its batch). A silent job's record is checked every
+        PROGRESS_CHECK_S without cancelling the wait in flight."""
+        waiting: asyncio.Future | None = None
         try:
             while True:
-                if receiving is None:
-                    receiving = asyncio.ensure_future(self.layer.receive(self.channel))
-                done, _ = await asyncio.wait({receiving}, timeout=PROGRESS_CHECK_S)
+                if waiting is None:
+                    waiting = asyncio.ensure_future(self.subscription.get())
+                done, _ = await asyncio.wait({waiting}, timeout=PROGRESS_CHECK_S)
                 if not done:
                     reason = await sync_to_async(services.stopped_answering)(self.job.pk)
                     await sync_to_async(release_connections)()
                     if reason is None:
                         continue
                     log.warning("job %s: %s", self.job.public_id, reason)
-                    event = {"type": "job.error", "code": "timeout", "message": reason}
+                    code = services.COORDINATOR_LOST if reason == services.COORDINATOR_GONE else "timeout"
+                    batch = [{"type": "job.error", "code": code, "message": reason}]
                 else:
-                    received, receiving = receiving, None
+                    got, waiting = waiting, None
                     try:
-                        event = received.result()
-                    except Exception as exc:  # the channel layer's own (e.g. Redis) error
+                        batch = [got.result()]
+                    except Exception as exc:  # the events' channel's own (e.g. Redis) error
                         log.warning("job %s: no event: %r", self.job.public_id, exc)
-                        event = {"type": "job.error", "code": "timeout", "message": "the job stopped answering"}
-                if event["type"] in ("job.done", "job.error"):
+                        batch = [{"type": "job.error", "code": "timeout", "message": "the job stopped answering"}]
+                    while batch[-1]["type"] == "job.token" and (more := self.subscription.get_nowait()) is not None:
+                        batch.append(more)
+                if batch[-1]["type"] in ("job.done", "job.error"):
                     self.ended = True
                     admission.job_ended()
-                yield event
+                yield batch
                 if self.ended:
                     return
         finally:
-            if receiving is not None:  # the response is over (or its client left): nothing more is read
-                receiving.cancel()
-                await asyncio.gather(receiving, return_exceptions=True)
-            await self.layer.group_discard(runner.group_name(self.job.pk), self.channel)
+            if waiting is not None:  # the response is over (or its client left): nothing more is read
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+            self.subscription.close()
+
+    async def events(self) -> AsyncIterator[dict]:
+        """The job's events, in order, up to its last."""
+        async for batch in self.batches():
+            for event in batch:
+                yield event
 
     def _logprobs(self, tokens: Sequence[dict]) -> dict | None:
         """The ``logprobs`` object of a choice or chunk for the token events ``tokens``, in the
@@ -144,20 +155,25 @@ class Choice:
         return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     async def deltas(self) -> AsyncIterator[dict | int]:
-        """The choice's chunk entries as its tokens arrive, then its completion tokens (an int);
-        JobFailed when its job failed."""
+        """The choice's chunk entries as its tokens arrive (those that arrived together in one),
+        then its completion tokens (an int); JobFailed when its job failed."""
         tokens: list[dict] = []  # token events whose log-probabilities no chunk carried yet
         held: list[str] = []  # a call's text, sent as tool_calls once whole
-        async for event in self.events():
-            if event["type"] == "job.token":
+        async for batch in self.batches():
+            text = []
+            for event in batch:
+                if event["type"] != "job.token":
+                    break
                 if "logprob" in event:
                     tokens.append(event)
-                if event["text"] and self.calls_tool:
-                    held.append(event["text"])
-                elif event["text"]:
-                    yield self.chunk(event["text"], None, tokens=tokens)
-                    tokens = []
-            elif event["type"] == "job.done":
+                text.append(event["text"])
+            if any(text) and self.calls_tool:
+                held.append("".join(text))
+            elif any(text):
+                yield self.chunk("".join(text), None, tokens=tokens)
+                tokens = []
+            event = batch[-1]
+            if event["type"] == "job.done":
                 finish = event["finish_reason"]
                 self.cached_tokens = event.get("cached_tokens", 0)
                 calls = tools.tool_calls_of("".join(held)) if held and finish == "stop" else None
@@ -171,7 +187,7 @@ class Choice:
                     tokens = []
                 yield self.chunk(None, finish, tokens=tokens)
                 yield event["completion_tokens"]
-            else:
+            elif event["type"] == "job.error":
                 raise job_error(event)
 
 
@@ -181,17 +197,19 @@ class Reply:
     def __init__(
         self,
         jobs: Sequence[Job],
-        channels: Sequence[str],
+        subscriptions: Sequence[Subscription],
         kind: str,
         model: str,
         layer,
         *,
         idempotent: int | None = None,
     ) -> None:
+        """``subscriptions``: each job's events; ``layer``: the channel layer, to stop jobs."""
         self.jobs, self.kind, self.model, self.layer = list(jobs), kind, model, layer
         self.idempotent = idempotent  # the request's IdempotentRequest: its answer is kept for retries
         self.choices = [
-            Choice(job, i, kind, layer, channel) for i, (job, channel) in enumerate(zip(jobs, channels, strict=True))
+            Choice(job, i, kind, subscription)
+            for i, (job, subscription) in enumerate(zip(jobs, subscriptions, strict=True))
         ]
         self.prompt_tokens = sum(job.prompt_tokens for job in jobs)  # each choice is billed its prompt
         self.created = int(time.time())

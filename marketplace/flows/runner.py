@@ -1,18 +1,17 @@
-"""Runs one job's coordinator and streams its tokens to the channel layer group ``job.<pk>``.
+"""Runs one job's coordinator and publishes its tokens as the job's events (``flows.events``).
 
 In production this runs in a Celery worker of the job's coordinator region (``coord.<region>``,
 threads pool: the model's embeddings and head are loaded once per process); in the embedded
 default it runs as a task of the web process's event loop. Either way the HTTP view that admitted
-the job reads the group and writes the response.
+the job reads its events and writes the response.
 
-Messages on the group: ``job.token`` (text, token_id), then exactly one of ``job.done``
-(finish_reason, usage) or ``job.error`` (code, message).
+Events: ``job.token`` (text, token_id), then exactly one of ``job.done`` (finish_reason, usage) or
+``job.error`` (code, message).
 
-The other way, a ``job.cancel`` message on the channel ``job.<pk>.cancel`` (``request_cancel``)
-stops the job between two tokens. It is a named channel rather than the group, so the runner
-does not read back its own tokens, and a cancel sent before the runner listens waits there for
-the layer's message expiry; it is not a process-local channel, so Celery's threads can each
-listen from their own event loop.
+The other way, a ``job.cancel`` message on the channel layer's channel ``job.<pk>.cancel``
+(``request_cancel``) stops the job between two tokens. A cancel sent before the runner listens
+waits there for the layer's message expiry; it is not a process-local channel, so Celery's
+threads can each listen from their own event loop.
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ from django.utils import timezone
 
 from marketplace import logs
 from marketplace.db import release_connections
+from marketplace.flows import events as job_events
+from marketplace.flows import progress as job_progress
 from marketplace.flows.settlement import settle
 from marketplace.jobs import services
 from marketplace.jobs.coordinator_inputs import (
@@ -54,12 +55,12 @@ from worker_agent.coordinator.challenger import StepTimes
 from worker_agent.coordinator.heal import HealedRoute, StageFailure
 from worker_agent.coordinator.job import Coordinator, GenerationResult
 from worker_agent.coordinator.session import TokenEvent
+from worker_agent.cpu import MODEL_CPU
 from worker_agent.errors import SwarmError
 from worker_agent.protocol.receipts import SessionTranscript
 from worker_agent.protocol.span import Span
 
 log = logging.getLogger("swarm.jobs")
-PROGRESS_INTERVAL_S = 1.0  # how often a running job records the tokens it delivered
 HEAL_POLL_S = 0.025  # how often a heal waiting for a route checks whether a block of its model came up
 HEAL_RECHECK_S = 0.5  # and how often it looks for a route whatever happened
 HEAL_LOAD_RETRY_S = 2.0  # how often it asks again for a node to load the failed span, while none is
@@ -80,10 +81,6 @@ async def in_thread(fn, *args, **kwargs):
             release_connections()
 
     return await sync_to_async(call, thread_sensitive=False)()
-
-
-def group_name(job_pk: int) -> str:
-    return f"job.{job_pk}"
 
 
 def cancel_channel(job_pk: int) -> str:
@@ -142,6 +139,7 @@ async def run_job(job_pk: int, brief: dict | None = None) -> str:
         finally:
             await asyncio.gather(started, return_exceptions=True)  # never settled before it is marked
             await in_thread(settle, job_pk)
+            MODEL_CPU.tell()  # the model's CPU of this job is on record by its end
         log.info("job ended: %s", state)
         return state
 
@@ -157,12 +155,12 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
         job = await in_thread(Job.objects.get, pk=job_pk)  # raises DoesNotExist, as it always did
     if started.done() and not started.result():
         return job.state
-    group = group_name(job_pk)
+    events = job_events.channel()
     delivered = Delivered()
     try:
         try:
             async with asyncio.timeout(settings.SWARM_JOB_TIMEOUT_S):
-                result, cancelled, transcripts, step_outputs = await _generate(job, layer, group, delivered, started)
+                result, cancelled, transcripts, step_outputs = await _generate(job, layer, events, delivered, started)
         except _NotStarted:
             return await in_thread(_state, job_pk)
         except Exception:
@@ -171,11 +169,11 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
             raise
     except TimeoutError:
         message = f"the job ran past {settings.SWARM_JOB_TIMEOUT_S:g}s"
-        await _fail(job_pk, layer, group, "timeout", message, delivered.tokens)
+        await _fail(job_pk, job.public_id, events, "timeout", message, delivered.tokens)
         return JobState.FAILED
     except (SwarmError, OSError, ValueError) as exc:
         log.warning("job %s failed after %d tokens: %s", job.public_id, delivered.tokens, exc)
-        await _fail(job_pk, layer, group, getattr(exc, "code", "stage_error"), str(exc), delivered.tokens)
+        await _fail(job_pk, job.public_id, events, getattr(exc, "code", "stage_error"), str(exc), delivered.tokens)
         return JobState.FAILED
     if cancelled:
         await in_thread(
@@ -209,8 +207,8 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
         accepted_tokens=result.accepted,
         step_outputs_s=step_outputs,
     )
-    await layer.group_send(
-        group,
+    await events.publish(
+        job.public_id,
         {
             "type": "job.done",
             "finish_reason": result.finish_reason,
@@ -235,7 +233,7 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
 class Delivered:
     """What a running job has streamed to its client so far: what it is charged for, however it ends."""
 
-    tokens: int = 0  # completion tokens sent to the job's group
+    tokens: int = 0  # completion tokens published as the job's events
 
 
 class JobHealer:
@@ -316,9 +314,9 @@ class JobHealer:
 
 
 async def _generate(
-    job: Job, layer, group: str, delivered: Delivered, started: asyncio.Future[bool]
+    job: Job, layer, events, delivered: Delivered, started: asyncio.Future[bool]
 ) -> tuple[GenerationResult | None, bool, dict, tuple[tuple[float, ...], ...]]:
-    """Stream the job's tokens to its group, counting them in ``delivered``; returns (result,
+    """Publish the job's tokens as its events, counting them in ``delivered``; returns (result,
     cancelled, the coordinator's transcripts by session, when each stage put out each step of the
     result's session: ``StepTimes.outputs``). Its stages are opened while the job is
     marked running (``started``), and sent its prompt only once it is (else ``_NotStarted``)."""
@@ -334,7 +332,7 @@ async def _generate(
     # Its clock starts as the coordinator begins to connect, as a challenge's stand-in counts (``Pace``).
     steps = StepTimes(coordinator.pipeline)
     try:
-        result, cancelled, transcripts = await _stream(job, coordinator, layer, group, delivered, started)
+        result, cancelled, transcripts = await _stream(job, coordinator, layer, events, delivered, started)
         # Its session's steps on the route it began on: none where a heal moved it onto another.
         outputs = steps.outputs(result.session) if result is not None else ()
         return result, cancelled, transcripts, outputs
@@ -345,10 +343,10 @@ async def _generate(
 
 
 async def _stream(
-    job: Job, coordinator: Coordinator, layer, group: str, delivered: Delivered, started: asyncio.Future[bool]
+    job: Job, coordinator: Coordinator, layer, events, delivered: Delivered, started: asyncio.Future[bool]
 ) -> tuple[GenerationResult | None, bool, dict]:
     params = RequestParams.from_json(job.params)
-    last_progress = time.monotonic()
+    progress = job_progress.book(in_thread)
     async with coordinator as coord:
         if not await started:
             raise _NotStarted
@@ -357,6 +355,7 @@ async def _stream(
         stream = coord.stream(request, strict=False)
         # Listens all along, so checking for a cancel between two tokens costs no round trip.
         cancel = asyncio.create_task(_cancel_received(layer, job.pk))
+        progress.start(job.pk)
         try:
             async for event in stream:
                 if isinstance(event, GenerationResult):
@@ -364,16 +363,14 @@ async def _stream(
                 message = {"type": "job.token", "text": event.text, "token_id": event.token_id}
                 if event.logprob is not None:
                     message |= logprob_fields(coord.tokenizer, event)
-                await layer.group_send(group, message)
+                await events.publish(job.public_id, message)
                 if event.token_id is not None:
                     delivered.tokens += 1
-                now = time.monotonic()
-                if now - last_progress >= PROGRESS_INTERVAL_S:
-                    last_progress = now
-                    await in_thread(services.record_progress, job.pk, delivered.tokens)
+                    progress.note(job.pk, delivered.tokens)
                 if cancel.done() and cancel.result():
                     return None, True, {}
         finally:
+            progress.stop(job.pk)
             await _stop_listening(cancel, job.public_id)
             await stream.aclose()  # closes the sessions on the stages when stopped early
     raise SwarmError("the coordinator ended without a result", code="no_result")
@@ -421,7 +418,7 @@ def token_bytes(tokenizer, token_id: int) -> list[int]:
     return list(tokenizer.decode([token_id]).encode())
 
 
-async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_tokens: int) -> None:
+async def _fail(job_pk: int, job_id: str, events, code: str, message: str, sent_tokens: int) -> None:
     await in_thread(
         services.finish_job,
         job_pk,
@@ -430,7 +427,10 @@ async def _fail(job_pk: int, layer, group: str, code: str, message: str, sent_to
         error_code=code,
         error_message=message,
     )
-    await layer.group_send(group, {"type": "job.error", "code": code, "message": public_failure(code, message)})
+    try:
+        await events.publish(job_id, {"type": "job.error", "code": code, "message": public_failure(code, message)})
+    except OSError as exc:  # the events' Redis is down: the response sees the job's record end (stopped_answering)
+        log.warning("job %s: its error event could not be sent: %s", job_id, exc)
 
 
 def _state(job_pk: int) -> str:

@@ -12,10 +12,16 @@
   pays every other stage whose own receipts still prove its part (``coverage.honest_work``) what
   that part was worth, from the platform's revenue; the culprit gets nothing (and a strike, from the
   runner).
-- ``reconcile_jobs()``: the periodic sweep behind both. A job whose coordinator went silent is ended
-  as failed, and every ended job whose hold is still open is settled, each in its own transaction; one
-  whose settlement raises is tried again after a backoff (``settle_failure``), and flagged for admins
-  past SWARM_SETTLE_FLAG_AFTER failures in a row.
+- ``reconcile_jobs()``: the periodic sweep behind both. A job whose coordinator went silent (or whose
+  coordinator's process is gone: ``jobs.liveness``) is ended as failed, and every ended job whose
+  hold is still open is settled, each in its own transaction; one whose settlement raises is tried
+  again after a backoff (``settle_failure``), and flagged for admins past SWARM_SETTLE_FLAG_AFTER
+  failures in a row.
+- A superseded job (a retry of its request's Idempotency-Key ran afresh: ``jobs.idempotency``) is
+  charged nothing: its key is charged for one attempt. Its stages are still paid for work that
+  verified, from the platform's revenue (the answer was lost on the platform's side or the
+  client's, never the stages'). One that had settled already was refunded by the claim that
+  superseded it.
 - Later, a failed audit of the job refunds its whole charge (``billing.services.refund_charge``, called
   by ``verification.audits``): the customer never pays for work found bad.
 """
@@ -33,6 +39,7 @@ from django.utils import timezone
 
 from marketplace.billing.models import AccountKind
 from marketplace.billing.services import Move, accounts, cost, prices_for, transfer_many
+from marketplace.jobs import liveness
 from marketplace.jobs.models import FINAL_STATES, Job, JobState
 from marketplace.jobs.route import route_assignments
 from marketplace.jobs.services import COORDINATOR_LOST, finish_job
@@ -85,8 +92,9 @@ def settle(job_pk: int) -> int:
     verification, culprit = _verdict(job)
     prices = (job.price_prompt_per_million, job.price_completion_per_million)
     worth = min(cost(job.prompt_tokens, job.completion_tokens, prices) if job.completion_tokens else 0, job.hold_amount)
-    # A cancelled job stopped at its customer's word: what was delivered is theirs to pay.
-    billable = job.verified is True or job.state == JobState.CANCELLED
+    # A cancelled job stopped at its customer's word: what was delivered is theirs to pay, unless a
+    # retry of its Idempotency-Key ran afresh (the retry is what they pay for).
+    billable = (job.verified is True or job.state == JobState.CANCELLED) and job.superseded_at is None
     charge = worth if billable else 0
     owner = job.customer_id
     found = accounts(
@@ -108,7 +116,10 @@ def settle(job_pk: int) -> int:
     job.settle_flagged, job.settle_retry_at = False, None  # settled: nothing left for an admin (the error stays)
     job.save(update_fields=["charged_amount", "settled_at", "settle_flagged", "settle_retry_at"])
     # In this transaction: the charge and the providers' shares land together.
-    if verification is not None:
+    if verification is not None and job.superseded_at is not None:
+        memo = " (platform-paid: a retry of the job's Idempotency-Key ran afresh)"
+        credit_earnings(job, verification.layer_tokens_by_node, worth=worth, memo=memo)
+    elif verification is not None:
         credit_earnings(job, verification.layer_tokens_by_node)
     elif culprit is not None and worth:
         honest = honest_work(**_verify_args(job), culprit=culprit)
@@ -118,6 +129,8 @@ def settle(job_pk: int) -> int:
 
 
 def _why_free(job: Job) -> str:
+    if job.superseded_at is not None:
+        return "a retry of its Idempotency-Key ran afresh (the key is charged for one attempt)"
     if job.state == JobState.FAILED:
         return f"the job failed ({job.error_code or 'error'})"
     return f"the job's work is unverified: {job.verification_error or 'no receipts'}"
@@ -167,18 +180,22 @@ def reverify(job: Job) -> JobVerification:
 
 
 def reconcile_jobs(now=None) -> list[str]:
-    """End jobs whose coordinator went silent (its process died) as failed, keeping the tokens their
-    record shows delivered, and settle every ended job whose hold is still open. Returns job ids.
+    """End jobs whose coordinator went silent or whose coordinator's process is gone (its process
+    died) as failed, keeping the tokens their record shows delivered, and settle every ended job
+    whose hold is still open. Returns job ids.
 
     Each job settles in its own transaction: one that raises is rolled back alone, recorded
     (``settle_failure``) and tried again only after a backoff, so it never blocks the jobs behind
     it nor fails in a loop; past SWARM_SETTLE_FLAG_AFTER failures in a row it is flagged for admins."""
     now = now or timezone.now()
     cutoff = now - timedelta(seconds=settings.SWARM_JOB_STALE_S)
-    stale = (
-        Job.objects.exclude(state__in=FINAL_STATES)
-        .annotate(last=Coalesce("progress_at", "started_at", "created_at"))
-        .filter(last__lt=cutoff)
+    open_jobs = Job.objects.exclude(state__in=FINAL_STATES)
+    processes = (
+        open_jobs.exclude(coordinator_process="").order_by().values_list("coordinator_process", flat=True).distinct()
+    )
+    gone = [process for process in processes if liveness.gone(process)]
+    stale = open_jobs.annotate(last=Coalesce("progress_at", "started_at", "created_at")).filter(
+        Q(last__lt=cutoff) | Q(coordinator_process__in=gone)
     )
     touched = []
     for job in stale:

@@ -8,8 +8,17 @@ customer) and the same body:
 - the first attempt answered: its whole response is sent again (streamed again when asked for a
   stream), with ``Idempotent-Replayed: true``; no job runs, nothing is charged;
 - the first attempt is still being answered: the retry waits for that answer;
-- the first attempt failed or its client left before the answer (its jobs were stopped and charged
-  for what they produced, as always): the retry runs as a new request.
+- the first attempt failed, its client left before the answer, or it was lost with the web process
+  answering it (``liveness``: gone once that process stopped signing its life; an attempt of a
+  process that signs none is lost LOST_AFTER_S after its jobs ended): the retry runs as a new
+  request, and it supersedes the attempt before it.
+
+A key is charged for one attempt at most: the one whose answer its client got, or the last one.
+Superseding an attempt marks its jobs (``Job.superseded_at``): one not yet settled is charged
+nothing (``flows.settlement``), one already settled is refunded here, in the claim's transaction,
+and the ones still running are returned for the caller to stop. The server cannot tell a client
+that left from a connection that was cut under it (a web process or a load balancer gone): either
+way that attempt's answer did not reach the client whole, and its retry is not charged twice.
 
 The same key with another body is refused (400 ``idempotency_key_reused``). Keys, and the answers
 kept for them, are forgotten SWARM_IDEMPOTENCY_TTL_S (24 h) after their attempt began.
@@ -25,15 +34,19 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
+from marketplace.billing.services import refund_charge
+from marketplace.jobs import liveness
 from marketplace.jobs.errors import InvalidRequest
 from marketplace.jobs.models import FINAL_STATES, IdempotentRequest, Job
 
 KEY = re.compile(r"[\x21-\x7e]{1,255}")  # visible ASCII, as a header carries it
 # An attempt whose jobs all ended this long ago and that stored no answer was lost with its web
-# process: a retry runs afresh.
+# process: a retry runs afresh. (An attempt whose web process is known gone is lost at once.)
 LOST_AFTER_S = 30.0
+SUPERSEDED_REFUND = "refunded: a retry of its Idempotency-Key ran afresh (the key is charged for one attempt)"
 
 State = IdempotentRequest.State
 
@@ -43,6 +56,7 @@ class Claim:
     record: int  # the IdempotentRequest's pk
     replay: dict | None = None  # the first attempt's whole response, to send again
     wait: bool = False  # the first attempt is still being answered
+    superseded: tuple[int, ...] = ()  # pks of the superseded attempt's jobs still running: to be stopped
 
 
 def check_key(value: str) -> str:
@@ -63,10 +77,12 @@ def body_digest(body: dict) -> str:
 @transaction.atomic
 def claim(customer, key: str, digest: str, now: datetime | None = None) -> Claim:
     """Claim ``key`` for a request whose body hashes to ``digest``: run it, replay the answer kept,
-    or wait for the attempt in flight. InvalidRequest when the key came with another body."""
+    or wait for the attempt in flight. InvalidRequest when the key came with another body. The
+    attempt is this process's (``liveness.this_process``): it is lost once this process is gone."""
     now = now or timezone.now()
+    owner = liveness.this_process()
     record, created = IdempotentRequest.objects.get_or_create(
-        customer=customer, key=key, defaults={"body_sha256": digest, "created_at": now}
+        customer=customer, key=key, defaults={"body_sha256": digest, "created_at": now, "owner": owner}
     )
     if created:
         return Claim(record.pk)
@@ -82,24 +98,44 @@ def claim(customer, key: str, digest: str, now: datetime | None = None) -> Claim
         return Claim(record.pk, replay=record.response)
     if not expired and record.state == State.RUNNING and not _lost(record, now):
         return Claim(record.pk, wait=True)
-    record.body_sha256, record.state, record.job, record.response, record.created_at = (
+    # An expired key's attempt is another request's, answered or not: only a live key's is superseded.
+    running = () if expired or record.job_id is None else _supersede(record.job_id, now)
+    record.body_sha256, record.state, record.job, record.response, record.created_at, record.owner = (
         digest,
         State.RUNNING,
         None,
         None,
         now,
+        owner,
     )
     record.save()
-    return Claim(record.pk)
+    return Claim(record.pk, superseded=running)
 
 
 def _lost(record: IdempotentRequest, now: datetime) -> bool:
-    """Whether a running attempt is gone without a word (its web process ended mid-request)."""
+    """Whether a running attempt is gone without a word (its web process ended mid-request): its
+    web process is gone, or its jobs all ended LOST_AFTER_S ago and it kept no answer, or (an
+    unstamped attempt's only clue) it was not admitted within LOST_AFTER_S. A live web process may
+    hold a request in its admission queue for longer (SWARM_QUEUE_WAIT_S)."""
+    if liveness.gone(record.owner):
+        return True
     cutoff = now - timedelta(seconds=LOST_AFTER_S)
-    if record.job_id is None:  # not admitted yet: admission takes well under this
-        return record.created_at < cutoff
+    if record.job_id is None:
+        return not record.owner and record.created_at < cutoff
     choices = Job.objects.filter(pk=record.job_id) | Job.objects.filter(first_choice_id=record.job_id)
     return not choices.exclude(state__in=FINAL_STATES).exists() and not choices.filter(finished_at__gte=cutoff).exists()
+
+
+def _supersede(first_choice: int, now: datetime) -> tuple[int, ...]:
+    """Mark the jobs of the attempt whose choice 0 is ``first_choice`` superseded, refund the ones
+    that settled with a charge already, and return the pks of those still running. Inside the
+    claim's transaction: the mark and the refund commit with the new attempt, or neither does. A
+    settlement in flight holds the job's row until it commits; this waits for it and refunds."""
+    jobs = Job.objects.filter(Q(pk=first_choice) | Q(first_choice_id=first_choice))
+    jobs.filter(superseded_at__isnull=True).update(superseded_at=now)
+    for job in jobs.filter(settled_at__isnull=False, charged_amount__gt=0).order_by("pk"):
+        refund_charge(job, SUPERSEDED_REFUND)
+    return tuple(jobs.exclude(state__in=FINAL_STATES).order_by("pk").values_list("pk", flat=True))
 
 
 def attach(record: int, job: Job) -> None:

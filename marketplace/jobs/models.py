@@ -68,6 +68,9 @@ class Job(models.Model):
     # route_before}; ``route`` is the route after the last one.
     heals = models.JSONField(default=list)
     coordinator_region = models.CharField(max_length=64, blank=True)
+    # The coordinator process running it (``liveness.this_process``), set when it starts: a job whose
+    # process is gone ends at once rather than after SWARM_JOB_STALE_S of silence. "" embedded.
+    coordinator_process = models.CharField(max_length=128, blank=True)
     prompt_tokens = models.PositiveIntegerField(default=0)
     # The prompt as the model's token ids, tokenized once at admission; the coordinator runs these.
     prompt_ids = models.JSONField(default=list)
@@ -88,6 +91,10 @@ class Job(models.Model):
     hold_amount = models.BigIntegerField(default=0)
     charged_amount = models.BigIntegerField(default=0)
     settled_at = models.DateTimeField(null=True, blank=True)
+    # A retry of its request's Idempotency-Key ran afresh: this job's answer never reached its client
+    # whole, and the key is charged for one attempt only (``jobs.idempotency``), so it is charged
+    # nothing, or refunded when it had settled already (``flows.settlement``).
+    superseded_at = models.DateTimeField(null=True, blank=True)
     # A settlement that raised: how many times in a row, the last error, and when the periodic
     # reconcile tries again (backing off); past SWARM_SETTLE_FLAG_AFTER failures it is flagged
     # for admins (Django admin, Jobs filtered by "settlement flagged").
@@ -108,7 +115,7 @@ class Job(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     # A running job's coordinator writes its progress (completion_tokens so far) at least every
-    # PROGRESS_INTERVAL_S; a job silent past SWARM_JOB_STALE_S is reconciled from this record.
+    # flows.progress.PROGRESS_INTERVAL_S; a job silent past SWARM_JOB_STALE_S is reconciled from this record.
     progress_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -135,6 +142,9 @@ class IdempotentRequest(models.Model):
     job = models.ForeignKey(Job, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")  # choice 0
     response = models.JSONField(null=True, blank=True)  # the whole response, once answered
     created_at = models.DateTimeField()  # when this attempt claimed the key
+    # The web process answering this attempt (``liveness.this_process``): once it is gone, the attempt
+    # is lost and a retry runs afresh at once. "" embedded, where the clocks decide (LOST_AFTER_S).
+    owner = models.CharField(max_length=128, blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["customer", "key"], name="one_request_per_idempotency_key")]

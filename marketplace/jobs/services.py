@@ -18,11 +18,11 @@ from datetime import datetime
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Case, IntegerField, Q, Value, When
 from django.utils import timezone
 
 from marketplace import metrics
-from marketplace.jobs import tools
+from marketplace.jobs import liveness, tools
 from marketplace.jobs.coordinator_inputs import json_grammar
 from marketplace.jobs.errors import (
     ApiKeyLimitReached,
@@ -55,6 +55,12 @@ KEY_PREFIX = "sk-sw-"
 PLAYGROUND_KEY_NAME = "Playground (dashboard)"  # kept for the key the dashboard's playground uses
 LAST_USED_RESOLUTION_S = 60  # how precisely a key's last_used_at is kept
 COORDINATOR_LOST = "coordinator_lost"  # the error code of a job ended by ``settlement.reconcile_jobs``
+# Why a response gives up on a job whose coordinator stopped (its process is gone, or the job was
+# ended as ``COORDINATOR_LOST``): what its client reads.
+COORDINATOR_GONE = (
+    "the job's coordinator stopped: the job failed and is not charged; retry the request (with the same "
+    "Idempotency-Key, it is charged once)"
+)
 # A stage's refusal of a session longer than it holds (``worker_agent.kvcache``): a heal with it
 # measures the positions the node holds against those it reported (``verification.claims``).
 SESSION_TOO_LONG = "session_too_long"
@@ -344,8 +350,12 @@ def heal_may_wait(job_pk: int, now: datetime | None = None) -> bool:
 
 
 def mark_running(job_pk: int) -> bool:
+    """Mark a queued job running, in its coordinator's process, and stamp it with that process
+    (``liveness``): once the process is gone, the job ends at once. False when it was not queued."""
     return bool(
-        Job.objects.filter(pk=job_pk, state=JobState.QUEUED).update(state=JobState.RUNNING, started_at=timezone.now())
+        Job.objects.filter(pk=job_pk, state=JobState.QUEUED).update(
+            state=JobState.RUNNING, started_at=timezone.now(), coordinator_process=liveness.this_process()
+        )
     )
 
 
@@ -436,10 +446,14 @@ def finish_job(
     return bool(updated)
 
 
-def record_progress(job_pk: int, completion_tokens: int) -> None:
-    """Tokens delivered so far by a running job, so that a lost coordinator can be settled."""
-    Job.objects.filter(pk=job_pk, state=JobState.RUNNING).update(
-        completion_tokens=completion_tokens, progress_at=timezone.now()
+def record_progress(delivered: dict[int, int]) -> None:
+    """Tokens delivered so far by running jobs (job pk -> completion tokens), in one statement for
+    all of a coordinator process's jobs, so that a lost coordinator's jobs can be settled."""
+    if not delivered:
+        return
+    tokens = Case(*(When(pk=pk, then=Value(count)) for pk, count in delivered.items()), output_field=IntegerField())
+    Job.objects.filter(pk__in=delivered, state=JobState.RUNNING).update(
+        completion_tokens=tokens, progress_at=timezone.now()
     )
 
 
@@ -447,18 +461,21 @@ def stopped_answering(job_pk: int, now=None) -> str | None:
     """Why a response waiting on this job should give up, or None while the job is alive: it ended
     FINAL_EVENT_GRACE_S ago or more without its final event reaching the response (the event is
     sent right after the record is final, so a response that looks in between must wait for it),
-    or it showed no sign of life (admission, start, a token) for SWARM_JOB_STALE_S, the rule by
-    which ``flows.settlement.reconcile_jobs`` declares a coordinator lost."""
+    or it showed no sign of life (admission, start, a token) for SWARM_JOB_STALE_S, or its
+    coordinator's process is gone (``liveness``), the rules by which
+    ``flows.settlement.reconcile_jobs`` declares a coordinator lost."""
     now = now or timezone.now()
-    job = Job.objects.only("state", "created_at", "started_at", "progress_at", "finished_at", "error_code").get(
-        pk=job_pk
-    )
+    job = Job.objects.only(
+        "state", "created_at", "started_at", "progress_at", "finished_at", "error_code", "coordinator_process"
+    ).get(pk=job_pk)
     if job.state in FINAL_STATES:
-        # A job ended by ``flows.settlement.reconcile_jobs`` lost its coordinator: no event is on the way.
-        on_the_way = job.finished_at is not None and job.error_code != COORDINATOR_LOST
-        if on_the_way and (now - job.finished_at).total_seconds() < FINAL_EVENT_GRACE_S:
+        if job.error_code == COORDINATOR_LOST:  # ended by ``flows.settlement.reconcile_jobs``: no event is on the way
+            return COORDINATOR_GONE
+        if job.finished_at is not None and (now - job.finished_at).total_seconds() < FINAL_EVENT_GRACE_S:
             return None
         return f"the job ended ({job.state}) but its last event did not arrive"
+    if liveness.gone(job.coordinator_process):
+        return COORDINATOR_GONE
     silent = (now - (job.progress_at or job.started_at or job.created_at)).total_seconds()
     if silent > settings.SWARM_JOB_STALE_S:
         return f"the job made no progress for {silent:.0f}s"

@@ -19,6 +19,10 @@ Hosts (``lab.hosts``; each its own namespace, named ``<lab.prefix><role>``):
     home1     192.168.11.2     behind router1 (default route via 192.168.11.1)
     home2     192.168.12.2     behind router2 (default route via 192.168.12.1)
 
+``Netlab.start(extra_hosts={"lb": "10.201.0.40", ...})`` adds more public hosts, each a role and its
+address on the public network (``tests/netlab/scaleout.py`` puts a load balancer, web, coordinator,
+database and agent hosts there).
+
 A router masquerades its LAN behind its WAN address and forwards new connections only from LAN to
 WAN, like a home router with no port forwarding: a home host reaches the public hosts (which see
 its router's address), and nothing reaches a home host first.
@@ -65,6 +69,7 @@ COMMAND_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0  # for a process to end after SIGTERM, before SIGKILL
 
 WAN_PREFIX_LEN = 24
+WAN = ipaddress.IPv4Network("10.201.0.0/24")
 PUBLIC_HOSTS = {"cloud": "10.201.0.10", "dc1": "10.201.0.21", "dc2": "10.201.0.22", "client": "10.201.0.30"}
 DB_LINKS = ipaddress.IPv4Network("10.202.0.0/16")
 POSTGRES_UPSTREAM = ("127.0.0.1", 5432)
@@ -161,6 +166,21 @@ def listed_namespaces() -> set[str]:
     return {line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()}
 
 
+def _checked_extra_hosts(extra: Mapping[str, str]) -> dict[str, str]:
+    """``extra`` if each role is a new one whose name fits an interface (it names the host's port on
+    the bridge) and each address a free one of the public network; ValueError otherwise."""
+    taken_roles = {*PUBLIC_HOSTS, "wan", "db"} | {name for home in HOMES for name in (home.name, home.router)}
+    taken_addresses = {*PUBLIC_HOSTS.values()} | {home.router_address for home in HOMES}
+    for role, address in extra.items():
+        if role in taken_roles or not role.isalnum() or len(role) > 15:
+            raise ValueError(f"extra host {role!r}: a role must be new, alphanumeric and at most 15 characters")
+        if ipaddress.IPv4Address(address) not in WAN or address in taken_addresses:
+            raise ValueError(f"extra host {role!r}: {address} is not a free address of {WAN}")
+        taken_roles.add(role)
+        taken_addresses.add(address)
+    return dict(extra)
+
+
 def _free_db_link() -> ipaddress.IPv4Network:
     """A /30 in DB_LINKS that overlaps no address of the root namespace."""
     taken = [
@@ -178,8 +198,9 @@ def _free_db_link() -> ipaddress.IPv4Network:
 class Netlab:
     """The network described at the top of this module; build it with ``Netlab.start()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra_hosts: Mapping[str, str] | None = None) -> None:
         self.prefix = f"sw{secrets.token_hex(3)}-"  # 9 chars: `<prefix>db`, its root-namespace veth, fits in 15
+        self.public_hosts = {**PUBLIC_HOSTS, **_checked_extra_hosts(extra_hosts or {})}
         self.hosts: dict[str, Host] = {}
         self.namespaces: list[str] = []  # every namespace made so far, in order
         self.root_link: str | None = None  # the root side of cloud's database link, once made
@@ -189,9 +210,10 @@ class Netlab:
         self._closed = False
 
     @classmethod
-    def start(cls) -> Netlab:
-        """Build the whole network; on any failure remove what was made and raise."""
-        lab = cls()
+    def start(cls, extra_hosts: Mapping[str, str] | None = None) -> Netlab:
+        """Build the whole network, with ``extra_hosts`` (role -> address on the public network) beside
+        the hosts above; on any failure remove what was made and raise."""
+        lab = cls(extra_hosts)
         _watch(lab)
         try:
             lab._build()
@@ -224,7 +246,7 @@ class Netlab:
         wan = self._add_namespace("wan")
         _ip("link", "add", BRIDGE, "type", "bridge", netns=wan)
         _ip("link", "set", BRIDGE, "up", netns=wan)
-        for role, address in PUBLIC_HOSTS.items():
+        for role, address in self.public_hosts.items():
             netns = self._add_namespace(role)
             self._plug_into_wan(role, netns, address)
             self.hosts[role] = Host(role, netns, address, address, self._processes)

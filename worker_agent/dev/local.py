@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from nacl.signing import SigningKey
 
@@ -201,10 +202,21 @@ class LocalSwarm:
 
 
 def join_agent(
+    control_plane: str, token: str | None, key_path: str | Path, log_path: str | Path, **options: Any
+) -> subprocess.Popen:
+    """Start ``swarm-worker join`` (``join_command``, given ``options``) as a process that logs to
+    ``log_path``, with ``token`` in its environment (``join_env``: never on its command line; None:
+    reconnect as the key's node)."""
+    env = join_env(token, cheat=options.get("cheat"))
+    log = open(log_path, "w")  # noqa: SIM115 - the child process owns it
+    return subprocess.Popen(
+        join_command(control_plane, key_path, **options), stdout=log, stderr=subprocess.STDOUT, env=env
+    )
+
+
+def join_command(
     control_plane: str,
-    token: str | None,
     key_path: str | Path,
-    log_path: str | Path,
     *,
     model: str,
     max_layers: int | None = None,
@@ -214,11 +226,10 @@ def join_agent(
     wan: str = "",
     drain_timeout_s: float | None = None,
     extra_args: list[str] | None = None,
-) -> subprocess.Popen:
-    """Start ``swarm-worker join`` as a process that logs to ``log_path``, with ``token`` in its
-    environment (never on its command line; None: reconnect as the key's node). ``cheat`` (tests
-    only) is a mode of ``worker_agent.dev.cheat`` that the agent then runs with; ``wan`` emulates a
-    WAN on its outgoing data-plane frames (e.g. ``"rtt=50ms"``)."""
+) -> list[str]:
+    """The command line of an agent joining ``control_plane`` with the node key at ``key_path``.
+    ``cheat`` (tests only) is a mode of ``worker_agent.dev.cheat`` that the agent then runs with;
+    ``wan`` emulates a WAN on its outgoing data-plane frames (e.g. ``"rtt=50ms"``)."""
     command = [
         *agent_command(wan=wan, cheat=cheat),
         "join",
@@ -237,15 +248,19 @@ def join_agent(
         command += ["--max-layers", str(max_layers)]
     if drain_timeout_s is not None:
         command += ["--drain-timeout", str(drain_timeout_s)]
-    command += extra_args or []
+    return command + (extra_args or [])
+
+
+def join_env(token: str | None, *, cheat: str | None = None) -> dict[str, str]:
+    """This process's environment for a joining agent: its join ``token`` (None: it reconnects as
+    its key's node), and the permission a ``cheat`` needs."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop(TOKEN_ENV, None)
     if token is not None:
         env[TOKEN_ENV] = token
     if cheat is not None:
         env[ALLOW_CHEAT_ENV] = "1"
-    log = open(log_path, "w")  # noqa: SIM115 - the child process owns it
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return env
 
 
 def agent_command(*, wan: str = "", cheat: str | None = None) -> list[str]:
