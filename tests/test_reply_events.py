@@ -35,6 +35,15 @@ def job(settings, django_user_model) -> Job:
     )  # fmt: skip
 
 
+async def read(events, job_id: str, count: int) -> list[dict]:
+    """The first ``count`` events of the job, from a subscription of ``events()`` made in this loop."""
+    subscription = events().subscribe(job_id)
+    try:
+        return [await asyncio.wait_for(subscription.get(), 10) for _ in range(count)]
+    finally:
+        subscription.close()
+
+
 def test_no_event_is_lost_while_a_silent_job_is_checked_on(monkeypatch, settings, job):
     monkeypatch.setattr(reply, "PROGRESS_CHECK_S", 0.001)
 
@@ -100,15 +109,8 @@ def test_a_subscription_started_late_reads_every_event_from_the_first(job):
             await events.publish(job.public_id, {"type": "job.token", "text": str(i), "token_id": i})
         await events.publish(job.public_id, {"type": "job.error", "code": "timeout", "message": "gone"})
 
-    async def read() -> list[dict]:
-        subscription = job_events.channel().subscribe(job.public_id)
-        try:
-            return [await asyncio.wait_for(subscription.get(), 10) for _ in range(6)]
-        finally:
-            subscription.close()
-
     asyncio.run(publish())
-    received = asyncio.run(read())
+    received = asyncio.run(read(job_events.channel, job.public_id, 6))
 
     assert [e.get("token_id") for e in received] == [0, 1, 2, 3, 4, None]
     assert received[-1] == {"type": "job.error", "code": "timeout", "message": "gone"}
@@ -163,15 +165,8 @@ def test_in_memory_events_keep_the_same_contract(job):
             await events.publish(job.public_id, {"type": "job.token", "text": str(i), "token_id": i})
         await events.publish(job.public_id, {"type": "job.done", "finish_reason": "stop", "completion_tokens": 3})
 
-    async def read() -> list[dict]:
-        subscription = events.subscribe(job.public_id)
-        try:
-            return [await asyncio.wait_for(subscription.get(), 10) for _ in range(4)]
-        finally:
-            subscription.close()
-
     asyncio.run(publish())
-    received = asyncio.run(read())
+    received = asyncio.run(read(lambda: events, job.public_id, 4))
 
     assert [e.get("token_id") for e in received] == [0, 1, 2, None]
     assert received[-1]["type"] == "job.done"

@@ -133,7 +133,7 @@ class RedisEvents:
         self._wake_key = f"swarm:events-reader:{secrets.token_hex(8)}"
         self._wake_id = b"0"
         self._reader: asyncio.Task | None = None
-        self._deletions: set[asyncio.Task] = set()
+        self._chores: set[asyncio.Task] = set()  # wake-ups and deletions in flight
 
     async def publish(self, job_id: str, event: dict) -> None:
         """Append ``event`` to the job's stream; returns once Redis holds it. ConnectionError (an
@@ -194,11 +194,11 @@ class RedisEvents:
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
-        self._deletions.add(task)
+        self._chores.add(task)
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task) -> None:
-        self._deletions.discard(task)
+        self._chores.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("job events: a stream's bookkeeping failed: %r", task.exception())
 
@@ -209,8 +209,9 @@ class RedisEvents:
                 del self._subscriptions[job_id], self._last_ids[job_id]  # dropped unclosed: nobody reads it
             if not self._subscriptions:
                 return
-            streams = {stream_key(job_id): self._last_ids[job_id] for job_id in self._subscriptions}
-            streams[self._wake_key] = self._wake_id
+            jobs = {stream_key(job_id).encode(): job_id for job_id in self._subscriptions}
+            streams = {key: self._last_ids[job_id] for key, job_id in jobs.items()}
+            streams[self._wake_key.encode()] = self._wake_id
             try:
                 answer = await self._reading.xread(streams, block=READ_BLOCK_MS)
             except Exception as exc:  # Redis's own error: read on from the same ids, for a while
@@ -227,11 +228,10 @@ class RedisEvents:
                 return
             failing_since = None
             for key, entries in answer or ():
-                key = key.decode() if isinstance(key, bytes) else key
-                if key == self._wake_key:
+                if key not in jobs:  # the wake stream
                     self._wake_id = entries[-1][0]
                     continue
-                job_id = key.removeprefix("swarm:job:").removesuffix(":events")
+                job_id = jobs[key]
                 if job_id not in self._subscriptions:
                     continue  # closed while this read was in flight
                 self._last_ids[job_id] = entries[-1][0]
