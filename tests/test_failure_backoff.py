@@ -1,5 +1,6 @@
 """A failure a job's coordinator attributed to a node keeps requests off it for a time that doubles
-with each failure of its window (capped), which no heartbeat or reconnect shortens; more than the
+with each failure of its window (capped), which no heartbeat or reconnect shortens, wherever a chain
+of other nodes covers the model (a last resort where none does); more than the
 configured number in one window is one ``failures`` strike; a node not on the job's route is not
 counted (``marketplace.verification.failures``)."""
 
@@ -109,6 +110,25 @@ def test_a_backed_off_node_is_not_routed_until_its_time_is_up_whatever_its_heart
 
     assert failed.node_id not in backed_off
     assert routed_nodes() == routed
+
+
+def test_a_backed_off_node_is_routed_only_where_no_chain_avoids_it(job):
+    # One stall on a machine starved of CPU, with no spare: the model keeps a route, through the
+    # backed-off nodes, rather than answer 503 for half a minute. A node a coordinator reported
+    # (suspected until its next heartbeat) or under review is still never routed.
+    first = routed_nodes()
+    Node.objects.filter(node_id=first[-1]).update(routing_backoff_until=timezone.now() + timedelta(seconds=60))
+    other = routed_nodes()  # the chain that avoids it
+    Node.objects.exclude(node_id__in=other).update(routing_backoff_until=timezone.now() + timedelta(seconds=60))
+    avoiding = routed_nodes()
+    Node.objects.update(routing_backoff_until=timezone.now() + timedelta(seconds=60))
+    last_resort = route_request(MODEL)
+    Node.objects.update(suspected_at=timezone.now())
+
+    assert first[-1] not in other
+    assert avoiding == other  # while one chain avoids every backed-off node, it is taken
+    assert last_resort is not None  # every node backed off: still a route
+    assert route_request(MODEL) is None
 
 
 def test_more_failures_than_the_threshold_in_a_window_is_one_strike(swarm, job):

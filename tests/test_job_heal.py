@@ -4,9 +4,12 @@ pipeline's stage holding the dead span takes it); the job stores the new route a
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
+from django.db import connection, transaction
 
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import heal_job, heal_may_wait, load_replacement
@@ -14,6 +17,7 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.placement import readiness
 from marketplace.placement.healing import heal_wait_s
 from marketplace.placement.models import Assignment, AssignmentState
+from marketplace.placement.selectors import hold_routes
 from tests.factories import MODEL
 from tests.heal_fixtures import NOW, report_ready, stage
 from worker_agent.protocol.span import Span
@@ -284,3 +288,42 @@ def test_a_pipeline_member_carrying_a_job_is_not_taken(swarm, customer):
 
     assert not load_replacement(job.pk, swarm.b.node_id)
     assert not Assignment.objects.filter(state=AssignmentState.ASSIGNED).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heal_around_a_dead_relay_locks_the_placement_before_the_relays_blocks(swarm, customer, settings):
+    # A block reported through another relay (readiness) locks its model's placement row, then the
+    # block's row. A heal that blamed the dead relay had locked the relay's blocks first, then the
+    # placement row: the two deadlocked, and the job failed. The heal now waits on the placement row
+    # before it touches a block, so whoever holds that row can still lock the relay's blocks.
+    settings.SWARM_RELAYS = ["r1=10.9.0.1:7700", "r2=10.9.0.2:7700"]
+    Node.objects.filter(pk__in=[swarm.d.pk, swarm.e.pk]).update(state=NodeState.OFFLINE)
+    Assignment.objects.filter(node=swarm.b, state=AssignmentState.READY).update(data_url="wss://10.9.0.1:7700")
+    job = job_on(customer, [stage(swarm.a, 0, 16), stage(swarm.b, 16, 30)])
+    outcome: list = []
+
+    def heal() -> None:
+        try:
+            outcome.append(heal_job(job.pk, swarm.b.node_id, "stage_lost: closed", now=NOW, relay_down="10.9.0.1:7700"))
+        except Exception as exc:  # a deadlock, here, would be PostgreSQL's to report
+            outcome.append(exc)
+        finally:
+            connection.close()
+
+    with transaction.atomic():
+        hold_routes(MODEL)
+        healer = threading.Thread(target=heal)
+        healer.start()
+        deadline = time.monotonic() + 60
+        with connection.cursor() as cursor:
+            while not outcome and time.monotonic() < deadline:  # until the heal waits on a lock (pg_locks is live)
+                cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                if cursor.fetchone()[0]:
+                    break
+                time.sleep(0.01)
+        assert not outcome  # it waits for the placement row
+        blocks = list(Assignment.objects.select_for_update(nowait=True).filter(node=swarm.b))  # not locked by it
+    healer.join(60)
+
+    assert blocks and outcome == [None]  # then it goes on: the relay blamed, no route yet
+    assert Assignment.objects.get(pk=blocks[0].pk).state == AssignmentState.ASSIGNED

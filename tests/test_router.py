@@ -584,3 +584,34 @@ def test_plain_steps_are_priced_at_what_they_measured_not_at_the_chunk_line():
     assert cautious.plan() == Plan("ngram", 1, 1)  # a new session's first probe
     assert [cautious.plan() for _ in range(3)] == [PLAIN] * 3
     assert not confident.plan().plain
+
+
+@pytest.mark.parametrize("load", [Load(), Load(positions=3, rate=40.0)])
+@pytest.mark.parametrize("rtt_s, per_position_s", [(0.0005, 0.004), (0.05, 0.002), (0.3, 0.001)])
+def test_no_plan_outruns_the_ceiling_its_acceptance_sets(load, rtt_s, per_position_s):
+    # The planner skips a drafter whose ceiling cannot clear its bars, so the ceiling must bound
+    # every plan it would otherwise have priced, at every acceptance, K and depth.
+    router = Router({"ngram": 0.0, "slow": 0.0005}, rtt_s=rtt_s, per_position_s=per_position_s, stages=3)
+    ceiling = router._ceiling(load)
+
+    plans = [Plan(name, k, depth) for name in router.drafters for k in router.k_choices for depth in (1, 2, 3, 4)]
+    for a in (0.0, 0.05, 0.3, 0.6, 0.9, 0.99, 0.999):
+        for plan in plans:
+            assert router._rate(plan, a, load) <= ceiling(a) * (1 + 1e-12), (a, plan)
+
+
+def test_a_drafter_that_cannot_clear_the_bars_is_not_priced_at_all(monkeypatch):
+    # Novel text on shared passes: the lower bound of a drafter's acceptance sits near 0, where no
+    # plan can beat plain decoding by the shared margin. The planner answers plain without pricing
+    # any of its plans (a round's plan had cost a session about 0.4 ms, on the cores the stages use).
+    router = shown(Router(rtt_s=0.001, per_position_s=0.004, stages=3), 0.02)
+    priced, rate = [], router._rate
+
+    def recorded(plan, *args, **kwargs):
+        priced.append(plan)
+        return rate(plan, *args, **kwargs)
+
+    monkeypatch.setattr(router, "_rate", recorded)
+
+    assert router._best(["ngram"], Load(positions=3, rate=40.0)) == PLAIN
+    assert priced == [PLAIN]  # plain decoding's own rate, the bars' base

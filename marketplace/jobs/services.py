@@ -246,6 +246,11 @@ def heal_job(
     job = Job.objects.select_for_update().filter(pk=job_pk).first()
     if job is None or job.state != JobState.RUNNING or failed_node not in {s["node"] for s in job.route}:
         return None
+    # From here to the commit no block of the model is released, and every release decided before
+    # is read: the new route never takes a stage being released (``hold_routes``). Taken before a
+    # relay's blocks are locked (``relay_lost``), in the order every placement takes its locks: a
+    # heal that locked them first deadlocked with a block reported through another relay.
+    hold_routes(job.model)
     if report and relay_down is not None:
         relay_lost(relay_down, reason)
     elif report:
@@ -257,9 +262,6 @@ def heal_job(
     if len(job.heals) >= settings.SWARM_MAX_HEALS:
         log.warning("job %s: %s failed, but it was healed %d times already", job.public_id, failed_node, len(job.heals))
         return None
-    # From here to the commit no block of the model is released, and every release decided before
-    # is read: the new route never takes a stage being released (``hold_routes``).
-    hold_routes(job.model)
     avoid = {heal["failed_node"] for heal in job.heals} | {failed_node}
     current = [Stage(s["node"], s["layer_start"], s["layer_end"]) for s in job.route]
     stages = route_around(job.model, current, avoid, job.coordinator_region, job.privacy)

@@ -63,11 +63,11 @@ def assignments_of_node(node_pk: int):
     return Assignment.objects.filter(node_id=node_pk, state__in=[AssignmentState.ASSIGNED, AssignmentState.READY])
 
 
-def routable(assignment: Assignment) -> bool:
-    """A stage a request may pass through now: its block is ready on an active node that no job's
-    coordinator has reported failed since its last sign of life, that no open strike holds
-    under review (a failed check takes it off routing at once), and whose failures do not keep it
-    off routing now (``verification.failures``: the back-off doubles with each one)."""
+def serving(assignment: Assignment) -> bool:
+    """A stage that may serve: its block is ready on an active node that no job's coordinator has
+    reported failed since its last sign of life and that no open strike holds under review (a
+    failed check takes it off routing at once). Its failures may still keep it off routing for now
+    (``backed_off``): then it serves only where no chain avoids it."""
     node = assignment.node
     return (
         assignment.state == AssignmentState.READY
@@ -75,8 +75,17 @@ def routable(assignment: Assignment) -> bool:
         and node.connected  # an agent that said it is stopping is off routing before it refuses a job
         and node.suspected_at is None
         and not node.under_review
-        and (node.routing_backoff_until is None or node.routing_backoff_until <= timezone.now())
     )
+
+
+def backed_off(node: Node) -> bool:
+    """Whether ``node``'s failures keep requests off it now (``verification.failures``: the back-off
+    doubles with each one). Routing takes such a node's stage last, only where no chain of the
+    others covers the model (``route_request``, ``route_around``): a node that failed a job and
+    answers its heartbeats still serves where it is the only way through (a stage the machine's
+    load starved past the stall timeout, with no spare, must not leave its model without a route),
+    and one that keeps failing while it answers them is struck and under review, off routing."""
+    return node.routing_backoff_until is not None and node.routing_backoff_until > timezone.now()
 
 
 def allowed_for(assignment: Assignment, privacy: str, n_layers: int) -> bool:
@@ -101,8 +110,9 @@ def _pipeline_stage(a: Assignment) -> PipelineStage:
 
 
 def servable_pipelines(model: str) -> list[list[PipelineStage]]:
-    """Pipelines of the current placement whose every stage is routable (ready, on an active node
-    not reported failed), in order."""
+    """Pipelines of the current placement whose every stage is serving (ready, on an active node not
+    reported failed: ``serving``, a stage backed off for its failures included, which routing takes
+    as a last resort), in order."""
     state = PlacementState.objects.filter(model=model).first()
     if state is None:
         return []
@@ -111,7 +121,7 @@ def servable_pipelines(model: str) -> list[list[PipelineStage]]:
         pipelines.setdefault(assignment.pipeline, []).append(assignment)
     servable = []
     for stages in pipelines.values():
-        if not all(routable(a) for a in stages):
+        if not all(serving(a) for a in stages):
             continue
         position = 0
         for a in stages:
@@ -135,7 +145,7 @@ def context_length(model: str) -> int | None:
     limit, and no more than any routable stage's node holds per session, since a request's route,
     or the route a heal moves it to, may pass through any of them. A node that reported no limit
     counts with the agent's default. None when no stage is routable."""
-    limits = [a.node.max_positions or AGENT_DEFAULT_POSITIONS for a in live_assignments(model) if routable(a)]
+    limits = [a.node.max_positions or AGENT_DEFAULT_POSITIONS for a in live_assignments(model) if serving(a)]
     if not limits:
         return None
     own = model_positions(model)
@@ -244,8 +254,8 @@ def stage_costs(
 
 def last_resort_first(stages: list[Stage], last_resort: Collection[str]) -> list[list[Stage]]:
     """The sets of ``stages`` routing tries in turn: first without the ``last_resort`` nodes (leaving
-    the model, or unmeasured with a claim in doubt), then all of them: such a node gets a request
-    only when no chain avoids it."""
+    the model, unmeasured with a claim in doubt, or ``backed_off`` for their failures), then all of
+    them: such a node gets a request only when no chain avoids it."""
     preferred = [s for s in stages if s.node not in last_resort]
     return [preferred, stages] if len(preferred) < len(stages) else [stages]
 
@@ -276,9 +286,9 @@ def route_request(
     healing around it (``route_around``). With ``busy`` (jobs in flight by node id), a node
     carrying its ``session_room`` already is left out. ``placed``: the caller knows the model has
     a placement (admission locked its row), so it is not looked up again. ``privacy``: only stages
-    that ``allowed_for`` lets such a request through. A stage of a node leaving the model or
-    unmeasured with a speed claim in doubt is taken only when no chain avoids it
-    (``last_resort_first``).
+    that ``allowed_for`` lets such a request through. A stage of a node leaving the model, unmeasured
+    with a speed claim in doubt, or backed off for its failures is taken only when no chain avoids
+    it (``last_resort_first``).
 
     ``prefer``: a route, as (node, layer_start, layer_end) stages, whose nodes hold the request's
     longest prefix (``jobs.prefixes``): taken instead of the lowest-latency chain while all its stages
@@ -291,14 +301,15 @@ def route_request(
     usable = [
         a
         for a in live_assignments(model)
-        if routable(a) and busy.get(a.node.node_id, 0) < session_room(a.node) and allowed_for(a, privacy, n_layers)
+        if serving(a) and busy.get(a.node.node_id, 0) < session_room(a.node) and allowed_for(a, privacy, n_layers)
     ]
     if not usable:
         return None
     stages = [_pipeline_stage(a) for a in usable]
     rows = list({a.node.node_id: a.node for a in usable}.values())
     rtt, layer_ms, in_doubt = stage_costs(sorted(node.node_id for node in rows), rows)
-    tiers = last_resort_first([s.stage for s in stages], in_doubt | leaving(model, usable))
+    last_resort = in_doubt | leaving(model, usable) | {node.node_id for node in rows if backed_off(node)}
+    tiers = last_resort_first([s.stage for s in stages], last_resort)
     preferred = [Stage(*stage) for stage in prefer or ()]
     best = held = None
     for candidates in tiers:
@@ -342,21 +353,21 @@ def route_around(
     surviving stages when it can: first the layers that only the failed stages held are filled from
     the stages lying inside those gaps (a spare or another pipeline's stage holding exactly a dead
     span fills it in one), so that only the dead spans change; failing that, the fastest full chain.
-    Either way a stage of a node leaving the model or with a speed claim in doubt only when no chain
-    of those candidates avoids it (``last_resort_first``).
+    Either way a stage of a node leaving the model, with a speed claim in doubt or backed off for its
+    failures only when no chain of those candidates avoids it (``last_resort_first``).
     """
     avoid = set(avoid)
     n_layers = models.n_layers(model)
     usable = [
         a
         for a in live_assignments(model)
-        if routable(a) and a.node.node_id not in avoid and allowed_for(a, privacy, n_layers)
+        if serving(a) and a.node.node_id not in avoid and allowed_for(a, privacy, n_layers)
     ]
     stages = {ps.stage: ps for ps in map(_pipeline_stage, usable)}
     if not stages:
         return None
     rtt, layer_ms, in_doubt = stage_costs(sorted({stage.node for stage in stages}))
-    last_resort = in_doubt | leaving(model, usable)
+    last_resort = in_doubt | leaving(model, usable) | {a.node.node_id for a in usable if backed_off(a.node)}
     survivors = [stage for stage in current if stage in stages]
     in_gaps = [
         stage

@@ -12,8 +12,10 @@ failure; a failure after it starts a new window) and keeps requests off the node
 
     SWARM_FAILURE_BACKOFF_S * 2^(n - 1) seconds, at most SWARM_FAILURE_BACKOFF_MAX_S
 
-from the failure, n the window's count so far (``backoff_s``). Unlike a suspicion, which the node's
-next heartbeat clears, no heartbeat or reconnect shortens it. One event fails every job the node
+from the failure, n the window's count so far (``backoff_s``), wherever a chain of other nodes
+covers the model: where none does, the node is routed as a last resort rather than leave the model
+without a route (``placement.selectors.backed_off``). Unlike a suspicion, which the node's next
+heartbeat clears, no heartbeat or reconnect shortens it. One event fails every job the node
 was serving at once (a crash fails fifty streams within a second): the failures attributed within
 SWARM_FAILURE_INCIDENT_S of the last counted one are the same incident, counted once.
 
