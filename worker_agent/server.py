@@ -4,8 +4,10 @@
 One connection per coordinator job (role ``coordinator``) plus, in ring topology, one from the
 previous stage (role ``peer``). Decoded FORWARD frames go to a single compute loop, which takes
 everything that has arrived since its last pass and runs it as one batch (continuous batching
-of concurrent sessions), then sends each output on: to the successor stage (ring), or back to
-the coordinator (the last ring stage, or every stage in star topology).
+of concurrent sessions), then hands each output to its job's sender task, which sends it on: to
+the successor stage (ring), or back to the coordinator (the last ring stage, or every stage in star
+topology). One job's connection waiting (a successor being connected to, a reader that does not
+drain) holds up that job alone.
 
 A ring stage that is not the last also sends each output it forwarded to its coordinator, as a
 RESULT with the same bytes (a tap), right after the successor send so the critical path is not
@@ -149,6 +151,8 @@ class JobRoute:
     peer: Conn | None = None
     peer_ready: asyncio.Future | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
+    # Its computed outputs waiting for its sender task (``StageServer._hand_on``), in step order.
+    outbox: asyncio.Queue[Output] | None = None
     # Unix seconds its coordinator's ticket expires at (its job's deadline, plus a margin): a stage
     # being unloaded serves the job until then. None without a ticket (an insecure-open stage).
     expires_at: float | None = None
@@ -650,7 +654,31 @@ class StageServer:
                     code = exc.code if isinstance(exc, SwarmError) else "compute_failed"
                     await self._error(conn, wire.Error(code, f"step failed: {exc}", job=prepared.forward.job))
             for job, output in merge_outputs(finished):
+                self._hand_on(slot, job, output)
+
+    def _hand_on(self, slot: StageSlot, job: str, output: Output) -> None:
+        """Queue ``output`` for its job's sender task, which sends the job's outputs on in order
+        (``_send_on``). The compute loop serves every job and waits on no job's connection: a new
+        job's first output waits for its successor's HELLO (up to HELLO_TIMEOUT_S on a loaded
+        host), and a connection that does not drain waits for its reader. Sent from the loop, one
+        job's wait held up every other job's outputs, and their coordinators blamed this stage for
+        a stall it did not cause."""
+        route = slot.jobs.get(job)
+        if route is None:  # the coordinator left while this was computing
+            return
+        if route.outbox is None:
+            route.outbox = asyncio.Queue()
+            task = asyncio.create_task(self._send_loop(slot, job, route.outbox))
+            route.tasks.add(task)  # cancelled at the job's end, with whatever it still holds
+        route.outbox.put_nowait(output)
+
+    async def _send_loop(self, slot: StageSlot, job: str, outbox: asyncio.Queue[Output]) -> None:
+        while True:
+            output = await outbox.get()
+            try:
                 await self._send_on(slot, job, output)
+            except Exception:  # one output failing to go must not stop the job's next ones
+                log.exception("job %s: sending an output on failed", job)
 
     async def _send_on(self, slot: StageSlot, job: str, output: Output) -> None:
         route = slot.jobs.get(job)
@@ -665,11 +693,8 @@ class StageServer:
             else:
                 await route.coordinator.send(result)
         except (TimeoutError, SwarmError, OSError, websockets.WebSocketException) as exc:
-            error = (
-                exc
-                if isinstance(exc, SwarmError)
-                else SwarmError(f"cannot reach the next stage {route.next_url}: {exc}", code="next_unreachable")
-            )
+            reason = f"cannot reach the next stage {route.next_url}: {_reason(exc)}"
+            error = exc if isinstance(exc, SwarmError) else SwarmError(reason, code="next_unreachable")
             await self._error(route.coordinator, wire.Error(error.code, str(error), job=job))
             return
         if tap:
@@ -759,6 +784,13 @@ class StageServer:
             evicted = sum(slot.stage.evict_idle() for slot in list(self.slots.values()))
             if evicted:
                 log.info("evicted %d idle sessions", evicted)
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, for a message: a timeout's text is empty."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {HELLO_TIMEOUT_S:g}s"
+    return str(exc) or type(exc).__name__
 
 
 def _successor(peer_pass: bytes | None) -> str | None:
