@@ -36,17 +36,11 @@ def funded_customer(django_user_model, settings):
     return user
 
 
-def held_job(customer, api_key, public_id: str) -> Job:
-    """A queued job of ``customer`` under ``api_key``: 40 prompt tokens, at most 100 more, holding HOLD."""
-    job = Job.objects.create(
-        public_id=public_id,
-        kind="chat",
-        customer=customer,
-        api_key=api_key,
-        model=MODEL,
-        params={"max_tokens": 100},
-        prompt_tokens=40,
-    )
+def held_job(customer, api_key, public_id: str, **fields) -> Job:
+    """A queued job of ``customer`` under ``api_key`` with its hold placed: by default ``MODEL``,
+    40 prompt tokens and at most 100 more (holding HOLD); ``fields`` set others (a model, a route)."""
+    defaults = {"kind": "chat", "model": MODEL, "params": {"max_tokens": 100}, "prompt_tokens": 40}
+    job = Job.objects.create(public_id=public_id, customer=customer, api_key=api_key, **(defaults | fields))
     settlement.place_hold(job)
     return job
 

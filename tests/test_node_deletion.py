@@ -8,7 +8,6 @@ import pytest
 
 from marketplace.billing import services as billing
 from marketplace.billing.models import AccountKind
-from marketplace.flows import settlement
 from marketplace.flows.settlement import reconcile_jobs
 from marketplace.jobs.models import Job, JobState
 from marketplace.jobs.services import create_api_key, finish_job, mark_running
@@ -19,6 +18,7 @@ from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts.models import Earning
 from marketplace.placement.models import Assignment, AssignmentState
 from tests.factories import db_snapshot
+from tests.job_fixtures import held_job
 from worker_agent.protocol.control_protocol import CONTROL_CONTEXT
 from worker_agent.protocol.receipts import ReceiptBuilder, digest
 
@@ -65,17 +65,9 @@ def running_job(customer, pipeline):
         }
         for joined, (start, end) in zip(pipeline, SPANS, strict=True)
     ]
-    job = Job.objects.create(
-        public_id="chatcmpl-mid",
-        kind="chat",
-        customer=customer,
-        api_key=api_key,
-        model=MODEL,
-        params={"max_tokens": 10},
-        prompt_tokens=20,
-        route=route,
+    job = held_job(
+        customer, api_key, "chatcmpl-mid", model=MODEL, params={"max_tokens": 10}, prompt_tokens=20, route=route
     )
-    settlement.place_hold(job)
     assert mark_running(job.pk)
     return job
 
