@@ -19,6 +19,7 @@ import os
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
 
 from django.core.asgi import get_asgi_application
+from django.core.handlers.asgi import ASGIHandler
 
 django_app = get_asgi_application()
 
@@ -37,10 +38,43 @@ from marketplace.routing import websocket_urlpatterns  # noqa: E402
 log = logging.getLogger("swarm.scheduler")
 SCHEDULER_STOP_S = 60.0  # how long shutdown waits for the periodic entry running then
 
+INFERENCE_URLCONF = "marketplace.api.inference_urls"
+
+
+class InferenceHandler(ASGIHandler):
+    """Django for the inference API's paths (``/v1`` and under): its own URL conf, whose every
+    answer is JSON, and only ``INFERENCE_MIDDLEWARE``. The dashboards' sessions, CSRF, login and
+    messages have nothing to do on a request authenticated by its bearer key, and each would pass
+    it to a thread and back on its way in and out, on the path to the first token."""
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        # Django builds the chain from settings.MIDDLEWARE alone: it reads the inference list
+        # instead, once, while the app is built (before it serves anything).
+        dashboards = settings.MIDDLEWARE
+        settings.MIDDLEWARE = settings.INFERENCE_MIDDLEWARE
+        try:
+            super().load_middleware(is_async)
+        finally:
+            settings.MIDDLEWARE = dashboards
+
+    async def get_response_async(self, request):
+        request.urlconf = INFERENCE_URLCONF
+        return await super().get_response_async(request)
+
+
+inference_app = InferenceHandler()
 # Static files (the dashboards' CSS and JS, htmx, the API docs' assets) come from this app itself
 # unless a proxy serves them: Django's own handler reads them through the staticfiles finders,
 # with Last-Modified and If-Modified-Since, whatever DEBUG says.
-http_app = ASGIStaticFilesHandler(django_app) if settings.SWARM_SERVE_STATIC else django_app
+dashboards_app = ASGIStaticFilesHandler(django_app) if settings.SWARM_SERVE_STATIC else django_app
+
+
+async def http_app(scope, receive, send):
+    path = scope["path"]
+    app = inference_app if path == "/v1" or path.startswith("/v1/") else dashboards_app
+    await app(scope, receive, send)
+
+
 router = ProtocolTypeRouter({"http": http_app, "websocket": URLRouter(websocket_urlpatterns)})
 
 

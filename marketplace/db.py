@@ -1,5 +1,6 @@
-"""Database connection hygiene for async code: the call that hands a thread's connections back, and
-the view decorator that calls it on every way out of an async view."""
+"""Database connection hygiene for async code: the call that hands a thread's connections back, a
+wrapper that makes it after one call, and the view decorator that makes it on every way out of an
+async view."""
 
 from __future__ import annotations
 
@@ -18,6 +19,20 @@ def release_connections() -> None:
     for connection in connections.all(initialized_only=True):
         if not connection.in_atomic_block:
             connection.close()
+
+
+def releasing(fn):
+    """``fn``, then this thread's database connections handed back (``release_connections``), however
+    it ends: for a call an async view makes in a worker thread, after which the request holds none."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            release_connections()
+
+    return wrapped
 
 
 def releases_db(view):

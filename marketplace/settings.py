@@ -105,16 +105,21 @@ INSTALLED_APPS = [
     "marketplace.catalog",
 ]
 
-MIDDLEWARE = [
+# The inference API's (/v1/...: bearer keys, no sessions, cookies, CSRF or messages), which the ASGI
+# app serves with these alone (``marketplace.asgi.InferenceHandler``); the rest add the dashboards'.
+INFERENCE_MIDDLEWARE = [
     "marketplace.monitoring.middleware.http_metrics",  # first: it sees the status that went out
     "marketplace.logs.RequestIdMiddleware",  # names the request (x-request-id) in every line logged from here in
-    "django.middleware.security.SecurityMiddleware",
+    "marketplace.middleware.SecurityMiddleware",  # Django's, on the event loop (``marketplace.middleware``)
+]
+MIDDLEWARE = [
+    *INFERENCE_MIDDLEWARE,
     "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
+    "marketplace.middleware.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "marketplace.middleware.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
 ]
 
@@ -212,7 +217,8 @@ if REDIS_URL:
             "CONFIG": {"hosts": [redis_host], "capacity": CHANNEL_CAPACITY},
         }
     }
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
+    # Django's, with one connection pool and client per process rather than per request (``marketplace.redis_pool``).
+    CACHES = {"default": {"BACKEND": "marketplace.redis_pool.RedisCache", "LOCATION": REDIS_URL}}
 else:
     CHANNEL_LAYERS = {
         "default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": CHANNEL_CAPACITY}}

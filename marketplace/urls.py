@@ -1,13 +1,10 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from marketplace.api import openai
 from marketplace.monitoring import views as monitoring
 
 urlpatterns = [
-    path("v1/models", openai.list_models, name="v1-models"),
-    path("v1/chat/completions", openai.chat_completions, name="v1-chat-completions"),
-    path("v1/completions", openai.completions, name="v1-completions"),
+    path("", include("marketplace.api.inference_urls")),
     path("admin/", admin.site.urls),
     path("api/", include("marketplace.api.urls")),
     path("", include("marketplace.api.stripe_urls")),

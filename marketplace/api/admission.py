@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from marketplace.db import release_connections
+from marketplace.db import releasing
 from marketplace.flows import admission
 from marketplace.jobs.errors import NoCapacity, Overloaded
 from marketplace.jobs.models import Job
@@ -67,24 +67,17 @@ def job_ended() -> None:
     gate.ended = asyncio.Event()  # the next waiters wait for the next end
 
 
-def _admit_jobs(**job) -> list[Job]:
-    try:
-        return admission.admit_jobs(**job)
-    finally:
-        release_connections()
-
-
 async def admit(**job) -> list[Job]:
     """Admit the request's jobs (``flows.admission.admit_jobs``' arguments) at its turn in its model's
     line. When its model has no ready route but is recovering (a node died and its span is being
     healed, re-placed or reloaded), wait up to SWARM_ADMISSION_WAIT_S for one before answering 503:
     churn in the swarm is normal and a client should not see it. When every route is full, wait for
-    room (see the module docstring)."""
+    room (see the module docstring). The caller holds no database connection while it waits
+    (``api.openai`` hands its request's back first)."""
     gate = _gate()
     line = gate.lines.setdefault(job["model"], deque())
     now = time.monotonic()
     deadline, queue_deadline = now + settings.SWARM_ADMISSION_WAIT_S, now + settings.SWARM_QUEUE_WAIT_S
-    await sync_to_async(release_connections)()  # the key's lookup took one: not held while waiting
     turn = asyncio.get_running_loop().create_future()
     line.append(turn)
     if line[0] is turn:
@@ -109,7 +102,7 @@ async def _at_head(gate: _Gate, job: dict, deadline: float, queue_deadline: floa
     while True:
         ended = gate.ended
         try:
-            return await sync_to_async(_admit_jobs)(**job)
+            return await sync_to_async(releasing(admission.admit_jobs))(**job)
         except Overloaded:
             left = queue_deadline - time.monotonic()
             if left <= 0:

@@ -30,7 +30,7 @@ from marketplace.api.reply import Reply, replayed
 from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
 from marketplace.catalog.selectors import served_models
-from marketplace.db import release_connections, releases_db
+from marketplace.db import releases_db, releasing
 from marketplace.errors import DomainError
 from marketplace.flows import events as job_events
 from marketplace.flows import runner, tasks
@@ -75,6 +75,24 @@ CAPABILITIES = {
     "structured_output": True,
     "logprobs": True,
 }
+
+
+ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+@csrf_exempt
+async def unknown_url(request: HttpRequest, exception: Exception | None = None, **_) -> JsonResponse:
+    """Any other path under /v1 (``/v1/embeddings``, ``/v1/responses``, a typo): 404 in OpenAI's shape."""
+    message = f"Invalid URL ({request.method} {request.path}): this server answers {', '.join(ENDPOINTS)}."
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "unknown_url"}}
+    return JsonResponse(body, status=404)
+
+
+def server_error(request: HttpRequest) -> JsonResponse:
+    """An unhandled error under /v1: 500 in OpenAI's shape (the request id is in ``x-request-id``)."""
+    message = "The server had an error while processing your request; retry it, or quote its x-request-id."
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    return JsonResponse(body, status=500)
 
 
 @csrf_exempt
@@ -147,7 +165,9 @@ async def complete_for_key(
                 response = replayed(replay, parsed[1].stream, parsed[1].include_usage)
                 response["x-request-id"], response["Idempotent-Replayed"] = request_id, "true"
                 return response
-        model, params, prompt_ids, headers = await sync_to_async(_prepare)(api_key, body, kind, parsed)
+        # The request's database connection (the key's lookup took it) is handed back in the same
+        # thread: a request waiting its turn in admission's line holds none.
+        model, params, prompt_ids, headers = await sync_to_async(releasing(_prepare))(api_key, body, kind, parsed)
         jobs = await admission.admit(
             api_key=api_key, kind=kind, model=model, params=params, prompt_ids=prompt_ids, request_id=request_id
         )
@@ -155,14 +175,13 @@ async def complete_for_key(
         logs.bind(job_id=jobs[0].public_id)
         log.info("admitted %d job(s) for %s on key %s", len(jobs), model, api_key.prefix)
         if record is not None:
-            await sync_to_async(idempotency.attach)(record, jobs[0])
+            await sync_to_async(releasing(idempotency.attach))(record, jobs[0])
     except DomainError as exc:
         if record is not None:
             await sync_to_async(idempotency.abandon)(record)
         return error_response(exc, request_id=request_id)
-    # The rest of the response only waits on its jobs' events: hand this request's database
-    # connection back now, not when a long stream ends, so streams cannot starve the jobs.
-    await sync_to_async(release_connections)()
+    # The rest of the response only waits on its jobs' events: no database connection is held
+    # from here (admission's thread handed its back), so long streams cannot starve the jobs.
     events = job_events.channel()
     subscriptions = [events.subscribe(job.public_id) for job in jobs]  # each reads its job's events from the first
     for job in jobs:

@@ -3,10 +3,9 @@ production, so every web process shares them)."""
 
 from __future__ import annotations
 
-import functools
 import time
 
-from django.core.cache import caches
+from django.core.cache import cache, caches
 
 from marketplace.jobs.errors import RateLimited
 from marketplace.jobs.models import ApiKey
@@ -14,17 +13,23 @@ from marketplace.jobs.models import ApiKey
 WINDOW_S = 60
 
 
-@functools.cache
-def _cache():
-    """One cache client for the whole process. ``django.core.cache.cache`` is one per thread, and
-    an async view's ORM and cache calls run in a thread per request: with Redis that is a new
-    connection (and its handshake) per request."""
-    return caches.create_connection("default")
-
-
-def _incr(key: str, amount: int) -> int:
-    _cache().add(key, 0, timeout=WINDOW_S * 2)
-    return _cache().incr(key, amount)
+def _add(amounts: dict[str, int]) -> list[int]:
+    """Add each amount to its counter (made when missing, kept two windows) and return the totals:
+    on Redis in one round trip, each counter atomically; in the embedded default's in-process cache
+    through the cache's own calls."""
+    backend = caches["default"]
+    if hasattr(backend, "redis_client"):  # marketplace.redis_pool.RedisCache
+        pipe = backend.redis_client().pipeline(transaction=False)
+        for key, amount in amounts.items():
+            full = backend.make_and_validate_key(key)  # what the cache's own calls name it, as tests reset it
+            pipe.incrby(full, amount)
+            pipe.expire(full, WINDOW_S * 2)
+        return [int(total) for total in pipe.execute()[::2]]
+    totals = []
+    for key, amount in amounts.items():
+        cache.add(key, 0, timeout=WINDOW_S * 2)
+        totals.append(cache.incr(key, amount))
+    return totals
 
 
 def check(api_key: ApiKey, tokens: int, *, now: float | None = None) -> dict:
@@ -38,13 +43,11 @@ def check(api_key: ApiKey, tokens: int, *, now: float | None = None) -> dict:
     reset = max(1, int((window + 1) * WINDOW_S - now))
     requests_key = f"rl:req:{api_key.pk}:{window}"
     tokens_key = f"rl:tok:{api_key.pk}:{window}"
-    used_requests = _incr(requests_key, 1)
-    used_tokens = _incr(tokens_key, tokens)
+    used_requests, used_tokens = _add({requests_key: 1, tokens_key: tokens})
     over_requests = used_requests > api_key.requests_per_minute
     over_tokens = used_tokens > api_key.tokens_per_minute
     if over_requests or over_tokens:  # a refused request is not counted
-        used_requests = _cache().decr(requests_key, 1)
-        used_tokens = _cache().decr(tokens_key, tokens)
+        used_requests, used_tokens = _add({requests_key: -1, tokens_key: -tokens})
     headers = {
         "x-ratelimit-limit-requests": str(api_key.requests_per_minute),
         "x-ratelimit-remaining-requests": str(max(0, api_key.requests_per_minute - used_requests)),

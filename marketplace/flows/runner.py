@@ -321,7 +321,7 @@ async def _generate(
     result's session: ``StepTimes.outputs``). Its stages are opened while the job is
     marked running (``started``), and sent its prompt only once it is (else ``_NotStarted``)."""
     grant = JobGrant.new()
-    specs = await in_thread(stage_specs, job, job.route, grant)
+    specs = stage_specs(job, job.route, grant)  # three signatures: on the loop, not worth a thread's hop
     coordinator = coordinator_for(
         job,
         specs,

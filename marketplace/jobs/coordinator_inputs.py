@@ -52,9 +52,9 @@ class JobGrant:
 
 
 def stage_specs(job: Job, route: list[dict], grant: JobGrant) -> list[StageSpec]:
-    """Each stage of ``route`` with a ticket for this job (blocking: the runner signs them in a
-    worker thread). Each stage's node too: over TLS the stage's certificate must name the node
-    placed there."""
+    """Each stage of ``route`` with a ticket for this job (an ed25519 signature each; the issuer
+    key is read from its file once per process). Each stage's node too: over TLS the stage's
+    certificate must name the node placed there."""
     return [
         StageSpec(
             stage["url"],

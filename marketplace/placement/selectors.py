@@ -7,7 +7,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db.models import Max
+from django.db.models import Max, Q
 from django.utils import timezone
 
 from marketplace.catalog.selectors import served_models
@@ -61,6 +61,16 @@ def live_assignments(model: str):
 
 def assignments_of_node(node_pk: int):
     return Assignment.objects.filter(node_id=node_pk, state__in=[AssignmentState.ASSIGNED, AssignmentState.READY])
+
+
+# ``serving`` as a filter on assignments, for queries that need no rows of their own.
+SERVING = Q(
+    state=AssignmentState.READY,
+    node__state=NodeState.ACTIVE,
+    node__connected=True,
+    node__suspected_at__isnull=True,
+    node__under_review=False,
+)
 
 
 def serving(assignment: Assignment) -> bool:
@@ -145,7 +155,8 @@ def context_length(model: str) -> int | None:
     limit, and no more than any routable stage's node holds per session, since a request's route,
     or the route a heal moves it to, may pass through any of them. A node that reported no limit
     counts with the agent's default. None when no stage is routable."""
-    limits = [a.node.max_positions or AGENT_DEFAULT_POSITIONS for a in live_assignments(model) if serving(a)]
+    reported = Assignment.objects.filter(SERVING, model=model).values_list("node__max_positions", flat=True)
+    limits = [limit or AGENT_DEFAULT_POSITIONS for limit in reported]
     if not limits:
         return None
     own = model_positions(model)
