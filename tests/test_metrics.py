@@ -12,6 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 from datetime import timedelta
+from email.message import Message
 
 import pytest
 import redis
@@ -47,13 +48,14 @@ def live(settings):
         server.stop()
 
 
-def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Message, str]:
+    """Status, headers (looked up in any case, as HTTP's names are: uvicorn sends them lower-case) and body."""
     request = urllib.request.Request(url, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, dict(response.headers), response.read().decode()
+            return response.status, response.headers, response.read().decode()
     except urllib.error.HTTPError as refused:
-        return refused.code, dict(refused.headers), refused.read().decode()
+        return refused.code, refused.headers, refused.read().decode()
 
 
 def scrape(server: LiveServer, token: str | None = None) -> str:
