@@ -1,4 +1,5 @@
-"""ASGI entry point: HTTP (Django, and /static/ unless SWARM_SERVE_STATIC=0), WebSockets
+"""ASGI entry point: HTTP (Django: the inference API's paths under /v1 through a handler of their
+own, ``InferenceHandler``; the rest, and /static/ unless SWARM_SERVE_STATIC=0), WebSockets
 (Channels), and lifespan.
 
 On lifespan startup the models' configs and tokenizers are loaded before the process takes
