@@ -17,7 +17,7 @@ import redis
 from django.core.cache.backends import redis as django_redis
 
 _pools: dict[tuple, redis.ConnectionPool] = {}
-_clients: dict[int, redis.Redis] = {}
+_clients: dict[redis.ConnectionPool, redis.Redis] = {}
 _lock = threading.Lock()
 
 
@@ -39,9 +39,9 @@ class _Client(django_redis.RedisCacheClient):
     def get_client(self, key=None, *, write: bool = False) -> redis.Redis:
         pool = self._get_connection_pool(write)
         with _lock:
-            if id(pool) not in _clients:
-                _clients[id(pool)] = self._client(connection_pool=pool)
-            return _clients[id(pool)]
+            if pool not in _clients:
+                _clients[pool] = self._client(connection_pool=pool)
+            return _clients[pool]
 
 
 class RedisCache(django_redis.RedisCache):
