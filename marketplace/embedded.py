@@ -36,7 +36,10 @@ class EmbeddedServer:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="web", daemon=True)
 
-    def start(self, timeout_s: float = 30.0) -> EmbeddedServer:
+    def start(self, timeout_s: float = 120.0) -> EmbeddedServer:
+        """Serve from a thread of this process once the app has started (lifespan: the models'
+        tokenizers loaded, which takes long on a cold, busy machine). A server that cannot start in
+        ``timeout_s`` is stopped before this raises: one left starting would serve later, unowned."""
         from channels.layers import channel_layers
 
         # A channel layer receives on the event loop it first received on; a server started after
@@ -46,10 +49,16 @@ class EmbeddedServer:
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the web app could not start on port {self.port}")
+                self.stop()
+                raise RuntimeError(f"the web app could not start on port {self.port} within {timeout_s:g}s")
             time.sleep(0.05)
         return self
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop serving and wait for the thread to end; RuntimeError if it did not (still serving)."""
+        if self.thread.ident is None:
+            return  # never started
         self.server.should_exit = True
         self.thread.join(timeout=timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError(f"the web app on port {self.port} did not stop within {timeout_s:g}s")

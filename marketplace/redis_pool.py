@@ -23,7 +23,7 @@ _lock = threading.Lock()
 
 class SharedConnectionPool(redis.ConnectionPool):
     @classmethod
-    def from_url(cls, url: str, **options) -> redis.ConnectionPool:
+    def from_url(cls, url: str, **options) -> redis.ConnectionPool:  # type: ignore[override]
         key = (url, tuple(sorted((name, repr(value)) for name, value in options.items())))
         with _lock:
             if key not in _pools:
@@ -37,10 +37,10 @@ class _Client(django_redis.RedisCacheClient):
         super().__init__(servers, **options)
 
     def get_client(self, key=None, *, write: bool = False) -> redis.Redis:
-        pool = self._get_connection_pool(write)
+        pool = self._get_connection_pool(write)  # type: ignore[attr-defined]
         with _lock:
             if pool not in _clients:
-                _clients[pool] = self._client(connection_pool=pool)
+                _clients[pool] = self._client(connection_pool=pool)  # type: ignore[attr-defined]
             return _clients[pool]
 
 

@@ -83,6 +83,9 @@ def test_a_streamed_retry_replays_the_answer_as_a_stream(live_swarm, client):
         return text, [(c.token, c.logprob) for c in content], finish, chunks[-1].usage
 
     first = text_and_usage(list(client.chat.completions.create(**request)))
+    # The SDK closed the connection on [DONE]: the answer was kept before [DONE] went out.
+    record = IdempotentRequest.objects.get(key=headers["Idempotency-Key"])
+    assert record.state == IdempotentRequest.State.DONE
     settled()
     jobs = Job.objects.count()
     again = text_and_usage(list(client.chat.completions.create(**request)))

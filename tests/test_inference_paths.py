@@ -4,13 +4,17 @@ security headers and request id of every answer; the dashboards keep their own m
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx2
 import openai
 import pytest
 from django.contrib.auth import get_user_model
 
 from marketplace.api import openai as inference
+from marketplace.api import reply
 from marketplace.jobs import services as jobs_services
+from marketplace.monitoring import middleware as metrics_middleware
 from tests.api_fixtures import MODEL, module_db
 from tests.live import LiveServer
 
@@ -95,3 +99,31 @@ def test_the_dashboards_keep_their_middleware(server):
     assert response.headers["x-frame-options"] == "DENY"
     assert response.headers["x-content-type-options"] == "nosniff"
     assert "csrftoken" in response.headers.get("set-cookie", "")
+
+
+def test_a_stream_stopped_early_is_closed_at_once_through_what_wraps_it():
+    """Django closes only the outermost of its wrappers of an async stream; a response's stream
+    (and the metrics' timer around it) must end when the response stops, not when the garbage
+    collector finds it: its end stops the request's jobs and lets its Idempotency-Key go."""
+    ended: list[str] = []
+
+    async def source():
+        try:
+            for part in (b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"):
+                yield part
+        finally:
+            ended.append("source")
+
+    async def client_leaves_after_one_part(response) -> tuple[bytes, list[str]]:
+        stream = aiter(response)
+        got = await anext(stream)
+        await stream.aclose()  # what Django's handler does when the client is gone
+        return got, list(ended)  # before the loop's own shutdown closes whatever is left
+
+    content = source()  # held here: only an explicit close can end it
+    response = reply.EventStream(content)
+    wrapped = metrics_middleware._timed(response.streaming_content, lambda: ended.append("timed"))
+    response.streaming_content = wrapped  # as the metrics middleware wraps it
+
+    assert asyncio.run(client_leaves_after_one_part(response)) == (b"data: 1\n\n", ["source", "timed"])
+    assert response["content-type"] == "text/event-stream" and response["cache-control"] == "no-cache"

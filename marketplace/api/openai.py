@@ -18,7 +18,7 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponseBase, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponseBase, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from marketplace import logs
@@ -26,7 +26,7 @@ from marketplace.api import admission, ratelimit, request_body
 from marketplace.api.auth import api_key_required
 from marketplace.api.errors import allow_method, error_response
 from marketplace.api.parsers import loads_bounded
-from marketplace.api.reply import Reply, replayed
+from marketplace.api.reply import EventStream, Reply, replayed
 from marketplace.billing.selectors import per_token
 from marketplace.billing.services import prices_for
 from marketplace.catalog.selectors import served_models
@@ -188,8 +188,7 @@ async def complete_for_key(
         tasks.launch(job)
     answer = Reply(jobs, subscriptions, kind, model, get_channel_layer(), idempotent=record)
     if params.stream:
-        response = StreamingHttpResponse(answer.sse(params.include_usage), content_type="text/event-stream")
-        response["Cache-Control"] = "no-cache"
+        response = EventStream(answer.sse(params.include_usage))
     else:
         try:
             response = JsonResponse(await answer.whole())

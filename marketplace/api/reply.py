@@ -289,7 +289,7 @@ class Reply:
         if self.kind == "chat":
             yield sse(self.envelope([choice.chunk(None, None, first=True) for choice in self.choices]))
         pumps = [asyncio.create_task(pump(choice)) for choice in self.choices]
-        completion, running, answer = 0, len(pumps), None
+        completion, running, answer, kept = 0, len(pumps), None, False
         built = [Built(self.kind, choice.logprobs is not None, choice.index) for choice in self.choices]
         try:
             while running:
@@ -306,6 +306,10 @@ class Reply:
                     yield sse(self.envelope([item]))
             else:
                 answer = self.answer([b.choice for b in built], completion)
+                # Kept before the stream's end goes out: a client that read [DONE] and retries at
+                # once (or closes the connection on it, as the SDK does) finds its answer kept.
+                await asyncio.shield(self._kept(answer))
+                kept = True
                 if include_usage:
                     yield sse(self.envelope([]) | {"usage": self.usage(completion)})
             yield b"data: [DONE]\n\n"
@@ -315,7 +319,8 @@ class Reply:
             await asyncio.gather(*pumps, return_exceptions=True)
             # The client went away mid-stream, or a choice failed: stop the rest, keep what was done.
             await asyncio.shield(self.cancel_unfinished())
-            await asyncio.shield(self._kept(answer))
+            if not kept:
+                await asyncio.shield(self._kept(None))
 
 
 class Built:
@@ -382,9 +387,38 @@ def replayed(answer: dict, stream: bool, include_usage: bool) -> HttpResponseBas
             yield sse(envelope | {"choices": [], "usage": answer["usage"]})
         yield b"data: [DONE]\n\n"
 
-    response = StreamingHttpResponse(events(), content_type="text/event-stream")
-    response["Cache-Control"] = "no-cache"
-    return response
+    return EventStream(events())
+
+
+class EventStream(StreamingHttpResponse):
+    """Server-sent events from an async generator, closed as soon as the response stops: its end,
+    or its client gone (the SDK closes the connection on [DONE]; a client may leave mid-stream).
+
+    Django iterates an async stream through wrappers of its own that do not close what they wrap,
+    and closes only the outermost: the generator (and what wraps it, the metrics' timer) would be
+    left to the garbage collector, and with it the stop of a left request's jobs and the end of its
+    Idempotency-Key. Here the content is iterated as it is set (each wrapper set on it closes what it
+    wraps), and closed in the same task that sent it."""
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, content_type="text/event-stream")
+        self["Cache-Control"] = "no-cache"
+
+    @property
+    def streaming_content(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+        return self._iterator  # type: ignore[attr-defined]  # bytes already: Django's wrapper would only re-encode them
+
+    @streaming_content.setter
+    def streaming_content(self, value: AsyncIterator[bytes]) -> None:
+        self._set_streaming_content(value)  # type: ignore[attr-defined]
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        content = self._iterator  # type: ignore[attr-defined]
+        try:
+            async for part in content:
+                yield part
+        finally:
+            await content.aclose()
 
 
 def job_error(event: dict) -> JobFailed:

@@ -39,6 +39,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from django.conf import settings
 
@@ -46,6 +47,8 @@ log = logging.getLogger("swarm.jobs")
 STREAM_MAXLEN = 10_000  # events kept per job: a completion's tokens and its end, with room
 STREAM_TTL_S = 3600  # a stream nobody read to its end is dropped this long after its last event
 READ_BLOCK_MS = 2000  # the longest one XREAD waits; a new subscription wakes it sooner
+# What XREAD answers: (stream key, [(entry id, {field: value})]) per stream with news, or None.
+Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None
 # The reading connection's socket timeout, well past READ_BLOCK_MS: an XREAD that waits its whole
 # block on a quiet stream (a prefill, a heal) is no error. redis-py's default, 5 s, made it one.
 READ_SOCKET_TIMEOUT_S = 30.0
@@ -210,10 +213,10 @@ class RedisEvents:
             if not self._subscriptions:
                 return
             jobs = {stream_key(job_id).encode(): job_id for job_id in self._subscriptions}
-            streams = {key: self._last_ids[job_id] for key, job_id in jobs.items()}
+            streams: dict[Any, Any] = {key: self._last_ids[job_id] for key, job_id in jobs.items()}
             streams[self._wake_key.encode()] = self._wake_id
             try:
-                answer = await self._reading.xread(streams, block=READ_BLOCK_MS)
+                answer = cast(Entries, await self._reading.xread(streams, block=READ_BLOCK_MS))
             except Exception as exc:  # Redis's own error: read on from the same ids, for a while
                 now = time.monotonic()
                 failing_since = failing_since or now
