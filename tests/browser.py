@@ -213,6 +213,36 @@ def tiny_pipeline(web_server, django_user_model, tmp_path):
         stop_processes(processes)
 
 
+NANO = Decimal(1_000_000_000)
+
+
+def dollars(nano: int, significant: int = 3) -> str:
+    """Nano-dollars as every page shows money (written here apart from ``billing.display``, to check
+    it): ``significant`` digits (three unless a table's column needs more), never fewer than cents,
+    rounded half up."""
+    amount = abs(Decimal(nano) / NANO)
+    sign = "-" if nano < 0 else ""
+    if amount == 0:
+        return "$0.00"
+    places = max(2, significant - 1 - amount.adjusted())
+    whole, fraction = f"{amount.quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP):,f}".split(".")
+    return f"{sign}${whole}.{fraction.rstrip('0').ljust(2, '0')}"
+
+
+def column_of_dollars(amounts: list[int]) -> list[str]:
+    """A table's column of nano-dollar amounts as the pages show it: with the fewest significant
+    digits (three at least) at which the amounts that differ read differently."""
+    significant = 3
+    while len({dollars(amount, significant) for amount in amounts}) < len(set(amounts)):
+        significant += 1
+    return [dollars(amount, significant) for amount in amounts]
+
+
+def exact_dollars(nano: int) -> str:
+    """Nano-dollars with every digit: the amount a page shows on hover."""
+    return f"${(Decimal(nano) / NANO).normalize():,f}"
+
+
 def floatformat(value: float, places: int) -> str:
     """A float as Django's ``floatformat`` filter shows it: rounded half up, fixed places."""
     return format(Decimal(repr(value)).quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP), "f")

@@ -130,6 +130,6 @@ def test_a_job_s_page_in_the_admin_shows_its_prices_hold_and_charge_in_dollars(b
     )
     page = browser.get(f"/admin/jobs/job/{job.pk}/change/").content.decode()
     assert "$0.15" in page and "$0.60" in page
-    assert '<span title="$0.001234567">&lt;$0.01</span>' in page
+    assert '<span title="$0.001234567">$0.00123</span>' in page
     assert '<span title="$1.10401344">$1.10</span>' in page
     assert not re.search(r"(?<![$.\d])(1104013440|1234567|150000000|600000000)(?!\d)", page)  # no raw nano-dollars

@@ -13,7 +13,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from marketplace.accounts.errors import RoleRequired
-from marketplace.billing import services
+from marketplace.billing import services, stripe_client
 from marketplace.billing.models import StripeEvent, TopUp, Transfer
 from marketplace.billing.topups import start_top_up
 from tests.stripe_fake import SECRET_KEY
@@ -282,9 +282,7 @@ def test_top_ups_are_off_without_a_secret_key(fake_stripe, customer, client_for,
     response = client_for(customer).post(URL, {"amount": "10.00"}, format="json")
 
     assert response.status_code == 503
-    assert response.json()["error"]["message"] == (
-        "Top-ups are not available: this server has no payment provider configured."
-    )
+    assert response.json()["error"]["message"] == stripe_client.TOP_UPS_UNAVAILABLE
     assert TopUp.objects.count() == 0
     assert fake_stripe.requests == []
 

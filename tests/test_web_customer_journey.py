@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from urllib.parse import urlsplit
 
 import pytest
@@ -24,7 +24,7 @@ from playwright.sync_api import expect
 
 from marketplace.billing.models import NANO_PER_DOLLAR, ModelPrice, TopUp, TopUpState, Transfer
 from marketplace.jobs.models import Job, JobState
-from tests.browser import MODEL, sign_up
+from tests.browser import MODEL, dollars, exact_dollars, sign_up
 from tests.live import wait_for
 from tests.stripe_fake import WEBHOOK_SECRET, sign
 
@@ -36,7 +36,8 @@ COMPLETION_PRICE = 1_300 * NANO_PER_DOLLAR
 STOPPED_MAX_TOKENS = 400  # long enough to be stopped mid-stream
 NANO = Decimal(NANO_PER_DOLLAR)
 AMOUNT = re.compile(r"<?-?\$[0-9][0-9,]*(?:\.[0-9]+)?")
-CENTS = re.compile(r"<?-?\$[0-9][0-9,]*\.[0-9]{2}")
+# As the pages show money: cents from a dollar up, three significant digits below (never "<$0.01").
+READABLE = re.compile(r"-?\$(?:[1-9][0-9,]*\.[0-9]{2}|0\.(?:[0-9]{2}|0*[1-9][0-9]{0,2}))")
 LIVE_TIMEOUT_MS = 60_000
 
 
@@ -54,20 +55,11 @@ def own_origin(settings):
     settings.SWARM_PUBLIC_URL = ""
 
 
-def dollars(nano: int) -> str:
-    """Nano-dollars to the cent, rounded half up, as the pages show them."""
-    return f"${(Decimal(nano) / NANO).quantize(Decimal('0.01'), rounding=ROUND_HALF_UP):,}"
-
-
-def exact(nano: int) -> str:
-    return f"${(Decimal(nano) / NANO).normalize():,f}"
-
-
 def for_people(page) -> None:
-    """What the page's main text shows: dollars and cents only, no internals."""
+    """What the page's main text shows: money as people read it, no internals."""
     text = page.locator("main").inner_text()
     amounts = AMOUNT.findall(text)
-    assert all(CENTS.fullmatch(amount) for amount in amounts), amounts
+    assert all(READABLE.fullmatch(amount) for amount in amounts), amounts
     for internal in ("ws://", "customer_hold", "customer_credit", "nano", "Traceback", "stage 0"):
         assert internal not in text, internal
 
@@ -192,8 +184,8 @@ def test_a_developer_gets_a_key_tops_up_chats_and_stops_a_reply(priced, tiny_pip
     assert charge == reply.prompt_tokens * 700_000 + reply.completion_tokens * 1_300_000 == reply.charged_amount
     stats = page.locator("#pg-stats-body[data-settled='1']")
     expect(stats.locator("[data-field=cost]")).to_have_text(dollars(charge), timeout=LIVE_TIMEOUT_MS)
-    if dollars(charge) != exact(charge):
-        expect(stats.locator("[data-field=cost] .money")).to_have_attribute("title", exact(charge))
+    if dollars(charge) != exact_dollars(charge):
+        expect(stats.locator("[data-field=cost] .money")).to_have_attribute("title", exact_dollars(charge))
     expect(page.locator("#pg-available")).to_have_text(dollars(10 * NANO_PER_DOLLAR - charge))
     both(web, "6-playground-reply")
 

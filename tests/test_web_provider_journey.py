@@ -1,7 +1,7 @@
 """Journey 1, a new GPU owner in a real browser: sign up (a weak password refused first), add a
 node, keep its join command through a reload, run a real agent with the token it shows, watch the
 node serve, see why it earns nothing yet, then earn from a real request routed through it and read
-the earnings in dollars and cents; stop the agent and see it said; remove the node after a
+the earnings in dollars; stop the agent and see it said; remove the node after a
 confirmation, its earnings kept. Every step is saved at 1280x800 and 390x844, and no page scrolls
 sideways on the phone.
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
-from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 from django.contrib.auth import get_user_model
@@ -29,7 +28,7 @@ from marketplace.jobs.models import Job
 from marketplace.jobs.services import create_api_key
 from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts.models import Earning
-from tests.browser import MODEL, PASSWORD
+from tests.browser import MODEL, PASSWORD, dollars
 from tests.live import wait_for
 from worker_agent.dev.local import join_agent, stop_processes
 
@@ -40,8 +39,6 @@ LIVE_TIMEOUT_MS = 120_000  # an agent's start (torch import, benchmark, block lo
 # Dear tokens, so that one short request earns whole cents: $10,000 and $20,000 per million.
 PROMPT_PRICE = 10_000 * 1_000_000_000
 COMPLETION_PRICE = 20_000 * 1_000_000_000
-NANO = Decimal(1_000_000_000)
-TWO_DECIMALS = re.compile(r"^\$\d+\.\d{2}$")
 
 
 @pytest.fixture
@@ -61,11 +58,6 @@ def both_sizes(web, name: str) -> None:
     """The page at 1280x800 and at 390x844, where it must not scroll sideways."""
     web.shot(name)
     assert web.phone(f"{name}-phone"), f"{name}: the page scrolls sideways at 390 px"
-
-
-def dollars(nano: int) -> str:
-    """Nano-dollars as a person reads them: rounded half up to the cent."""
-    return f"${(Decimal(nano) / NANO).quantize(Decimal('0.01'), rounding=ROUND_HALF_UP)}"
 
 
 def ask(url: str, key: str) -> dict:
@@ -166,7 +158,7 @@ def test_a_gpu_owner_signs_up_joins_a_node_and_reads_its_earnings(journey, web, 
             lambda: Earning.objects.filter(node=node).aggregate(total=Sum("amount"))["total"], 60, "the node's earning"
         )
         shown = dollars(earned)
-        assert TWO_DECIMALS.fullmatch(shown) and shown != "$0.00", shown
+        assert shown != "$0.00", shown
         expect(earnings.locator("[data-field=earned]")).to_have_text(shown, timeout=LIVE_TIMEOUT_MS)
         expect(earnings.locator("[data-field=pending]")).to_have_text(shown)
         expect(earnings.locator("[data-field=jobs]")).to_contain_text("for 1 verified request")

@@ -18,6 +18,7 @@ trailing slash) reaches the earnings page.
 
 from __future__ import annotations
 
+import html
 import re
 from datetime import timedelta
 
@@ -26,6 +27,7 @@ from django.test import Client
 from django.utils import timezone
 from playwright.sync_api import expect
 
+from marketplace.billing import stripe_client
 from marketplace.billing.models import AccountKind
 from marketplace.nodes.models import Node, NodeState
 from marketplace.payouts.models import BatchState, ConnectAccount, EarningState, Payout, PayoutState
@@ -160,7 +162,7 @@ def test_a_provider_sees_strike_evidence_and_an_admin_decides_it_live(struck, we
     expect(admin.locator("[data-field=open-count]")).to_have_text("(0)")
     decided = admin.locator(f"#decided-strike-{second.pk}")
     expect(decided.locator("[data-field=state]")).to_have_text("upheld")
-    expect(decided.locator("[data-field=clawed-back]")).to_have_text("$0.12")
+    expect(decided.locator("[data-field=clawed-back]")).to_have_text("$0.123")
     expect(decided.locator("[data-field=clawed-back] .money")).to_have_attribute("title", "$0.123456789")
     second.refresh_from_db()
     assert (second.state, second.clawed_back, second.decision_reason) == (
@@ -174,7 +176,7 @@ def test_a_provider_sees_strike_evidence_and_an_admin_decides_it_live(struck, we
     upheld = page.locator(f"#node-strike-{second.pk}")
     expect(upheld.locator("[data-field=strike-state]")).to_have_text("upheld", timeout=LIVE_TIMEOUT_MS)
     expect(upheld.locator("[data-field=decision]")).to_have_text(
-        f"Upheld {second.decided_at:%Y-%m-%d %H:%M} UTC: copied its input. $0.12 of pending pay clawed back."
+        f"Upheld {second.decided_at:%Y-%m-%d %H:%M} UTC: copied its input. $0.123 of pending pay clawed back."
     )
     node.refresh_from_db()
     assert node.reputation_detail["components"]["upheld_strikes"] == 1
@@ -185,7 +187,7 @@ def test_a_provider_sees_strike_evidence_and_an_admin_decides_it_live(struck, we
     page.get_by_role("navigation", name="Dashboard").get_by_role("link", name="Earnings").click()
     summary = page.locator("#earnings-summary")
     expect(summary.locator("[data-field=pending]")).to_have_text("$0.00")
-    expect(summary.locator("[data-field=clawed-back]")).to_have_text("$0.12")
+    expect(summary.locator("[data-field=clawed-back]")).to_have_text("$0.123")
     expect(page.locator("#earnings-table [data-field=state]")).to_have_text(["clawed back"])
     web.shot("provider-earnings-clawed-back")
 
@@ -387,10 +389,7 @@ def test_connecting_without_stripe_says_payouts_are_not_configured(pat, settings
 
     assert response.status_code == 503
     page = response.content.decode()
-    assert (
-        '<div class="errors notice" role="alert">Payouts are not configured on this marketplace (no Stripe key).'
-        in page
-    )
+    assert f'<div class="errors notice" role="alert">{html.escape(stripe_client.PAYOUTS_UNAVAILABLE)}' in page
     assert not ConnectAccount.objects.exists()
 
 

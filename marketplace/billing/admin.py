@@ -23,8 +23,9 @@ MAX_DOLLARS_PER_MILLION = Decimal(1_000_000)
 
 
 def money_column(field: str, description: str, *, scale: str = "nano") -> Callable:
-    """A read-only admin column (or field) for the integer amount ``field``: dollars to the cent, the
-    exact amount on hover. ``scale`` is the field's unit: "nano" (nano-dollars) or "cents"."""
+    """A read-only admin column (or field) for the integer amount ``field``, as the pages show money
+    (``display.usd_text``), the exact amount on hover. ``scale`` is the field's unit: "nano"
+    (nano-dollars) or "cents"."""
 
     def show(obj) -> str:
         value = getattr(obj, field)

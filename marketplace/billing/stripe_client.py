@@ -58,6 +58,21 @@ def is_transient(exc: stripe.StripeError) -> bool:
 _Result = TypeVar("_Result", bound=stripe.StripeObject)
 
 
+# Why a page's Stripe buttons are disabled, and what a request that needs Stripe is told, where none is configured.
+TOP_UPS_UNAVAILABLE = (
+    "Top-ups are not available: this server has no payment provider (Stripe) configured. An admin can grant credits."
+)
+PAYOUTS_UNAVAILABLE = (
+    "Payouts are not set up on this marketplace: it has no payment provider (Stripe) configured. "
+    "Your earnings keep accruing until it has."
+)
+
+
+def configured() -> bool:
+    """Whether this server has a payment provider: top-ups (Checkout) and payouts (Connect) need it."""
+    return bool(settings.STRIPE_SECRET_KEY)
+
+
 def call_stripe(operation: Callable[[], _Result], *, what: str) -> _Result:
     """Run one Stripe request, retrying transient failures; the caller passes the idempotency key."""
     configure()

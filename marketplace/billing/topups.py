@@ -35,10 +35,11 @@ from django.urls import reverse
 from django.utils import timezone
 
 from marketplace.accounts.errors import RoleRequired
+from marketplace.billing import stripe_client
 from marketplace.billing.errors import InvalidAmount, PaymentProviderUnavailable, TopUpRefused
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, TopUp, TopUpState
 from marketplace.billing.services import account, transfer
-from marketplace.billing.stripe_client import call_stripe
+from marketplace.billing.stripe_client import TOP_UPS_UNAVAILABLE, call_stripe
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ def start_top_up(user, dollars: object, *, origin: str) -> tuple[TopUp, str]:
     if not user.is_customer:
         raise RoleRequired("only customers can top up credits")
     cents = top_up_cents(dollars)
-    if not settings.STRIPE_SECRET_KEY:
-        raise PaymentProviderUnavailable("Top-ups are not available: this server has no payment provider configured.")
+    if not stripe_client.configured():
+        raise PaymentProviderUnavailable(TOP_UPS_UNAVAILABLE)
     top_up = TopUp.objects.create(customer=user, amount_cents=cents, currency="usd")
     success_url, cancel_url = checkout_returns(origin, top_up.pk)
 

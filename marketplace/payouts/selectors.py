@@ -47,5 +47,23 @@ def earnings_by_day(provider, days: int = 30, now=None) -> list[dict]:
     return [{"day": r["day"], "amount": r["amount"], "jobs": r["jobs"]} for r in rows]
 
 
+def earnings_by_day_and_node(provider, days: int = 30, now=None) -> list[dict]:
+    """[{day, node (pk), node_name, amount, jobs}] of the provider's earnings created per day and
+    node (all states but clawed back), the newest day first, then by node name."""
+    now = now or timezone.now()
+    rows = (
+        Earning.objects.filter(provider=provider, created_at__gte=now - timedelta(days=days))
+        .exclude(state=EarningState.CLAWED_BACK)
+        .annotate(day=TruncDate("created_at"))
+        .values("day", "node", "node__name")
+        .annotate(amount=Sum("amount"), jobs=Count("id"))
+        .order_by("-day", "node__name", "node")
+    )
+    return [
+        {"day": r["day"], "node": r["node"], "node_name": r["node__name"], "amount": r["amount"], "jobs": r["jobs"]}
+        for r in rows
+    ]
+
+
 def payout_history(provider):
     return Payout.objects.filter(provider=provider).select_related("batch").order_by("-created_at")

@@ -28,9 +28,10 @@ from django.db.models import F, QuerySet, Sum
 from django.urls import reverse
 from django.utils import timezone
 
+from marketplace.billing import stripe_client
 from marketplace.billing.models import AccountKind, LedgerAccount
 from marketplace.billing.services import Move, account, accounts, transfer, transfer_many
-from marketplace.billing.stripe_client import PaymentProviderUnavailable, call_stripe
+from marketplace.billing.stripe_client import PAYOUTS_UNAVAILABLE, PaymentProviderUnavailable, call_stripe
 from marketplace.nodes.models import Node
 from marketplace.payouts.errors import PayoutRefused
 from marketplace.payouts.models import (
@@ -164,8 +165,8 @@ def start_onboarding(provider, *, origin: str) -> str:
     reached it, or SWARM_PUBLIC_URL): ``?connect=done``, or ``?connect=refresh`` when the link expired."""
     if not provider.is_provider:
         raise PayoutRefused("only providers connect a payout account")
-    if not settings.STRIPE_SECRET_KEY:
-        raise PaymentProviderUnavailable("Payouts are not configured on this marketplace (no Stripe key).")
+    if not stripe_client.configured():
+        raise PaymentProviderUnavailable(PAYOUTS_UNAVAILABLE)
     connect = ConnectAccount.objects.filter(provider=provider).first()
     if connect is None:
         created = call_stripe(

@@ -14,9 +14,17 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# Room around a bar chart's plot: value labels on the left, category labels below.
+# Room around a bar chart's plot: value labels on the left (as wide as the widest of them),
+# category labels below.
 LEFT, RIGHT, TOP, BOTTOM = 56, 12, 12, 40
 MAX_LABELS = 12  # category labels drawn at most; the others are in the table
+LABEL_CHARS = 14  # a category label is cut to this many characters (the template's truncatechars)
+# The largest size the stylesheet gives a chart's text (a phone's, where the chart is scaled down:
+# svg .tick), in viewBox units, and the width of one of its characters, generously (digits, "$",
+# letters of a day's or a model's name are 0.5-0.6 em): margins sized with it hold every label.
+FONT_PX = 16
+CHAR_PX = 0.62 * FONT_PX
+TICK_GAP = 6  # between a value label's end and the plot
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,12 @@ class BarChart:
     plot_top: float
     plot_bottom: float
     label_y: float
+    empty: bool  # nothing above zero to draw: the page says so rather than draw an axis for nothing
+
+
+def text_width(text: str) -> float:
+    """An upper bound of ``text``'s width in viewBox units at FONT_PX."""
+    return len(text) * CHAR_PX
 
 
 def nice_ceiling(value: float) -> tuple[float, float]:
@@ -102,17 +116,24 @@ def bar_chart(
 ) -> BarChart:
     """Vertical bars, one per ``(label, value, text)``, on an axis from zero; ``tick(value, step)``
     labels the value axis (``dollar_tick`` for money)."""
-    plot_left, plot_right = LEFT, width - RIGHT
-    plot_top, plot_bottom = TOP, height - BOTTOM
+    empty = not any(value > 0 for _, value, _ in items)
     top, step = nice_ceiling(max((value for _, value, _ in items), default=0.0))
+    tick_values = [step * index for index in range(round(top / step) + 1)]
+    tick_texts = [tick(value, step) for value in tick_values]
+    plot_left = max(LEFT, round(TICK_GAP + 4 + max(map(text_width, tick_texts)), 1))
+    plot_right = width - RIGHT
+    plot_top, plot_bottom = TOP, height - BOTTOM
     scale = (plot_bottom - plot_top) / top
     slot = (plot_right - plot_left) / max(len(items), 1)
     bar_width = max(2.0, min(48.0, slot * 0.7))
-    every = max(1, math.ceil(len(items) / MAX_LABELS))
+    # Category labels far enough apart not to overlap, and each whole inside the chart.
+    label_width = max((text_width(label[:LABEL_CHARS]) for label, _, _ in items), default=0.0)
+    every = max(1, math.ceil(len(items) / MAX_LABELS), math.ceil((label_width + 4) / slot))
     bars = []
     for index, (label, value, text) in enumerate(items):
         bar_height = max(0.0, value) * scale
         center = plot_left + slot * (index + 0.5)
+        half = text_width(label[:LABEL_CHARS]) / 2
         bars.append(
             Bar(
                 label=label,
@@ -122,25 +143,24 @@ def bar_chart(
                 width=round(bar_width, 2),
                 height=round(bar_height, 2),
                 show_label=index % every == 0,
-                label_x=round(center, 2),
+                label_x=round(min(max(center, half + 2), width - half - 2), 2),
             )
         )
-    ticks = []
-    value = 0.0
-    while value <= top + step / 2:
-        ticks.append(Tick(round(plot_bottom - value * scale, 2), tick(value, step)))
-        value += step
+    ticks = tuple(
+        Tick(round(plot_bottom - value * scale, 2), text) for value, text in zip(tick_values, tick_texts, strict=True)
+    )
     return BarChart(
         title=title,
         width=width,
         height=height,
         bars=tuple(bars),
-        ticks=tuple(ticks),
+        ticks=ticks,
         plot_left=plot_left,
         plot_right=plot_right,
         plot_top=plot_top,
         plot_bottom=plot_bottom,
         label_y=plot_bottom + 18,
+        empty=empty,
     )
 
 

@@ -23,6 +23,7 @@ from marketplace.api.errors import allow_method, error_response
 from marketplace.api.openai import complete_for_key
 from marketplace.api.parsers import loads_bounded
 from marketplace.billing import selectors as billing
+from marketplace.billing import stripe_client
 from marketplace.billing.models import TopUpState
 from marketplace.billing.topups import cancel_top_up, start_top_up
 from marketplace.db import releases_db
@@ -34,7 +35,7 @@ from marketplace.web import selectors
 from marketplace.web.forms import TopUpForm
 from marketplace.web.playground_errors import advice_table
 from marketplace.web.services import ensure_playground_key
-from marketplace.web.views import HtmxRequest, customer_required
+from marketplace.web.views import HtmxRequest, customer_required, refused_unconfigured
 
 if TYPE_CHECKING:
     from marketplace.logs import IdentifiedRequest
@@ -93,6 +94,14 @@ def ledger(request: HttpRequest) -> HttpResponse:
 @require_POST
 def top_up(request: HtmxRequest) -> HttpResponse:
     form = TopUpForm(request.POST)
+    if not stripe_client.configured():
+        form.add_error(None, stripe_client.TOP_UPS_UNAVAILABLE)
+        page = (
+            render(request, "web/partials/top_up_form.html", {"form": form}, status=503)
+            if request.htmx
+            else _billing_page(request, form, status=503)
+        )
+        return refused_unconfigured(page, "a top-up")
     if form.is_valid():
         amount = str(form.cleaned_data["amount"])
         try:

@@ -4,7 +4,7 @@ evidence as the pages show it), a provider's earnings, the admins' strike queue 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -229,21 +229,33 @@ class EarningsView:
     summary: dict[str, int]  # nano-dollars: pending, available, paid, clawed_back
     days: list[dict]  # one per day of the window, oldest first: day, amount (nano-dollars), jobs
     chart: charts.BarChart
-    recent: list[Earning]
+    # Per day with earnings (newest first), its total then each node's: day, node (pk; None on a
+    # day's total row), node_name, amount (nano-dollars), jobs.
+    rollup: list[dict]
+    recent: list[Earning]  # the per-request rows: the latest, or those of ``showing``
+    showing: dict | None  # the day (and node) whose per-request rows ``recent`` holds: day, node, node_name
     payouts: list[Payout]
     connect: ConnectAccount | None
     connect_status: ConnectStatus
 
 
-def earnings_view(provider, now: datetime | None = None) -> EarningsView:
+def owns_node(provider, node: int) -> bool:
+    return Node.objects.filter(pk=node, owner=provider).exists()
+
+
+def earnings_view(
+    provider, now: datetime | None = None, *, day: date | None = None, node: int | None = None
+) -> EarningsView:
+    """The provider's earnings page; with ``day`` (and ``node``, a node's pk), the per-request rows
+    are that day's (of that node) rather than the latest."""
     now = now or timezone.now()
     found = {row["day"]: row for row in payouts.earnings_by_day(provider, days=EARNINGS_DAYS, now=now)}
     today = timezone.localdate(now)
     days: list[dict[str, Any]] = []
     for back in range(EARNINGS_DAYS - 1, -1, -1):
-        day = today - timedelta(days=back)
-        row = found.get(day, {})
-        days.append({"day": day, "amount": row.get("amount") or 0, "jobs": row.get("jobs") or 0})
+        that_day = today - timedelta(days=back)
+        row = found.get(that_day, {})
+        days.append({"day": that_day, "amount": row.get("amount") or 0, "jobs": row.get("jobs") or 0})
     chart = charts.bar_chart(
         f"Earnings per day, last {EARNINGS_DAYS} days (USD)",
         [(d["day"].strftime("%m-%d"), float(dollars(d["amount"])), nano_detail(d["amount"])) for d in days],
@@ -251,16 +263,31 @@ def earnings_view(provider, now: datetime | None = None) -> EarningsView:
         height=240,
         tick=charts.dollar_tick,
     )
+    rollup: list[dict] = []
+    totals: dict[date, dict] = {}
+    for node_row in payouts.earnings_by_day_and_node(provider, days=EARNINGS_DAYS, now=now):
+        if node_row["day"] not in totals:
+            totals[node_row["day"]] = {"day": node_row["day"], "node": None, "node_name": "", "amount": 0, "jobs": 0}
+            rollup.append(totals[node_row["day"]])
+        totals[node_row["day"]]["amount"] += node_row["amount"]
+        totals[node_row["day"]]["jobs"] += node_row["jobs"]
+        rollup.append(node_row)
+    rows = Earning.objects.filter(provider=provider).select_related("job", "node")
+    showing: dict[str, Any] | None = None
+    if day is not None:
+        rows = rows.filter(created_at__date=day)
+        showing = {"day": day, "node": None, "node_name": ""}
+        if node is not None:
+            rows = rows.filter(node_id=node)
+            showing.update(node=node, node_name=Node.objects.filter(pk=node).values_list("name", flat=True).first())
     connect = ConnectAccount.objects.filter(provider=provider).first()
     return EarningsView(
         summary=payouts.earnings_summary(provider),
         days=days,
         chart=chart,
-        recent=list(
-            Earning.objects.filter(provider=provider)
-            .select_related("job", "node")
-            .order_by("-created_at", "-pk")[:RECENT_ROWS]
-        ),
+        rollup=rollup,
+        recent=list(rows.order_by("-created_at", "-pk")[:RECENT_ROWS]),
+        showing=showing,
         payouts=list(payouts.payout_history(provider)[:RECENT_ROWS]),
         connect=connect,
         connect_status=connect_status(connect),

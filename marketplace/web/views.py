@@ -11,17 +11,20 @@ playground, in customer_views.py; a provider's node pages and actions, in node_v
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
+from datetime import date
 
 import stripe
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 from django_htmx.middleware import HtmxDetails
 
+from marketplace.billing import stripe_client
 from marketplace.billing.errors import PaymentProviderUnavailable
 from marketplace.install.script import public_url
 from marketplace.jobs import services as jobs_services
@@ -32,6 +35,7 @@ from marketplace.payouts.errors import PayoutRefused
 from marketplace.web import landing_selectors, selectors, trust_selectors
 from marketplace.web.forms import ApiKeyForm, KeyPrivacyForm
 
+log = logging.getLogger("swarm.web")
 USAGE_GROUPS = ("day", "model", "key")
 
 
@@ -100,9 +104,26 @@ def _form_panel(request: HtmxRequest, partial: str, page: str, form, context: di
     return render(request, partial if request.htmx else page, context, status=status)
 
 
+def refused_unconfigured(response: HttpResponse, what: str) -> HttpResponse:
+    """``response``, refusing ``what`` because no payment provider is configured: a fact of this
+    server's configuration, logged at INFO (Django's request log would have an error of a 503)."""
+    log.info("%s refused: no payment provider (Stripe) is configured", what)
+    response._has_been_logged = True  # type: ignore[attr-defined]  # django.request's own mark of a logged response
+    return response
+
+
 def _earnings_page(request: HttpRequest, *, connect_error: str = "", status: int = 200) -> HttpResponse:
+    """The earnings page; ``?day=YYYY-MM-DD`` (and ``&node=<id>``) shows that day's (and node's)
+    per-request rows, one click down from its line of the per-day roll-up."""
+    try:
+        day = date.fromisoformat(request.GET["day"]) if request.GET.get("day") else None
+        node = int(request.GET["node"]) if request.GET.get("node") and day else None
+    except ValueError:
+        return HttpResponseBadRequest("day must be a date (YYYY-MM-DD) and node a node's number")
+    if node is not None and not trust_selectors.owns_node(request.user, node):
+        raise Http404("no such node of yours")
     context = {
-        "earnings": trust_selectors.earnings_view(request.user),
+        "earnings": trust_selectors.earnings_view(request.user, day=day, node=node),
         "returned": request.GET.get("connect", ""),
         "connect_error": connect_error,
     }
@@ -127,6 +148,9 @@ def earnings(request: HttpRequest) -> HttpResponse:
 def connect_stripe(request: HttpRequest) -> HttpResponse:
     """Off to Stripe's onboarding for the provider's Connect account; Stripe sends them back to
     the earnings page with ``?connect=done`` (or ``?connect=refresh`` when the link expired)."""
+    if not stripe_client.configured():
+        page = _earnings_page(request, connect_error=stripe_client.PAYOUTS_UNAVAILABLE, status=503)
+        return refused_unconfigured(page, "connecting a payout account")
     try:
         url = payout_services.start_onboarding(request.user, origin=public_url(request))
     except PayoutRefused as exc:

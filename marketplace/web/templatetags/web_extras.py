@@ -2,7 +2,9 @@
 
 Money shows as people read it (``billing.display``): ``usd`` (dollars) and ``nano_usd`` (the
 ledger's nano-dollars) render ``<span class="money" title="$19.9999758">$20.00</span>``, the exact
-amount on hover when rounding hid digits; use them in element content only. ``usd_text`` and
+amount on hover when rounding hid digits; use them in element content only. In a table, a column's
+amounts take the digits that tell its rows apart: ``{% column_digits rows "cost" as digits %}``
+before the table, then ``{{ r.cost|nano_usd:digits }}`` in it. ``usd_text`` and
 ``nano_usd_text`` are the same amounts as plain text, for an attribute, an ``<option>`` or an SVG
 ``<title>``. ``price`` is a price per million tokens, ``count`` a number with thousands separators.
 """
@@ -16,7 +18,7 @@ from django import template
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from marketplace.billing import display
+from marketplace.billing import display, stripe_client
 from marketplace.billing.selectors import dollars
 
 register = template.Library()
@@ -31,17 +33,37 @@ def _money(shown: str, exact: str) -> SafeString:
 
 
 @register.filter
-def usd(value) -> SafeString:
-    """Dollars to the cent, the exact amount on hover: 19.9999758 -> "$20.00" (title "$19.9999758")."""
-    return _money(display.usd_text(value), display.usd_exact(value))
+def usd(value, significant: int = display.SIGNIFICANT) -> SafeString:
+    """Dollars as ``display.usd_text`` shows them, the exact amount on hover: 19.9999758 -> "$20.00"
+    (title "$19.9999758"); ``significant``: a column's digits (``column_digits``)."""
+    return _money(display.usd_text(value, significant), display.usd_exact(value))
 
 
 @register.filter
-def nano_usd(value) -> SafeString:
+def nano_usd(value, significant: int = display.SIGNIFICANT) -> SafeString:
     """Nano-dollars (the ledger's integer unit) as ``usd`` shows dollars: 1_250_000_000 -> "$1.25"."""
     if value is None or value == "":
         return _money(display.MISSING, display.MISSING)
-    return usd(dollars(int(value)))
+    return usd(dollars(int(value)), significant)
+
+
+@register.simple_tag
+def payments_unavailable(what: str) -> str:
+    """Why the page's ``what`` ("top-ups" or "payouts") button is disabled: no payment provider is
+    configured; "" when one is."""
+    if stripe_client.configured():
+        return ""
+    return stripe_client.TOP_UPS_UNAVAILABLE if what == "top-ups" else stripe_client.PAYOUTS_UNAVAILABLE
+
+
+@register.simple_tag
+def column_digits(rows, field: str, nano: bool = True) -> int:
+    """The significant digits at which the amounts ``field`` of ``rows`` (objects or dicts; nano-dollars
+    unless ``nano`` is False) that differ all read differently (``display.significant_for``)."""
+    values = [row.get(field) if isinstance(row, dict) else getattr(row, field) for row in rows]
+    if nano:
+        values = [None if value is None or value == "" else dollars(int(value)) for value in values]
+    return display.significant_for(values)
 
 
 @register.filter
