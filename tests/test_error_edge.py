@@ -11,10 +11,10 @@ from django.test import Client, RequestFactory
 
 from marketplace.accounts.errors import RoleRequired
 from marketplace.api.auth import api_key_required
-from marketplace.api.errors import HttpError, error_body, error_response, http_error, renders_domain_errors
+from marketplace.api.errors import HTTP_ERRORS, HttpError, error_body, error_response, http_error, renders_domain_errors
 from marketplace.billing.errors import TopUpRefused
 from marketplace.errors import DomainError
-from marketplace.jobs.errors import AuthenticationFailed, InvalidRequest, JobFailed, RateLimited
+from marketplace.jobs.errors import AuthenticationFailed, InvalidRequest, JobFailed, Overloaded, RateLimited
 from marketplace.jobs.models import ApiKey
 from marketplace.jobs.services import create_api_key
 from tests.factories import db_snapshot
@@ -163,3 +163,17 @@ def test_the_dashboard_shows_the_services_refusal_of_a_duplicate_key_name(custom
     assert response.context["form"].errors == {"name": ["You already have an active key with this name."]}
     assert db_snapshot() == before
     assert ApiKey.objects.filter(user=customer).count() == 1
+
+
+@pytest.mark.parametrize("code", sorted(code for code, mapped in HTTP_ERRORS.items() if mapped.status == 503))
+def test_every_503_says_when_to_come_back(code):
+    response = error_response(DomainError("Not now.", code=code))
+
+    assert response.status_code == 503
+    assert int(response["Retry-After"]) >= 1
+
+
+def test_an_overloaded_model_says_its_own_retry_after():
+    response = error_response(Overloaded("Full; retry shortly.", retry_after=3))
+
+    assert (response.status_code, response["Retry-After"]) == (503, "3")

@@ -66,7 +66,7 @@ def test_a_top_up_sent_anyway_is_refused_with_the_reason_at_info(without_stripe,
     with caplog.at_level(logging.INFO):
         response = client_for(customer).post("/customer/billing/top-up/", {"amount": "5.00"})
 
-    assert response.status_code == 503
+    assert (response.status_code, response["Retry-After"]) == (503, "3600")
     assert stripe_client.TOP_UPS_UNAVAILABLE in response.content.decode()
     assert not TopUp.objects.exists()
     assert "a top-up refused: no payment provider (Stripe) is configured" in caplog.messages
@@ -77,7 +77,7 @@ def test_a_connect_sent_anyway_is_refused_with_the_reason_at_info(without_stripe
     with caplog.at_level(logging.INFO):
         response = client_for(provider).post("/provider/earnings/connect/")
 
-    assert response.status_code == 503
+    assert (response.status_code, response["Retry-After"]) == (503, "3600")
     assert stripe_client.PAYOUTS_UNAVAILABLE in response.content.decode()
     assert not ConnectAccount.objects.exists()
     assert "connecting a payout account refused: no payment provider (Stripe) is configured" in caplog.messages

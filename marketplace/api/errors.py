@@ -34,6 +34,8 @@ class HttpError:
     status: int  # the response's HTTP status code
     type: str  # OpenAI's error "type" field, the class of error an OpenAI client switches on
     public_code: bool = True  # False: the body's "code" is null, as OpenAI sends for a generic invalid request
+    # Retry-After (seconds) of a 503, unless the error carries its own: when trying again makes sense.
+    retry_after: int | None = None
 
 
 INVALID = "invalid_request_error"
@@ -78,11 +80,14 @@ HTTP_ERRORS: dict[str, HttpError] = {
     "rate_limit_exceeded": HttpError(429, "rate_limit_error"),
     # The service's side.
     "job_failed": HttpError(500, "server_error"),
-    "no_capacity": HttpError(503, "service_unavailable"),
-    "overloaded": HttpError(503, "service_unavailable"),
-    "no_trusted_capacity": HttpError(503, "service_unavailable"),
-    "payment_provider_unavailable": HttpError(503, "service_unavailable"),
-    "webhook_not_configured": HttpError(503, "service_unavailable"),
+    # Every 503 says when to come back: a model without a ready pipeline gets one as nodes load or
+    # heal (seconds to a minute); trusted nodes are fewer; Stripe's outages pass in minutes; a server
+    # without a payment provider or webhook secret needs its operator.
+    "no_capacity": HttpError(503, "service_unavailable", retry_after=10),
+    "overloaded": HttpError(503, "service_unavailable", retry_after=2),
+    "no_trusted_capacity": HttpError(503, "service_unavailable", retry_after=30),
+    "payment_provider_unavailable": HttpError(503, "service_unavailable", retry_after=60),
+    "webhook_not_configured": HttpError(503, "service_unavailable", retry_after=3600),
 }
 UNKNOWN = HttpError(400, INVALID)  # see the module docstring for why 400
 
@@ -104,17 +109,18 @@ def error_body(exc: DomainError) -> dict:
 
 def error_response(exc: DomainError, *, request_id: str | None = None) -> JsonResponse:
     """The one JSON error response: OpenAI's body, the code's status, and the headers clients
-    act on (Retry-After and the x-ratelimit-* limits on 429, x-should-retry: false on 402)."""
+    act on (Retry-After on 429 and every 503, the x-ratelimit-* limits on 429, x-should-retry: false
+    on 402)."""
     mapped = http_error(exc)
     response = JsonResponse(error_body(exc), status=mapped.status)
     if request_id is not None:
         response["x-request-id"] = request_id
     if mapped.status == 402:  # more credits are needed first: the OpenAI SDKs must not retry
         response["x-should-retry"] = "false"
-    if isinstance(exc, Overloaded):
-        response["Retry-After"] = str(exc.retry_after)
+    retry_after = exc.retry_after if isinstance(exc, Overloaded | RateLimited) else mapped.retry_after
+    if retry_after is not None:
+        response["Retry-After"] = str(retry_after)
     if isinstance(exc, RateLimited):
-        response["Retry-After"] = str(exc.retry_after)
         for name, value in exc.headers.items():
             response[name] = value
     return response

@@ -108,6 +108,7 @@ def refused_unconfigured(response: HttpResponse, what: str) -> HttpResponse:
     """``response``, refusing ``what`` because no payment provider is configured: a fact of this
     server's configuration, logged at INFO (Django's request log would have an error of a 503)."""
     log.info("%s refused: no payment provider (Stripe) is configured", what)
+    response["Retry-After"] = "3600"  # a 503 says when to come back: here, once an operator configured Stripe
     response._has_been_logged = True  # type: ignore[attr-defined]  # django.request's own mark of a logged response
     return response
 
