@@ -77,6 +77,26 @@ AUTH_PASSWORD_VALIDATORS = [
 SWARM_LOGIN_FAILURES_PER_USER = env_int("SWARM_LOGIN_FAILURES_PER_USER", 5, minimum=1)
 SWARM_LOGIN_FAILURES_PER_ADDRESS = env_int("SWARM_LOGIN_FAILURES_PER_ADDRESS", 50, minimum=1)
 SWARM_LOGIN_WINDOW_S = env_int("SWARM_LOGIN_WINDOW_S", 300, minimum=1)
+# Password reset emails one client address may ask for within a window of SWARM_LOGIN_WINDOW_S:
+# nobody's inbox is flooded from the reset form.
+SWARM_PASSWORD_RESETS_PER_ADDRESS = env_int("SWARM_PASSWORD_RESETS_PER_ADDRESS", 5, minimum=1)
+# A password reset link works once, for this long.
+PASSWORD_RESET_TIMEOUT = env_int("SWARM_PASSWORD_RESET_TIMEOUT_S", 3600, minimum=60)
+
+# --- email: password resets and notices ---------------------------------------------------------
+# Sent through SMTP once EMAIL_HOST names a server; printed to the web process's output otherwise
+# (the embedded default and the demo: the reset link is in its log).
+EMAIL_HOST = env_str("EMAIL_HOST", "")
+EMAIL_PORT = env_int("EMAIL_PORT", 587, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", True)
+EMAIL_TIMEOUT = 30
+EMAIL_BACKEND = env_str(
+    "SWARM_EMAIL_BACKEND",
+    "django.core.mail.backends.smtp.EmailBackend" if EMAIL_HOST else "django.core.mail.backends.console.EmailBackend",
+)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "Swarm <no-reply@localhost>")
 
 INSTALLED_APPS = [
     "daphne",

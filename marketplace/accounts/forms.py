@@ -10,7 +10,13 @@ from typing import Any
 
 from django import forms
 from django.contrib.auth import get_user_model
-from django.contrib.auth.forms import AdminUserCreationForm, AuthenticationForm, UserChangeForm, UserCreationForm
+from django.contrib.auth.forms import (
+    AdminUserCreationForm,
+    AuthenticationForm,
+    PasswordResetForm,
+    UserChangeForm,
+    UserCreationForm,
+)
 
 from marketplace.accounts import services
 from marketplace.accounts.errors import EmailTaken, TooManyLoginAttempts
@@ -51,6 +57,24 @@ class ThrottledAuthenticationForm(AuthenticationForm):
                 services.record_login_failure(username, address)
             raise
         services.clear_login_failures(username, address)
+        return cleaned
+
+
+class ThrottledPasswordResetForm(PasswordResetForm):
+    """Django's password reset form (an email goes to the accounts of that address, if any; the page
+    says the same either way), refusing an address past SWARM_PASSWORD_RESETS_PER_ADDRESS
+    (``throttled`` tells the view to answer 429)."""
+
+    throttled = False
+    address = ""  # the client's, set by the view
+
+    def clean(self):
+        cleaned = super().clean()
+        try:
+            services.check_reset_allowed(self.address)
+        except TooManyLoginAttempts as exc:
+            self.throttled = True
+            raise forms.ValidationError(str(exc), code="throttled") from None
         return cleaned
 
 

@@ -100,6 +100,22 @@ def record_login_failure(username: str, address: str, *, now: float | None = Non
         cache.incr(key)
 
 
+def _reset_key(address: str, window: int) -> str:
+    return f"password-reset:addr:{address}:{window}"
+
+
+def check_reset_allowed(address: str, *, now: float | None = None) -> None:
+    """Refuse (``TooManyLoginAttempts``, with the seconds to wait) one more password reset email
+    asked for from ``address`` past SWARM_PASSWORD_RESETS_PER_ADDRESS in the current window, and
+    count this one otherwise."""
+    window, wait = _window(now)
+    key = _reset_key(address, window)
+    if (cache.get(key) or 0) >= settings.SWARM_PASSWORD_RESETS_PER_ADDRESS:
+        raise TooManyLoginAttempts(f"Too many password reset requests. Try again in {wait} seconds.", retry_after=wait)
+    cache.add(key, 0, timeout=settings.SWARM_LOGIN_WINDOW_S * 2)
+    cache.incr(key)
+
+
 def clear_login_failures(username: str, address: str, *, now: float | None = None) -> None:
     """A sign-in succeeded: forget this username's failures from ``address`` (the address's own
     count stays, so signing in to one account does not reset guessing at others)."""

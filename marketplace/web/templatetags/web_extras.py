@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from django import template
+from django.conf import settings
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
@@ -45,6 +46,17 @@ def nano_usd(value, significant: int = display.SIGNIFICANT) -> SafeString:
     if value is None or value == "":
         return _money(display.MISSING, display.MISSING)
     return usd(dollars(int(value)), significant)
+
+
+@register.simple_tag
+def reset_link_lifetime() -> str:
+    """How long a password reset link works, in words: "an hour", "2 hours", "30 minutes"."""
+    seconds = settings.PASSWORD_RESET_TIMEOUT
+    if seconds % 3600 == 0:
+        hours = seconds // 3600
+        return "an hour" if hours == 1 else f"{hours} hours"
+    minutes = max(1, seconds // 60)
+    return "a minute" if minutes == 1 else f"{minutes} minutes"
 
 
 @register.simple_tag
