@@ -3,72 +3,16 @@ available account and is carried into their next batch's payout, so nothing is l
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
-from django.utils import timezone
 
 from marketplace.billing.models import AccountKind
-from marketplace.billing.services import account, transfer
-from marketplace.jobs.models import Job
-from marketplace.jobs.services import create_api_key
+from marketplace.billing.services import account
 from marketplace.payouts import services
-from marketplace.payouts.models import Earning, EarningState, Payout, PayoutState
+from marketplace.payouts.models import PayoutState
+from tests.payout_fixtures import CENT, pay
 
-pytest_plugins = ["tests.factories", "tests.stripe_fake"]
+pytest_plugins = ["tests.factories", "tests.stripe_fake", "tests.payout_fixtures"]
 pytestmark = [pytest.mark.billing, pytest.mark.django_db]
-
-CENT = 10_000_000  # nano-dollars
-
-
-@pytest.fixture
-def connected(fake_stripe, provider, settings):
-    """Alice, with a payout-ready Stripe Connect account and a $0.01 payout minimum."""
-    settings.SWARM_PAYOUT_MINIMUM = CENT
-    services.start_onboarding(provider, origin="https://swarm.example")
-    fake_stripe.complete_onboarding(provider.connect.stripe_account_id)
-    services.refresh_connect(provider)
-    return provider
-
-
-@pytest.fixture
-def earn(connected, customer, make_joined_node):
-    """Give alice an available earning of ``amount`` nano-dollars, as a released job's share would."""
-    node = make_joined_node(connected).node
-    api_key, _ = create_api_key(customer, "k")
-    jobs = iter(range(1000))
-
-    def give(amount: int) -> Earning:
-        job = Job.objects.create(
-            public_id=f"chatcmpl-{next(jobs)}", kind="chat", customer=customer, api_key=api_key, model="m"
-        )
-        earning = Earning.objects.create(
-            node=node,
-            provider=connected,
-            job=job,
-            amount=amount,
-            layer_tokens=1,
-            state=EarningState.AVAILABLE,
-            available_at=timezone.now() - timedelta(seconds=1),
-        )
-        transfer(
-            account(AccountKind.PLATFORM_REVENUE),
-            account(AccountKind.PROVIDER_AVAILABLE, connected),
-            amount,
-            kind="earning",
-            job=job,
-        )
-        return earning
-
-    return give
-
-
-def pay(admin) -> Payout:
-    """Build a batch, approve it and send its transfer; the provider's one payout."""
-    batch = services.build_batch()
-    services.approve_batch(batch, by=admin)
-    services.send_payouts()
-    return batch.payouts.get()
 
 
 def test_the_sub_cent_rest_of_a_payout_is_carried_into_the_next_batch(earn, connected, admin, fake_stripe):

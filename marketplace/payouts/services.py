@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 import stripe
@@ -28,7 +29,9 @@ from django.db.models import F, QuerySet, Sum
 from django.urls import reverse
 from django.utils import timezone
 
+from marketplace.accounts import notices
 from marketplace.billing import stripe_client
+from marketplace.billing.display import usd_text
 from marketplace.billing.models import AccountKind, LedgerAccount
 from marketplace.billing.services import Move, account, accounts, transfer, transfer_many
 from marketplace.billing.stripe_client import PAYOUTS_UNAVAILABLE, PaymentProviderUnavailable, call_stripe
@@ -373,6 +376,12 @@ def send_payout(payout_pk: int) -> str:
             payout.last_error = ""
             payout.save()
             payout.earnings.update(state=EarningState.PAID)
+            notices.notify(
+                payout.provider_id,
+                f"Payout sent: {usd_text(Decimal(payout.cents) / 100)}",
+                f"{usd_text(Decimal(payout.cents) / 100)} went to your Stripe account (transfer {result.id}). "
+                "What was below a cent stays available for the next payout.",
+            )
             return "sent"
         payout.last_error = error[:2000]
         if not permanent and payout.attempts < settings.SWARM_PAYOUT_MAX_ATTEMPTS:

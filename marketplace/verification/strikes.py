@@ -12,6 +12,8 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
+from marketplace.accounts import notices
+from marketplace.billing.display import nano_text
 from marketplace.nodes.live import notify_admins
 from marketplace.nodes.models import Node
 from marketplace.payouts.services import claw_back, release_earnings
@@ -31,6 +33,14 @@ def open_strike(node: Node, kind: str, *, challenge=None, audit=None, job=None, 
     log.warning("strike %s on node %s: %s", strike.pk, node.node_id, evidence.get("reason"))
     transaction.on_commit(lambda: refresh_reputation(node.pk))
     notify_admins("strike")
+    notices.notify(
+        node.owner_id,
+        f"A strike on your node {node.name}",
+        f"Your node {node.name} failed a check: {evidence.get('reason') or kind}.\n"
+        "It is off routing and its pending pay is withheld until an admin decides the strike "
+        f"(it is upheld on its own after {settings.SWARM_STRIKE_REVIEW_S / 3600:g} hours if nobody does). "
+        "The evidence is on the node's page of your dashboard.",
+    )
     return strike
 
 
@@ -55,6 +65,7 @@ def uphold_strike(strike: Strike, *, by=None, reason: str = "") -> Strike:
         eject_node(strike.node, reason=f"{upheld} upheld strikes within {settings.SWARM_STRIKE_PERIOD_DAYS:g} days")
     transaction.on_commit(lambda: refresh_reputation(strike.node_id))
     notify_admins("strike")
+    _notify_decided(strike)
     return strike
 
 
@@ -76,7 +87,19 @@ def overturn_strike(strike: Strike, *, by, reason: str) -> Strike:
     _review_state(strike.node_id)
     transaction.on_commit(lambda: refresh_reputation(strike.node_id))
     notify_admins("strike")
+    _notify_decided(strike)
     return strike
+
+
+def _notify_decided(strike: Strike) -> None:
+    node = strike.node
+    if strike.state == StrikeState.UPHELD:
+        clawed = nano_text(strike.clawed_back)
+        outcome = f"was upheld: {strike.decision_reason}. {clawed} of its pending pay was clawed back."
+    else:
+        outcome = f"was overturned: {strike.decision_reason}. Its withheld pay is released."
+    subject = f"The strike on your node {node.name} was decided"
+    notices.notify(node.owner_id, subject, f"The strike on {node.name} {outcome}")
 
 
 def _review_state(node_pk: int) -> None:
