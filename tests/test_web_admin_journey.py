@@ -32,7 +32,8 @@ LONG_NAME = "gpu-" + "a100-" * 19 + "x"  # 100 characters, the longest name a no
 LONG_REASON = "pasted log: " + "0123456789abcdef" * 124  # 1,996 characters without a space
 NO_SIDEWAYS = "document.documentElement.scrollWidth <= window.innerWidth"
 TRUNCATED = "element => element.scrollWidth > element.clientWidth"
-MONEY = re.compile(r"^(-?\$\d{1,3}(,\d{3})*\.\d{2}|<\$0\.01|—)$")  # dollars and cents, as people read them
+# Money as people read it: dollars and cents from a dollar up, three significant digits below.
+MONEY = re.compile(r"^(-?\$(?:[1-9]\d{0,2}(?:,\d{3})*\.\d{2}|0\.(?:\d{2}|0*[1-9]\d{0,2}))|—)$")
 
 
 @pytest.fixture
@@ -150,7 +151,7 @@ def test_an_admin_reviews_strikes_and_pays_a_batch(queue, fake_stripe, web):
     expect(page.locator("[data-field=open-count]")).to_have_text("(3)")
     decided = page.locator(f"#decided-strike-{second.pk}")
     expect(decided.locator("[data-field=state]")).to_have_text("upheld")
-    expect(decided.locator("[data-field=clawed-back]")).to_have_text("$0.12")
+    expect(decided.locator("[data-field=clawed-back]")).to_have_text("$0.123")
     expect(decided.locator("[data-field=clawed-back] .money")).to_have_attribute("title", "$0.123456789")
     second.refresh_from_db()
     assert (second.state, second.clawed_back, second.decided_by.username) == (StrikeState.UPHELD, PENDING_PAY, "dave")
