@@ -33,20 +33,6 @@ def earnings_summary(provider) -> dict[str, int]:
     }
 
 
-def earnings_by_day(provider, days: int = 30, now=None) -> list[dict]:
-    """[{day, amount, jobs}] of the provider's earnings created per day (all states but clawed back)."""
-    now = now or timezone.now()
-    rows = (
-        Earning.objects.filter(provider=provider, created_at__gte=now - timedelta(days=days))
-        .exclude(state=EarningState.CLAWED_BACK)
-        .annotate(day=TruncDate("created_at"))
-        .values("day")
-        .annotate(amount=Sum("amount"), jobs=Count("id"))
-        .order_by("day")
-    )
-    return [{"day": r["day"], "amount": r["amount"], "jobs": r["jobs"]} for r in rows]
-
-
 def earnings_by_day_and_node(provider, days: int = 30, now=None) -> list[dict]:
     """[{day, node (pk), node_name, amount, jobs}] of the provider's earnings created per day and
     node (all states but clawed back), the newest day first, then by node name."""

@@ -376,10 +376,11 @@ def send_payout(payout_pk: int) -> str:
             payout.last_error = ""
             payout.save()
             payout.earnings.update(state=EarningState.PAID)
+            paid = usd_text(Decimal(payout.cents) / 100)
             notices.notify(
                 payout.provider_id,
-                f"Payout sent: {usd_text(Decimal(payout.cents) / 100)}",
-                f"{usd_text(Decimal(payout.cents) / 100)} went to your Stripe account (transfer {result.id}). "
+                f"Payout sent: {paid}",
+                f"{paid} went to your Stripe account (transfer {result.id}). "
                 "What was below a cent stays available for the next payout.",
             )
             return "sent"

@@ -249,20 +249,7 @@ def earnings_view(
     """The provider's earnings page; with ``day`` (and ``node``, a node's pk), the per-request rows
     are that day's (of that node) rather than the latest."""
     now = now or timezone.now()
-    found = {row["day"]: row for row in payouts.earnings_by_day(provider, days=EARNINGS_DAYS, now=now)}
-    today = timezone.localdate(now)
-    days: list[dict[str, Any]] = []
-    for back in range(EARNINGS_DAYS - 1, -1, -1):
-        that_day = today - timedelta(days=back)
-        row = found.get(that_day, {})
-        days.append({"day": that_day, "amount": row.get("amount") or 0, "jobs": row.get("jobs") or 0})
-    chart = charts.bar_chart(
-        f"Earnings per day, last {EARNINGS_DAYS} days (USD)",
-        [(d["day"].strftime("%m-%d"), float(dollars(d["amount"])), nano_detail(d["amount"])) for d in days],
-        width=640,
-        height=240,
-        tick=charts.dollar_tick,
-    )
+    # Each day's total and each node's part, from one query; the chart's days are the same totals.
     rollup: list[dict] = []
     totals: dict[date, dict] = {}
     for node_row in payouts.earnings_by_day_and_node(provider, days=EARNINGS_DAYS, now=now):
@@ -272,6 +259,19 @@ def earnings_view(
         totals[node_row["day"]]["amount"] += node_row["amount"]
         totals[node_row["day"]]["jobs"] += node_row["jobs"]
         rollup.append(node_row)
+    today = timezone.localdate(now)
+    days: list[dict[str, Any]] = []
+    for back in range(EARNINGS_DAYS - 1, -1, -1):
+        that_day = today - timedelta(days=back)
+        row = totals.get(that_day, {})
+        days.append({"day": that_day, "amount": row.get("amount") or 0, "jobs": row.get("jobs") or 0})
+    chart = charts.bar_chart(
+        f"Earnings per day, last {EARNINGS_DAYS} days (USD)",
+        [(d["day"].strftime("%m-%d"), float(dollars(d["amount"])), nano_detail(d["amount"])) for d in days],
+        width=640,
+        height=240,
+        tick=charts.dollar_tick,
+    )
     rows = Earning.objects.filter(provider=provider).select_related("job", "node")
     showing: dict[str, Any] | None = None
     if day is not None:
