@@ -278,3 +278,16 @@ def confirm(page, label: str) -> None:
     dialog = page.get_by_role("dialog")
     dialog.get_by_role("button", name=label).click()
     dialog.wait_for(state="hidden")
+
+
+CUT_SHORT = """selector => {
+    const element = document.querySelector(selector);
+    return element !== null && element.scrollWidth > element.clientWidth;
+}"""
+
+
+def expect_cut_short(page, selector: str, timeout_ms: int = 10_000) -> None:
+    """Wait until the element at ``selector`` is cut short (its text wider than its box). The
+    element is looked up afresh on every try: a live update may swap the list it sits in, and an
+    element read once, then swapped out, measures 0 by 0."""
+    page.wait_for_function(CUT_SHORT, arg=selector, timeout=timeout_ms)

@@ -21,7 +21,7 @@ from playwright.sync_api import expect
 
 from marketplace.payouts.models import BatchState, ConnectAccount, EarningState, Payout, PayoutBatch, PayoutState
 from marketplace.verification.models import Strike, StrikeState
-from tests.browser import PHONE, confirm, sign_in
+from tests.browser import PHONE, confirm, expect_cut_short, sign_in
 from tests.web_trust_fixtures import PENDING_PAY, answer, earning, serving_node, user
 
 pytestmark = [pytest.mark.web, pytest.mark.django_db(transaction=True)]
@@ -31,7 +31,6 @@ LIVE_TIMEOUT_MS = 30_000
 LONG_NAME = "gpu-" + "a100-" * 19 + "x"  # 100 characters, the longest name a node may have
 LONG_REASON = "pasted log: " + "0123456789abcdef" * 124  # 1,996 characters without a space
 NO_SIDEWAYS = "document.documentElement.scrollWidth <= window.innerWidth"
-TRUNCATED = "element => element.scrollWidth > element.clientWidth"
 # Money as people read it: dollars and cents from a dollar up, three significant digits below.
 MONEY = re.compile(r"^(-?\$(?:[1-9]\d{0,2}(?:,\d{3})*\.\d{2}|0\.(?:\d{2}|0*[1-9]\d{0,2}))|—)$")
 
@@ -115,7 +114,7 @@ def test_an_admin_reviews_strikes_and_pays_a_batch(queue, fake_stripe, web):
     expect(page.locator("[data-field=open-count]")).to_have_text("(3)")
     name = page.locator(f"#node-strikes-{long_node.pk} [data-field=node-name]")
     expect(name).to_have_attribute("title", LONG_NAME)
-    assert name.evaluate(TRUNCATED)
+    expect_cut_short(page, f"#node-strikes-{long_node.pk} [data-field=node-name]")
     both_sizes(web, "3-strikes-by-node")
 
     # A check fails meanwhile: its strike joins its node's group on the open page.
@@ -165,7 +164,7 @@ def test_an_admin_reviews_strikes_and_pays_a_batch(queue, fake_stripe, web):
     expect(status).to_have_text(f"Strike {third.pk} on {LONG_NAME} overturned.")
     reason = page.locator(f"#decided-strike-{third.pk} [data-field=reason]")
     expect(reason).to_have_attribute("title", LONG_REASON)
-    assert reason.evaluate(TRUNCATED)
+    expect_cut_short(page, f"#decided-strike-{third.pk} [data-field=reason]")
     expect(page.locator(f"#node-strikes-{long_node.pk} [data-field=node-open-count]")).to_have_text("1 open")
     assert Strike.objects.get(pk=third.pk).state == StrikeState.OVERTURNED
     assert all(MONEY.match(text) for text in money_on(page)), money_on(page)
@@ -175,7 +174,7 @@ def test_an_admin_reviews_strikes_and_pays_a_batch(queue, fake_stripe, web):
     page.get_by_role("navigation", name="Dashboard").get_by_role("link", name="Swarm").click()
     row = page.locator(f"#swarm-node-{long_node.pk}")
     expect(row.locator("th .truncate")).to_have_attribute("title", LONG_NAME)
-    assert row.locator("th .truncate").evaluate(TRUNCATED)
+    expect_cut_short(page, f"#swarm-node-{long_node.pk} th .truncate")
     eject = row.get_by_role("link", name=f"Eject {LONG_NAME}")
     expect(eject).to_be_visible()
     assert eject.bounding_box()["x"] + eject.bounding_box()["width"] <= 1280
