@@ -9,7 +9,8 @@ its pending pay clawed back when a strike is upheld, and ejected at the threshol
 nodes get no strike and keep their pay.
 
 The point of the design: a node that lies about its output still passes the receipt coverage check
-(its job is recorded verified and paid pending), and it is the audit that catches it.
+(its job is recorded verified and paid pending), and it is the audit that catches it, whatever the
+lie (garbage, its input passed on, another model's weights).
 """
 
 from __future__ import annotations
@@ -52,10 +53,23 @@ def test_cheater_is_caught_struck_clawed_back_and_ejected(make_swarm, cheat):
     # pending, but the audit of its stage fails: the customer is refunded, and the cheater leaves
     # routing at once (its pipeline is the only one, so the next request finds no capacity).
     job = swarm.run_job("Tell me about bees")
+    # Receipts: every signature valid, spans tile the model, links and endpoints match.
     assert job.verified is True, job.verification_error
+    assert job.verification_error == ""
+    assert Earning.objects.filter(job=job, node=swarm.cheater).get().amount > 0
     assert len(job.audit_stages) == 3
+    # The audit replays the cheater's signed inputs on the trusted block and sees the lie.
     cheater_audits = Audit.objects.filter(node=swarm.cheater)
     assert [a.state for a in cheater_audits] == [CheckState.FAILED]
+    (audit,) = cheater_audits
+    assert audit.metrics["code"] == "audit_mismatch"
+    assert audit.metrics["min_cosine"] < 0.99
+    audit_strike = Strike.objects.get(audit=audit)
+    assert (audit_strike.kind, audit_strike.state, audit_strike.evidence["job"]) == (
+        StrikeKind.AUDIT,
+        StrikeState.OPEN,
+        job.public_id,
+    )
     assert all(a.state == CheckState.PASSED for a in Audit.objects.exclude(node=swarm.cheater))
     assert Transfer.objects.get(job=job, kind="refund").amount == job.charged_amount > 0
     pending_before = swarm.pending("mallory")
@@ -94,24 +108,6 @@ def test_cheater_is_caught_struck_clawed_back_and_ejected(make_swarm, cheat):
             e.amount for e in Earning.objects.filter(provider=swarm.users[name], state=EarningState.PENDING)
         )
         assert swarm.pending(name) > 0
-
-
-def test_lying_node_passes_receipt_coverage_and_only_the_audit_catches_it(make_swarm):
-    swarm = make_swarm(cheat="garbage")
-
-    job = swarm.run_job("What is the capital of France?")
-
-    # Receipts: every signature valid, spans tile the model, links and endpoints match.
-    assert job.verified is True
-    assert job.verification_error == ""
-    assert Earning.objects.filter(job=job, node=swarm.cheater).get().amount > 0
-    # The audit replays the cheater's signed inputs on the trusted block and sees the lie.
-    audit = Audit.objects.get(job=job, node=swarm.cheater)
-    assert audit.state == CheckState.FAILED
-    assert audit.metrics["code"] == "audit_mismatch"
-    assert audit.metrics["min_cosine"] < 0.99
-    strike = Strike.objects.get(audit=audit)
-    assert (strike.kind, strike.state, strike.evidence["job"]) == (StrikeKind.AUDIT, StrikeState.OPEN, job.public_id)
 
 
 def test_node_cheating_only_on_live_sessions_is_caught_by_a_challenge(make_swarm):

@@ -34,14 +34,15 @@ def reference_model():
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-def reference_tokens(prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
-    """Greedy tokens of single-process HF `generate`, without the trailing EOS."""
+@cache
+def reference_tokens(prompt: str, max_tokens: int = MAX_TOKENS) -> tuple[int, ...]:
+    """Greedy tokens of single-process HF `generate`, without the trailing EOS (each prompt's once)."""
     tokenizer = models.load_tokenizer("smollm2-135m")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)["input_ids"]
     with torch.no_grad():
         out = reference_model().generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
     tokens = out[0, len(ids) :].tolist()
-    return [t for t in tokens if t != tokenizer.eos_token_id]
+    return tuple(t for t in tokens if t != tokenizer.eos_token_id)
 
 
 def run_cli(swarm, *args: str) -> dict:
@@ -79,7 +80,7 @@ def test_cli_matches_single_process_generate(smollm2_swarm, topology):
     assert len(report["results"]) == len(PROMPTS)
     for prompt, result in zip(PROMPTS, report["results"], strict=True):
         expected = reference_tokens(prompt)
-        assert result["token_ids"] == expected, prompt
+        assert result["token_ids"] == list(expected), prompt
         assert result["text"] == models.load_tokenizer("smollm2-135m").decode(expected, skip_special_tokens=True)
         assert result["verified"] is True
         assert result["completion_tokens"] == len(expected)
@@ -98,7 +99,7 @@ def test_cli_speculating_matches_single_process_generate(smollm2_swarm, topology
     report = run_cli(smollm2_swarm, "--topology", topology, "--draft", "ngram", "--k", "4", "--depth", "2", *args)
 
     for prompt, result in zip(PROMPTS, report["results"], strict=True):
-        assert result["token_ids"] == reference_tokens(prompt), prompt
+        assert result["token_ids"] == list(reference_tokens(prompt)), prompt
         assert result["verified"] is True
         assert result["speculation"]["last_plan"] is not None
     # The chat template repeats itself ("<|im_start|>..."), so some drafts are always checked.
@@ -129,7 +130,7 @@ def test_concurrent_sessions_match_single_runs_and_verify(smollm2_swarm):
     results, assignments = asyncio.run(main())
 
     for prompt, result in zip(PROMPTS * 2, results, strict=True):
-        assert result.token_ids == reference_tokens(prompt)
+        assert result.token_ids == list(reference_tokens(prompt))
         assert result.verification is not None
         assert result.verification.sessions == 1
     nodes = [agent.node for agent in smollm2_swarm.agents]
