@@ -10,21 +10,33 @@ and ``job_id``, ``-`` outside any request or job.
 Context variables follow the code that serves a request wherever it goes: into ``sync_to_async``
 threads (asgiref copies the context there and back), into the tasks it creates (asyncio copies it),
 and across the broker to a Celery worker (``task_headers`` and ``bind_task``, hooked to Celery's
-signals in ``marketplace.celery``). This module imports no Django: the settings module builds its
-LOGGING here.
+signals in ``marketplace.celery``). The variables, the filter and the two formats are
+``worker_agent.logs``', which the agents log through too: one format for every process of the
+swarm. This module imports no Django: the settings module builds its LOGGING here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextvars import ContextVar, Token
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+
+from worker_agent import logs as shared
+from worker_agent.logs import (  # noqa: F401  (the control plane's names for the shared ones)
+    JOB_ID,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    REQUEST_ID,
+    UNSET,
+    Bound,
+    ContextFilter,
+    TextFormatter,
+    bind,
+    bound,
+    unbind,
+)
 
 if TYPE_CHECKING:
     from django.http import HttpRequest
@@ -36,95 +48,23 @@ if TYPE_CHECKING:
         request_id: str
 
 
-REQUEST_ID: ContextVar[str | None] = ContextVar("swarm_request_id", default=None)
-JOB_ID: ContextVar[str | None] = ContextVar("swarm_job_id", default=None)
-_VARS = {"request_id": REQUEST_ID, "job_id": JOB_ID}
-UNSET = "-"  # what a line outside any request or job shows for the id it lacks
-# The Celery message headers that carry the context to a worker.
+# Celery message headers that carry the context to a worker.
 TASK_HEADERS = {"request_id": "swarm_request_id", "job_id": "swarm_job_id"}
-LOG_FORMATS = ("text", "json")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s request=%(request_id)s job=%(job_id)s %(message)s"
-JSON_FIELDS = ["levelname", "name", "request_id", "job_id", "message"]  # and "timestamp"
-
-Bound = list[tuple[ContextVar[str | None], Token[str | None]]]
+# A task's start and end are logged by ``marketplace.celery`` with its ids; Celery's own "received"
+# and "succeeded" lines for each (the periodic work runs every few seconds) only repeat them.
+QUIET = ("celery.worker.strategy", "celery.app.trace")
+# uvicorn's loggers lose their own handlers and propagate to ours, so its lines look the same.
+ADOPTED = ("uvicorn", "uvicorn.access")
 
 
 def new_request_id() -> str:
     return f"req_{uuid.uuid4().hex}"
 
 
-def bind(**ids: str | None) -> Bound:
-    """Name ``request_id`` and/or ``job_id`` (None or "": no such id) in the lines logged from here
-    on in this context; the ids not given keep their value. Returns what ``unbind`` undoes."""
-    return [(_VARS[name], _VARS[name].set(value or None)) for name, value in ids.items()]
-
-
-def unbind(tokens: Bound) -> None:
-    for var, token in reversed(tokens):
-        var.reset(token)
-
-
-@contextlib.contextmanager
-def bound(**ids: str | None) -> Iterator[None]:
-    """``bind`` for the block, undone on its way out."""
-    tokens = bind(**ids)
-    try:
-        yield
-    finally:
-        unbind(tokens)
-
-
-class ContextFilter(logging.Filter):
-    """Copies the request id and the job id onto each record (``-`` when there is none). An id
-    given with the call (``extra={"job_id": ...}``, for a line about a job logged outside it) wins."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        for name, var in _VARS.items():
-            if not getattr(record, name, None):
-                setattr(record, name, var.get() or UNSET)
-        return True
-
-
-class TextFormatter(logging.Formatter):
-    """Times in UTC, ISO 8601 to the millisecond: ``2025-01-31T12:00:00.123Z``."""
-
-    default_time_format = "%Y-%m-%dT%H:%M:%S"
-    default_msec_format = "%s.%03dZ"
-
-    def converter(self, secs: float | None) -> time.struct_time:
-        return time.gmtime(secs)
-
-
 def logging_config(log_format: str, level: str) -> dict[str, Any]:
-    """``settings.LOGGING``: one handler on the root logger, to stderr, in ``log_format`` ("text":
-    ``TEXT_FORMAT``; "json": one object per line with ``timestamp``, ``level``, ``logger``,
-    ``request_id``, ``job_id``, ``message``, and ``exc_info`` or any ``extra`` fields of the call).
-    uvicorn's loggers lose their own handlers and propagate here, so its lines look the same."""
-    if log_format == "json":
-        formatter = {
-            "()": "pythonjsonlogger.json.JsonFormatter",
-            "fmt": JSON_FIELDS,
-            "rename_fields": {"levelname": "level", "name": "logger"},
-            "timestamp": True,  # UTC, ISO 8601
-        }
-    else:
-        formatter = {"()": TextFormatter, "format": TEXT_FORMAT}
-    return {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "filters": {"context": {"()": ContextFilter}},
-        "formatters": {"swarm": formatter},
-        "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "swarm", "filters": ["context"]}},
-        "root": {"handlers": ["console"], "level": level},
-        "loggers": {
-            **{name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.access")},
-            # A task's start and end are logged by ``marketplace.celery`` with its ids; Celery's own
-            # "received" and "succeeded" lines for each (the periodic work runs every few seconds)
-            # only repeat them.
-            **{name: {"level": "WARNING"} for name in ("celery.worker.strategy", "celery.app.trace")},
-        },
-    }
+    """``settings.LOGGING``: the swarm's one format (``worker_agent.logs``), with uvicorn's lines
+    adopted and Celery's routine ones quieted."""
+    return shared.logging_config(log_format, level, quiet=QUIET, adopt=ADOPTED)
 
 
 class RequestIdMiddleware:
@@ -166,7 +106,7 @@ class RequestIdMiddleware:
 
 def task_headers() -> dict[str, str]:
     """The log context as Celery message headers, for a task queued now (``before_task_publish``)."""
-    return {header: value for name, header in TASK_HEADERS.items() if (value := _VARS[name].get())}
+    return {header: value for name, header in TASK_HEADERS.items() if (value := shared.current(name))}
 
 
 def bind_task(request: Any) -> Bound:

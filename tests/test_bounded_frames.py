@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -22,6 +23,7 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from tests.live import wait_for
 from tests.wire_client import forward_header, raw_client, raw_frame
 from worker_agent.agent.probes import probe_link, probe_url
 from worker_agent.coordinator.pipeline import Pipeline, StageSpec
@@ -36,6 +38,8 @@ MODEL = "tiny-llama"
 HIDDEN = 64
 SCENARIO_TIMEOUT_S = 120.0
 MIB = 1024 * 1024
+# The swarm's log line: UTC time to the millisecond, level, logger, request and job ids, message.
+UTC_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) \S+ request=\S+ job=\S+ ")
 RSS_BOUND = 200 * MIB  # growth an agent may show after the attack: generous, far below the bomb's
 
 
@@ -50,6 +54,23 @@ def _run(coro: Awaitable[Any]) -> Any:
         return await asyncio.wait_for(coro, SCENARIO_TIMEOUT_S)
 
     return asyncio.run(bounded())
+
+
+def agent_lines(swarm: LocalSwarm) -> list[str]:
+    return swarm.agents[0].log_path.read_text().splitlines()
+
+
+def wait_for_lines(swarm: LocalSwarm, pattern: str, count: int, timeout_s: float = 30.0) -> list[str]:
+    """The agent's log lines matching ``pattern``, once there are ``count`` (its lines reach the
+    file as it writes them, a little after its answers)."""
+    found: list[str] = []
+
+    def logged() -> bool:
+        found[:] = [line for line in agent_lines(swarm) if re.search(pattern, line)]
+        return len(found) >= count
+
+    wait_for(logged, timeout_s, f"an agent log line matching {pattern!r}", 0.1)
+    return found
 
 
 def _rss(swarm: LocalSwarm) -> int:
@@ -152,6 +173,10 @@ def test_too_many_items_in_one_frame_are_refused(agent):
         "too_large",
         f"field 'sessions' names at most {wire.MAX_ITEMS} sessions, got {count}",
     )
+    # The agent's lines about it are in the swarm's one format: UTC time, then the job's id.
+    refusals = wait_for_lines(agent, rf"WARNING swarm\.\S+ request=- job={job} .*too_large", 2)
+    assert len(refusals) == 2, refusals
+    assert all(UTC_LINE.match(line) for line in refusals), refusals
 
 
 def test_pings_are_answered_while_large_frames_are_decoded(agent):
@@ -366,7 +391,11 @@ def test_a_probe_refuses_a_huge_reply():
 
 
 def test_a_probe_of_an_honest_agent_still_measures_rtt_and_uplink(agent):
+    before = agent_lines(agent)
+
     measured = _run(probe_link(agent.urls[0], timeout=10))
 
     assert set(measured) == {"rtt_ms", "uplink_mbps"}
     assert measured["rtt_ms"] > 0 and measured["uplink_mbps"] > 0
+    # Its padded PING is a frame the agent reads before a HELLO, answered with a PONG: no refusal.
+    assert not [line for line in agent_lines(agent)[len(before) :] if "WARNING" in line or "ERROR" in line]

@@ -249,7 +249,7 @@ def test_refuses_a_forward_without_items():
 
 
 def test_refuses_a_frame_over_max_frame_and_accepts_one_at_it():
-    data = wire.encode(wire.Ping(1), 1)
+    data = wire.encode(wire.Pong(1), 1)
 
     error = _refusal(data, max_frame=len(data) - 1)
 
@@ -257,7 +257,7 @@ def test_refuses_a_frame_over_max_frame_and_accepts_one_at_it():
         "too_large",
         f"frame of {len(data)} bytes exceeds the limit of {len(data) - 1}",
     )
-    assert wire.decode(data, max_frame=len(data)).message == wire.Ping(1)
+    assert wire.decode(data, max_frame=len(data)).message == wire.Pong(1)
 
 
 def test_refuses_a_header_over_64_kib():
@@ -327,7 +327,20 @@ def test_refuses_tensor_bytes_on_a_ping():
 
     error = _refusal(data)
 
-    assert (error.code, error.message) == ("malformed", "PING frames carry no tensor bytes")
+    assert (error.code, error.message) == ("malformed", "a PING's padding is zero bytes")
+
+
+def test_a_padded_ping_is_read_before_a_hello_up_to_its_own_limit():
+    """The uplink probe's PING, padded with zero bytes, passes the small limit of frames before a
+    HELLO; one byte more padding, or any other frame of its size, does not."""
+    probe = wire.encode(wire.Ping(7, pad=wire.MAX_PING_PAD), 3)
+    assert len(probe) > wire.MAX_HELLO_FRAME
+
+    assert wire.decode(probe, max_frame=wire.MAX_HELLO_FRAME).message == wire.Ping(7, pad=wire.MAX_PING_PAD)
+    over = _refusal(wire.encode(wire.Ping(7, pad=wire.MAX_PING_PAD + 1), 3), max_frame=wire.MAX_HELLO_FRAME)
+    assert over.code == "too_large"
+    pong = wire.encode(wire.Pong(7), 3) + bytes(wire.MAX_PING_PAD)
+    assert _refusal(pong, max_frame=wire.MAX_HELLO_FRAME).code == "too_large"
 
 
 def test_refuses_the_same_session_twice_in_one_frame():

@@ -65,6 +65,7 @@ from prometheus_client import Counter
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 
+from worker_agent import logs
 from worker_agent.errors import SessionError, SwarmError, WireError
 from worker_agent.metrics import AgentMetrics, BlockLoad
 from worker_agent.protocol import wire
@@ -509,6 +510,8 @@ class StageServer:
 
     async def _accept(self, conn: Conn, slot: StageSlot, action: AcceptHello) -> None:
         hello = action.hello
+        # The rest of this connection's task serves the job: its lines name it.
+        logs.bind(job_id=hello.job)
         # Raised before the HELLO is answered: a coordinator or peer sends nothing more until then.
         _cap_messages(conn.ws, self.max_frame * 2)
         conn.slot = slot

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import random
 import re
@@ -21,9 +20,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from worker_agent import logs
 from worker_agent.agent.joining import JOIN_TRIES
 from worker_agent.agent.parts import Parts
 from worker_agent.errors import SwarmError
+from worker_agent.logs import add_log_options
 
 
 def parse_span(text: str) -> tuple[int, int]:
@@ -94,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from worker_agent.kvcache import SessionLimits
     from worker_agent.protocol.keys import load_verify_key
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_format, args.log_level)
     if _refuse_device(args.device):
         return 2
     _set_threads(args.threads)
@@ -245,7 +246,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     from worker_agent.agent.control import Agent, JoinState, hardware_report, measure_compute, register
     from worker_agent.protocol import tls
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_format, args.log_level)
     if args.token is not None:
         print(TOKEN_ON_ARGV, file=sys.stderr)
         return 2
@@ -441,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle session is evicted")
     serve.add_argument("--max-batch", type=int, default=32, help="sessions' steps run together at most")
     serve.add_argument("--max-frame-mb", type=int, default=64)
-    serve.add_argument("--log-level", default="info")
+    add_log_options(serve)
     serve.set_defaults(func=cmd_serve)
 
     join = sub.add_parser("join", help="join a control plane and serve the blocks it assigns")
@@ -508,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
         "host's available memory at start); reported at join, and its caches never grow past it",
     )
     join.add_argument("--threads", type=int, default=None)
-    join.add_argument("--log-level", default="info")
+    add_log_options(join)
     join.set_defaults(func=cmd_join)
 
     health = sub.add_parser(

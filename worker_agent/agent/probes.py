@@ -22,7 +22,6 @@ from worker_agent.protocol.tls import connect_options
 
 log = logging.getLogger("swarm.agent")
 
-PROBE_BYTES = 256 * 1024  # size of the frame that measures uplink
 PROBE_MAX_REPLY = 64 * 1024  # bytes a probed peer may answer with (an ERROR or PONG is far smaller)
 PROBE_TIMEOUT_S = 10.0  # one target's whole measurement
 PROBE_BUDGET_S = 60.0  # all the targets of one probe request
@@ -58,7 +57,7 @@ async def measure(
             log.warning("cannot probe %s at %s: %s", target.target, url, exc)
             continue
         results.append(protocol.LinkResult(target=target.target[:64], **measured))
-    log.info("probed %d of %d targets", len(results), len(targets))
+    log.debug("probed %d of %d targets", len(results), len(targets))
     return tuple(results)
 
 
@@ -106,13 +105,22 @@ async def probe_link(url: str, timeout: float = 10.0, **tls) -> dict:
     async with connect(url, open_timeout=timeout, compression=None, max_size=PROBE_MAX_REPLY, **tls) as ws:
         started = time.perf_counter()
         await ws.send(wire.encode(wire.Ping(nonce=1), seq=1))
-        await asyncio.wait_for(ws.recv(), timeout)
+        await _pong(ws, 1, timeout)
         rtt = time.perf_counter() - started
-        # Any frame is answered once fully received: a PING carrying bytes is refused with an
-        # ERROR, so the time to that answer is one RTT plus pushing the bytes through the uplink.
-        blob = wire.encode(wire.Ping(nonce=2), seq=2) + bytes(PROBE_BYTES)
+        # A PING padded with MAX_PING_PAD zero bytes is answered once fully received, so the time
+        # to its PONG is one RTT plus pushing the bytes through the uplink.
+        blob = wire.encode(wire.Ping(nonce=2, pad=wire.MAX_PING_PAD), seq=2)
         started = time.perf_counter()
         await ws.send(blob)
-        await asyncio.wait_for(ws.recv(), timeout)
+        await _pong(ws, 2, timeout)
         push = max(time.perf_counter() - started - rtt, 1e-6)
     return {"rtt_ms": round(rtt * 1000, 3), "uplink_mbps": round(len(blob) * 8 / push / 1e6, 1)}
+
+
+async def _pong(ws, nonce: int, timeout: float) -> None:
+    """Wait for the PONG to PING ``nonce``; any other answer fails the probe."""
+    reply = wire.decode(await asyncio.wait_for(ws.recv(), timeout), max_frame=PROBE_MAX_REPLY).message
+    if isinstance(reply, wire.Error):
+        raise SwarmError(f"the peer refused the probe: {reply.code}: {reply.message}", code="probe_refused")
+    if not isinstance(reply, wire.Pong) or reply.nonce != nonce:
+        raise SwarmError(f"the peer answered the probe's PING {nonce} with {reply}", code="probe_refused")

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
 
+from worker_agent import logs
 from worker_agent.errors import RelayError
+from worker_agent.logs import add_log_options
 from worker_agent.protocol.keys import KeyFileError, load_verify_key
 from worker_agent.protocol.relay_pass import RelayPass, check_register_signature, verify_relay_pass
 from worker_agent.protocol.relay_protocol import (
@@ -437,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--id", default=None, help="the relay id passes name (default: PUBLIC_HOST:PUBLIC_PORT)")
     parser.add_argument("--max-agents", type=int, default=MAX_AGENTS, help=f"default {MAX_AGENTS}")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_options(parser)
     return parser
 
 
@@ -463,7 +465,7 @@ def main(argv: list[str] | None = None, relay_class: Callable[..., Relay] | None
     """The ``swarm-relay`` command; ``relay_class`` (tests) makes the relay instead of ``Relay``."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_format, args.log_level)
     try:
         trusted = [load_verify_key(key) for key in args.trust_key]
     except KeyFileError as exc:

@@ -42,6 +42,8 @@ DEFAULT_MAX_FRAME = 64 * 1024 * 1024  # bytes in one frame, header included
 MAX_HEADER = 64 * 1024  # bytes of msgpack header: a CLOSE's receipts are the largest legitimate one
 MAX_EVIDENCE = 1024  # bytes of an ERROR's evidence
 MAX_HELLO_FRAME = 8 * 1024  # bytes in a frame before HELLO, and in a stage's HELLO reply (tickets, identity)
+# Zero bytes a PING may carry, before a HELLO too: the uplink probe times a padded PING's PONG.
+MAX_PING_PAD = 256 * 1024
 MAX_ITEMS = 1024  # sessions named in one frame: FORWARD/RESULT items, OPEN/CLOSE sessions and receipts
 _MAX_ID = 128  # characters in a job or session id
 SIG_BYTES = 64  # an item's sender signature (links.py)
@@ -154,6 +156,7 @@ class Close:
 @dataclass(frozen=True)
 class Ping:
     nonce: int
+    pad: int = 0  # zero bytes after the header (at most MAX_PING_PAD): an uplink probe
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,7 @@ def encode(message: Message, seq: int) -> bytes:
                 header["keep"] = _keys_out(message.keep)
         case Ping():
             header.update(nonce=message.nonce)
+            payload = bytes(message.pad)
         case Pong():
             header.update(nonce=message.nonce, info=message.info)
         case Error():
@@ -263,7 +267,19 @@ def peek_seq(frame: bytes) -> int | None:
         return None
 
 
-def _unpack_header(frame: bytes) -> tuple[Any, int]:
+def _a_probe(frame: bytes | bytearray | memoryview) -> bool:
+    """Whether a frame over the connection's size limit is a padded PING within its own limit
+    (only its first MAX_HEADER bytes are read to tell)."""
+    if len(frame) > MAX_HEADER + MAX_PING_PAD:
+        return False
+    try:
+        header = _unpack_header(frame)[0]
+    except Exception:
+        return False
+    return isinstance(header, dict) and header.get("type") == str(MsgType.PING)
+
+
+def _unpack_header(frame: bytes | bytearray | memoryview) -> tuple[Any, int]:
     """The header and its length in bytes; only its first MAX_HEADER bytes are ever read, within
     ``_UNPACK_LIMITS``. Raises msgpack.OutOfData when no whole header lies within them."""
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, **_UNPACK_LIMITS)
@@ -278,7 +294,7 @@ def decode(
     """Parse and validate one frame (a text frame is refused); raise WireError (with a precise code) on anything off."""
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise WireError("text frames are not accepted; send binary frames", code="malformed")
-    if len(frame) > max_frame:
+    if len(frame) > max_frame and not _a_probe(frame):
         raise WireError(f"frame of {len(frame)} bytes exceeds the limit of {max_frame}", code="too_large")
     frame = bytes(frame)
     try:
@@ -304,7 +320,12 @@ def decode(
     except ValueError:
         raise WireError(f"unknown frame type {header.get('type')!r}", code="unknown_type") from None
     payload = frame[offset:]
-    if payload and kind not in (MsgType.FORWARD, MsgType.RESULT):
+    if kind is MsgType.PING:
+        if len(payload) > MAX_PING_PAD:
+            raise WireError(f"a PING carries at most {MAX_PING_PAD} bytes of padding", code="too_large")
+        if payload.count(0) != len(payload):
+            raise WireError("a PING's padding is zero bytes", code="malformed")
+    elif payload and kind not in (MsgType.FORWARD, MsgType.RESULT):
         raise WireError(f"{kind} frames carry no tensor bytes", code="malformed")
     return Frame(seq, _parse(kind, header, payload, hidden_size), len(frame))
 
@@ -349,7 +370,7 @@ def _parse(kind: MsgType, h: dict, payload: bytes, hidden_size: int | None) -> M
                 job=_id(h, "job"), sessions=sessions, receipts=tuple(receipts), keep=_keys_in(h, "keep", len(sessions))
             )
         case MsgType.PING:
-            return Ping(nonce=_int(h, "nonce"))
+            return Ping(nonce=_int(h, "nonce"), pad=len(payload))
         case MsgType.PONG:
             return Pong(nonce=_int(h, "nonce"), info=_opt(h, "info", dict) or {})
         case MsgType.ERROR:
