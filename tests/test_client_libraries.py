@@ -13,11 +13,13 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import litellm
 import pytest
+from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 from tests.api_fixtures import MODEL, module_db
+from worker_agent import model as models
 
 pytestmark = [pytest.mark.api]
 pytest_plugins = ["tests.api_fixtures"]
@@ -66,6 +68,24 @@ def test_langchain_bind_tools_yields_a_tool_call(chat):
     (call,) = message.tool_calls
     assert call["name"] == "get_weather"
     assert set(call["args"]) == {"city"}
+
+
+def test_a_langchain_agent_loop_with_one_tool_and_no_tool_choice(chat):
+    """bind_tools as agent frameworks call it (no tool_choice: OpenAI's "auto"): a call, the
+    tool's result, then a final answer in words. smollm2-135m was not trained to call functions,
+    so its first turn is biased towards a call's first character; the second is left to it."""
+    brace = models.load_tokenizer(MODEL).convert_tokens_to_ids("{")
+    bound = chat.bind_tools([get_weather])
+    question = HumanMessage("What is the weather in Rome?")
+
+    first = bound.bind(logit_bias={str(brace): 8}).invoke([question])
+
+    assert first.tool_calls and {call["name"] for call in first.tool_calls} == {"get_weather"}
+    results = [get_weather.invoke(call) for call in first.tool_calls]
+    assert all(isinstance(result, ToolMessage) and result.content == "Sunny." for result in results)
+    final = bound.invoke([question, first, *results])
+    assert not final.tool_calls
+    assert isinstance(final.content, str) and final.content.strip()
 
 
 def test_litellm_structured_output_and_tools(live_swarm):

@@ -11,6 +11,7 @@ which leaves unfinished JSON with ``finish_reason: "length"`` (as with OpenAI)."
 from __future__ import annotations
 
 import json
+import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -189,6 +190,31 @@ def test_parse_returns_an_object_of_the_schema(client, schema, request_text):
     assert schema.model_validate_json(choice.message.content) == choice.message.parsed
     stored = Job.objects.get(public_id=completion.id).params["response_format"]
     assert stored["type"] == "json_schema"
+
+
+class Town(BaseModel):
+    """The issue's own: no bound on any field, a float among them."""
+
+    name: str
+    country: str
+    population_millions: float
+
+
+def test_a_number_without_bounds_ends_as_a_double_does(client):
+    """Greedy, a small model would write a number's digits without end; a number of at most 17
+    significant digits (and 3 of exponent) ends well within the length, and parses as a double."""
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=ask(Town, "Describe Tokyo."), response_format=Town, max_tokens=MAX_TOKENS, temperature=0
+    )
+
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    town = choice.message.parsed
+    assert isinstance(town, Town) and town.name and town.country
+    written = re.search(r'"population_millions":\s*-?([0-9.]+)(?:[eE][+-]?([0-9]+))?', choice.message.content)
+    assert written is not None, choice.message.content
+    assert sum(char.isdigit() for char in written.group(1)) <= 17  # as the model wrote it, not re-read
+    assert len(written.group(2) or "") <= 3
 
 
 def test_sampled_structured_output_validates_too(client):

@@ -1,8 +1,10 @@
 """Tool calling through the OpenAI-compatible API with the official ``openai`` client: a loop of
-call -> tool result -> final answer with ``tool_choice="required"`` and with a named function,
-streamed calls, the history a client sends back, and the refusals (``"auto"``, bad tools). A live
-control plane serves smollm2-135m over three joined agents; smollm2's chat template renders no
-tools, so the functions reach it in a system message and its call is constrained to their schemas."""
+call -> tool result -> final answer with ``tool_choice`` "auto" (the default: the model chooses
+between a call and words), "required" and a named function, streamed calls, one call only when
+``parallel_tool_calls`` is false, the history a client sends back, and the refusals (bad tools).
+A live control plane serves smollm2-135m over three joined agents; smollm2's chat template renders
+no tools, so the functions reach it in a system message and its calls are constrained to their
+schemas."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from openai import OpenAI
 from marketplace.jobs import tools
 from marketplace.jobs.models import Job
 from tests.api_fixtures import MODEL, module_db
+from worker_agent import model as models
 
 pytestmark = [pytest.mark.api]
 pytest_plugins = ["tests.api_fixtures"]
@@ -38,20 +41,25 @@ TOOLS = [
 QUESTION = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
+def brace_token() -> int:
+    return models.load_tokenizer(MODEL).convert_tokens_to_ids("{")
+
+
 @pytest.fixture
 def client(live_swarm) -> OpenAI:
     return OpenAI(base_url=f"{live_swarm.url}/v1", api_key=live_swarm.key, max_retries=0, timeout=180)
 
 
-def call_loop(client: OpenAI, tool_choice) -> tuple:
+def call_loop(client: OpenAI, tool_choice, **options) -> tuple:
     """Ask, get a call, answer it with a tool result, get the final text."""
     first = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice, max_tokens=64, temperature=0
-    )
+        model=MODEL, messages=QUESTION, tools=TOOLS, max_tokens=64, temperature=0, **options,
+        **({} if tool_choice is None else {"tool_choice": tool_choice}),
+    )  # fmt: skip
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
-    (call,) = choice.message.tool_calls
+    call = choice.message.tool_calls[0]
     assert call.type == "function" and call.id.startswith("call_")
     history = [
         *QUESTION,
@@ -77,6 +85,48 @@ def test_a_required_call_then_its_result_then_the_final_answer(client):
     job = Job.objects.get(public_id=first.id)
     assert job.params["tool_choice"] == "required"
     assert [tool["name"] for tool in job.params["tools"]] == ["get_weather", "get_time"]
+
+
+def test_by_default_the_model_chooses_a_call_then_answers_its_result_in_words(client):
+    # smollm2-135m was not trained to call functions: left to itself it answers in words. A bias
+    # towards "{" (a call's first character) makes it choose the call.
+    first, call, _ = call_loop(client, None, logit_bias={str(brace_token()): 8})
+
+    assert call.function.name in {"get_weather", "get_time"}
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    assert Job.objects.get(public_id=first.id).params["tool_choice"] == "auto"
+    # With the tools still offered after the result, it chooses words.
+    history = [
+        *QUESTION,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees Celsius."},
+    ]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=32, temperature=0)
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content and not answer.choices[0].message.content.startswith("{")
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auto_answers_in_words_when_no_function_fits(client):
+    question = [{"role": "user", "content": "Write one short sentence about the sea."}]
+    for stream in (False, True):
+        response = client.chat.completions.create(
+            model=MODEL, messages=question, tools=TOOLS, tool_choice="auto", max_tokens=24, temperature=0, stream=stream
+        )
+        if stream:
+            deltas = [c.choices[0].delta for c in response if c.choices]
+            assert not any(delta.tool_calls for delta in deltas)
+            assert "".join(delta.content or "" for delta in deltas)
+        else:
+            assert response.choices[0].message.tool_calls is None
+            assert response.choices[0].message.content
+
+
+def test_without_parallel_calls_a_response_holds_one_call(client):
+    first, _, _ = call_loop(client, "required", parallel_tool_calls=False)
+
+    assert len(first.choices[0].message.tool_calls) == 1
+    assert Job.objects.get(public_id=first.id).params["parallel_tool_calls"] is False
 
 
 def test_a_named_function_is_the_one_called(client):
@@ -120,8 +170,6 @@ def test_tool_choice_none_answers_in_text(client):
 @pytest.mark.parametrize(
     ("arguments", "param", "code"),
     [
-        ({"tools": TOOLS}, "tool_choice", "unsupported_parameter"),  # "auto", the default with tools
-        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", None),
         (
             {"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"},
@@ -136,7 +184,7 @@ def test_tool_choice_none_answers_in_text(client):
             None,
         ),
     ],
-    ids=["default-auto", "auto", "unknown-name", "bad-name", "twice", "no-tools", "with-response-format"],
+    ids=["unknown-name", "bad-name", "twice", "no-tools", "with-response-format"],
 )
 def test_tool_requests_this_api_cannot_honour_are_refused_400(client, arguments, param, code):
     jobs = Job.objects.count()

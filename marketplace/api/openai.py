@@ -71,7 +71,7 @@ CAPABILITIES = {
     "completions": True,
     "streaming": True,
     "embeddings": False,  # out of scope: the swarm serves generation only
-    "tools": True,  # tool_choice "required" or a named function; "auto" is refused
+    "tools": True,  # tool_choice "auto" (the default), "required" or a named function; parallel calls
     "structured_output": True,
     "logprobs": True,
 }

@@ -44,7 +44,8 @@ class Choice:
     def __init__(self, job: Job, index: int, kind: str, subscription: Subscription) -> None:
         self.job, self.index, self.kind = job, index, kind
         self.logprobs = job.params.get("logprobs")  # alternatives per token, or None: no log-probabilities
-        self.calls_tool = job.params.get("tool_choice", "none") != "none"  # the output is one function call
+        self.tool_choice = job.params.get("tool_choice", "none")
+        self.calls_tool = self.tool_choice != "none"  # the output is, or may be, function calls
         self._offset = 0  # a text completion's characters so far, for its logprobs' text_offset
         self.subscription = subscription
         self.ended = False  # its job's last event (done or error) was read
@@ -158,7 +159,9 @@ class Choice:
         """The choice's chunk entries as its tokens arrive (those that arrived together in one),
         then its completion tokens (an int); JobFailed when its job failed."""
         tokens: list[dict] = []  # token events whose log-probabilities no chunk carried yet
-        held: list[str] = []  # a call's text, sent as tool_calls once whole
+        held: list[str] = []  # calls' text, sent as tool_calls once whole
+        # Calls are held until whole; under "auto" the output's first characters tell calls from words.
+        holding, deciding = self.calls_tool and self.tool_choice != "auto", self.tool_choice == "auto"
         async for batch in self.batches():
             text = []
             for event in batch:
@@ -167,7 +170,9 @@ class Choice:
                 if "logprob" in event:
                     tokens.append(event)
                 text.append(event["text"])
-            if any(text) and self.calls_tool:
+            if deciding and any(text):
+                holding, deciding = tools.may_be_a_call("".join(text)), False
+            if any(text) and holding:
                 held.append("".join(text))
             elif any(text):
                 yield self.chunk("".join(text), None, tokens=tokens)
@@ -179,7 +184,7 @@ class Choice:
                 calls = tools.tool_calls_of("".join(held)) if held and finish == "stop" else None
                 if calls:
                     entry = self.chunk(None, None, tokens=tokens)
-                    entry["delta"] = {"tool_calls": [{"index": 0, **calls[0]}]}
+                    entry["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
                     yield entry
                     finish, tokens = "tool_calls", []
                 elif held:  # cut short: the text as it is
@@ -372,7 +377,7 @@ def replayed(answer: dict, stream: bool, include_usage: bool) -> HttpResponseBas
             if chat:
                 message = c["message"]
                 delta = (
-                    {"tool_calls": [{"index": 0, **call} for call in message["tool_calls"]]}
+                    {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
                     if message.get("tool_calls")
                     else {"content": message["content"]}
                 )

@@ -239,19 +239,10 @@ def parse(body: dict, kind: str) -> tuple[str, RequestParams]:
     response_format = _response_format(body.get("response_format")) if kind == "chat" else None
     functions = tools.parse_tools(body.get("tools")) if kind == "chat" else ()
     tool_choice = tools.parse_tool_choice(body.get("tool_choice"), functions)
-    if tool_choice == "auto":
-        raise InvalidRequest(
-            f"Unsupported parameter: tool_choice 'auto' (the model choosing whether to call a tool): the model "
-            f"'{model}' has no tool use in its chat template, so it cannot choose; use 'required', a named "
-            "function, or 'none' (the default without tools).",
-            param="tool_choice",
-            code="unsupported_parameter",
-        )
     if tool_choice != "none" and response_format is not None:
-        raise InvalidRequest(
-            "A required tool call and 'response_format' cannot both shape the output.", param="tool_choice"
-        )
-    if not isinstance(body.get("parallel_tool_calls", True), bool | None):
+        raise InvalidRequest("Tool calls and 'response_format' cannot both shape the output.", param="tool_choice")
+    parallel_tool_calls = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel_tool_calls, bool | None):
         raise InvalidRequest("'parallel_tool_calls' must be a boolean.", param="parallel_tool_calls")
     messages, prompt = None, None
     if kind == "chat":
@@ -284,6 +275,7 @@ def parse(body: dict, kind: str) -> tuple[str, RequestParams]:
         response_format=response_format,
         tools=functions,
         tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls is not False,
         n=n,
         privacy=_provider(body.get("provider")),
     )

@@ -16,7 +16,6 @@ become, here and nowhere else:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from ssl import SSLContext
@@ -108,7 +107,7 @@ def generation_request(coordinator: Coordinator, job: Job, params: RequestParams
         stop=params.stop,
         speculate=params.speculation,
         logprobs=params.logprobs,
-        grammar=json_grammar(params),
+        grammar=json_grammar(params, coordinator.tokenizer),
         prefix_salt=prefix_salt(job.customer_id),
     )
 
@@ -133,11 +132,13 @@ def sampling_params(params: RequestParams) -> SamplingParams:
     )
 
 
-def json_grammar(params: RequestParams) -> grammar.JsonGrammar | None:
-    """The grammar the output must follow: one call of the chosen function(s), or the request's
-    ``response_format`` (None: free text)."""
+def json_grammar(params: RequestParams, tokenizer) -> grammar.Grammar | None:
+    """The grammar the output must follow: calls of the chosen function(s) in the format the
+    model's template teaches (or text, under ``"auto"``), or the request's ``response_format``
+    (None: free text)."""
     if params.calls_tool:
-        return grammar.JsonGrammar(json.dumps(tools.call_schema(params.tools, params.tool_choice), sort_keys=True))
+        form = tools.call_format(tokenizer)
+        return tools.call_grammar(params.tools, params.tool_choice, params.parallel_tool_calls, form)
     if params.response_format is None:
         return None
     return grammar.JsonGrammar(params.response_format[1])

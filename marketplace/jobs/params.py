@@ -59,7 +59,8 @@ class RequestParams:
     # The output must be JSON: ("json_object", None), or ("json_schema", the schema's JSON text).
     response_format: tuple[str, str | None] | None = None
     tools: tuple[Tool, ...] = ()  # functions the model may be asked to call (tools.py)
-    tool_choice: str = "none"  # "none", "required" or a function's name: the output is then one call
+    tool_choice: str = "none"  # "none", "auto", "required" or a function's name (tools.py)
+    parallel_tool_calls: bool = True  # a response may hold several calls
     # Choices the request asked for (>= 1): each runs as a job of its own, and this is stored on each.
     n: int = 1
     # Which nodes may see it (a ``Privacy`` value, from the request's "provider" object); its API
@@ -125,7 +126,7 @@ class RequestParams:
 
     @property
     def calls_tool(self) -> bool:
-        """The output is one call of a function (``tool_choice`` required or named)."""
+        """The output is, or may be, calls of functions (``tool_choice`` other than "none")."""
         return self.tool_choice != "none"
 
     @property
@@ -178,6 +179,7 @@ class RequestParams:
         if self.tools:
             data["tools"] = [tool.to_json() for tool in self.tools]
             data["tool_choice"] = self.tool_choice
+            data["parallel_tool_calls"] = self.parallel_tool_calls
         if self.messages is not None:
             data["messages"] = self.chat_messages()
         else:
@@ -214,6 +216,7 @@ class RequestParams:
                 for t in data.get("tools") or ()
             ),
             tool_choice=data.get("tool_choice", "none"),
+            parallel_tool_calls=data.get("parallel_tool_calls", True),
             n=data.get("n", 1),
         )
 

@@ -168,7 +168,7 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
                 param="logit_bias",
             )
     tokenizer = models.load_tokenizer(model)
-    spec = json_grammar(params)
+    spec = json_grammar(params, tokenizer)
     if spec is not None:
         param = "tools" if params.calls_tool else "response_format"
         try:
@@ -179,7 +179,9 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
         assert params.prompt is not None  # a request without messages has a prompt (RequestParams checks)
         return encode_prompt(tokenizer, params.prompt, chat=False)
     messages = tools.with_tools(params.chat_messages(), params.tools, params.tool_choice, tokenizer)
-    return encode_prompt(tokenizer, messages, chat=True)
+    return encode_prompt(
+        tokenizer, messages, chat=True, tools=tools.template_tools(params.tools, params.tool_choice, tokenizer)
+    )
 
 
 def fit_context(model: str, prompt_tokens: int, params: RequestParams, *, max_tokens_given: bool) -> RequestParams:

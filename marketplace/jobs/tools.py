@@ -1,17 +1,24 @@
-"""Tool calling: a chat request's ``tools`` and ``tool_choice``, the prompt that shows them to the
-model, the grammar its call must follow, and the call read back out of its text.
+"""Tool calling: a chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, the
+prompt that shows the functions to the model, the grammar its output must follow, and the calls
+read back out of its text.
 
 A call is JSON: ``{"name": <a function's name>, "arguments": <an object valid against that
-function's parameters>}``. With ``tool_choice`` ``"required"`` or a named function the model's
-output is constrained to that JSON (the structured-output grammar, ``grammar.py``), so the
-arguments always parse and validate; the response then carries ``tool_calls`` and finishes
-``"tool_calls"``. One call per response: a model may call again after seeing the result.
+function's parameters>}``, written bare, or inside the ``<tool_call>`` tags that Hermes-style chat
+templates (Qwen2 and later, Hermes) teach their models. The output is constrained by a grammar
+(``call_grammar``, llguidance's Lark syntax with the calls' JSON schemas inlined), so a call's
+arguments always parse and validate:
 
-``"auto"`` would let the model decide whether to call, in the call format its own chat template
-teaches; this API does not read model-specific call formats yet, so ``"auto"`` answers 400 rather
-than pretend (no registry model's template renders tools: smollm2's does not). The model sees
-the functions in a system message listing them and the call's shape, and earlier calls and their
-results in the history are rendered as that same JSON and as ``tool`` messages.
+- ``"required"``: the output is one call or, with ``parallel_tool_calls`` (the default),
+  several, one per line (the same call written twice counts once).
+- a named function: one call of it.
+- ``"auto"`` (the default whenever tools are sent): the model answers either with calls, as
+  above, or in text that does not begin like a call; it chooses.
+
+The response then carries ``tool_calls`` and finishes ``"tool_calls"``, or carries the text. A
+model whose chat template renders tools gets them through its template (``tools=``), as it was
+trained; any other model sees the functions in a system message listing them and the call's
+shape (``instructions``). Earlier calls in the history are rendered as the model writes a call,
+and their results as ``tool`` messages.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import secrets
 from dataclasses import dataclass
 
 from marketplace.jobs.errors import InvalidRequest
+from worker_agent.coordinator.grammar import LarkGrammar
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
@@ -112,9 +120,13 @@ def declared_only(schema: object) -> object:
     return out
 
 
+def chosen(tools: tuple[Tool, ...], choice: str) -> list[Tool]:
+    """The functions a call may name: the one named, or any of them (``"required"``, ``"auto"``)."""
+    return [tool for tool in tools if choice in ("required", "auto", tool.name)]
+
+
 def call_schema(tools: tuple[Tool, ...], choice: str) -> dict:
-    """The JSON schema of one call to the chosen function, or to any of them (``"required"``)."""
-    chosen = [tool for tool in tools if choice in ("required", tool.name)]
+    """The JSON schema of one call to the chosen function, or to any of them."""
     calls = [
         {
             "type": "object",
@@ -122,13 +134,63 @@ def call_schema(tools: tuple[Tool, ...], choice: str) -> dict:
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for tool in chosen
+        for tool in chosen(tools, choice)
     ]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model writes one call: the JSON between ``opening`` and ``closing``."""
+
+    opening: str = ""
+    closing: str = ""
+
+    def write(self, call: dict) -> str:
+        return self.opening + json.dumps(call) + self.closing
+
+
+BARE = CallFormat()
+HERMES = CallFormat("<tool_call>\n", "\n</tool_call>")  # Qwen2 and later, Hermes
+
+
+def call_format(tokenizer) -> CallFormat:
+    """The call format the model's chat template teaches (bare JSON where it teaches none)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return HERMES if supports_tools(tokenizer) and HERMES.opening.strip() in template else BARE
+
+
+# Compact JSON: no run of spaces for a model to loop in (as grammar.JSON_DEFAULTS).
+INLINE_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def call_grammar(tools: tuple[Tool, ...], choice: str, parallel: bool, form: CallFormat) -> LarkGrammar:
+    """The grammar of the output: calls (one, or several on lines of their own when ``parallel``)
+    and, with ``"auto"``, the alternative of text that does not begin as a call does."""
+    schema = call_schema(tools, choice) | {"x-guidance": INLINE_JSON_OPTIONS}
+    call = " ".join(
+        part for part in (_literal(form.opening), "%json " + json.dumps(schema), _literal(form.closing)) if part
+    )
+    several = parallel and choice in ("auto", "required")  # a named function is called once
+    rules = [
+        "start: calls | TEXT" if choice == "auto" else "start: calls",
+        'calls: call ("\\n" call)*' if several else "calls: call",
+        f"call: {call}",
+    ]
+    if choice == "auto":
+        # Words begin with neither a call's first character nor a bare call's "{".
+        firsts = "".join(sorted({"{", (form.opening or "{")[0]}))
+        rules.append(f"TEXT: /[^{re.escape(firsts)}](.|\\n)*/")
+    return LarkGrammar("\n".join(rules) + "\n")
+
+
+def _literal(text: str) -> str:
+    """A Lark string literal for ``text`` ("" for none)."""
+    return json.dumps(text) if text else ""
+
+
 def call_text(calls: list[dict]) -> str:
-    """Earlier calls of an assistant message as the model writes a call (one JSON object each)."""
+    """Earlier calls of an assistant message as a model writes calls, one JSON object a line."""
     texts = []
     for call in calls:
         function = call["function"]
@@ -147,18 +209,30 @@ def supports_tools(tokenizer) -> bool:
 
 def instructions(tools: tuple[Tool, ...], choice: str) -> str:
     """A system message showing the functions to a model whose template cannot."""
-    listed = [tool.to_json() for tool in tools if choice in ("required", tool.name)]
-    return (
-        "You can call these functions:\n"
-        + "\n".join(json.dumps(tool) for tool in listed)
-        + '\nTo call one, answer with only a JSON object: {"name": <function name>, "arguments": <arguments>}.'
-    )
+    listed = [tool.to_json() for tool in chosen(tools, choice)]
+    how = '{"name": <function name>, "arguments": <arguments>}'
+    if choice == "auto":
+        ask = (
+            f"When a function gives what the user asks for, call it: answer with only a JSON object, {how}. "
+            "When you have what you need, answer the user in words."
+        )
+    else:
+        ask = f"To call one, answer with only a JSON object: {how}."
+    return "You can call these functions:\n" + "\n".join(json.dumps(tool) for tool in listed) + "\n" + ask
+
+
+def template_tools(tools: tuple[Tool, ...], choice: str, tokenizer) -> list[dict] | None:
+    """The functions to give the model's chat template (``tools=``, in OpenAI's shape, which the
+    templates read), where it renders them; None where it cannot."""
+    if choice == "none" or not supports_tools(tokenizer):
+        return None
+    return [{"type": "function", "function": tool.to_json()} for tool in chosen(tools, choice)]
 
 
 def with_tools(messages: list[dict], tools: tuple[Tool, ...], choice: str, tokenizer) -> list[dict]:
     """The conversation to render for a model without tool support in its template: the
-    functions listed in the (first) system message when a call is required."""
-    if choice in ("none", "auto") or supports_tools(tokenizer):
+    functions listed in the (first) system message whenever it may call one."""
+    if choice == "none" or supports_tools(tokenizer):
         return messages
     note = instructions(tools, choice)
     if messages and messages[0]["role"] == "system":
@@ -166,14 +240,35 @@ def with_tools(messages: list[dict], tools: tuple[Tool, ...], choice: str, token
     return [{"role": "system", "content": note}, *messages]
 
 
+def may_be_a_call(text: str) -> bool:
+    """Whether an output beginning with ``text`` (not empty) may be calls rather than words: under
+    ``"auto"``'s grammar, words never begin as a call does ("{" or "<tool_call>")."""
+    return text[:1] in ("{", HERMES.opening[:1])
+
+
 def tool_calls_of(text: str) -> list[dict] | None:
-    """The call in a constrained output, in OpenAI's ``tool_calls`` shape; None when the text is
-    not a whole call (cut by max_tokens)."""
-    try:
-        call = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+    """The calls in a constrained output, in OpenAI's ``tool_calls`` shape; None when the text
+    is not whole calls (words under ``"auto"``, or cut by max_tokens)."""
+    decoder = json.JSONDecoder()
+    calls, rest = [], text.strip()
+    while rest:
+        wrapped = rest.startswith(HERMES.opening.strip())
+        if wrapped:
+            rest = rest[len(HERMES.opening.strip()) :].lstrip()
+        try:
+            call, end = decoder.raw_decode(rest)
+        except ValueError:
+            return None
+        rest = rest[end:].lstrip()
+        if wrapped:
+            if not rest.startswith(HERMES.closing.strip()):
+                return None
+            rest = rest[len(HERMES.closing.strip()) :].lstrip()
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+            return None
+        if call not in calls:  # the same call written twice is one call
+            calls.append(call)
+    if not calls:
         return None
     return [
         {
@@ -181,4 +276,5 @@ def tool_calls_of(text: str) -> list[dict] | None:
             "type": "function",
             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
         }
+        for call in calls
     ]

@@ -23,6 +23,7 @@ strings and special tokens in strings; outlines-core ignored numeric bounds.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING
@@ -60,38 +61,136 @@ class JsonGrammar:
             raise GrammarError(f"the JSON schema cannot be compiled: {exc}") from None
 
 
+@dataclass(frozen=True)
+class LarkGrammar:
+    """What the output must be, as a grammar in llguidance's Lark syntax (its text), which may
+    inline JSON schemas (``%json {...}``): a tool call, or text where the model may choose."""
+
+    text: str
+
+    def grammar(self) -> str:
+        return llguidance.LLMatcher.grammar_from_lark(self.text)
+
+
+Grammar = JsonGrammar | LarkGrammar
+
+
 @cache
 def _tokenizer(tokenizer, vocab: int, eos: int) -> llguidance.LLTokenizer:
     """The tokenizer as llguidance sees it (about 0.3 s to build: once per model)."""
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
 
 
-def check(spec: JsonGrammar, tokenizer, vocab: int) -> None:
+def _what(spec: Grammar) -> str:
+    return "the JSON schema" if isinstance(spec, JsonGrammar) else "the grammar"
+
+
+def check(spec: Grammar, tokenizer, vocab: int) -> None:
     """Raise GrammarError when ``spec`` cannot constrain this model's output."""
     error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         spec.grammar(), _tokenizer(tokenizer, vocab, tokenizer.eos_token_id)
     )
     if error:
-        raise GrammarError(f"the JSON schema cannot be used: {messages[0] if messages else 'invalid grammar'}")
+        raise GrammarError(f"{_what(spec)} cannot be used: {messages[0] if messages else 'invalid grammar'}")
+
+
+# A JSON number holds what a double does: 17 significant digits (counted with any zeros after the
+# point) and an exponent of 3 digits. JSON schemas bound a number's value at most, never its
+# digits, so a small greedy model can write digits without end; these bounds end every number.
+MAX_NUMBER_DIGITS = 17
+MAX_EXPONENT_DIGITS = 3
+
+
+@dataclass(frozen=True)
+class DigitRuns:
+    """Of each token of a vocabulary: the digits in its leading run of digits and points, and
+    whether that run ends with a point (which needs a digit after it)."""
+
+    digits: np.ndarray  # int16 (vocab,)
+    ends_with_point: np.ndarray  # bool (vocab,)
+
+
+@cache
+def _digit_runs(tokenizer, vocab: int) -> DigitRuns:
+    """Once per model: digits and points are their own characters in byte-level and SentencePiece
+    token strings alike."""
+    digits = np.zeros(vocab, dtype=np.int16)
+    ends_with_point = np.zeros(vocab, dtype=bool)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab, len(tokenizer)))))
+    for index, piece in enumerate(pieces):
+        run = re.match(r"[0-9.]*", piece or "").group()
+        digits[index] = sum(char.isdigit() for char in run)
+        ends_with_point[index] = run.endswith(".")
+    return DigitRuns(digits, ends_with_point)
+
+
+class NumberScan:
+    """Where the output stands in its JSON numbers, from the text it has put out: inside a string
+    (where digits are free), in a number's digits, or in its exponent."""
+
+    def __init__(self) -> None:
+        self.in_string = self.escaped = False
+        self.in_number = self.in_exponent = False
+        self.digits = self.exponent_digits = 0
+
+    def feed(self, text: str) -> None:
+        for char in text:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char.isdigit():
+                if self.in_exponent:
+                    self.exponent_digits += 1
+                else:
+                    self.in_number, self.digits = True, self.digits + 1
+            elif char in ".+-" and (self.in_number or char == "-"):
+                self.in_number = True  # a point, an exponent's sign, or a leading minus
+            elif char in "eE" and self.in_number:
+                self.in_exponent = True
+            else:
+                self.in_number = self.in_exponent = False
+                self.digits = self.exponent_digits = 0
+                self.in_string = char == '"'
+
+    def digits_left(self) -> int | None:
+        """How many more digits the number being written may take (None: not in a number)."""
+        if self.in_string or not self.in_number:
+            return None
+        if self.in_exponent:
+            return MAX_EXPONENT_DIGITS - self.exponent_digits
+        return MAX_NUMBER_DIGITS - self.digits
 
 
 class Constraint:
     """One stream's grammar state: the mask of allowed next tokens, and the tokens consumed."""
 
-    def __init__(self, spec: JsonGrammar, tokenizer, vocab: int) -> None:
+    def __init__(self, spec: Grammar, tokenizer, vocab: int) -> None:
         self.vocab = vocab
+        self._tokenizer = tokenizer
         self._matcher = llguidance.LLMatcher(
             _tokenizer(tokenizer, vocab, tokenizer.eos_token_id), spec.grammar(), log_level=0
         )
         if self._matcher.is_error():
-            raise GrammarError(f"the JSON schema cannot be used: {self._matcher.get_error()}")
+            raise GrammarError(f"{_what(spec)} cannot be used: {self._matcher.get_error()}")
         self._bits = allocate_token_bitmask(1, vocab)
+        self._runs = _digit_runs(tokenizer, vocab)
+        self._numbers = NumberScan()
 
     def mask(self) -> torch.Tensor:
-        """bool (vocab,): True where a token may come next (end-of-sequence only where the text is complete)."""
+        """bool (vocab,): True where a token may come next (end-of-sequence only where the text is
+        complete; no more digits in a number than a double holds)."""
         fill_next_token_bitmask(self._matcher, self._bits)
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab]
-        return torch.from_numpy(bits).view(torch.bool)
+        left = self._numbers.digits_left()
+        if left is not None:
+            runs = self._runs
+            over = (runs.digits > left) | (runs.ends_with_point & (runs.digits >= left))
+            bits = bits & ~over
+        return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with every token the grammar does not allow next at -inf. (vocab,)"""
@@ -101,6 +200,7 @@ class Constraint:
         """Advance past a committed token (one ``apply`` allowed)."""
         if not self._matcher.consume_token(token):
             raise GrammarError(f"token {token} is not allowed here: {self._matcher.get_error()}")
+        self._numbers.feed(self._tokenizer.decode([token]))
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens``, from the current state on, the grammar allows in a row."""

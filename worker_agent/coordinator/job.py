@@ -54,12 +54,15 @@ MAX_HEALS = 2  # heals one request may go through before it fails
 HEALED_CLOSE_S = 2.0  # how long closing a job waits for the connections of routes it healed away from
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], *, chat: bool) -> tuple[int, ...]:
+def encode_prompt(
+    tokenizer, prompt: str | list[dict], *, chat: bool, tools: list[dict] | None = None
+) -> tuple[int, ...]:
     """A prompt's token ids: a string, or with ``chat=True`` chat messages ([{role, content}], a
-    string being one user message) put through the model's chat template."""
+    string being one user message) put through the model's chat template, with the functions
+    ``tools`` where the template renders them."""
     if chat:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+        return tuple(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)["input_ids"])
     return tuple(tokenizer(prompt)["input_ids"])
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker_agent.coordinator.grammar import Constraint, JsonGrammar
+from worker_agent.coordinator.grammar import Constraint, Grammar
 from worker_agent.coordinator.sampling import History, Sampler, SamplingParams
 
 
@@ -37,7 +37,7 @@ class GenerationRequest:
     eos_ids: frozenset[int] = frozenset()
     speculate: bool = True  # False: plain decoding whatever the coordinator's settings
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest (k <= 20)
-    grammar: JsonGrammar | None = None  # the output must be JSON (of this schema): grammar.py
+    grammar: Grammar | None = None  # the output must follow it (JSON of a schema, a tool call): grammar.py
     # The customer account's prefix salt (protocol/prefix.py): the stages may reuse the KV of its
     # earlier requests' prefixes and keep this one's. None: no reuse.
     prefix_salt: bytes | None = None
