@@ -132,6 +132,10 @@ def test_joined_agents_are_placed_served_and_replaced_when_one_dies(control_plan
         assert sorted(link.target.startswith("region:") for link in links) == [False] * 6 + [True] * 3
         assert all(link.rtt_ms > 0 for link in links)
         assert all(link.uplink_mbps > 0 for link in links if not link.target.startswith("region:"))
+        # Each probe was a frame its peer reads before a HELLO: no agent refused one.
+        refusals = [line for i in range(3) for line in (tmp_path / f"agent{i}.log").read_text().splitlines()
+                    if "too_large" in line or "unauthenticated" in line]  # fmt: skip
+        assert refusals == []
         region, chosen, cost_ms = route_request(MODEL)
         assert region == "local"
         # The fastest chain of ready blocks, the warm spare's included: its spans tile the model.
