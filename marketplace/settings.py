@@ -271,12 +271,19 @@ REST_FRAMEWORK = {
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Swarm marketplace API",
-    "DESCRIPTION": "Nodes, placement and (later) inference of the swarm marketplace.",
+    "DESCRIPTION": "The swarm marketplace: inference through its OpenAI-compatible API (`/v1`, with an API "
+    "key as the bearer token), and nodes, keys, credits and billing through its REST API.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "OAS_VERSION": "3.1.0",  # JSON Schema 2020-12, as the /v1 request types are written
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # The /v1 inference API is plain async views: its request types are added here.
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "marketplace.api.inference_schema.add_inference_api",
+    ],
 }
 
 # --- the swarm ------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ def test_schema_is_an_openapi_3_document_about_the_marketplace(schema):
     assert schema["info"] == {
         "title": "Swarm marketplace API",
         "version": "0.1.0",
-        "description": "Nodes, placement and (later) inference of the swarm marketplace.",
+        "description": "The swarm marketplace: inference through its OpenAI-compatible API (`/v1`, with an API "
+        "key as the bearer token), and nodes, keys, credits and billing through its REST API.",
     }
 
 
@@ -47,6 +48,9 @@ def test_schema_lists_every_endpoint(schema):
         "/api/v1/nodes/{id}/rotate-token/": ["post"],
         "/api/v1/agents/register": ["post"],
         "/api/v1/agents/check-token": ["post"],
+        "/v1/models": ["get"],
+        "/v1/chat/completions": ["post"],
+        "/v1/completions": ["post"],
     }
 
 
@@ -116,6 +120,11 @@ def test_schema_declares_session_and_basic_authentication_for_the_node_api(schem
     assert schema["components"]["securitySchemes"] == {
         "basicAuth": {"type": "http", "scheme": "basic"},
         "cookieAuth": {"type": "apiKey", "in": "cookie", "name": "sessionid"},
+        "ApiKeyBearer": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "An API key from the dashboard (`sk-...`), as OpenAI's clients send it.",
+        },
     }
     assert schema["paths"]["/api/v1/nodes/"]["get"]["security"] == [{"cookieAuth": []}, {"basicAuth": []}]
 

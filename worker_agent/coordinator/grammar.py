@@ -99,6 +99,7 @@ def check(spec: Grammar, tokenizer, vocab: int) -> None:
 # digits, so a small greedy model can write digits without end; these bounds end every number.
 MAX_NUMBER_DIGITS = 17
 MAX_EXPONENT_DIGITS = 3
+LEADING_RUN = re.compile(r"[0-9.]*")
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def _digit_runs(tokenizer, vocab: int) -> DigitRuns:
     ends_with_point = np.zeros(vocab, dtype=bool)
     pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab, len(tokenizer)))))
     for index, piece in enumerate(pieces):
-        run = re.match(r"[0-9.]*", piece or "").group()
+        run = LEADING_RUN.match(piece or "").group()  # type: ignore[union-attr]  # "*" always matches
         digits[index] = sum(char.isdigit() for char in run)
         ends_with_point[index] = run.endswith(".")
     return DigitRuns(digits, ends_with_point)
