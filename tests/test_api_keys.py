@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from marketplace.api.errors import error_response
 from marketplace.jobs import services
 from marketplace.jobs.errors import ApiKeyNameTaken, AuthenticationFailed, InvalidRequest
 from marketplace.jobs.models import ApiKey
+from marketplace.web.services import ensure_playground_key
 from tests.factories import drf_datetime
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db]
@@ -267,3 +270,14 @@ def test_the_playground_key_does_not_count_against_the_key_limit(customer, setti
         "only",
     ]
     assert api_key.name == "only"
+
+
+def test_each_playground_request_marks_its_key_used_as_the_api_marks_a_clients(customer):
+    first = ensure_playground_key(customer)
+    assert first.last_used_at is not None
+    ApiKey.objects.filter(pk=first.pk).update(last_used_at=timezone.now() - timedelta(hours=2))
+
+    again = ensure_playground_key(customer)
+
+    assert again.pk == first.pk
+    assert timezone.now() - ApiKey.objects.get(pk=first.pk).last_used_at < timedelta(minutes=1)

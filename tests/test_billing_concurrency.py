@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from marketplace.billing import services
 from marketplace.billing.models import AccountKind, LedgerAccount, ModelPrice, Transfer
+from marketplace.billing.services import add_credits_url
 from marketplace.jobs.models import ApiKey, Job, JobState
 from marketplace.jobs.services import create_api_key
 from marketplace.nodes.joining import create_node
@@ -100,6 +101,9 @@ async def one_request(client: openai.AsyncOpenAI, index: int):
         if exc.status_code == 402:
             assert exc.response.headers["x-should-retry"] == "false"
             assert exc.body["code"] == "insufficient_quota"
+            # The message says where to add credits: the billing page, as a client can open it.
+            assert exc.body["message"] == f"Insufficient credits: add credits at {add_credits_url()} to continue."
+            assert add_credits_url().endswith("/customer/billing/")
             return "402", None, None
         raise
 

@@ -90,6 +90,21 @@ def test_usage_groups_by_model_and_exports_csv(customer, spent):
     ]
 
 
+def test_usage_by_key_names_each_key(customer, spent):
+    client = signed_in(customer)
+    _, job = spent
+
+    by_key = client.get("/api/v1/billing/usage?group=key").json()
+    csv = client.get("/api/v1/billing/usage.csv?group=key")
+
+    row = {"requests": 1, "prompt_tokens": 40, "completion_tokens": 7, "cost": "0.000061000"}
+    assert by_key == {"group": "key", "data": [{"key": job.api_key.prefix, "key_name": "main", **row}]}
+    assert csv.content.decode().splitlines() == [
+        "key,key_name,requests,prompt_tokens,completion_tokens,cost_usd",
+        f"{job.api_key.prefix},main,1,40,7,0.000061000",
+    ]
+
+
 def test_usage_refuses_an_unknown_grouping(customer, spent):
     response = signed_in(customer).get("/api/v1/billing/usage?group=week")
 

@@ -7,6 +7,7 @@ missing DJANGO_SECRET_KEY is a clear error."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -75,3 +76,29 @@ def test_a_missing_secret_key_is_a_clear_error():
     result = config({k: v for k, v in ENV.items() if k != "DJANGO_SECRET_KEY"})
     assert result.returncode != 0
     assert "set DJANGO_SECRET_KEY" in result.stderr
+
+
+def test_the_example_env_file_names_every_variable_and_renders_once_the_secret_is_set(tmp_path):
+    """``.env.example`` holds every variable the file reads, and with its secret filled in (the
+    only value it leaves empty that the file requires) the deployment renders from it alone."""
+    example = (ROOT / ".env.example").read_text()
+    named = set(re.findall(r"^([A-Z_0-9]+)=", example, flags=re.M))
+    read = set(re.findall(r"\$\{([A-Z_0-9]+)", (ROOT / "docker-compose.yml").read_text()))
+    assert read == named
+    env_file = tmp_path / ".env"
+    env_file.write_text(example.replace("DJANGO_SECRET_KEY=\n", f"DJANGO_SECRET_KEY={'s' * 48}\n"))
+    clean = {k: v for k, v in os.environ.items() if k not in named}
+
+    result = subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "--env-file", str(env_file), "config"],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+    assert result.returncode == 0, result.stderr
+    web = yaml.safe_load(result.stdout)["services"]["web"]["environment"]
+    assert web["DJANGO_SECRET_KEY"] == "s" * 48
+    assert web["DJANGO_ALLOWED_HOSTS"] == "localhost,127.0.0.1,web"

@@ -10,6 +10,7 @@ its job and the ledger's charge.
 
 from __future__ import annotations
 
+import ast
 import csv
 import hashlib
 import io
@@ -122,6 +123,13 @@ def test_a_customer_manages_keys_tops_up_chats_and_reads_usage(
     assert full_key.startswith("sk-sw-")
     assert hashlib.sha256(full_key.encode()).hexdigest() == api_key.key_hash
     assert full_key.startswith(api_key.prefix)
+    # Beside it, a first request ready to paste: the key, this server's /v1 and a servable model.
+    python = page.locator("#new-key-python").inner_text()
+    ast.parse(python)
+    assert f'OpenAI(base_url="{web.url}/v1", api_key="{full_key}")' in python
+    assert 'model="tiny-llama"' in python
+    curl = page.locator("#new-key-curl").inner_text()
+    assert curl.startswith(f"curl {web.url}/v1/chat/completions") and f"Bearer {full_key}" in curl
     web.shot("key-created")
 
     page.reload()
@@ -235,7 +243,9 @@ def test_a_customer_manages_keys_tops_up_chats_and_reads_usage(
         [MODEL, "1", str(job.prompt_tokens), str(job.completion_tokens), format(Decimal(charge.amount) / NANO, ".9f")],
     ]
     page.get_by_role("link", name="By API key").click()
-    expect(page.locator("#usage-table tbody tr").first.locator("th")).to_have_text(job.api_key.prefix)
+    expect(page.locator("#usage-table tbody tr").first.locator("th")).to_have_text(
+        f"{job.api_key.name} ({job.api_key.prefix}…)"
+    )
     web.shot("usage-by-key")
     page.get_by_role("link", name="By day").click()
     expect(page.locator("#usage-table tbody tr").first.locator("th")).to_have_text(job.created_at.date().isoformat())

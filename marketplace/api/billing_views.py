@@ -67,9 +67,11 @@ def usage_csv(request: Request) -> HttpResponse:
     rows = job_selectors.usage(request.user, group)
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow([group, "requests", "prompt_tokens", "completion_tokens", "cost_usd"])
+    named = ["key_name"] if group == "key" else []
+    writer.writerow([group, *named, "requests", "prompt_tokens", "completion_tokens", "cost_usd"])
     for row in rows:
-        writer.writerow([row[group], row["requests"], row["prompt_tokens"], row["completion_tokens"], row["cost"]])
+        values = [row["requests"], row["prompt_tokens"], row["completion_tokens"], row["cost"]]
+        writer.writerow([row[group], *(row[name] for name in named), *values])
     response = HttpResponse(out.getvalue(), content_type="text/csv")
     response["Content-Disposition"] = f'attachment; filename="usage-by-{group}.csv"'
     return response

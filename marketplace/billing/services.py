@@ -21,6 +21,19 @@ from marketplace.billing.errors import InsufficientCredits
 from marketplace.billing.models import NANO_PER_DOLLAR, AccountKind, LedgerAccount, ModelPrice, Transfer
 from worker_agent.checkpoints import ref_name
 
+# The dashboard's billing page (``web.urls`` serves it here): named in a 402 from any process, an
+# inference-only one too, whose URLs hold no dashboard to reverse.
+BILLING_PAGE = "/customer/billing/"
+
+
+def add_credits_url() -> str:
+    """Where a customer adds credits: the billing page, at SWARM_PUBLIC_URL when it is set."""
+    return settings.SWARM_PUBLIC_URL + BILLING_PAGE
+
+
+def insufficient_credits_message() -> str:
+    return f"Insufficient credits: add credits at {add_credits_url()} to continue."
+
 
 def account(kind: str, owner=None) -> LedgerAccount:
     owner_id = getattr(owner, "pk", owner)
@@ -50,7 +63,7 @@ def transfer(
     }
     source = locked[debit.pk]
     if source.kind == AccountKind.CUSTOMER_CREDIT and not allow_negative and source.balance < amount:
-        raise InsufficientCredits("Insufficient credits: top up your balance to continue.")
+        raise InsufficientCredits(insufficient_credits_message())
     try:
         with transaction.atomic():
             LedgerAccount.objects.filter(pk=debit.pk).update(balance=F("balance") - amount)
@@ -125,7 +138,7 @@ def _transfer_many(moves: Sequence[Move]) -> list[Transfer]:
     for move in moves:
         kind = locked[move.debit.pk].kind
         if kind == AccountKind.CUSTOMER_CREDIT and balance[move.debit.pk] < move.amount:
-            raise InsufficientCredits("Insufficient credits: top up your balance to continue.")
+            raise InsufficientCredits(insufficient_credits_message())
         if kind == AccountKind.CUSTOMER_HOLD and balance[move.debit.pk] < move.amount:
             raise ValueError(f"transfer of {move.amount} would take a hold below zero")
         balance[move.debit.pk] -= move.amount

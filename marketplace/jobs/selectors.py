@@ -16,11 +16,13 @@ from marketplace.jobs.models import FINAL_STATES, Job, JobState
 
 
 def usage(user, group: str) -> list[dict]:
-    """Tokens and cost of the customer's jobs, grouped by day, model or key."""
+    """Tokens and cost of the customer's jobs, grouped by day, model or key (a key's row names it:
+    ``key`` its prefix, ``key_name`` the name its owner gave it; both None once it is deleted)."""
     expression = {"day": TruncDay("created_at"), "model": F("model"), "key": F("api_key__prefix")}[group]
-    grouped = Job.objects.filter(customer=user).annotate(group=expression)
+    named = {"key_name": F("api_key__name")} if group == "key" else {}
+    grouped = Job.objects.filter(customer=user).annotate(group=expression, **named)
     rows = (
-        grouped.values("group")
+        grouped.values("group", *named)
         .annotate(
             requests=Count("id"),
             prompt_tokens=Sum("prompt_tokens"),
@@ -36,6 +38,7 @@ def usage(user, group: str) -> list[dict]:
             "prompt_tokens": row["prompt_tokens"] or 0,
             "completion_tokens": row["completion_tokens"] or 0,
             "cost": money(row["cost"]),
+            **{name: row[name] for name in named},
         }
         for row in rows
     ]

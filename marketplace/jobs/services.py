@@ -140,10 +140,16 @@ def authenticate_key(header: str | None) -> ApiKey:
         raise AuthenticationFailed("This API key was revoked.", code="revoked_api_key")
     if not api_key.user.is_active:
         raise AuthenticationFailed("This account is disabled.", code="account_disabled")
+    mark_used(api_key)
+    return api_key
+
+
+def mark_used(api_key: ApiKey) -> None:
+    """Record that ``api_key`` was used now: by a client, or by the playground on its owner's behalf."""
     now = timezone.now()
     if api_key.last_used_at is None or (now - api_key.last_used_at).total_seconds() > LAST_USED_RESOLUTION_S:
         ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)  # at most one write a minute per key
-    return api_key
+        api_key.last_used_at = now
 
 
 def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:

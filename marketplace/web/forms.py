@@ -60,7 +60,12 @@ class TopUpForm(forms.Form):
         super().__init__(*args, **kwargs)
         low, high = settings.STRIPE_TOPUP_MIN_DOLLARS, settings.STRIPE_TOPUP_MAX_DOLLARS
         field = self.fields["amount"]
-        field.validators += [MinValueValidator(low), MaxValueValidator(high)]
+        field.validators += [
+            MinValueValidator(low, message=f"The least you can add at once is {usd_text(low)}."),
+            MaxValueValidator(high, message=f"The most you can add at once is {usd_text(high)}."),
+        ]
+        field.error_messages["max_decimal_places"] = "Give dollars and cents: at most 2 digits after the point."
+        field.error_messages["invalid"] = "Give an amount in dollars, e.g. 10 or 12.50."
         field.widget.attrs.update(min=str(low), max=str(high), step="0.01")
         field.help_text = f"between {usd_text(low)} and {usd_text(high)}"
 

@@ -139,6 +139,15 @@ def servable_models() -> list[ServableModel]:
     return found
 
 
+def example_model() -> str:
+    """A model to name in a first request: one servable now, else the first the server offers."""
+    servable = servable_models()
+    if servable:
+        return servable[0].id
+    offered = served_models()
+    return ref_name(offered[0]) if offered else "smollm2-135m"
+
+
 @dataclass(frozen=True)
 class UsageView:
     group: str
@@ -157,6 +166,8 @@ def usage_view(user, group: str) -> UsageView:
     rows = job_selectors.usage(user, group)
     for row in rows:
         row["label"] = row[group] if row[group] is not None else "(deleted key)"
+        if group == "key" and row[group] is not None:
+            row["label"] = f"{row['key_name']} ({row['key']}…)"
         row["tokens"] = row["prompt_tokens"] + row["completion_tokens"]
     tokens_chart = charts.bar_chart(
         f"Tokens by {GROUP_TITLES[group]}", [(r["label"], r["tokens"], count_text(r["tokens"])) for r in rows]
@@ -411,6 +422,28 @@ def throughput(now: datetime | None = None) -> Throughput:
 # --- everyone -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Step:
+    id: str
+    text: str
+    url_name: str  # the page where it is done
+    done: bool
+
+
+def getting_started(user) -> list[Step] | None:
+    """A new customer's first steps, each ticked once done; None once all are."""
+    jobs = Job.objects.filter(customer=user)
+    own_keys = ApiKey.objects.filter(user=user).exclude(name=PLAYGROUND_KEY_NAME)
+    steps = [
+        Step("credits", "Add credits", "web:billing", billing.totals(user)["total_credits"] > 0),
+        Step("playground", "Try a model in the playground", "web:playground",
+             jobs.filter(api_key__name=PLAYGROUND_KEY_NAME).exists()),
+        Step("key", "Create an API key", "web:keys", own_keys.exists()),
+        Step("request", "Send a first request with it", "web:keys", jobs.filter(api_key__in=own_keys).exists()),
+    ]  # fmt: skip
+    return None if all(step.done for step in steps) else steps
+
+
 def home_overview(user) -> dict:
     overview: dict = {}
     if user.is_provider:
@@ -419,6 +452,7 @@ def home_overview(user) -> dict:
     if user.is_customer:
         overview["balance"] = billing.balance(user)
         overview["active_keys"] = ApiKey.objects.filter(user=user, revoked_at__isnull=True).count()
+        overview["getting_started"] = getting_started(user)
     if user.is_staff:
         overview["servable_models"] = [m.id for m in servable_models()]
         overview["active_nodes"] = Node.objects.filter(state=NodeState.ACTIVE).count()

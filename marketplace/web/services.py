@@ -6,7 +6,7 @@ from django.contrib.auth import get_user_model
 from django.db import transaction
 
 from marketplace.jobs.models import ApiKey
-from marketplace.jobs.services import create_playground_key
+from marketplace.jobs.services import create_playground_key, mark_used
 from marketplace.nodes import joining, shown_tokens
 from marketplace.nodes.models import Node
 from marketplace.placement import lifecycle
@@ -23,10 +23,10 @@ def ensure_playground_key(user) -> ApiKey:
     """
     get_user_model().objects.select_for_update().filter(pk=user.pk).first()
     found = playground_key(user)
-    if found is not None:
-        return found
-    api_key, _ = create_playground_key(user)
-    return api_key
+    if found is None:
+        found, _ = create_playground_key(user)
+    mark_used(found)  # as the API marks a key a client sends: its row says when the playground last ran
+    return found
 
 
 def add_node(*, owner, name: str, region: str, max_layers: int | None = None) -> Node:

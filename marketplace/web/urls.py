@@ -1,5 +1,6 @@
 from django.urls import path
 
+from marketplace.billing.services import BILLING_PAGE
 from marketplace.web import admin_views, customer_views, node_views, views
 
 app_name = "web"
@@ -23,7 +24,7 @@ urlpatterns = [
     path("customer/keys/<int:pk>/revoke/", views.key_revoke, name="key-revoke"),
     path("customer/keys/<int:pk>/privacy/", views.key_privacy, name="key-privacy"),
     path("customer/privacy/", views.privacy, name="privacy"),
-    path("customer/billing/", customer_views.billing_page, name="billing"),
+    path(BILLING_PAGE.lstrip("/"), customer_views.billing_page, name="billing"),
     path("customer/billing/balance/", customer_views.balance_fragment, name="balance"),
     path("customer/billing/ledger/", customer_views.ledger, name="ledger"),
     path("customer/billing/top-up/", customer_views.top_up, name="top-up"),

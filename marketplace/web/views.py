@@ -174,6 +174,9 @@ def _keys_panel(request: HtmxRequest, form: ApiKeyForm, *, created=None, key: st
         "full_key": key,
         "privacy_choices": Privacy.choices,
     }
+    if created is not None:  # a ready-to-paste first request with the new key, shown with it once
+        context["api_base"] = f"{public_url(request)}/v1"
+        context["example_model"] = selectors.example_model()
     return _form_panel(request, "web/partials/keys_panel.html", "web/customer_keys.html", form, context)
 
 
