@@ -50,17 +50,19 @@ def sdk(server, key: str) -> openai.OpenAI:
     ],
     ids=["embeddings", "responses", "images"],
 )
-def test_an_endpoint_this_server_lacks_is_a_json_404_the_sdk_reads(server, key, call):
-    with pytest.raises(openai.NotFoundError) as caught:
+def test_an_endpoint_of_openais_this_server_lacks_is_a_json_501_the_sdk_reads(server, key, call):
+    with pytest.raises(openai.APIStatusError) as caught:
         call(sdk(server, key))
 
+    assert caught.value.status_code == 501
     body = caught.value.response.json()
-    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "unknown_url"
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "unsupported_endpoint"
+    assert caught.value.message.startswith(f"Error code: 501 - {caught.value.response.request.method} ")
     assert caught.value.response.request.url.path in body["error"]["message"]
     assert "/v1/chat/completions" in body["error"]["message"]  # it says what this server answers
 
 
-@pytest.mark.parametrize("path", ["/v1", "/v1/", "/v1/chat/completions/extra", "/v1/models/x/y"])
+@pytest.mark.parametrize("path", ["/v1", "/v1/", "/v1/chat/completions/extra", "/v1/models/x/y", "/v1/nope"])
 def test_any_unknown_path_under_v1_is_json(server, path):
     response = httpx2.get(f"{server.url}{path}", timeout=30)
 

@@ -78,12 +78,34 @@ CAPABILITIES = {
 
 
 ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions")
+# OpenAI's endpoints that this server knows of and does not implement: the swarm serves generation.
+UNSUPPORTED = frozenset(
+    {"embeddings", "responses", "audio", "images", "moderations", "files", "uploads", "batches", "fine_tuning"}
+    | {"assistants", "threads", "vector_stores", "realtime", "evals", "containers"}
+)
 
 
 @csrf_exempt
 async def unknown_url(request: HttpRequest, exception: Exception | None = None, **_) -> JsonResponse:
-    """Any other path under /v1 (``/v1/embeddings``, ``/v1/responses``, a typo): 404 in OpenAI's shape."""
-    message = f"Invalid URL ({request.method} {request.path}): this server answers {', '.join(ENDPOINTS)}."
+    """Any other path under /v1, in OpenAI's shape: 501 for an endpoint of OpenAI's this server does
+    not implement (``/v1/embeddings``, ``/v1/responses``), 404 for any other (a typo)."""
+    served = ", ".join(ENDPOINTS)
+    endpoint = request.path.removeprefix("/v1/").split("/", 1)[0]
+    if request.path.startswith("/v1/") and endpoint in UNSUPPORTED:
+        message = (
+            f"{request.method} {request.path} is not implemented here: this server serves text generation only "
+            f"({served})."
+        )
+        body = {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "unsupported_endpoint",
+            }
+        }
+        return JsonResponse(body, status=501)
+    message = f"Invalid URL ({request.method} {request.path}): this server answers {served}."
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "unknown_url"}}
     return JsonResponse(body, status=404)
 
