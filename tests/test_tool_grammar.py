@@ -92,6 +92,25 @@ def test_the_grammar_allows_what_the_tool_choice_allows(tokenizer, choice, paral
     assert [text for text in refused if follows(grammar, tokenizer, text)] == []
 
 
+def test_a_model_that_decides_first_opens_with_yes_before_calls_and_no_before_words(tokenizer):
+    grammar = tools.call_grammar(TOOLS, "auto", True, tools.BARE, decide=True)
+
+    allowed = [f"Yes\n{CALL}", f"Yes\n{CALL}\n{SECOND}", "No\nIt is sunny in Paris.", "No\nSunny {maybe}."]
+    refused = [CALL, "It is sunny.", "Yes\nIt is sunny.", "No\n", "Yes\n", "Maybe\nWords.", f"No\n{CALL}"]
+    assert [text for text in allowed if not follows(grammar, tokenizer, text)] == []
+    assert [text for text in refused if follows(grammar, tokenizer, text)] == []
+    assert tools.decided(f"Yes\n{CALL}") == (True, CALL)
+    assert tools.decided("No\nWords.") == (False, "Words.")
+    assert tools.decided("Ye") == (None, "Ye")
+
+
+def test_only_a_model_whose_template_renders_no_tools_is_asked_to_decide_first(tokenizer, hermes):
+    assert tools.decides("auto", tokenizer)
+    assert not tools.decides("auto", hermes)  # trained to choose: it writes a call or words itself
+    assert not tools.decides("required", tokenizer)
+    assert not tools.decides("get_weather", tokenizer)
+
+
 def test_under_auto_words_never_begin_as_a_call(tokenizer):
     grammar = tools.call_grammar(TOOLS, "auto", True, tools.BARE)
 
@@ -159,6 +178,13 @@ def test_a_template_without_tools_gets_them_listed_in_a_system_message(tokenizer
     text = tokenizer.decode(services.tokenize_prompt(MODEL, params))
 
     assert "You can call these functions:" in text
+    assert "Begin your reply with Yes or No." in text  # under "auto": the decision comes first
+    # An earlier call in the history reads as the model wrote it: after its decision.
+    history = (*messages, ChatMessage("assistant", CALL), ChatMessage("tool", "Sunny."))
+    text = tokenizer.decode(
+        services.tokenize_prompt(MODEL, RequestParams(messages=history, tools=TOOLS, tool_choice="auto"))
+    )
+    assert f"assistant\nYes\n{CALL}" in text
     assert json.dumps(TOOLS[0].to_json()) in text and json.dumps(TOOLS[1].to_json()) in text
     none = tokenizer.decode(services.tokenize_prompt(MODEL, RequestParams(messages=messages, tools=TOOLS)))
     assert "You can call these functions" not in none  # tool_choice "none": not shown

@@ -233,6 +233,7 @@ def _prepare(
     rate-limit headers)."""
     model, params = parsed if parsed is not None else request_body.parse(body, kind)
     prompt_ids = services.tokenize_prompt(model, params)
+    params = services.with_tool_decision(model, params)
     given = body.get("max_completion_tokens", body.get("max_tokens")) is not None
     params = services.fit_context(model, len(prompt_ids), params, max_tokens_given=given)
     headers = ratelimit.check(api_key, params.n * (len(prompt_ids) + params.max_tokens))

@@ -46,6 +46,7 @@ class Choice:
         self.logprobs = job.params.get("logprobs")  # alternatives per token, or None: no log-probabilities
         self.tool_choice = job.params.get("tool_choice", "none")
         self.calls_tool = self.tool_choice != "none"  # the output is, or may be, function calls
+        self.decides = bool(job.params.get("tool_decides"))  # the output opens with "Yes" (calls) or "No" (words)
         self._offset = 0  # a text completion's characters so far, for its logprobs' text_offset
         self.subscription = subscription
         self.ended = False  # its job's last event (done or error) was read
@@ -140,8 +141,12 @@ class Choice:
         logprobs = self._logprobs(tokens)
         if self.kind != "chat":
             return {"index": self.index, "text": content, "logprobs": logprobs, "finish_reason": finish}, completion
+        calls_follow = None
+        if self.decides:
+            calls_follow, content = tools.decided(content)
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-        calls = tools.tool_calls_of(content) if self.calls_tool and finish == "stop" else None
+        callable_ = self.calls_tool and finish == "stop" and calls_follow is not False
+        calls = tools.tool_calls_of(content) if callable_ else None
         if calls:
             message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
             finish = "tool_calls"
@@ -160,8 +165,10 @@ class Choice:
         then its completion tokens (an int); JobFailed when its job failed."""
         tokens: list[dict] = []  # token events whose log-probabilities no chunk carried yet
         held: list[str] = []  # calls' text, sent as tool_calls once whole
-        # Calls are held until whole; under "auto" the output's first characters tell calls from words.
+        # Calls are held until whole. Under "auto" the output's first characters tell calls from
+        # words, or, where the model decides first, its opening word, which is left out.
         holding, deciding = self.calls_tool and self.tool_choice != "auto", self.tool_choice == "auto"
+        opening = ""  # a deciding model's first characters, until they hold its decision
         async for batch in self.batches():
             text = []
             for event in batch:
@@ -170,12 +177,19 @@ class Choice:
                 if "logprob" in event:
                     tokens.append(event)
                 text.append(event["text"])
-            if deciding and any(text):
-                holding, deciding = tools.may_be_a_call("".join(text)), False
-            if any(text) and holding:
-                held.append("".join(text))
-            elif any(text):
-                yield self.chunk("".join(text), None, tokens=tokens)
+            new = "".join(text)
+            if deciding and self.decides and new:
+                opening += new
+                calls_follow, new = tools.decided(opening)
+                if calls_follow is not None or len(opening) >= max(map(len, tools.DECISIONS)):
+                    holding, deciding = bool(calls_follow), False
+                    new = new if calls_follow is not None else opening
+            elif deciding and new:
+                holding, deciding = tools.may_be_a_call(new), False
+            if new and holding:
+                held.append(new)
+            elif new and not deciding:
+                yield self.chunk(new, None, tokens=tokens)
                 tokens = []
             event = batch[-1]
             if event["type"] == "job.done":
@@ -187,8 +201,8 @@ class Choice:
                     entry["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
                     yield entry
                     finish, tokens = "tool_calls", []
-                elif held:  # cut short: the text as it is
-                    yield self.chunk("".join(held), None, tokens=tokens)
+                elif held or (deciding and opening):  # cut short: the text as it is
+                    yield self.chunk("".join(held) or opening, None, tokens=tokens)
                     tokens = []
                 yield self.chunk(None, finish, tokens=tokens)
                 yield event["completion_tokens"]

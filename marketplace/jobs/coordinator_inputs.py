@@ -138,7 +138,9 @@ def json_grammar(params: RequestParams, tokenizer) -> grammar.Grammar | None:
     (None: free text)."""
     if params.calls_tool:
         form = tools.call_format(tokenizer)
-        return tools.call_grammar(params.tools, params.tool_choice, params.parallel_tool_calls, form)
+        return tools.call_grammar(
+            params.tools, params.tool_choice, params.parallel_tool_calls, form, decide=params.tool_decides
+        )
     if params.response_format is None:
         return None
     return grammar.JsonGrammar(params.response_format[1])

@@ -61,6 +61,9 @@ class RequestParams:
     tools: tuple[Tool, ...] = ()  # functions the model may be asked to call (tools.py)
     tool_choice: str = "none"  # "none", "auto", "required" or a function's name (tools.py)
     parallel_tool_calls: bool = True  # a response may hold several calls
+    # Under "auto" for a model whose template renders no tools: its output opens with its decision,
+    # "Yes" (calls follow) or "No" (words follow), which the response leaves out (tools.py).
+    tool_decides: bool = False
     # Choices the request asked for (>= 1): each runs as a job of its own, and this is stored on each.
     n: int = 1
     # Which nodes may see it (a ``Privacy`` value, from the request's "provider" object); its API
@@ -180,6 +183,8 @@ class RequestParams:
             data["tools"] = [tool.to_json() for tool in self.tools]
             data["tool_choice"] = self.tool_choice
             data["parallel_tool_calls"] = self.parallel_tool_calls
+            if self.tool_decides:
+                data["tool_decides"] = True
         if self.messages is not None:
             data["messages"] = self.chat_messages()
         else:
@@ -217,6 +222,7 @@ class RequestParams:
             ),
             tool_choice=data.get("tool_choice", "none"),
             parallel_tool_calls=data.get("parallel_tool_calls", True),
+            tool_decides=data.get("tool_decides", False),
             n=data.get("n", 1),
         )
 

@@ -174,7 +174,7 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
                 param="logit_bias",
             )
     tokenizer = models.load_tokenizer(model)
-    spec = json_grammar(params, tokenizer)
+    spec = json_grammar(with_tool_decision(model, params), tokenizer)
     if spec is not None:
         param = "tools" if params.calls_tool else "response_format"
         try:
@@ -188,6 +188,13 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
     return encode_prompt(
         tokenizer, messages, chat=True, tools=tools.template_tools(params.tools, params.tool_choice, tokenizer)
     )
+
+
+def with_tool_decision(model: str, params: RequestParams) -> RequestParams:
+    """``params``, marked ``tool_decides`` where the model is asked to decide first between calls
+    and words (``tools.decides``): its grammar opens with the decision and its response leaves it out."""
+    decide = params.chat and tools.decides(params.tool_choice, models.load_tokenizer(model))
+    return dataclasses.replace(params, tool_decides=decide) if decide != params.tool_decides else params
 
 
 def fit_context(model: str, prompt_tokens: int, params: RequestParams, *, max_tokens_given: bool) -> RequestParams:

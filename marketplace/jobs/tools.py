@@ -12,7 +12,11 @@ arguments always parse and validate:
   several, one per line (the same call written twice counts once).
 - a named function: one call of it.
 - ``"auto"`` (the default whenever tools are sent): the model answers either with calls, as
-  above, or in text that does not begin like a call; it chooses.
+  above, or in words; it chooses. A model trained to call (its template renders tools) chooses by
+  what it writes first: words never begin as a call does. Any other model is asked to decide
+  first, in one word: its output opens with "Yes" (calls follow) or "No" (words follow), a
+  question a small model answers far better than it would start a call of its own accord; the
+  response leaves the word out (``DECISIONS``).
 
 The response then carries ``tool_calls`` and finishes ``"tool_calls"``, or carries the text. A
 model whose chat template renders tools gets them through its template (``tools=``), as it was
@@ -164,20 +168,40 @@ def call_format(tokenizer) -> CallFormat:
 INLINE_JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def call_grammar(tools: tuple[Tool, ...], choice: str, parallel: bool, form: CallFormat) -> LarkGrammar:
+# What a model asked to decide first (``decides``) opens its output with: calls follow, or words.
+CALLS, WORDS = "Yes\n", "No\n"
+DECISIONS = (CALLS, WORDS)
+
+
+def decides(choice: str, tokenizer) -> bool:
+    """Whether the model is asked to decide first between calls and words: under ``"auto"``, a
+    model whose template renders no tools (so was not trained to choose a call itself)."""
+    return choice == "auto" and not supports_tools(tokenizer)
+
+
+def call_grammar(
+    tools: tuple[Tool, ...], choice: str, parallel: bool, form: CallFormat, *, decide: bool = False
+) -> LarkGrammar:
     """The grammar of the output: calls (one, or several on lines of their own when ``parallel``)
-    and, with ``"auto"``, the alternative of text that does not begin as a call does."""
+    and, with ``"auto"``, the alternative of words: opened by the decision when ``decide``, else
+    text that does not begin as a call does."""
     schema = call_schema(tools, choice) | {"x-guidance": INLINE_JSON_OPTIONS}
     call = " ".join(
         part for part in (_literal(form.opening), "%json " + json.dumps(schema), _literal(form.closing)) if part
     )
     several = parallel and choice in ("auto", "required")  # a named function is called once
+    if decide:
+        start = f"start: {_literal(CALLS)} calls | {_literal(WORDS)} TEXT"
+    else:
+        start = "start: calls | TEXT" if choice == "auto" else "start: calls"
     rules = [
-        "start: calls | TEXT" if choice == "auto" else "start: calls",
+        start,
         'calls: call ("\\n" call)*' if several else "calls: call",
         f"call: {call}",
     ]
-    if choice == "auto":
+    if decide:
+        rules.append("TEXT: /[^\\n{](.|\\n)*/")  # words after the decision's line, not a call
+    elif choice == "auto":
         # Words begin with neither a call's first character nor a bare call's "{".
         firsts = "".join(sorted({"{", (form.opening or "{")[0]}))
         rules.append(f"TEXT: /[^{re.escape(firsts)}](.|\\n)*/")
@@ -213,8 +237,9 @@ def instructions(tools: tuple[Tool, ...], choice: str) -> str:
     how = '{"name": <function name>, "arguments": <arguments>}'
     if choice == "auto":
         ask = (
-            f"When a function gives what the user asks for, call it: answer with only a JSON object, {how}. "
-            "When you have what you need, answer the user in words."
+            "Decide first: should you call one of these functions now? Begin your reply with Yes or No. "
+            f"After Yes, write the call as a JSON object {how}. After No, answer the user in words; once a "
+            "function's result is in the conversation, answer with it: say No."
         )
     else:
         ask = f"To call one, answer with only a JSON object: {how}."
@@ -234,10 +259,24 @@ def with_tools(messages: list[dict], tools: tuple[Tool, ...], choice: str, token
     functions listed in the (first) system message whenever it may call one."""
     if choice == "none" or supports_tools(tokenizer):
         return messages
+    if decides(choice, tokenizer):  # its earlier calls as it wrote them: after its decision
+        messages = [
+            m | {"content": CALLS + m["content"]} if m["role"] == "assistant" and tool_calls_of(m["content"]) else m
+            for m in messages
+        ]
     note = instructions(tools, choice)
     if messages and messages[0]["role"] == "system":
         return [{"role": "system", "content": messages[0]["content"] + "\n\n" + note}, *messages[1:]]
     return [{"role": "system", "content": note}, *messages]
+
+
+def decided(text: str) -> tuple[bool | None, str]:
+    """An output that opens with its decision: (True: calls follow, False: words, None: not
+    decided yet or not at all) and the text after the decision."""
+    for decision, calls in ((CALLS, True), (WORDS, False)):
+        if text.startswith(decision):
+            return calls, text[len(decision) :]
+    return None, text
 
 
 def may_be_a_call(text: str) -> bool:
