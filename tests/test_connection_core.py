@@ -484,10 +484,13 @@ def test_raw_frames_are_decoded_within_the_connections_limits():
 
     ping = connection.receive_data(wire.encode(wire.Ping(4), 2), now=NOW)
     text = connection.receive_data("HELLO please", now=NOW)
-    too_big = wire.encode(wire.Ping(5), 3) + b"\x00" * 4096
+    too_big = wire.encode(wire.Pong(5), 3) + b"\x00" * 4096
     oversize = connection.receive_data(too_big, now=NOW)
+    # A link probe's PING, padded with zeros past the limit, is the one frame read over it.
+    probe = connection.receive_data(wire.encode(wire.Ping(6, pad=4096), 4), now=NOW)
 
     assert ping == ReplyPong(4)
+    assert probe == ReplyPong(6)
     assert text == Refuse("malformed", "text frames are not accepted; send binary frames", ref=None)
     assert oversize == Refuse("too_large", f"frame of {len(too_big)} bytes exceeds the limit of 4096", ref=3)
 

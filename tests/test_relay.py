@@ -637,12 +637,18 @@ def test_swarm_relay_command_prints_ready_serves_and_stops_on_sigterm():
             if process.poll() is None:
                 process.kill()
     node = node_id(public_key_bytes(key))
-    messages = [line.split(": ", 1)[1] for line in logged.splitlines()]  # one line per event, no secret
+    # One line per event, in the swarm's format (UTC time, level, logger, ids), no secret.
+    lines = [LOG_LINE.fullmatch(line) for line in logged.splitlines()]
+    assert all(lines), logged
+    messages = [line.group(1) for line in lines]
     assert [re.sub(r"(from=127\.0\.0\.1:)\d+|(until=)\d+", r"\1\2N", message) for message in messages] == [
         f"agent registered node={node} from=127.0.0.1:N until=N",
         f"agent lost node={node} from=127.0.0.1:N: shutdown (the relay is shutting down)",
         f"relay {RELAY_ID} stopped",
     ]
+
+
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO swarm\.relay request=- job=- (.*)")
 
 
 # --- sans-I/O: classifying prefixes -----------------------------------------------------------------
