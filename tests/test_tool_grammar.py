@@ -95,8 +95,8 @@ def test_the_grammar_allows_what_the_tool_choice_allows(tokenizer, choice, paral
 def test_a_model_that_decides_first_opens_with_yes_before_calls_and_no_before_words(tokenizer):
     grammar = tools.call_grammar(TOOLS, "auto", True, tools.BARE, decide=True)
 
-    allowed = [f"Yes\n{CALL}", f"Yes\n{CALL}\n{SECOND}", "No\nIt is sunny in Paris.", "No\nSunny {maybe}."]
-    refused = [CALL, "It is sunny.", "Yes\nIt is sunny.", "No\n", "Yes\n", "Maybe\nWords.", f"No\n{CALL}"]
+    allowed = [f"Yes\n{CALL}", f"Yes\n{CALL}\n{SECOND}", "No\nIt is sunny in Paris.", "No\nSunny {maybe}.", "No\nNice."]
+    refused = [CALL, "It is sunny.", "Yes\nIt is sunny.", "No\n", "Yes\n", "Maybe\nWords.", f"No\n{CALL}", "No\nNo"]
     assert [text for text in allowed if not follows(grammar, tokenizer, text)] == []
     assert [text for text in refused if follows(grammar, tokenizer, text)] == []
     assert tools.decided(f"Yes\n{CALL}") == (True, CALL)

@@ -200,7 +200,8 @@ def call_grammar(
         f"call: {call}",
     ]
     if decide:
-        rules.append("TEXT: /[^\\n{](.|\\n)*/")  # words after the decision's line, not a call
+        # Words after the decision's line: not a call, nor the decision said again ("No\nNo...").
+        rules.append("TEXT: /([^\\n{NY]|N[^o\\n]|Y[^e\\n])(.|\\n)*/")
     elif choice == "auto":
         # Words begin with neither a call's first character nor a bare call's "{".
         firsts = "".join(sorted({"{", (form.opening or "{")[0]}))
