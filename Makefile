@@ -47,7 +47,8 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/mkdocs build --strict --site-dir $(VENV)/site
-	$(BIN)/python -m pytest -n 3 --dist loadfile
+	$(BIN)/python -m pytest -n 3 --dist loadfile -m "not alone"
+	$(BIN)/python -m pytest -m alone
 
 bench: $(STAMP)
 	$(BIN)/python bench/placement.py

@@ -21,7 +21,6 @@ NETLAB_SCOPE = "netlab"
 # before all others, so that none of them starts last and runs on while the other workers idle.
 # Only the run's length depends on this list: a stale one slows `make test`, it breaks nothing.
 SLOW_SCOPES_FIRST = [
-    "tests/test_challenge_indistinguishable.py",
     "tests/test_adversarial_agents.py",
     NETLAB_SCOPE,
     "tests/test_pipeline_generate.py",
