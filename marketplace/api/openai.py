@@ -232,8 +232,8 @@ def _prepare(
     request of its own for the limits as for the bill). Returns (model, fitted params, prompt ids,
     rate-limit headers)."""
     model, params = parsed if parsed is not None else request_body.parse(body, kind)
+    params = services.with_tool_decision(model, params)  # before tokenizing: its grammar is checked there
     prompt_ids = services.tokenize_prompt(model, params)
-    params = services.with_tool_decision(model, params)
     given = body.get("max_completion_tokens", body.get("max_tokens")) is not None
     params = services.fit_context(model, len(prompt_ids), params, max_tokens_given=given)
     headers = ratelimit.check(api_key, params.n * (len(prompt_ids) + params.max_tokens))

@@ -174,7 +174,7 @@ def tokenize_prompt(model: str, params: RequestParams) -> tuple[int, ...]:
                 param="logit_bias",
             )
     tokenizer = models.load_tokenizer(model)
-    spec = json_grammar(with_tool_decision(model, params), tokenizer)
+    spec = json_grammar(params, tokenizer)
     if spec is not None:
         param = "tools" if params.calls_tool else "response_format"
         try:

@@ -33,7 +33,7 @@ import secrets
 from dataclasses import dataclass
 
 from marketplace.jobs.errors import InvalidRequest
-from worker_agent.coordinator.grammar import LarkGrammar
+from worker_agent.coordinator.grammar import JSON_DEFAULTS, LarkGrammar
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
@@ -150,9 +150,6 @@ class CallFormat:
     opening: str = ""
     closing: str = ""
 
-    def write(self, call: dict) -> str:
-        return self.opening + json.dumps(call) + self.closing
-
 
 BARE = CallFormat()
 HERMES = CallFormat("<tool_call>\n", "\n</tool_call>")  # Qwen2 and later, Hermes
@@ -162,10 +159,6 @@ def call_format(tokenizer) -> CallFormat:
     """The call format the model's chat template teaches (bare JSON where it teaches none)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     return HERMES if supports_tools(tokenizer) and HERMES.opening.strip() in template else BARE
-
-
-# Compact JSON: no run of spaces for a model to loop in (as grammar.JSON_DEFAULTS).
-INLINE_JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 # What a model asked to decide first (``decides``) opens its output with: calls follow, or words.
@@ -185,7 +178,7 @@ def call_grammar(
     """The grammar of the output: calls (one, or several on lines of their own when ``parallel``)
     and, with ``"auto"``, the alternative of words: opened by the decision when ``decide``, else
     text that does not begin as a call does."""
-    schema = call_schema(tools, choice) | {"x-guidance": INLINE_JSON_OPTIONS}
+    schema = call_schema(tools, choice) | {"x-guidance": JSON_DEFAULTS}  # compact JSON, as response_format's
     call = " ".join(
         part for part in (_literal(form.opening), "%json " + json.dumps(schema), _literal(form.closing)) if part
     )
