@@ -40,6 +40,9 @@
         window.location.reload(); // signed out meanwhile: the page itself goes to the sign-in form
         return;
       }
+      // The body is read before the page is looked at again: from here to the swap nothing
+      // awaits, so no click can send a request whose target this replaces unseen.
+      const html = response.ok ? (await response.text()).trim() : "";
       const current = document.getElementById(id);
       if (response.ok && current && busy(current)) {
         // The person acted on it while this was fetched (a form of its own on its way): that
@@ -47,7 +50,7 @@
         later(id);
       } else if (response.ok && current) {
         const template = document.createElement("template");
-        template.innerHTML = (await response.text()).trim();
+        template.innerHTML = html;
         const fresh = template.content.firstElementChild;
         if (fresh && fresh.id === id) {
           keepTyped(current, fresh);
