@@ -171,3 +171,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if reason:
         terminalreporter.write_sep("!", "WEB DASHBOARD TESTS SKIPPED", red=True, bold=True)
         terminalreporter.write_line(reason, red=True, bold=True)
+
+
+LOG_TAIL_LINES = 60  # of each process log a failed test leaves in its tmp_path
+LOG_FILES_SHOWN = 8
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's agents, relays and coordinators logged to files in its tmp_path: their
+    last lines go into the failure's report, so a failure on CI carries the other processes' side."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if not report.failed or call.when == "collect" or not isinstance(tmp_path, Path):
+        return
+    logs = sorted(tmp_path.rglob("*.log"), key=lambda path: path.stat().st_mtime, reverse=True)[:LOG_FILES_SHOWN]
+    for log in sorted(logs):
+        lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        report.sections.append((f"last {len(lines)} lines of {log.relative_to(tmp_path)}", "\n".join(lines)))
