@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.core.cache import cache
 from django.utils import timezone
 
 from marketplace.billing import services
@@ -18,6 +19,7 @@ from marketplace.jobs import idempotency, liveness
 from marketplace.jobs.models import IdempotentRequest, Job, JobState
 from marketplace.jobs.services import COORDINATOR_GONE, finish_job, stopped_answering
 from tests.job_fixtures import HOLD, funded_customer, running_job
+from tests.live import wait_for
 
 pytestmark = [pytest.mark.billing, pytest.mark.django_db]
 
@@ -25,6 +27,14 @@ pytestmark = [pytest.mark.billing, pytest.mark.django_db]
 @pytest.fixture
 def customer(django_user_model, settings):
     return funded_customer(django_user_model, settings)
+
+
+@pytest.fixture(autouse=True)
+def lives_recorded_long_since():
+    """The cache has kept its record of lives for longer than SWARM_PROCESS_ALIVE_S: a missing sign
+    of life is a death."""
+    cache.set(liveness.RECORD_KEY, 1, timeout=None)
+    cache.delete(liveness.NEW_RECORD_KEY)
 
 
 GRANT = 1_000_000_000  # the customer's $1
@@ -158,3 +168,24 @@ def test_a_job_whose_coordinator_process_is_gone_is_failed_at_once_and_charged_n
 
 def test_unstamped_work_is_never_judged_gone():
     assert liveness.gone("") is False
+
+
+def test_after_the_cache_forgets_every_life_no_process_is_gone_until_each_could_sign_again(customer, settings):
+    settings.SWARM_PROCESS_ALIVE_S = 2.0
+    job = running_job(customer, "chatcmpl-alive")
+    live_process = "coord2:4444:feedf00d"
+    liveness.report_alive(live_process)
+    Job.objects.filter(pk=job.pk).update(coordinator_process=live_process)
+    assert liveness.gone(DEAD) is True
+
+    cache.clear()  # Redis restarted or flushed: the live process's sign of life is gone with the rest
+
+    assert (liveness.gone(live_process), liveness.gone(DEAD)) == (False, False)  # no record: no verdict
+    liveness.report_alive(DEAD.replace("0badcafe", "5ca1ab1e"))  # another process signs first: a new record
+    assert (liveness.gone(live_process), liveness.gone(DEAD)) == (False, False)  # new: still no verdict
+    assert settlement.reconcile_jobs() == []
+    job.refresh_from_db()
+    assert job.state == JobState.RUNNING
+    wait_for(lambda: cache.get(liveness.NEW_RECORD_KEY) is None, 10, "the record of lives no longer new")
+    liveness.report_alive(live_process)  # it beats on
+    assert (liveness.gone(live_process), liveness.gone(DEAD)) == (False, True)

@@ -13,6 +13,13 @@ Only where the cache is shared by the deployment's processes (Redis: REDIS_URL).
 default everything runs in one process, ``this_process()`` is "" and work stays unstamped: the
 clocks decide, as they do for work stamped before this existed. A cache that cannot be read says
 nothing: ``gone`` is then False, and the clocks decide too.
+
+A missing sign of life proves a death only where the cache has kept the record of lives for a
+whole SWARM_PROCESS_ALIVE_S: a Redis restarted (it keeps nothing on disk) or flushed has forgotten
+every live process too, and until each has signed again, none of them may be judged gone (that
+would fail every job in flight at once). So the first sign of life written to a cache without a
+record (``RECORD_KEY``) starts one, and marks it new (``NEW_RECORD_KEY``, expiring after
+SWARM_PROCESS_ALIVE_S); while it is new, or when it is missing, ``gone`` says nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from django.core.cache import cache
 
 log = logging.getLogger("swarm.jobs")
 KEY_PREFIX = "swarm:alive:"
+RECORD_KEY = "swarm:lives-recorded"  # set with the first sign of life the cache keeps, never expires
+NEW_RECORD_KEY = "swarm:lives-recorded-new"  # while set, the record is younger than SWARM_PROCESS_ALIVE_S
 BEATS_PER_TTL = 5  # signs of life per SWARM_PROCESS_ALIVE_S: a process must miss this many in a row to be gone
 
 _lock = threading.Lock()
@@ -50,17 +59,23 @@ def this_process() -> str:
 
 
 def report_alive(process: str) -> None:
-    """Write ``process``'s sign of life, good for SWARM_PROCESS_ALIVE_S."""
+    """Write ``process``'s sign of life, good for SWARM_PROCESS_ALIVE_S; the first one a cache keeps
+    starts its record of lives, new for SWARM_PROCESS_ALIVE_S."""
     cache.set(KEY_PREFIX + process, 1, timeout=settings.SWARM_PROCESS_ALIVE_S)
+    if cache.add(RECORD_KEY, 1, timeout=None):
+        cache.set(NEW_RECORD_KEY, 1, timeout=settings.SWARM_PROCESS_ALIVE_S)
 
 
 def gone(process: str) -> bool:
-    """Whether the process stamped ``process`` stopped signing its life: False for "" (unstamped work)
-    and when the cache cannot be read."""
+    """Whether the process stamped ``process`` stopped signing its life: False for "" (unstamped work),
+    when the cache cannot be read, and while its record of lives is missing or new."""
     if not process:
         return False
     try:
-        return cache.get(KEY_PREFIX + process) is None
+        found = cache.get_many([KEY_PREFIX + process, RECORD_KEY, NEW_RECORD_KEY])
+        if RECORD_KEY not in found or NEW_RECORD_KEY in found:
+            return False  # the cache forgot the lives within SWARM_PROCESS_ALIVE_S: no verdict
+        return KEY_PREFIX + process not in found
     except Exception as exc:  # the cache's own (Redis) error: no verdict, the clocks decide
         log.warning("cannot tell whether %s is alive: %r", process, exc)
         return False
