@@ -66,7 +66,7 @@ def test_a_retry_of_an_attempt_whose_web_process_is_gone_runs_at_once_and_supers
 
     claim = idempotency.claim(customer, "retry-1", "0" * 64)
 
-    assert (claim.wait, claim.replay, claim.superseded) == (False, None, (job.pk,))
+    assert (claim.wait, claim.replay, claim.superseded) == (False, None, (job.public_id,))
     record.refresh_from_db()
     job.refresh_from_db()
     assert (record.state, record.job, record.owner) == (IdempotentRequest.State.RUNNING, None, liveness.this_process())

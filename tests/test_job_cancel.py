@@ -11,9 +11,11 @@ import asyncio
 import os
 
 import pytest
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
+from django.db import connection
 
+from marketplace.billing.models import Transfer
 from marketplace.flows import events as job_events
 from marketplace.flows import runner
 from marketplace.jobs import services
@@ -54,9 +56,7 @@ def redis_layer(control_plane):
     control_plane.CHANNEL_LAYERS = {
         "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
     }
-    layer = get_channel_layer()
-    async_to_sync(layer.flush)()  # no message of an earlier run for a job of the same pk
-    return layer
+    return get_channel_layer()
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_a_cancel_mid_stream_stops_the_job_between_tokens(in_memory_layer, api_k
                 event = await asyncio.wait_for(events.get(), 30)
                 tokens += event["type"] == "job.token"
             events.close()
-            await runner.request_cancel(in_memory_layer, job.pk)
+            await runner.request_cancel(in_memory_layer, job.public_id)
             return await asyncio.wait_for(running, 60), job.pk
 
     state, job_pk = asyncio.run(scenario())
@@ -99,7 +99,7 @@ def test_a_cancel_sent_before_the_runner_listens_stops_it_after_its_first_token(
     async def scenario():
         async with stage_servers(SPANS) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
-            await runner.request_cancel(in_memory_layer, job.pk)
+            await runner.request_cancel(in_memory_layer, job.public_id)
             return await asyncio.wait_for(runner.run_job(job.pk), 60), job.pk
 
     state, job_pk = asyncio.run(scenario())
@@ -115,7 +115,7 @@ def test_a_cancel_reaches_a_runner_on_another_event_loop_through_redis(redis_lay
     async def scenario():
         async with stage_servers(SPANS) as route:
             job = await sync_to_async(admit)(api_key, route, monkeypatch)
-            await runner.request_cancel(redis_layer, job.pk)
+            await runner.request_cancel(redis_layer, job.public_id)
             state = await asyncio.wait_for(asyncio.to_thread(asyncio.run, runner.run_job(job.pk)), 60)
             return state, job.pk
 
@@ -251,3 +251,30 @@ def test_a_job_run_from_its_brief_gives_the_tokens_of_one_run_from_its_row(in_me
     assert len(from_brief[1]) == len(from_row[1]) == 8
     job = Job.objects.get(pk=from_brief[2])
     assert job.started_at is not None and job.completion_tokens == 8 and job.verified
+
+
+def test_a_cancel_left_for_a_job_never_stops_a_later_job_that_repeats_its_key(redis_layer, api_key, monkeypatch):
+    """A database recreated on the same Redis numbers its jobs from 1 again: a cancel left unread for
+    an earlier job (its client went away before its coordinator listened) is named by that job's public
+    id, so the job that takes the earlier one's primary key runs to its end."""
+
+    def recreate_with_the_same_key(earlier: Job) -> None:  # as a fresh database would number it
+        Transfer.objects.filter(job=earlier).delete()
+        Job.objects.filter(pk=earlier.pk).delete()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT setval(pg_get_serial_sequence('jobs_job', 'id'), %s, false)", [earlier.pk])
+
+    async def scenario():
+        async with stage_servers(SPANS) as route:
+            earlier = await sync_to_async(admit)(api_key, route, monkeypatch)
+            await runner.request_cancel(redis_layer, earlier.public_id)  # never read: it never runs
+            await sync_to_async(recreate_with_the_same_key)(earlier)
+            job = await sync_to_async(admit)(api_key, route, monkeypatch)
+            assert job.pk == earlier.pk
+            state = await asyncio.wait_for(asyncio.to_thread(asyncio.run, runner.run_job(job.pk)), 120)
+            return state, job.pk
+
+    state, job_pk = asyncio.run(scenario())
+
+    job = Job.objects.get(pk=job_pk)
+    assert (state, job.state, job.completion_tokens) == (JobState.SUCCEEDED, JobState.SUCCEEDED, MAX_TOKENS)

@@ -252,8 +252,8 @@ async def _claim(api_key: ApiKey, key: str, body: dict) -> tuple[int, dict | Non
         claim = await sync_to_async(idempotency.claim)(api_key.user, key, digest)
         if not claim.wait:
             layer = get_channel_layer()
-            for job_pk in claim.superseded:
-                await runner.request_cancel(layer, job_pk)
+            for public_id in claim.superseded:
+                await runner.request_cancel(layer, public_id)
             return claim.record, claim.replay
         if time.monotonic() >= deadline:
             raise InvalidRequest(

@@ -259,7 +259,7 @@ class Reply:
         """Stop the jobs whose choices have not ended (the client went away, or a choice failed)."""
         for choice in self.choices:
             if not choice.ended:
-                await runner.request_cancel(self.layer, choice.job.pk)
+                await runner.request_cancel(self.layer, choice.job.public_id)
 
     def answer(self, choices: list[dict], completion_tokens: int) -> dict:
         """The whole (not streamed) response."""

@@ -8,10 +8,12 @@ the job reads its events and writes the response.
 Events: ``job.token`` (text, token_id), then exactly one of ``job.done`` (finish_reason, usage) or
 ``job.error`` (code, message).
 
-The other way, a ``job.cancel`` message on the channel layer's channel ``job.<pk>.cancel``
+The other way, a ``job.cancel`` message on the channel layer's channel ``job.<public id>.cancel``
 (``request_cancel``) stops the job between two tokens. A cancel sent before the runner listens
 waits there for the layer's message expiry; it is not a process-local channel, so Celery's
-threads can each listen from their own event loop.
+threads can each listen from their own event loop. It is named by the job's public id, as its
+events are: a primary key repeats once a database is recreated on the same Redis, and a cancel
+left for an earlier job of that key would stop a new one at its first token.
 """
 
 from __future__ import annotations
@@ -83,23 +85,23 @@ async def in_thread(fn, *args, **kwargs):
     return await sync_to_async(call, thread_sensitive=False)()
 
 
-def cancel_channel(job_pk: int) -> str:
-    return f"job.{job_pk}.cancel"
+def cancel_channel(public_id: str) -> str:
+    return f"job.{public_id}.cancel"
 
 
-async def request_cancel(layer, job_pk: int) -> None:
-    """Ask the job's coordinator to stop (the client went away); it records what was done."""
-    await layer.send(cancel_channel(job_pk), {"type": "job.cancel"})
+async def request_cancel(layer, public_id: str) -> None:
+    """Ask the coordinator of the job ``public_id`` to stop (the client went away); it records what was done."""
+    await layer.send(cancel_channel(public_id), {"type": "job.cancel"})
 
 
-async def _cancel_received(layer, job_pk: int) -> bool:
+async def _cancel_received(layer, public_id: str) -> bool:
     """True once a ``job.cancel`` arrives on the job's cancel channel; False if the layer fails
     (e.g. Redis went away), and the job then runs to its end."""
     try:
-        while (await layer.receive(cancel_channel(job_pk)))["type"] != "job.cancel":
+        while (await layer.receive(cancel_channel(public_id)))["type"] != "job.cancel":
             pass
     except Exception as exc:  # the channel layer's own error
-        log.warning("job %s: no longer listening for a cancel: %r", job_pk, exc)
+        log.warning("job %s: no longer listening for a cancel: %r", public_id, exc)
         return False
     return True
 
@@ -354,7 +356,7 @@ async def _stream(
         request = generation_request(coord, job, params)
         stream = coord.stream(request, strict=False)
         # Listens all along, so checking for a cancel between two tokens costs no round trip.
-        cancel = asyncio.create_task(_cancel_received(layer, job.pk))
+        cancel = asyncio.create_task(_cancel_received(layer, job.public_id))
         progress.start(job.pk)
         try:
             async for event in stream:

@@ -56,7 +56,7 @@ class Claim:
     record: int  # the IdempotentRequest's pk
     replay: dict | None = None  # the first attempt's whole response, to send again
     wait: bool = False  # the first attempt is still being answered
-    superseded: tuple[int, ...] = ()  # pks of the superseded attempt's jobs still running: to be stopped
+    superseded: tuple[str, ...] = ()  # public ids of the superseded attempt's jobs still running: to be stopped
 
 
 def check_key(value: str) -> str:
@@ -126,16 +126,16 @@ def _lost(record: IdempotentRequest, now: datetime) -> bool:
     return not choices.exclude(state__in=FINAL_STATES).exists() and not choices.filter(finished_at__gte=cutoff).exists()
 
 
-def _supersede(first_choice: int, now: datetime) -> tuple[int, ...]:
+def _supersede(first_choice: int, now: datetime) -> tuple[str, ...]:
     """Mark the jobs of the attempt whose choice 0 is ``first_choice`` superseded, refund the ones
-    that settled with a charge already, and return the pks of those still running. Inside the
+    that settled with a charge already, and return the public ids of those still running. Inside the
     claim's transaction: the mark and the refund commit with the new attempt, or neither does. A
     settlement in flight holds the job's row until it commits; this waits for it and refunds."""
     jobs = Job.objects.filter(Q(pk=first_choice) | Q(first_choice_id=first_choice))
     jobs.filter(superseded_at__isnull=True).update(superseded_at=now)
     for job in jobs.filter(settled_at__isnull=False, charged_amount__gt=0).order_by("pk"):
         refund_charge(job, SUPERSEDED_REFUND)
-    return tuple(jobs.exclude(state__in=FINAL_STATES).order_by("pk").values_list("pk", flat=True))
+    return tuple(jobs.exclude(state__in=FINAL_STATES).order_by("pk").values_list("public_id", flat=True))
 
 
 def attach(record: int, job: Job) -> None:
