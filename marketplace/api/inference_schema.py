@@ -1,13 +1,17 @@
-"""The OpenAI-compatible inference API (``/v1``) in the OpenAPI schema (``/api/schema/``, shown at
-``/api/docs/``) beside the REST API that drf-spectacular documents from its views.
+"""The OpenAI-compatible inference API's request types: the bodies of ``/v1/chat/completions`` and
+``/v1/completions`` as Pydantic models, which both validate a request (``request_body.parse``) and
+document it in the OpenAPI schema (``/api/schema/``, shown at ``/api/docs/``) beside the REST API
+that drf-spectacular documents from its views.
 
-The ``/v1`` views are plain async views (``openai.py``): their bodies are read by
-``request_body.py``, whose checks answer OpenAI's error shapes. Their request types are the Pydantic
-models here, every bound taken from the constants those checks use (``jobs.params``,
-``coordinator.sampling``, the settings), so the two cannot drift apart unnoticed:
-``tests/test_inference_schema.py`` checks that every key the API acts on is documented and that the
-documented bounds are the enforced ones. ``add_inference_api`` is drf-spectacular's postprocessing
-hook that adds the three operations, their error answers and the bearer key to the schema.
+Every bound is taken from the constants the rest of the product uses (``jobs.params``,
+``coordinator.sampling``); the two that are settings (``n`` up to SWARM_MAX_CHOICES, the
+completion's tokens up to SWARM_MAX_TOKENS_LIMIT) are read when a request is validated. Types are
+strict, as OpenAI's are: a boolean is not a number, a number is not a string. Keys a type does not
+name are refused (``extra="forbid"``), except inside the objects whose other keys OpenAI's clients
+send and this API has always let pass (``stream_options``, a response format, a text part, a tool
+call). What the types cannot say (the catalog's models, the tools' JSON schemas, rules across
+fields) ``request_body`` checks after them. ``add_inference_api`` is drf-spectacular's
+postprocessing hook that adds the three operations, their error answers and the bearer key.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from django.conf import settings
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
 
 from marketplace.jobs import tools
 from marketplace.jobs.params import (
@@ -35,11 +40,20 @@ from marketplace.jobs.params import (
 )
 from worker_agent.coordinator.sampling import BIAS_RANGE
 
-Strict = ConfigDict(extra="forbid")  # a key not named here is refused by name (``request_body.REQUEST_KEYS``)
+# A key not named here is refused by name (``request_body.REQUEST_KEYS``); no value is coerced.
+Strict = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+Lenient = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # other keys pass, unread
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# The bounds that are settings, read at each validation: field -> the setting holding its maximum.
+SETTING_MAXIMA = {
+    "n": "SWARM_MAX_CHOICES",
+    "max_tokens": "SWARM_MAX_TOKENS_LIMIT",
+    "max_completion_tokens": "SWARM_MAX_TOKENS_LIMIT",
+}
 
 
 class StreamOptions(BaseModel):
-    model_config = Strict
+    model_config = Lenient
     include_usage: bool = Field(False, description="A last chunk carries the usage.")
 
 
@@ -55,17 +69,21 @@ class Sampling(BaseModel):
     """What both endpoints take."""
 
     model_config = Strict
-    model: str = Field(description="A model id of GET /v1/models.")
+    model: str = Field(min_length=1, description="A model id of GET /v1/models.")
     n: int = Field(1, ge=1, description="Choices to generate (at most SWARM_MAX_CHOICES).")
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="Completion tokens at most.")
+    max_tokens: int = Field(
+        DEFAULT_MAX_TOKENS, ge=1, description="Completion tokens at most (at most SWARM_MAX_TOKENS_LIMIT)."
+    )
     temperature: float = Field(1.0, ge=TEMPERATURE_RANGE[0], le=TEMPERATURE_RANGE[1], description="0: greedy.")
     top_p: float = Field(1.0, gt=TOP_P_RANGE[0], le=TOP_P_RANGE[1])
     top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0: off (as vLLM takes it).")
     min_p: float = Field(0.0, ge=MIN_P_RANGE[0], le=MIN_P_RANGE[1], description="0: off (as vLLM takes it).")
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="Seeded sampling replays.")
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = Field(
-        None, description="The text ends before the first of these."
-    )
+    stop: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)]
+        | None
+    ) = Field(None, description="The text ends before the first of these.")
     stream: bool = Field(False, description="Server-sent events, ended by `data: [DONE]`.")
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="An end user's id, kept with the job.")
@@ -85,32 +103,64 @@ class Sampling(BaseModel):
     )
     provider: Provider | None = None
 
+    @field_validator(*SETTING_MAXIMA, check_fields=False)
+    @classmethod
+    def _at_most_the_setting(cls, value: int, info: ValidationInfo) -> int:
+        assert info.field_name is not None
+        if value > getattr(settings, SETTING_MAXIMA[info.field_name]):
+            raise PydanticCustomError("less_than_equal", "over the setting's maximum")
+        return value
+
 
 class TextPart(BaseModel):
-    model_config = Strict
+    model_config = Lenient
     type: Literal["text"]
     text: str
 
 
 class FunctionCall(BaseModel):
-    model_config = Strict
+    model_config = Lenient
     name: str
     arguments: str = Field(description="The arguments, as JSON text.")
 
 
 class ToolCall(BaseModel):
-    model_config = Strict
-    id: str
-    type: Literal["function"]
+    model_config = Lenient
+    id: str | None = None
+    type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(BaseModel):
+Content = str | list[TextPart]
+
+
+class PlainMessage(BaseModel):
     model_config = Strict
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's earlier calls.")
-    tool_call_id: str | None = Field(None, description="The call a tool message answers.")
+    role: Literal["system", "developer", "user"]
+    content: Content
+
+
+class AssistantMessage(BaseModel):
+    model_config = Strict
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="Its earlier calls.")
+
+    @model_validator(mode="after")
+    def _says_something(self) -> AssistantMessage:
+        if self.content is None and self.tool_calls is None:
+            raise PydanticCustomError("missing_content", "an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(BaseModel):
+    model_config = Strict
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str = Field(description="The call it answers.")
+
+
+Message = Annotated[PlainMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 
 class Function(BaseModel):
@@ -138,7 +188,7 @@ class NamedToolChoice(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = Strict
+    model_config = Lenient
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     schema_: dict[str, Any] = Field(
         default_factory=dict, alias="schema", description="The JSON schema the output follows."
@@ -148,7 +198,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = Strict
+    model_config = Lenient
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -171,7 +221,10 @@ class ChatCompletionRequest(Sampling):
 class CompletionRequest(Sampling):
     """POST /v1/completions."""
 
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(description="One prompt.")
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    ) = Field(description="One prompt.")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="Alternatives per token.")
 
 

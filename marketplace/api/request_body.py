@@ -1,35 +1,38 @@
 """The body of an inference request (``/v1/chat/completions``, ``/v1/completions``), validated
-into ``RequestParams``: every key either acts or is refused by name, with OpenAI's messages."""
+into ``RequestParams``: every key either acts or is refused by name, with OpenAI's messages.
+
+A body is checked in this order: its keys (one this endpoint does not know, or knows but does not
+implement, is refused by name); the model it names (404 when the catalog serves none of that
+name); its values, by the request types (``inference_schema``), whose first error is answered in
+the API's words (``_refusal``: the message, the ``param`` path and the code, from the field's type
+and bounds); then what the types cannot say: the rules across fields, the tools (``jobs.tools``)."""
 
 from __future__ import annotations
 
 import json
-import re
+import types
+import typing
+from typing import Any
 
 from django.conf import settings
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
+from marketplace.api.inference_schema import (
+    REQUEST_TYPES,
+    ROLES,
+    SETTING_MAXIMA,
+    AssistantMessage,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+)
 from marketplace.catalog.selectors import requested_model
 from marketplace.jobs import tools
 from marketplace.jobs.errors import InvalidRequest, ModelNotFound
-from marketplace.jobs.params import (
-    DEFAULT_MAX_TOKENS,
-    MAX_COMPLETION_LOGPROBS,
-    MAX_STOP,
-    MAX_TOP_LOGPROBS,
-    MIN_P_RANGE,
-    PENALTY_RANGE,
-    REPETITION_RANGE,
-    SEED_RANGE,
-    TEMPERATURE_RANGE,
-    TOP_P_RANGE,
-    ChatMessage,
-    RequestParams,
-    check_number,
-)
+from marketplace.jobs.params import MAX_LOGIT_BIAS, MAX_STOP, ChatMessage, RequestParams
 from marketplace.nodes.models import Privacy, strictest
-
-ROLES = {"system", "user", "assistant", "developer", "tool"}
-
+from worker_agent.coordinator.sampling import BIAS_RANGE
 
 # The request keys each endpoint acts on; every other key is refused by name, as OpenAI refuses
 # an argument it does not recognise, so that nothing a client sends is silently ignored.
@@ -71,11 +74,6 @@ NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "prompt_cache_key": (),
     "safety_identifier": (),
 }
-MESSAGE_KEYS = {  # the keys a message of each role may carry
-    "assistant": frozenset({"role", "content", "tool_calls"}),
-    "tool": frozenset({"role", "content", "tool_call_id"}),
-}
-PLAIN_MESSAGE_KEYS = frozenset({"role", "content"})
 
 
 def _check_keys(body: dict, kind: str) -> None:
@@ -94,84 +92,8 @@ def _check_keys(body: dict, kind: str) -> None:
             )
 
 
-def _provider(value: object) -> str:
-    """The ``Privacy`` a request's "provider" object asks for: ``trusted_only`` (every stage on a
-    node an admin marked trusted) or ``trusted_ends`` (the first and last stages), or neither."""
-    if value is None:
-        return str(Privacy.ANY)
-    if not isinstance(value, dict):
-        raise InvalidRequest("'provider' must be an object, e.g. {\"trusted_only\": true}.", param="provider")
-    for key, flag in value.items():
-        if key not in PROVIDER_KEYS:
-            raise InvalidRequest(
-                f"Unsupported parameter: provider.{key} is not supported; provider routing here takes "
-                f"{' and '.join(PROVIDER_KEYS)}.",
-                param=f"provider.{key}",
-                code="unsupported_parameter",
-            )
-        if not isinstance(flag, bool):
-            raise InvalidRequest(f"'provider.{key}' must be a boolean.", param=f"provider.{key}")
-    return strictest(*(mode for key, mode in PROVIDER_KEYS.items() if value.get(key)))
-
-
-def _number(body: dict, name: str, default: float, bounds: tuple[float, float], *, low_open: bool = False) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    check_number(name, value, bounds, low_open=low_open)
-    return float(value)
-
-
-def _messages(body: dict) -> tuple[ChatMessage, ...]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
-    clean = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
-            raise InvalidRequest(f"messages[{index}] needs a role of {sorted(ROLES)}.", param=f"messages.{index}.role")
-        allowed = MESSAGE_KEYS.get(message["role"], PLAIN_MESSAGE_KEYS)
-        for key, value in message.items():
-            if key not in allowed and value is not None:
-                raise InvalidRequest(
-                    f"Unsupported parameter: messages[{index}].{key} is not supported by this API yet.",
-                    param=f"messages.{index}.{key}",
-                    code="unsupported_parameter",
-                )
-        content = message.get("content")
-        if message["role"] == "assistant" and message.get("tool_calls") is not None:
-            content = (content or "") + _calls_text(index, message["tool_calls"])
-        if message["role"] == "tool" and not isinstance(message.get("tool_call_id"), str):
-            raise InvalidRequest(f"messages[{index}] needs a 'tool_call_id'.", param=f"messages.{index}.tool_call_id")
-        if isinstance(content, list):  # content parts: only text is supported
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise InvalidRequest(
-                    f"messages[{index}].content supports text parts only.", param=f"messages.{index}.content"
-                )
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise InvalidRequest(f"messages[{index}].content must be a string.", param=f"messages.{index}.content")
-        role = "system" if message["role"] == "developer" else message["role"]
-        clean.append(ChatMessage(role, content))
-    return tuple(clean)
-
-
-def _calls_text(index: int, calls: object) -> str:
-    """An assistant message's earlier ``tool_calls``, as the model writes a call."""
-    if not isinstance(calls, list) or not all(
-        isinstance(c, dict)
-        and isinstance(c.get("function"), dict)
-        and isinstance(c["function"].get("name"), str)
-        and isinstance(c["function"].get("arguments"), str)
-        for c in calls
-    ):
-        raise InvalidRequest(
-            f"messages[{index}].tool_calls must be calls with a function name and JSON arguments.",
-            param=f"messages.{index}.tool_calls",
-        )
-    return tools.call_text(calls)
+PROVIDER_KEYS = {"trusted_only": str(Privacy.TRUSTED_ONLY), "trusted_ends": str(Privacy.TRUSTED_ENDS)}
+UNVALIDATED = ("tools", "tool_choice")  # checked by ``jobs.tools``, which compiles their schemas
 
 
 def parse(body: dict, kind: str) -> tuple[str, RequestParams]:
@@ -179,162 +101,213 @@ def parse(body: dict, kind: str) -> tuple[str, RequestParams]:
     model ref) and the parameters of a request body of ``kind`` ("chat" or "completion"); 400
     naming what is wrong. It reads the catalog: call it from a thread, not an event loop."""
     _check_keys(body, kind)
-    requested = body.get("model")
-    if not isinstance(requested, str) or not requested:
-        raise InvalidRequest("'model' is required.", param="model")
-    model = requested_model(requested)
-    if model is None:
-        raise ModelNotFound(f"The model '{requested}' does not exist.", param="model")
-    n = body.get("n")
-    if n is None:
-        n = 1
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= settings.SWARM_MAX_CHOICES:
-        raise InvalidRequest(f"'n' must be an integer in [1, {settings.SWARM_MAX_CHOICES}].", param="n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    if (
-        isinstance(max_tokens, bool)
-        or not isinstance(max_tokens, int)
-        or not (1 <= max_tokens <= settings.SWARM_MAX_TOKENS_LIMIT)
-    ):
-        raise InvalidRequest(f"'{name}' must be an integer in [1, {settings.SWARM_MAX_TOKENS_LIMIT}].", param=name)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (
-        not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop)
-    ):
-        raise InvalidRequest(f"'stop' must be a string or up to {MAX_STOP} non-empty strings.", param="stop")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InvalidRequest("'seed' must be an integer.", param="seed")
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise InvalidRequest(f"'seed' must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}].", param="seed")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean.", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidRequest("'user' must be a string.", param="user")
-    speculation = body.get("speculation", True)
-    if not isinstance(speculation, bool):
-        raise InvalidRequest("'speculation' must be a boolean.", param="speculation")
-    temperature = _number(body, "temperature", 1.0, TEMPERATURE_RANGE)
-    top_p = _number(body, "top_p", 1.0, TOP_P_RANGE, low_open=True)
-    top_k = body.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise InvalidRequest("'top_k' must be an integer.", param="top_k")
-    logit_bias = body.get("logit_bias") or {}
-    if not isinstance(logit_bias, dict):
-        raise InvalidRequest("'logit_bias' must be an object mapping token ids to biases.", param="logit_bias")
-    for key in logit_bias:
-        if not (key.isascii() and key.isdigit() and len(key) <= 9):
-            raise InvalidRequest(f"'logit_bias' keys must be token ids, got {key!r}.", param="logit_bias")
-    logprobs = _logprobs(body, kind)
-    response_format = _response_format(body.get("response_format")) if kind == "chat" else None
-    functions = tools.parse_tools(body.get("tools")) if kind == "chat" else ()
-    tool_choice = tools.parse_tool_choice(body.get("tool_choice"), functions)
+    given = {key: value for key, value in body.items() if value is not None and key in REQUEST_KEYS[kind]}
+    if kind == "chat" and isinstance(given.get("messages"), list):  # a message's null keys are absent too
+        given["messages"] = [
+            {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in given["messages"]
+        ]
+    model = None
+    requested = given.get("model")
+    if isinstance(requested, str) and requested:
+        model = requested_model(requested)
+        if model is None:
+            raise ModelNotFound(f"The model '{requested}' does not exist.", param="model")
+    request_type = REQUEST_TYPES[kind]
+    try:
+        request = request_type.model_validate({k: v for k, v in given.items() if k not in UNVALIDATED})
+    except ValidationError as exc:
+        raise _refusal(exc.errors()[0], request_type) from None
+    assert model is not None  # the type requires a non-empty model name
+    if isinstance(request, ChatCompletionRequest):
+        return model, _chat_params(request, given)
+    assert isinstance(request, CompletionRequest)
+    prompt = request.prompt if isinstance(request.prompt, str) else request.prompt[0]
+    return model, _params(request, prompt=prompt, logprobs=request.logprobs)
+
+
+def _chat_params(request: ChatCompletionRequest, given: dict) -> RequestParams:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
+    response_format = _response_format(request.response_format)
+    functions = tools.parse_tools(given.get("tools"))
+    tool_choice = tools.parse_tool_choice(given.get("tool_choice"), functions)
     if tool_choice != "none" and response_format is not None:
         raise InvalidRequest("Tool calls and 'response_format' cannot both shape the output.", param="tool_choice")
-    parallel_tool_calls = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel_tool_calls, bool | None):
-        raise InvalidRequest("'parallel_tool_calls' must be a boolean.", param="parallel_tool_calls")
-    messages, prompt = None, None
-    if kind == "chat":
-        messages = _messages(body)
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidRequest("'prompt' must be a non-empty string.", param="prompt")
-    params = RequestParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        stop=tuple(stop or ()),
-        stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
-        user=user,
-        messages=messages,
-        prompt=prompt,
-        speculation=speculation,
-        top_k=top_k or 0,
-        min_p=_number(body, "min_p", 0.0, MIN_P_RANGE),
-        presence_penalty=_number(body, "presence_penalty", 0.0, PENALTY_RANGE),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, PENALTY_RANGE),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, REPETITION_RANGE, low_open=True),
-        logit_bias=tuple((int(key), bias) for key, bias in logit_bias.items()),
-        logprobs=logprobs,
+    messages = []
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, list):  # content parts: text only
+            content = "".join(part.text for part in content)
+        if isinstance(message, AssistantMessage) and message.tool_calls is not None:
+            calls = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+            content = (content or "") + tools.call_text(calls)
+        role = "system" if message.role == "developer" else message.role
+        messages.append(ChatMessage(role, content or ""))
+    return _params(
+        request,
+        max_tokens=request.max_completion_tokens or request.max_tokens,
+        messages=tuple(messages),
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         response_format=response_format,
         tools=functions,
         tool_choice=tool_choice,
-        parallel_tool_calls=parallel_tool_calls is not False,
-        n=n,
-        privacy=_provider(body.get("provider")),
+        parallel_tool_calls=request.parallel_tool_calls,
     )
-    return model, params
 
 
-SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+def _params(request: ChatCompletionRequest | CompletionRequest, **fields: Any) -> RequestParams:
+    """``RequestParams`` from what both endpoints take, with the endpoint's own ``fields``."""
+    stop = request.stop
+    provider = request.provider
+    privacy = strictest(*(mode for key, mode in PROVIDER_KEYS.items() if provider and getattr(provider, key)))
+    return RequestParams(
+        **({"max_tokens": request.max_tokens} | fields),
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stream=request.stream,
+        include_usage=request.stream_options is not None and request.stream_options.include_usage,
+        user=request.user,
+        speculation=request.speculation,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=tuple((int(key), bias) for key, bias in (request.logit_bias or {}).items()),
+        n=request.n,
+        privacy=privacy,
+    )
 
 
-def _response_format(value: object) -> tuple[str, str | None] | None:
+def _response_format(value: ResponseFormat | None) -> tuple[str, str | None] | None:
     """A chat request's ``response_format``: None for text, ("json_object", None), or
     ("json_schema", the schema's JSON text). The schema is compiled at admission (a schema the
     grammar compiler refuses answers 400 there)."""
-    if value is None:
+    if value is None or value.type == "text":
         return None
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise InvalidRequest(
-            '\'response_format\' must be {"type": "text" | "json_object" | "json_schema", ...}.',
-            param="response_format",
-        )
-    kind = value["type"]
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return kind, None
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not SCHEMA_NAME.fullmatch(spec["name"]):
-        raise InvalidRequest(
-            "'response_format.json_schema' needs a 'name' of 1-64 letters, digits, '_' or '-'.",
-            param="response_format.json_schema.name",
-        )
-    schema = spec.get("schema", {})
-    if not isinstance(schema, dict):
-        raise InvalidRequest(
-            "'response_format.json_schema.schema' must be a JSON schema object.",
-            param="response_format.json_schema.schema",
-        )
-    if not isinstance(spec.get("strict", False), bool | None):
-        raise InvalidRequest(
-            "'response_format.json_schema.strict' must be a boolean.", param="response_format.json_schema.strict"
-        )
-    return kind, json.dumps(schema, sort_keys=True)
+    if value.type == "json_object":
+        return value.type, None
+    if value.json_schema is None:
+        raise InvalidRequest(NAMED_SCHEMA, param="response_format.json_schema.name")
+    return value.type, json.dumps(value.json_schema.schema_, sort_keys=True)
 
 
-def _logprobs(body: dict, kind: str) -> int | None:
-    """How many alternatives per token the request wants log-probabilities of (None: none): a
-    chat's ``logprobs`` (bool) and ``top_logprobs`` (0-20), a text completion's ``logprobs`` (0-5)."""
-    if kind == "chat":
-        wanted, top = body.get("logprobs"), body.get("top_logprobs")
-        if wanted is not None and not isinstance(wanted, bool):
-            raise InvalidRequest("'logprobs' must be a boolean.", param="logprobs")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-            raise InvalidRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}].", param="top_logprobs")
-        if top is not None and not wanted:
-            raise InvalidRequest("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
-        return (top or 0) if wanted else None
-    wanted = body.get("logprobs")
-    if wanted is not None and (
-        isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 <= wanted <= MAX_COMPLETION_LOGPROBS
-    ):
-        raise InvalidRequest(f"'logprobs' must be an integer in [0, {MAX_COMPLETION_LOGPROBS}].", param="logprobs")
-    return wanted
+# The API's words for a value the request types refuse, where a field's type and bounds do not say
+# it (``_refusal`` says the rest): by the refused field, or its path's first parts.
+NAMED_SCHEMA = "'response_format.json_schema' needs a 'name' of 1-64 letters, digits, '_' or '-'."
+MESSAGES: dict[tuple[str | int, ...], str] = {
+    ("model",): "'model' is required.",
+    ("stop",): f"'stop' must be a string or up to {MAX_STOP} non-empty strings.",
+    ("stream_options",): "'stream_options' must be an object.",
+    ("logit_bias",): "'logit_bias' must be an object mapping token ids to biases.",
+    ("provider",): "'provider' must be an object, e.g. {\"trusted_only\": true}.",
+    ("messages",): "'messages' must be a non-empty array.",
+    ("prompt",): "'prompt' must be a non-empty string.",
+    ("response_format",): '\'response_format\' must be {"type": "text" | "json_object" | "json_schema", ...}.',
+    ("response_format", "json_schema"): NAMED_SCHEMA,
+    ("response_format", "json_schema", "name"): NAMED_SCHEMA,
+    ("response_format", "json_schema", "schema"): "'response_format.json_schema.schema' must be a JSON schema object.",
+    ("response_format", "json_schema", "strict"): "'response_format.json_schema.strict' must be a boolean.",
+    ("response_format", "json_schema", "description"): "'response_format.json_schema.description' must be a string.",
+    ("stream_options", "include_usage"): "'stream_options.include_usage' must be a boolean.",
+}
+
+
+def _refusal(error: ErrorDetails, request_type: type[BaseModel]) -> InvalidRequest:
+    """The API's 400 for a request type's first ``error``: its message, the ``param`` path of the
+    refused value (dotted, ``messages.0.content``) and, for a key no type names, its code. A field
+    of one plain type is refused in words its type and bounds give; the others in ``MESSAGES``."""
+    loc = tuple(str(part) if not isinstance(part, int) else part for part in error["loc"])
+    field = str(loc[0])
+    if field == "messages" and len(loc) > 1:
+        return _message_refusal(int(loc[1]), loc[2:], error)
+    if field == "logit_bias" and len(loc) > 1:
+        if loc[-1] == "[key]":
+            return InvalidRequest(f"'logit_bias' keys must be token ids, got {loc[1]!r}.", param="logit_bias")
+        return _number_refusal(f"logit_bias.{loc[1]}", error, BIAS_RANGE, low_open=False)
+    if field == "logit_bias" and error["type"] == "too_long":
+        return InvalidRequest(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} distinct tokens.", param="logit_bias")
+    if field == "provider" and len(loc) > 1:
+        if error["type"] == "extra_forbidden":
+            return InvalidRequest(
+                f"Unsupported parameter: provider.{loc[1]} is not supported; provider routing here takes "
+                f"{' and '.join(PROVIDER_KEYS)}.",
+                param=f"provider.{loc[1]}",
+                code="unsupported_parameter",
+            )
+        return InvalidRequest(f"'provider.{loc[1]}' must be a boolean.", param=f"provider.{loc[1]}")
+    for length in range(min(len(loc), 3), 0, -1):
+        if loc[:length] in MESSAGES:
+            text = MESSAGES[loc[:length]]
+            param = "response_format.json_schema.name" if text == NAMED_SCHEMA else ".".join(map(str, loc[:length]))
+            return InvalidRequest(text, param=param)
+    name = ".".join(map(str, loc))
+    info = request_type.model_fields[field]
+    kind = _plain(info.annotation)
+    low, high, low_open = _bounds(field, info.metadata)
+    if kind is float:
+        return _number_refusal(name, error, (low, high), low_open=low_open)
+    if kind is int:
+        return InvalidRequest(f"'{name}' must be an integer in [{low}, {high}].", param=name)
+    return InvalidRequest(f"'{name}' must be a {'boolean' if kind is bool else 'string'}.", param=name)
+
+
+def _message_refusal(index: int, rest: tuple, error: ErrorDetails) -> InvalidRequest:
+    """A refused message, in the API's words: its role, a key its role does not carry, its content,
+    its calls or the call it answers (``rest``: the error's path inside the message, the role first)."""
+    where = f"messages[{index}]"
+    if not rest or error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        return InvalidRequest(f"{where} needs a role of {sorted(ROLES)}.", param=f"messages.{index}.role")
+    key = str(rest[1]) if len(rest) > 1 else "content"  # no key: the message as a whole (no content)
+    if error["type"] == "extra_forbidden":
+        return InvalidRequest(
+            f"Unsupported parameter: {where}.{key} is not supported by this API yet.",
+            param=f"messages.{index}.{key}",
+            code="unsupported_parameter",
+        )
+    if key == "tool_calls":
+        return InvalidRequest(
+            f"{where}.tool_calls must be calls with a function name and JSON arguments.",
+            param=f"messages.{index}.tool_calls",
+        )
+    if key == "tool_call_id":
+        return InvalidRequest(f"{where} needs a 'tool_call_id'.", param=f"messages.{index}.tool_call_id")
+    if isinstance(error["input"], list) or (len(rest) > 2 and rest[2] != "str"):  # a list of parts, not all text
+        return InvalidRequest(f"{where}.content supports text parts only.", param=f"messages.{index}.content")
+    return InvalidRequest(f"{where}.content must be a string.", param=f"messages.{index}.content")
+
+
+def _number_refusal(name: str, error: ErrorDetails, bounds: tuple, *, low_open: bool) -> InvalidRequest:
+    """A refused number: not one ("must be a number"), or out of ``bounds`` ("(" for an open low end)."""
+    if error["type"] in ("float_type", "finite_number"):
+        return InvalidRequest(f"'{name}' must be a number.", param=name)
+    low, high = bounds
+    bracket = "(" if low_open else "["
+    return InvalidRequest(f"'{name}' must be in {bracket}{low:g}, {high:g}], got {error['input']}.", param=name)
+
+
+def _bounds(field: str, metadata: list) -> tuple[Any, Any, bool]:
+    """A field's (low, high, whether the low end is open), from its constraints and, for the bounds
+    that are settings, the setting."""
+    low = high = None
+    low_open = False
+    for constraint in metadata:  # annotated_types' Ge, Gt and Le, as Pydantic keeps a Field's bounds
+        if hasattr(constraint, "ge"):
+            low = constraint.ge
+        elif hasattr(constraint, "gt"):
+            low, low_open = constraint.gt, True
+        elif hasattr(constraint, "le"):
+            high = constraint.le
+    if field in SETTING_MAXIMA:
+        high = getattr(settings, SETTING_MAXIMA[field])
+    return low, high, low_open
+
+
+def _plain(annotation: object) -> object:
+    """``int`` of ``int | None``; the annotation itself otherwise."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        options = [option for option in typing.get_args(annotation) if option is not type(None)]
+        return options[0] if len(options) == 1 else annotation
+    return annotation
