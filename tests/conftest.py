@@ -177,16 +177,28 @@ LOG_TAIL_LINES = 60  # of each process log a failed test leaves in its tmp_path
 LOG_FILES_SHOWN = 8
 
 
+def _work_folders(funcargs: dict) -> list[Path]:
+    """The folders a test's fixtures handed it: its tmp_path, and a module fixture's work folder
+    (returned alone or in a tuple, as a live swarm's is)."""
+    found = []
+    for value in funcargs.values():
+        for candidate in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(candidate, Path) and candidate.is_dir() and candidate not in found:
+                found.append(candidate)
+    return found
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test's agents, relays and coordinators logged to files in its tmp_path: their
-    last lines go into the failure's report, so a failure on CI carries the other processes' side."""
+    """A failed test's agents, relays and coordinators logged to files in its folders (tmp_path, a
+    module fixture's): their last lines go into the failure's report, so a failure on CI carries
+    the other processes' side."""
     outcome = yield
     report = outcome.get_result()
-    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
-    if not report.failed or call.when == "collect" or not isinstance(tmp_path, Path):
+    if not report.failed or call.when == "collect":
         return
-    logs = sorted(tmp_path.rglob("*.log"), key=lambda path: path.stat().st_mtime, reverse=True)[:LOG_FILES_SHOWN]
-    for log in sorted(logs):
+    logs = [log for folder in _work_folders(getattr(item, "funcargs", {})) for log in folder.rglob("*.log")]
+    newest = sorted(logs, key=lambda path: path.stat().st_mtime, reverse=True)[:LOG_FILES_SHOWN]
+    for log in sorted(newest):
         lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-        report.sections.append((f"last {len(lines)} lines of {log.relative_to(tmp_path)}", "\n".join(lines)))
+        report.sections.append((f"last {len(lines)} lines of {log}", "\n".join(lines)))
