@@ -9,6 +9,7 @@ and bounds); then what the types cannot say: the rules across fields, the tools 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 import typing
@@ -26,6 +27,7 @@ from marketplace.api.inference_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormat,
+    Sampling,
 )
 from marketplace.catalog.selectors import requested_model
 from marketplace.jobs import tools
@@ -155,29 +157,24 @@ def _chat_params(request: ChatCompletionRequest, given: dict) -> RequestParams:
     )
 
 
+# What both endpoints take under the name and in the form ``RequestParams`` keeps it (temperature,
+# seed, n, ...): passed on as they are; the other parameters are converted in ``_params``.
+AS_THEY_ARE = frozenset(field.name for field in dataclasses.fields(RequestParams)) & set(Sampling.model_fields) - {
+    "stop",
+    "logit_bias",
+}
+
+
 def _params(request: ChatCompletionRequest | CompletionRequest, **fields: Any) -> RequestParams:
     """``RequestParams`` from what both endpoints take, with the endpoint's own ``fields``."""
     stop = request.stop
     provider = request.provider
-    privacy = strictest(*(mode for key, mode in PROVIDER_KEYS.items() if provider and getattr(provider, key)))
     return RequestParams(
-        **({"max_tokens": request.max_tokens} | fields),
-        temperature=request.temperature,
-        top_p=request.top_p,
-        seed=request.seed,
+        **{name: getattr(request, name) for name in AS_THEY_ARE} | fields,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-        stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
-        user=request.user,
-        speculation=request.speculation,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
         logit_bias=tuple((int(key), bias) for key, bias in (request.logit_bias or {}).items()),
-        n=request.n,
-        privacy=privacy,
+        privacy=strictest(*(mode for key, mode in PROVIDER_KEYS.items() if provider and getattr(provider, key))),
     )
 
 
