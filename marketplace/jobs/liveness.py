@@ -62,8 +62,10 @@ def report_alive(process: str) -> None:
     """Write ``process``'s sign of life, good for SWARM_PROCESS_ALIVE_S; the first one a cache keeps
     starts its record of lives, new for SWARM_PROCESS_ALIVE_S."""
     cache.set(KEY_PREFIX + process, 1, timeout=settings.SWARM_PROCESS_ALIVE_S)
-    if cache.add(RECORD_KEY, 1, timeout=None):
+    if cache.get(RECORD_KEY) is None:
+        # Marked new before it exists: no reader ever sees a record without its mark of youth.
         cache.set(NEW_RECORD_KEY, 1, timeout=settings.SWARM_PROCESS_ALIVE_S)
+        cache.add(RECORD_KEY, 1, timeout=None)
 
 
 def gone(process: str) -> bool:
