@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 
@@ -84,6 +85,7 @@ def warm_models() -> None:
     placed at the next sweep), then load each served model's config and tokenizer into this
     process's caches; a model that cannot load is logged and left to fail its requests with the
     loader's own message."""
+    from worker_agent import heap
     from worker_agent import model as models  # torch and transformers: loaded when the app starts, not on import
 
     models.set_threads(settings.SWARM_TORCH_THREADS)
@@ -102,6 +104,9 @@ def warm_models() -> None:
             models.load_tokenizer(model)
         except Exception as exc:  # a broken checkpoint must not keep the other models from serving
             log.warning("model %s: not preloaded: %s", model, exc)
+    for urlconf in (settings.ROOT_URLCONF, INFERENCE_URLCONF):
+        importlib.import_module(urlconf)  # and so every view: now, not at the first request
+    heap.settle()  # what the process keeps for good is loaded: no full collection walks it again
 
 
 async def application(scope, receive, send):

@@ -47,6 +47,7 @@ def warm_models(sender: Any = None, **_: Any) -> None:
     # workers that start, not in every importer.
     from marketplace.catalog.selectors import served_models
     from marketplace.db import release_connections
+    from worker_agent import heap
     from worker_agent import model as models
 
     models.set_threads(settings.SWARM_TORCH_THREADS)
@@ -64,6 +65,7 @@ def warm_models(sender: Any = None, **_: Any) -> None:
                 models.load_head(model)
         except Exception as exc:  # a broken checkpoint must not keep the worker from the other models
             log.warning("model %s: not preloaded: %s", model, exc)
+    heap.settle()  # what the worker keeps for good is loaded: no full collection walks it again
 
 
 @before_task_publish.connect
