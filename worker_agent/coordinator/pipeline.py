@@ -16,7 +16,10 @@ output from the last stage. Which steps go together is the coordinator's schedul
   agents cannot reach each other).
 
 A step that stalls is blamed on the first stage with no usable output for it (the coordinator's
-own observation, never a stage's word about its neighbour). In ring, that stage is first relayed its
+own observation, never a stage's word about its neighbour). Every output is signed by its stage
+(``links.py``); a ring tap's signature is checked where the tap is used as the stage's word (kept
+for an audit, or handed to its successor after a stall, when a forgery is blamed on the stage that
+tapped it), not for every tap as it comes. In ring, that stage is first relayed its
 predecessor's tap over the coordinator's own link, and from then on every tap of that predecessor,
 so that a predecessor withholding its forwards can neither frame its successor nor stall the job
 again. A stage's claim that it cannot reach its successor is checked with a PING of the successor.
@@ -477,16 +480,31 @@ class Pipeline:
         assignments = self.assignments
         return assignments[index].node_key if assignments is not None and index < len(assignments) else b""
 
-    def _signed(self, index: int, result: wire.Result) -> bool:
-        """Whether every item of stage ``index``'s output carries its signature over its bytes: a tap or
-        answer that does not is not the stage's word, and is treated as never sent (an audit counts its
-        bytes missing, owed by that stage)."""
+    def _signed(self, index: int, output: wire.Forward) -> bool:
+        """Whether every item of stage ``index``'s output carries its signature over its bytes: an
+        answer, a star output or a kept tap that does not is not the stage's word, and is treated as
+        never sent (an audit counts its bytes missing, owed by that stage)."""
         key = self._node_key(index)
         if not key:
             return True  # no control plane assignments: nothing to check the signatures against
         return all(
-            signed_by(key, item.sig, result.job, item.session, item.step, digest(chunk))
-            for item, chunk in zip(result.items, result.item_bytes(), strict=True)
+            signed_by(key, item.sig, output.job, item.session, item.step, digest(chunk))
+            for item, chunk in zip(output.items, output.item_bytes(), strict=True)
+        )
+
+    def _forged_tap(self, relay: Relay) -> StageError | None:
+        """The error blaming the stage before ``relay.stage`` when the tap about to be handed on is
+        not under its signature: a tap is progress as soon as it comes, and its signature is checked
+        only where it is used as that stage's word (see ``on_result``)."""
+        tapped = relay.stage - 1
+        if self._signed(tapped, relay.forward):
+            return None
+        item = relay.forward.items[0]
+        return StageError(
+            f"session {item.session} step {item.step}: stage {tapped} (node {self.node_at(tapped)}) tapped an "
+            "output its own signature does not cover",
+            code="stage_bad_output",
+            stage=tapped,
         )
 
     async def open(
@@ -642,6 +660,9 @@ class Pipeline:
                     continue  # a stage put its part out meanwhile, or the probe is out: slow, not stalled
                 verdict = self._stalls.stalled(key, loop.time())
                 if isinstance(verdict, Relay):
+                    forged = self._forged_tap(verdict)
+                    if forged is not None:
+                        raise forged
                     log.warning(
                         "job %s session %s step %d: stage %d put out nothing; handing it stage %d's output",
                         self.job,
@@ -715,25 +736,34 @@ class Pipeline:
         (kept for audits only, never an answer) or a star output to relay on. An answer of another
         dtype or width than the route's fails the route's steps, blaming the last stage."""
         shaped = result.dtype == self.dtype and (self.hidden_size is None or result.shape[1] == self.hidden_size)
-        usable = shaped and self._signed(index, result)
         if index + 1 < len(self.links):
             # Only a usable output is progress: one of another width or not under the stage's own
-            # signature is nothing the next stage could be handed.
+            # signature is nothing the next stage could be handed. A ring tap's signature is checked
+            # only where the tap is used as the stage's word: kept for an audit (here), or handed to
+            # its successor after a stall (``_forged_tap``), which blames a forgery on the stage that
+            # tapped it. The rest are read for progress and timing alone: a check of every tap was an
+            # ed25519 verification per stage and step, the most CPU a token cost the coordinator
+            # after the model. A star output is relayed, so it is checked as it comes.
+            usable = shaped and (self.topology == "ring" or self._signed(index, result))
             now = asyncio.get_running_loop().time()
             for item, chunk in zip(result.items, result.item_bytes() if usable else (), strict=False):
                 relay = self._stalls.output(index, item, result.dtype, chunk, now)
                 if relay is not None:  # its successor is disputed: the coordinator hands it this too
-                    self._spawn(self._relay(relay.stage, relay.forward))
-            # A tap of another dtype or width is not the stage's output as the next stage takes it:
-            # it is not kept, and the audit it was owed to counts it missing, owed by this stage.
+                    self._spawn(self._relay_tap(relay))
+            # A tap of another dtype or width, or not under the stage's signature, is not the stage's
+            # output as the next stage takes it: it is not kept, and the audit it was owed to counts
+            # it missing, owed by this stage.
             if self._captures and usable:
                 for item, chunk in zip(result.items, result.item_bytes(), strict=True):
-                    self._capture(item, index + 1, chunk)
+                    if item.session in self._captures and (
+                        self.topology == "star" or self._signed(index, _single(result, item, chunk))
+                    ):
+                        self._capture(item, index + 1, chunk)
             if self.topology == "star":
                 forward = wire.Forward(result.job, result.items, result.dtype, result.shape, result.payload)
                 self._spawn(self._relay(index + 1, forward))
             return
-        if not usable:
+        if not (shaped and self._signed(index, result)):
             width = f"{self.hidden_size}" if self.hidden_size is not None else "the route's width"
             what = (
                 "with bytes its own signature does not cover"
@@ -831,6 +861,14 @@ class Pipeline:
         """Drop whatever audit traffic is kept for ``session``."""
         self._captures.pop(session, None)
 
+    async def _relay_tap(self, relay: Relay) -> None:
+        """Hand a disputed stage its predecessor's tap, once it is found under that stage's signature."""
+        forged = self._forged_tap(relay)
+        if forged is not None:
+            self.fail_all(forged)
+            return
+        await self._relay(relay.stage, relay.forward)
+
     async def _relay(self, index: int, frame: wire.Forward) -> None:
         link = self.links[index]
         try:
@@ -854,6 +892,11 @@ class Pipeline:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(link.aclose() for link in self.links), return_exceptions=True)
+
+
+def _single(result: wire.Result, item: wire.Item, chunk: bytes) -> wire.Forward:
+    """One item of a stage's output, as a frame of its own (its signature is over that item alone)."""
+    return wire.Forward(result.job, (item,), result.dtype, (item.count, result.shape[1]), chunk)
 
 
 def _receipts(reply: wire.Message) -> tuple[dict, ...]:

@@ -18,8 +18,9 @@ do (``stalled``):
   withholding every forward costs the job one stall, not one per step. A stage that gets a step
   twice refuses the second copy, which the pipeline does not count against it.
 
-A usable output is one of the route's dtype and width under its stage's own signature: the pipeline
-decides that before it feeds it here.
+A usable output is one of the route's dtype and width; in star, under its stage's own signature
+too. The pipeline decides that before it feeds it here. A ring tap's signature is checked before a
+relay hands it on (``Pipeline._forged_tap``): a forged tap is blamed on the stage that tapped it.
 """
 
 from __future__ import annotations
