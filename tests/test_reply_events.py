@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import random
 
 import pytest
@@ -171,3 +172,38 @@ def test_in_memory_events_keep_the_same_contract(job):
     assert [e.get("token_id") for e in received] == [0, 1, 2, None]
     assert received[-1]["type"] == "job.done"
     assert events._streams == {}
+
+
+def test_events_published_together_reach_each_stream_in_order_trimmed_and_expiring(monkeypatch, settings):
+    """A batch of several jobs' events goes to Redis in one command (``PUBLISH_SCRIPT``): each job's
+    stream holds its own events in order, is trimmed to about STREAM_MAXLEN and expires; after a
+    Redis that forgot its scripts (a restart, SCRIPT FLUSH), the next batch still goes out."""
+    monkeypatch.setattr(job_events, "STREAM_MAXLEN", 10)
+    jobs = [f"chatcmpl-batch-{random.getrandbits(32)}-{i}" for i in range(3)]
+
+    async def scenario() -> tuple[list[list[int]], list[int], list[int]]:
+        events = job_events.RedisEvents(settings.REDIS_URL)
+        client = redis.asyncio.Redis.from_url(settings.REDIS_URL)
+        try:
+            for round_ in range(2):
+                if round_:
+                    await client.script_flush()
+                await asyncio.gather(
+                    *(events.publish(job, {"type": "job.token", "n": n}) for n in range(200) for job in jobs)
+                )
+            held = []
+            for job in jobs:
+                entries = await client.xrange(job_events.stream_key(job))
+                held.append([json.loads(fields[b"e"])["n"] for _, fields in entries])
+            lengths = [await client.xlen(job_events.stream_key(job)) for job in jobs]
+            ttls = [await client.ttl(job_events.stream_key(job)) for job in jobs]
+            await client.delete(*(job_events.stream_key(job) for job in jobs))
+            return held, lengths, ttls
+        finally:
+            await client.aclose()
+
+    held, lengths, ttls = asyncio.run(scenario())
+    for events in held:  # the last events of the second round, in order, and about the last ten kept
+        assert events == list(range(200 - len(events), 200)) and 10 <= len(events) < 200
+    assert all(10 <= length < 200 for length in lengths)
+    assert all(0 < ttl <= job_events.STREAM_TTL_S for ttl in ttls)
