@@ -135,12 +135,14 @@ async def run_job(job_pk: int, brief: dict | None = None) -> str:
         job = services.job_from_brief(job_pk, brief)
         started = asyncio.ensure_future(in_thread(services.mark_running, job_pk))
     public_id, request_id = (job.public_id, job.request_id) if job is not None else (None, None)
+    settled = asyncio.Event()  # set once a succeeded job is settled, before its audits are recorded
     with logs.bound(job_id=public_id, request_id=request_id):
         try:
-            state = await _run(job_pk, job, started)
+            state = await _run(job_pk, job, started, settled)
         finally:
             await asyncio.gather(started, return_exceptions=True)  # never settled before it is marked
-            await in_thread(settle, job_pk)
+            if not settled.is_set():  # settling again would only read and lock its whole row to find it done
+                await in_thread(settle, job_pk)
             MODEL_CPU.tell()  # the model's CPU of this job is on record by its end
         log.info("job ended: %s", state)
         return state
@@ -151,7 +153,7 @@ class _NotStarted(Exception):
     started (cancelled, timed out), or another coordinator runs it."""
 
 
-async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> str:
+async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool], settled: asyncio.Event) -> str:
     layer = get_channel_layer()
     if job is None:
         job = await in_thread(Job.objects.get, pk=job_pk)  # raises DoesNotExist, as it always did
@@ -224,6 +226,7 @@ async def _run(job_pk: int, job: Job | None, started: asyncio.Future[bool]) -> s
     # Only once the client has its final event: replaying audits takes seconds to minutes, and
     # settlement does not wait for them either (a failed audit claws back through its strike).
     await in_thread(settle, job_pk)
+    settled.set()
     if result.verification_culprit is not None:
         await _blame_receipts(job_pk, result.verification_culprit, result.verification_error)
     if result.audits or result.audit_missing:
