@@ -36,6 +36,7 @@ from marketplace.db import release_connections  # noqa: E402
 from marketplace.periodic import embedded_scheduler  # noqa: E402
 from marketplace.placement.rebalancing import mark_dirty  # noqa: E402
 from marketplace.routing import websocket_urlpatterns  # noqa: E402
+from worker_agent import heap  # noqa: E402
 
 log = logging.getLogger("swarm.scheduler")
 SCHEDULER_STOP_S = 60.0  # how long shutdown waits for the periodic entry running then
@@ -85,7 +86,6 @@ def warm_models() -> None:
     placed at the next sweep), then load each served model's config and tokenizer into this
     process's caches; a model that cannot load is logged and left to fail its requests with the
     loader's own message."""
-    from worker_agent import heap
     from worker_agent import model as models  # torch and transformers: loaded when the app starts, not on import
 
     models.set_threads(settings.SWARM_TORCH_THREADS)
@@ -106,7 +106,8 @@ def warm_models() -> None:
             log.warning("model %s: not preloaded: %s", model, exc)
     for urlconf in (settings.ROOT_URLCONF, INFERENCE_URLCONF):
         importlib.import_module(urlconf)  # and so every view: now, not at the first request
-    heap.settle()  # what the process keeps for good is loaded: no full collection walks it again
+    if settings.SWARM_FREEZE_HEAP:
+        heap.settle()  # what the process keeps for good is loaded: no full collection walks it again
 
 
 async def application(scope, receive, send):

@@ -65,7 +65,8 @@ def warm_models(sender: Any = None, **_: Any) -> None:
                 models.load_head(model)
         except Exception as exc:  # a broken checkpoint must not keep the worker from the other models
             log.warning("model %s: not preloaded: %s", model, exc)
-    heap.settle()  # what the worker keeps for good is loaded: no full collection walks it again
+    if settings.SWARM_FREEZE_HEAP:
+        heap.settle()  # what the worker keeps for good is loaded: no full collection walks it again
 
 
 @before_task_publish.connect

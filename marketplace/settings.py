@@ -431,6 +431,12 @@ SWARM_COORDINATOR_DB_THREADS = env_int("SWARM_COORDINATOR_DB_THREADS", 16, minim
 # heads, batched across jobs; the verifiers' replays), and a team of threads per process only
 # spins against the others' on a shared machine: one each by default. 0: torch's own choice.
 SWARM_TORCH_THREADS = env_int("SWARM_TORCH_THREADS", 1, minimum=0)
+# Whether a control-plane process freezes the heap it keeps for good once its models are loaded
+# (``worker_agent.heap``): on for the processes the control plane runs as (web, Celery workers, the
+# embedded demo); off where it runs inside a larger program that goes on making and dropping
+# objects of its own (the test suite's live servers), whose garbage alive at the freeze would never
+# be collected.
+SWARM_FREEZE_HEAP = env_bool("SWARM_FREEZE_HEAP", True)
 if SWARM_COORDINATOR_LAUNCH not in ("inprocess", "celery"):
     raise ImproperlyConfigured("SWARM_COORDINATOR_LAUNCH must be 'inprocess' or 'celery'")
 # How a job's activations travel: ``ring`` (each stage forwards to the next, taps to the

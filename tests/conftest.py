@@ -92,8 +92,16 @@ def _one_thread_per_worker() -> None:
     torch.set_num_threads(1)
 
 
+def _no_frozen_heap() -> None:
+    """The live servers tests start run the real ASGI app in this process, whose lifespan would
+    freeze the heap (``worker_agent.heap``): every fixture and event loop alive then would never be
+    collected, test after test. The processes tests start (web, Celery workers) freeze theirs."""
+    settings.SWARM_FREEZE_HEAP = False
+
+
 _give_this_worker_its_own_redis()
 _one_thread_per_worker()
+_no_frozen_heap()
 
 
 @pytest.fixture

@@ -55,5 +55,9 @@ def test_garbage_alive_before_settling_is_collected_first_not_frozen(thawed):
 @pytest.mark.parametrize("warm", [asgi.warm_models, celery_app.warm_models], ids=["web", "celery worker"])
 def test_a_control_plane_process_settles_its_heap_once_its_models_are_loaded(settings, thawed, warm):
     settings.SWARM_MODELS = []
+    settings.SWARM_FREEZE_HEAP = False  # a process embedding the control plane, as this one (conftest)
+    warm()
+    assert gc.get_freeze_count() == 0
+    settings.SWARM_FREEZE_HEAP = True  # the control plane's own processes: the default
     warm()
     assert gc.get_freeze_count() > 1000
