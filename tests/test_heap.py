@@ -33,7 +33,8 @@ def test_settling_freezes_the_objects_alive_and_leaves_the_later_ones_to_the_col
     kept = Cycle()
     assert gc.get_freeze_count() == 0
     frozen = heap.settle()
-    assert frozen == gc.get_freeze_count() > 1000
+    # Other threads of this process (a live server's) may free some frozen objects meanwhile.
+    assert frozen > 1000 and gc.get_freeze_count() > 1000
     assert not any(obj is kept for obj in gc.get_objects())  # frozen: no collection walks it
 
     later = Cycle()
